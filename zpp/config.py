@@ -1,0 +1,219 @@
+"""Engine configuration: frozen dataclasses validated at construction.
+
+Every bad setting raises :class:`ConfigError` (a ``ValueError``) whose message is one line naming
+the setting, so that ``zpp serve`` can print it and exit before any worker starts or any weight
+loads.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work. The message is one line and names the setting."""
+
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(name: str, device: str) -> torch.dtype:
+    """Map a ``--dtype`` value to a torch dtype. ``auto`` is float32 on CPU, bfloat16 on CUDA.
+
+    Raises:
+        ConfigError: unknown dtype name.
+    """
+    if name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"--dtype {name!r} is not one of: auto, {', '.join(sorted(_DTYPES))}") from None
+
+
+def parse_size(value: str | int | float | None) -> Optional[int]:
+    """Parse a byte size such as ``512MiB``, ``2GiB``, ``1.5G`` or ``1000000`` into bytes."""
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else int(value)
+    s = value.strip().lower().removesuffix("b").removesuffix("i")
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    try:
+        if s and s[-1] in mult:
+            return int(float(s[:-1]) * mult[s[-1]])
+        return int(float(s))
+    except ValueError:
+        raise ConfigError(f"--kv-cache-memory {value!r} is not a size (examples: 512MiB, 2GiB)") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What model to serve and how to hold its weights."""
+
+    model: str
+    """Directory with ``config.json`` (and, unless ``load_format='dummy'``, safetensors)."""
+    dtype: str = "auto"
+    """Weight / activation dtype name; ``auto`` = float32 on CPU, bfloat16 on CUDA."""
+    max_model_len: Optional[int] = None
+    """Longest sequence (prompt + output) in tokens; default from the model's config."""
+    served_model_name: Optional[str] = None
+    """Name reported by ``/v1/models``; default: the model directory's base name."""
+    tokenizer: Optional[str] = None
+    """Tokenizer directory; default: ``model``."""
+    load_format: str = "safetensors"
+    """``safetensors`` (real weights) or ``dummy`` (random weights from ``config.json`` only)."""
+    seed: int = 0
+    """Seed for dummy weights and for unseeded sampling."""
+
+    def __post_init__(self):
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ConfigError(f"model {self.model!r}: no config.json in that directory")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ConfigError(f"--load-format {self.load_format!r} is not one of: safetensors, dummy")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def hf_config(self) -> dict[str, Any]:
+        with open(os.path.join(self.model, "config.json")) as f:
+            return json.load(f)
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split across processes."""
+
+    pipeline_parallel_size: int = 1
+    """Number of pipeline stages (one worker process each)."""
+    tensor_parallel_size: int = 1
+    """Ranks inside a stage (only 1 is implemented)."""
+    pp_layer_partition: Optional[tuple[int, ...]] = None
+    """Layers per stage, e.g. ``(10, 10, 5, 5)``; default: as even as possible, earlier stages larger."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda``."""
+    nodes: tuple[str, ...] = ()
+    """Extra hosts (``user@host``) where ``zpp-node`` is started over SSH; stages fill the head first."""
+
+    def __post_init__(self):
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"--tensor-parallel-size {self.tensor_parallel_size} is not supported yet (only 1)")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"--device {self.device!r} is not one of: cpu, cuda")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: CUDA is not available on this machine")
+        if self.pp_layer_partition is not None and len(self.pp_layer_partition) != self.pipeline_parallel_size:
+            raise ConfigError(
+                f"--pp-layer-partition has {len(self.pp_layer_partition)} entries but "
+                f"--pipeline-parallel-size is {self.pipeline_parallel_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_kv_blocks: Optional[int] = None
+    """Force this many blocks (tests); overrides the memory-based sizing."""
+    kv_cache_memory: Optional[int] = None
+    """Bytes of KV cache per stage (CPU default: 1 GiB or what fits ``max_num_seqs`` full sequences)."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA only: fraction of the GPU's memory the worker may use in total (weights + activations + KV)."""
+    enable_prefix_caching: bool = False
+    """Reuse full KV blocks across requests that share a token prefix."""
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching scheduler limits."""
+
+    max_num_seqs: int = 256
+    """Most requests in one micro-batch."""
+    max_num_batched_tokens: Optional[int] = None
+    """Token budget of one micro-batch; default 2048 with chunked prefill, else max_model_len."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps so decodes keep going."""
+    pipeline_depth: Optional[int] = None
+    """Micro-batches in flight at once; default = pipeline_parallel_size."""
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.pipeline_depth is not None and self.pipeline_depth < 1:
+            raise ConfigError(f"--pipeline-depth must be >= 1, got {self.pipeline_depth}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; ``resolve()`` fills defaults that depend on the model."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    enforce_eager: bool = False
+    """CUDA: never capture CUDA graphs."""
+
+    @property
+    def max_model_len(self) -> int:
+        if self.model.max_model_len is not None:
+            return self.model.max_model_len
+        cfg = self.model.hf_config
+        return int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 2048)
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        s = self.scheduler
+        if s.max_num_batched_tokens is not None:
+            return s.max_num_batched_tokens
+        return 2048 if s.enable_chunked_prefill else max(self.max_model_len, 2048)
+
+    @property
+    def pipeline_depth(self) -> int:
+        return self.scheduler.pipeline_depth or self.parallel.pipeline_parallel_size
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.model.dtype, self.parallel.device)
+
+    def validate(self) -> None:
+        """Cross-field checks. Raises ConfigError."""
+        parse_dtype(self.model.dtype, self.parallel.device)
+        cfg = self.model.hf_config
+        limit = cfg.get("max_position_embeddings") or cfg.get("n_positions")
+        if self.model.max_model_len is not None and limit and self.model.max_model_len > limit:
+            raise ConfigError(
+                f"--max-model-len {self.model.max_model_len} exceeds the model's "
+                f"max_position_embeddings {limit}")
+        if not self.scheduler.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"--max-num-batched-tokens {self.max_num_batched_tokens} is smaller than --max-model-len "
+                f"{self.max_model_len} with chunked prefill off: long prompts could never be scheduled")

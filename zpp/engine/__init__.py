@@ -1,0 +1,1 @@
+"""The engine process: scheduler, KV block manager, detokenizer, executor, asyncio loop."""

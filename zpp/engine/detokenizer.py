@@ -1,0 +1,100 @@
+"""Incremental detokenization with stop strings.
+
+Text is decoded over a sliding window of token ids (the prefix/read offsets of HF's
+``TextStreamer`` and vLLM's ``detokenize_incrementally``): each step decodes the window with and
+without the new tokens and appends the difference, so a tokenizer that drops a leading space on
+the first token of a decode (SentencePiece) still yields exact text. A decode that ends in U+FFFD
+is an incomplete UTF-8 sequence and is held back until the next token completes it.
+
+The streamable text also holds back any suffix that could be the start of a stop string, so a
+client never receives text that is later taken back: concatenated deltas equal the final text.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+_PROMPT_WINDOW = 6
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's generated token ids into text.
+
+    Args:
+        tokenizer: an HF tokenizer.
+        prompt_token_ids: the prompt (its last few tokens seed the decode window).
+        stop: stop strings (may be empty).
+        skip_special_tokens: leave special tokens out of the text.
+        include_stop_str_in_output: keep the matched stop string.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: Optional[list[str]] = None,
+                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.stop = stop or []
+        self.include_stop = include_stop_str_in_output
+        self.max_stop_len = max((len(s) for s in self.stop), default=0)
+        window = list(prompt_token_ids[-_PROMPT_WINDOW:])
+        # A prompt cut mid-character would merge its partial bytes into the first output
+        # characters; start the window after the prompt then, so no prompt text leaks out.
+        if window and self._decode(window).endswith("\ufffd"):
+            window = []
+        self.ids = window
+        self.prefix_offset = 0
+        self.read_offset = len(window)
+        self.text = ""           # all decoded output text (after stop truncation)
+        self.stop_reason: Optional[str] = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
+
+    def add_tokens(self, token_ids: list[int]) -> Optional[str]:
+        """Append generated tokens. Returns the stop string if one now appears in the text (the
+        text is then truncated before it, or after it with ``include_stop_str_in_output``)."""
+        self.ids.extend(token_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if new_text.endswith("\ufffd") or len(new_text) <= len(prefix_text):
+            return None  # incomplete character (or nothing visible yet): wait for more tokens
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        old_len = len(self.text)
+        self.text += delta
+        if self.stop:
+            search_from = max(0, old_len - self.max_stop_len + 1)
+            best = None
+            for s in self.stop:
+                i = self.text.find(s, search_from)
+                if i != -1 and (best is None or i < best[0]):
+                    best = (i, s)
+            if best is not None:
+                i, s = best
+                self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
+                self.stop_reason = s
+                return s
+        return None
+
+    def flush(self) -> None:
+        """At the end: include a trailing incomplete character (as U+FFFD), as a full decode would."""
+        if self.stop_reason is not None:
+            return
+        tail = self._decode(self.ids[self.prefix_offset:])
+        head = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        if len(tail) > len(head) and self.read_offset < len(self.ids):
+            self.text += tail[len(head):]
+            self.read_offset = len(self.ids)
+
+    def stream_text(self, finished: bool) -> str:
+        """Text safe to send now: everything when finished, else without a suffix that may begin a
+        stop string."""
+        if finished or not self.stop:
+            return self.text
+        t = self.text
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(t)), hold, -1):
+                if t.endswith(s[:k]):
+                    hold = k
+                    break
+        return t[:len(t) - hold] if hold else t

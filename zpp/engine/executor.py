@@ -1,0 +1,289 @@
+"""Starts the stage workers, hands them their configuration and talks to them over ZeroMQ.
+
+Workers on this host are spawned with multiprocessing (spawn); workers on other hosts are started
+by ``zpp-node`` agents (see ``zpp/node``). Either way they connect back, say Hello with the key,
+and receive the same InitWorker message. The executor watches every local worker's process
+sentinel and every agent's connection: a death fails the engine (never a hang).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from multiprocessing.connection import wait as mp_wait
+from typing import Callable, Optional
+
+from zpp.config import EngineConfig
+from zpp.models.partition import partition_layers
+from zpp.transport import messages as m
+from zpp.transport.channels import EngineSocket, free_tcp_port, local_ipc_address
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited or reported an error; the engine cannot continue."""
+
+
+class Executor:
+    """Owns the workers of one engine.
+
+    Use ``await Executor.start(config)``; then ``send(batch)`` for each micro-batch and
+    ``await next_result()`` for the StepResults in batch order.
+    """
+
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int]):
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.pp = config.parallel.pipeline_parallel_size
+        self.tp = config.parallel.tensor_parallel_size
+        self.world = self.pp * self.tp
+        self.key = secrets.token_hex(16)
+        multi_host = bool(config.parallel.nodes)
+        host = _host_ip() if multi_host else "127.0.0.1"
+        self.socket = EngineSocket(f"tcp://{host}:{free_tcp_port(host)}" if multi_host else local_ipc_address())
+        self.dist_init_method = f"tcp://{host}:{free_tcp_port(host)}"
+        self.procs: list[mp.Process] = []
+        self.results: asyncio.Queue = asyncio.Queue()
+        self.stage_busy_s = [0.0] * self.pp
+        self.stage_batches = [0] * self.pp
+        self.dead: Optional[str] = None
+        self.on_death: Optional[Callable[[str], None]] = None
+        self.num_blocks = 0
+        self.layer_ranges = partition_layers(
+            _num_layers(config), self.pp, config.parallel.pp_layer_partition)
+        self._reader: Optional[asyncio.Task] = None
+        self._monitor: Optional[threading.Thread] = None
+        self._stopping = False
+        self.nodes = None
+
+    @classmethod
+    async def start(cls, config: EngineConfig, eos_token_ids: set[int]) -> "Executor":
+        ex = cls(config, eos_token_ids)
+        try:
+            await ex._start()
+        except BaseException:
+            ex.shutdown()
+            raise
+        return ex
+
+    async def _start(self) -> None:
+        cfg = self.config
+        for r, (a, b) in enumerate(self.layer_ranges):
+            logger.info("stage %d: layers [%d, %d) (%d layers)%s", r, a, b, b - a,
+                        " + embedding" * (r == 0) + " + norm, lm_head, sampler" * (r == self.pp - 1))
+        ctx = mp.get_context("spawn")
+        level = logging.getLogger("zpp").getEffectiveLevel()
+        local_ranks = list(range(self.world))
+        if cfg.parallel.nodes:
+            from zpp.node.ssh import NodeLauncher
+            self.nodes = NodeLauncher(cfg.parallel.nodes, self.socket.address, self.key)
+            local_ranks = self.nodes.assign(self.world)
+            self.nodes.start()
+        with _main_module_hidden():
+            for rank in local_ranks:
+                p = ctx.Process(target=_worker_entry, args=(self.socket.address, rank, self.key, level),
+                                name=f"zpp-worker-{rank}", daemon=True)
+                p.start()
+                self.procs.append(p)
+        self._monitor = threading.Thread(target=self._watch_procs, name="zpp-proc-monitor", daemon=True)
+        self._loop = asyncio.get_running_loop()
+        self._monitor.start()
+
+        cpu_threads = max(1, (os.cpu_count() or 1) // max(1, len(local_ranks)))
+        await self._expect_all(m.Hello, timeout=120, check=self._check_hello)
+        for rank in range(self.world):
+            pp_rank, tp_rank = divmod(rank, self.tp)
+            a, b = self.layer_ranges[pp_rank]
+            self.socket.send(rank, m.InitWorker(
+                rank=rank, pp_rank=pp_rank, tp_rank=tp_rank, pp_size=self.pp, tp_size=self.tp,
+                model=os.path.abspath(cfg.model.model), load_format=cfg.model.load_format,
+                dtype=cfg.model.dtype, device=cfg.parallel.device,
+                device_index=self._device_index(rank), layer_start=a, layer_end=b,
+                num_layers=_num_layers(cfg), dist_init_method=self.dist_init_method,
+                block_size=cfg.cache.block_size, max_model_len=cfg.max_model_len,
+                max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.scheduler.max_num_seqs,
+                kv_cache_memory=cfg.cache.kv_cache_memory, gpu_memory_utilization=cfg.cache.gpu_memory_utilization,
+                num_threads=cpu_threads, seed=cfg.model.seed, enforce_eager=cfg.enforce_eager,
+                pipeline_depth=cfg.pipeline_depth, eos_token_ids=sorted(self.eos_token_ids)))
+        ready = await self._expect_all(m.WorkerReady, timeout=1800)
+        fit = min(r.num_kv_blocks_fit for r in ready.values())
+        num_blocks = cfg.cache.num_kv_blocks if cfg.cache.num_kv_blocks is not None else fit
+        if num_blocks > fit:
+            raise ValueError(f"--num-kv-blocks {num_blocks} does not fit: a stage can hold only {fit} blocks")
+        if num_blocks < 1:
+            raise ValueError("no memory left for the KV cache: raise --kv-cache-memory / --gpu-memory-utilization")
+        self.num_blocks = num_blocks
+        for rank in range(self.world):
+            self.socket.send(rank, m.InitKVCache(num_blocks=num_blocks))
+        await self._expect_all(m.CacheReady, timeout=1800)
+        self._reader = asyncio.create_task(self._read_loop())
+
+    def _device_index(self, rank: int) -> int:
+        if self.config.parallel.device != "cuda":
+            return 0
+        if self.nodes is not None:
+            return self.nodes.local_index(rank)
+        return rank
+
+    def _check_hello(self, rank: int, msg: m.Hello) -> None:
+        if not secrets.compare_digest(msg.key, self.key):
+            raise WorkerDiedError(f"worker rank {rank} presented a wrong key")
+
+    async def _expect_all(self, kind, timeout: float, check=None) -> dict[int, object]:
+        got: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < self.world:
+            if self.dead:
+                raise WorkerDiedError(self.dead)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self.world)) - set(got))
+                raise WorkerDiedError(f"workers {missing} did not answer {kind.__name__} within {timeout:.0f}s")
+            try:
+                rank, msg = await self.socket.recv(timeout_s=min(left, 0.5))
+            except TimeoutError:
+                continue
+            if isinstance(msg, m.WorkerError):
+                raise WorkerDiedError(f"worker {rank} failed during start-up: {msg.message}")
+            if not isinstance(msg, kind):
+                raise WorkerDiedError(f"worker {rank}: expected {kind.__name__}, got {type(msg).__name__}")
+            if check:
+                check(rank, msg)
+            got[rank] = msg
+        return got
+
+    # --- steady state -------------------------------------------------------------------------
+    def send(self, batch: m.ExecuteBatch) -> None:
+        """Send one micro-batch to every worker (encoded once)."""
+        if self.dead:
+            raise WorkerDiedError(self.dead)
+        self.socket.send_bytes(range(self.world), m.encode(batch))
+
+    async def next_result(self) -> m.StepResult:
+        """The next StepResult (batches return in the order sent). Raises WorkerDiedError."""
+        item = await self.results.get()
+        if isinstance(item, Exception):
+            self.results.put_nowait(item)
+            raise item
+        return item
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                rank, msg = await self.socket.recv()
+                if isinstance(msg, m.StepResult):
+                    self.stage_busy_s[-1] = msg.busy_s
+                    self.stage_batches[-1] += 1
+                    self.results.put_nowait(msg)
+                elif isinstance(msg, m.StageStats):
+                    stage = rank // self.tp
+                    self.stage_busy_s[stage] = msg.busy_s
+                    self.stage_batches[stage] = msg.batches
+                elif isinstance(msg, m.WorkerError):
+                    self._fail(f"worker {rank} failed: {msg.message}\n{msg.traceback}")
+                    return
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # malformed frame etc.
+            self._fail(f"bad message from a worker: {e!r}")
+
+    def _watch_procs(self) -> None:
+        sentinels = {p.sentinel: p for p in self.procs}
+        while sentinels and not self._stopping:
+            ready = mp_wait(list(sentinels), timeout=0.5)
+            for s in ready:
+                p = sentinels.pop(s)
+                if not self._stopping:
+                    msg = f"worker process {p.name} (pid {p.pid}) exited with code {p.exitcode}"
+                    self._loop.call_soon_threadsafe(self._fail, msg)
+            if self.nodes is not None and not self._stopping:
+                err = self.nodes.poll()
+                if err:
+                    self._loop.call_soon_threadsafe(self._fail, err)
+                    return
+
+    def _fail(self, reason: str) -> None:
+        if self.dead or self._stopping:
+            return
+        self.dead = reason
+        logger.error("%s", reason)
+        self.results.put_nowait(WorkerDiedError(reason))
+        if self.on_death:
+            self.on_death(reason)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop every worker: Shutdown message, then SIGTERM, then SIGKILL. Idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._reader is not None:
+            self._reader.cancel()
+        try:
+            self.socket.send_bytes(range(self.world), m.encode(m.Shutdown()))
+        except Exception:
+            pass
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+        if self.nodes is not None:
+            self.nodes.stop()
+        self.socket.close()
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Spawn workers without re-running the user's ``__main__`` in them.
+
+    multiprocessing's spawn re-imports the parent's main script in every child, so a script that
+    creates an ``LLM`` at top level without an ``if __name__ == "__main__"`` guard would recurse.
+    Workers need nothing from ``__main__`` (their target is a zpp function), so hide it while
+    starting them.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if main is not None and hasattr(main, k)}
+    try:
+        for k in saved:
+            if k == "__file__":
+                delattr(main, k)
+            else:
+                setattr(main, k, None)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(main, k, v)
+
+
+def _worker_entry(address: str, rank: int, key: str, level: int) -> None:
+    from zpp.workers.worker import worker_main
+    worker_main(address, rank, key, level)
+
+
+def _num_layers(config: EngineConfig) -> int:
+    from zpp.models.registry import resolve_model_class
+    cfg = config.model.hf_config
+    return resolve_model_class(cfg).num_layers_of(cfg)
+
+
+def _host_ip() -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"

@@ -1,0 +1,88 @@
+"""A sequence as the engine's scheduler sees it."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+from zpp.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+class Request:
+    """One sequence: prompt, generated tokens and scheduling state.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache (after the batch that computes
+    them has come back); ``num_sent_tokens`` counts tokens the workers have been told about.
+    ``in_flight`` is True while a micro-batch holding this request is in the pipeline: such a
+    request is never scheduled again, preempted or freed until that batch returns.
+    """
+
+    def __init__(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                 max_tokens: int, eos_token_ids: set[int], arrival: Optional[float] = None):
+        self.req_id = req_id
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids = list(prompt_token_ids)  # prompt + outputs
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.eos_token_ids = eos_token_ids
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hits at admission
+        self.num_sent_tokens = 0
+        self.sent_to_workers = False
+        self.in_flight = False
+        self.stop_reason = None
+        self.num_preemptions = 0
+        self.first_token_time: Optional[float] = None
+        self.block_hashes: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> None:
+        """Set a finished status if the last token ends the sequence (EOS, stop token, length)."""
+        n = self.num_output_tokens
+        tok = self.token_ids[-1]
+        p = self.sampling
+        if n >= p.min_tokens:
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return
+            if p.stop_token_ids and tok in p.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = tok
+                return
+        if n >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH

@@ -1,0 +1,243 @@
+"""Continuous-batching scheduler producing pipeline micro-batches.
+
+Each call to :meth:`Scheduler.schedule` decides one micro-batch for every stage (batches are
+decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
+
+* a token budget (``max_num_batched_tokens``) per micro-batch; running requests first (decodes
+  and unfinished chunked prefills, oldest first), then waiting ones (FIFO, preempted first);
+* chunked prefill: a prompt longer than the remaining budget is computed over several batches;
+* preemption by recompute when blocks run out: the newest running request that is not in flight
+  is freed and put back at the head of the queue; it resumes with the same tokens;
+* pipeline overlap: up to ``depth`` micro-batches in flight; a request is in at most one of them,
+  and each batch takes about ``1/depth`` of the active requests so that the stages stay busy.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from zpp.engine.kv_cache_manager import KVCacheManager
+from zpp.engine.request import Request, RequestStatus
+from zpp.transport import messages as m
+
+
+@dataclass
+class ScheduledBatch:
+    """A micro-batch in flight: the message every stage gets and the requests it holds."""
+
+    batch: m.ExecuteBatch
+    reqs: list[Request]
+    num_tokens: int
+    num_prefill_tokens: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_batches: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    batch_tokens_hist: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the waiting / running queues and the KV block manager."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True, depth: int = 1):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.chunked = enable_chunked_prefill
+        self.depth = depth
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # to tell the workers with the next batch
+        self._batch_ids = itertools.count()
+        self.stats = SchedulerStats()
+
+    # --- queue management ---------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request. Its blocks are freed now unless a batch in flight still writes them
+        (then on that batch's return, see :meth:`update`)."""
+        if req.status.finished:
+            return
+        req.status = status
+        if req.in_flight:
+            return
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req)
+        self.requests.pop(req.req_id, None)
+        if req.sent_to_workers:
+            self._finished_ids.append(req.req_id)
+
+    def abort(self, req_id: str) -> Optional[Request]:
+        req = self.requests.get(req_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_sent_tokens = 0
+        req.sent_to_workers = False  # resent in full as a NewRequest (workers replace their state)
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        # Back to the head of the queue, keeping arrival order among preempted requests.
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].status == RequestStatus.PREEMPTED \
+                and self.waiting[i].arrival <= req.arrival:
+            i += 1
+        self.waiting.insert(i, req)
+
+    # --- scheduling ---------------------------------------------------------------------------
+    def schedule(self) -> Optional[ScheduledBatch]:
+        """Decide the next micro-batch, or None if no request can run now."""
+        budget = self.max_num_batched_tokens
+        active = min(len(self.running) + len(self.waiting), self.max_num_seqs)
+        max_reqs = max(1, math.ceil(active / self.depth))
+        chunks: list[m.ScheduledChunk] = []
+        new_reqs: list[m.NewRequest] = []
+        cached_reqs: list[m.CachedRequest] = []
+        reqs: list[Request] = []
+        prefill_tokens = 0
+        preempted = False
+
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if budget <= 0 or len(reqs) >= max_reqs:
+                break
+            if req.in_flight or req.status.finished or req not in self.running:
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_blocks = None
+            while True:
+                new_blocks = self.kv.allocate_slots(req, req.num_computed_tokens + num_new)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim(exclude=reqs)
+                if victim is None:
+                    break
+                preempted = True
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if new_blocks is None or req.status == RequestStatus.PREEMPTED:
+                continue
+            self._add_chunk(req, num_new, new_blocks, chunks, new_reqs, cached_reqs)
+            reqs.append(req)
+            budget -= num_new
+            if req.num_computed_tokens + num_new < req.num_tokens or req.num_computed_tokens == 0:
+                prefill_tokens += num_new
+
+        while self.waiting and not preempted and budget > 0 and len(reqs) < max_reqs \
+                and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            computed, num_cached = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_cached
+            if num_new > budget and not self.chunked:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = self.kv.allocate_slots(req, num_cached + num_new, computed)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            req.num_cached_tokens = num_cached
+            self.running.append(req)
+            self._add_chunk(req, num_new, new_blocks, chunks, new_reqs, cached_reqs)
+            reqs.append(req)
+            budget -= num_new
+            prefill_tokens += num_new
+
+        if not chunks:
+            if self._finished_ids and not any(r.in_flight for r in self.running):
+                pass  # nothing to run; finished ids ride on the next real batch
+            return None
+        batch = m.ExecuteBatch(batch_id=next(self._batch_ids), chunks=chunks, new_reqs=new_reqs,
+                               cached_reqs=cached_reqs, finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        for r in reqs:
+            r.in_flight = True
+        num_tokens = sum(c.num_tokens for c in chunks)
+        self.stats.num_batches += 1
+        self.stats.prefill_tokens += prefill_tokens
+        self.stats.decode_tokens += num_tokens - prefill_tokens
+        return ScheduledBatch(batch, reqs, num_tokens, prefill_tokens)
+
+    def _pick_victim(self, exclude: list[Request]) -> Optional[Request]:
+        candidates = [r for r in self.running if not r.in_flight and r not in exclude]
+        return max(candidates, key=lambda r: r.arrival) if candidates else None
+
+    def _add_chunk(self, req: Request, num_new: int, new_blocks: list[int], chunks, new_reqs, cached_reqs) -> None:
+        start = req.num_computed_tokens
+        sample = start + num_new == req.num_tokens
+        want_plp = req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens
+        if not req.sent_to_workers:
+            new_reqs.append(m.NewRequest(req.req_id, list(req.token_ids), req.num_prompt_tokens,
+                                         list(self.kv.blocks_of(req)), req.sampling))
+            req.sent_to_workers = True
+        else:
+            new_tokens = req.token_ids[req.num_sent_tokens:]
+            if new_tokens or new_blocks:
+                cached_reqs.append(m.CachedRequest(req.req_id, new_tokens, new_blocks))
+        req.num_sent_tokens = req.num_tokens
+        chunks.append(m.ScheduledChunk(req.req_id, start, num_new, sample, want_plp))
+
+    # --- results ------------------------------------------------------------------------------
+    def update(self, sched: ScheduledBatch, result: m.StepResult) -> list[tuple[Request, Optional[m.SampledOutput]]]:
+        """Apply a returned batch. Returns (request, sampled output or None) for every request of
+        the batch that is still alive; finished / aborted ones are released here."""
+        sampled = {s.req_id: s for s in result.sampled}
+        out = []
+        for req, chunk in zip(sched.reqs, sched.batch.chunks):
+            req.in_flight = False
+            if req.status.finished:  # aborted while in flight: free now that no batch writes its blocks
+                self._release(req)
+                continue
+            req.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_full_blocks(req)
+            s = sampled.get(req.req_id) if chunk.sample else None
+            if s is not None:
+                req.append_token(s.token_id)
+                req.check_stop(self.max_model_len)
+            out.append((req, s))
+        return out
+
+    def release_finished(self, reqs: list[Request]) -> None:
+        """Free requests that finished while their outputs were processed (EOS, stop string, length)."""
+        for r in reqs:
+            if r.status.finished and not r.in_flight and r.req_id in self.requests:
+                self._release(r)

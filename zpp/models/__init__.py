@@ -1,0 +1,1 @@
+"""Model families split into pipeline stages."""

@@ -1,0 +1,155 @@
+"""What every pipeline-stage model shares: stage bookkeeping, weight-name ownership, loading."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from zpp.models.layers.linear import default_weight_loader
+
+_LAYER_RE = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """Which part of the model a worker owns: decoder layers ``[layer_start, layer_end)``."""
+
+    pp_rank: int
+    pp_size: int
+    layer_start: int
+    layer_end: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def owns_layer(self, i: int) -> bool:
+        return self.layer_start <= i < self.layer_end
+
+
+class MissingLayer(nn.Identity):
+    """Placeholder for a decoder layer another stage owns, so layer indices stay global."""
+
+
+def layer_index(name: str) -> Optional[int]:
+    """Global decoder-layer index in a checkpoint tensor name, or None for non-layer tensors."""
+    match = _LAYER_RE.search(name)
+    return int(match.group(1)) if match else None
+
+
+class StageModel(nn.Module):
+    """Base class of every model family.
+
+    Subclasses set:
+        ``num_acts``: tensors sent between stages (2 = hidden + residual, 1 = hidden only);
+        ``packed_modules``: checkpoint sub-name -> (merged sub-name, shard index);
+        ``tied_names``: checkpoint names to load into ``lm_head.weight`` when embeddings are tied;
+    and implement ``forward(input_ids, positions, acts, kv_caches, meta)`` returning
+    ``[num_acts, T, hidden]`` on non-last stages and the final hidden states ``[T, hidden]`` on
+    the last one, and ``compute_logits(h [N, hidden])`` -> float32 ``[N, vocab]``.
+    """
+
+    num_acts: int = 2
+    packed_modules: dict[str, tuple[str, int]] = {}
+    tied_names: tuple[str, ...] = ()
+
+    def __init__(self, cfg: dict[str, Any], stage: StageInfo):
+        super().__init__()
+        self.cfg = cfg
+        self.stage = stage
+
+    # --- to be defined by each family -------------------------------------------------------
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def check_config(cls, cfg: dict[str, Any]) -> None:
+        """Raise ConfigError for options this implementation does not support."""
+
+    @staticmethod
+    def num_layers_of(cfg: dict[str, Any]) -> int:
+        return int(cfg["num_hidden_layers"])
+
+    def stage_owns(self, name: str) -> bool:
+        """Does this stage hold checkpoint tensor ``name``? (Embedding on the first stage,
+        final norm / lm_head on the last, layers by index.)"""
+        raise NotImplementedError
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.stage.layer_end - self.stage.layer_start
+
+    # --- loading ------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into this stage's parameters.
+
+        Tensors other stages own are skipped. Raises ValueError naming any tensor this stage owns
+        that matches no parameter (unexpected) or any parameter that received nothing (missing).
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            targets = self.map_weight_name(name)
+            if targets is None:
+                continue
+            for pname, shard in targets:
+                param = params.get(pname)
+                if param is None:
+                    unexpected.append(name)
+                    continue
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                try:
+                    if shard is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+                loaded.add(f"{pname}#{shard}")
+        if unexpected:
+            raise ValueError(f"unexpected checkpoint tensors for this model: {', '.join(sorted(unexpected)[:10])}")
+        missing = [pname for pname, p in params.items() if not self._param_loaded(pname, p, loaded)]
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {', '.join(sorted(missing)[:10])}"
+                             + (" ..." if len(missing) > 10 else ""))
+
+    def _param_loaded(self, pname: str, param: nn.Parameter, loaded: set[str]) -> bool:
+        owner = self.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else self
+        sizes = getattr(owner, "output_sizes", None)
+        if f"{pname}#None" in loaded:
+            return True
+        if sizes is not None:
+            return all(f"{pname}#{i}" in loaded for i in range(len(sizes)))
+        return False
+
+    def map_weight_name(self, name: str) -> Optional[list[tuple[str, Optional[int]]]]:
+        """Checkpoint name -> [(parameter name, shard index or None)], or None to skip it."""
+        if self.tie_embeddings and name in self.tied_names:
+            targets: list[tuple[str, Optional[int]]] = []
+            if self.stage.is_last:
+                targets.append(("lm_head.weight", None))
+            if self.stage.is_first:
+                targets.append((name, None))
+            return targets or None
+        if self.tie_embeddings and name.startswith("lm_head."):
+            return None
+        if not self.stage_owns(name):
+            return None
+        for ckpt, (merged, shard) in self.packed_modules.items():
+            part = f".{ckpt}."
+            if part in name:
+                return [(name.replace(part, f".{merged}."), shard)]
+        return [(name, None)]
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return bool(self.cfg.get("tie_word_embeddings", False))

@@ -1,0 +1,39 @@
+"""Activations and the gated MLP."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zpp.models.layers.linear import Linear, MergedLinear
+
+_ACTS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def get_activation(name: str):
+    """Activation by HF config name. Raises KeyError (caught by the registry) if unknown."""
+    return _ACTS[name]
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up merged into one matmul (LLaMA/Qwen2/Mistral).
+
+    ``x: [T, hidden]`` -> ``[T, hidden]``.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = get_activation(act)
+        self.intermediate_size = intermediate_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)

@@ -1,0 +1,43 @@
+"""Normalisation layers, numerically matching HF transformers' reference implementations."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), as HF ``LlamaRMSNorm``: statistics in float32.
+
+    ``forward(x)`` -> normed ``x``; ``forward(x, residual)`` -> ``(norm(x + residual), x + residual)``,
+    the pre-norm residual pattern of vLLM's fused add-norm. Shapes: ``[num_tokens, hidden_size]``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` with the same ``(x, residual)`` calling convention as :class:`RMSNorm`."""
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is None:
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        residual = x + residual
+        return F.layer_norm(residual, self.normalized_shape, self.weight, self.bias, self.eps), residual

@@ -1,0 +1,141 @@
+"""LLaMA family (LLaMA 2/3, SmolLM2, Mistral, Qwen2 with qkv bias), one pipeline stage of it.
+
+Follows HF transformers' ``modeling_llama.py`` (reference numerics) and vLLM's ``llama.py`` (stage
+split with placeholder layers so layer indices and checkpoint names stay global; the residual
+stream travels between stages next to the hidden states).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from zpp.config import ConfigError
+from zpp.models.base import MissingLayer, StageInfo, StageModel, layer_index
+from zpp.models.layers.activation import GatedMLP, get_activation
+from zpp.models.layers.attention import Attention, AttentionMetadata
+from zpp.models.layers.linear import Linear, LMHead, MergedLinear, VocabEmbedding
+from zpp.models.layers.norm import RMSNorm
+from zpp.models.layers.rotary import get_rope, rope_params
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool):
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=bool(cfg.get("attention_bias", False)))
+        theta, scaling = rope_params(cfg)
+        self.rotary = get_rope(self.head_dim, max_positions, theta, scaling)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary(positions, q.view(T, self.num_heads, self.head_dim),
+                           k.view(T, self.num_kv_heads, self.head_dim))
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))        # [T, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool):
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = LlamaAttention(cfg, max_positions, qkv_bias)
+        self.mlp = GatedMLP(cfg["hidden_size"], cfg["intermediate_size"], cfg.get("hidden_act", "silu"),
+                            bias=bool(cfg.get("mlp_bias", False)))
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+
+    def forward(self, positions, x, residual, kv_cache, meta):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(StageModel):
+    """One stage of a LLaMA-architecture causal LM.
+
+    forward(input_ids [T] int64 | None, positions [T] int64, acts [2, T, H] | None, kv_caches, meta)
+    returns ``[2, T, H]`` (hidden, residual) on non-last stages, final normed hidden ``[T, H]`` last.
+    """
+
+    num_acts = 2
+    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    tied_names = ("model.embed_tokens.weight",)
+    qkv_bias = False
+
+    @classmethod
+    def check_config(cls, cfg: dict[str, Any]) -> None:
+        rope_params(cfg)
+        act = cfg.get("hidden_act", "silu")
+        try:
+            get_activation(act)
+        except KeyError:
+            raise ConfigError(f"hidden_act {act!r} is not supported") from None
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) and cfg.get("model_type") == "mistral":
+            raise ConfigError("sliding-window attention (Mistral sliding_window) is not supported")
+
+    def __init__(self, cfg: dict[str, Any], stage: StageInfo, max_positions: int):
+        super().__init__(cfg, stage)
+        self.hidden_size = cfg["hidden_size"]
+        n_layers = cfg["num_hidden_layers"]
+        self.model = nn.Module()
+        if stage.is_first:
+            self.model.embed_tokens = VocabEmbedding(cfg["vocab_size"], self.hidden_size)
+        self.model.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, max_positions, self.qkv_bias or bool(cfg.get("attention_bias", False))) if stage.owns_layer(i) else MissingLayer()
+            for i in range(n_layers))
+        if stage.is_last:
+            self.model.norm = RMSNorm(self.hidden_size, cfg.get("rms_norm_eps", 1e-6))
+            self.lm_head = LMHead(cfg["vocab_size"], self.hidden_size)
+        self.num_kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        self.head_dim = cfg.get("head_dim") or self.hidden_size // cfg["num_attention_heads"]
+
+    def stage_owns(self, name: str) -> bool:
+        i = layer_index(name)
+        if i is not None:
+            return self.stage.owns_layer(i)
+        if name.startswith("model.embed_tokens."):
+            return self.stage.is_first
+        return self.stage.is_last  # model.norm, lm_head
+
+    def forward(self, input_ids, positions, acts, kv_caches, meta):
+        if self.stage.is_first:
+            h, residual = self.model.embed_tokens(input_ids), None     # [T, H]
+        else:
+            h, residual = acts[0], acts[1]
+        for j, i in enumerate(range(self.stage.layer_start, self.stage.layer_end)):
+            h, residual = self.model.layers[i](positions, h, residual, kv_caches[j], meta)
+        if not self.stage.is_last:
+            return torch.stack([h, residual])                          # [2, T, H]
+        h, _ = self.model.norm(h, residual)
+        return h
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)                                         # [N, V] float32
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: the LLaMA block with a bias on q/k/v (HF ``modeling_qwen2.py``)."""
+
+    qkv_bias = True
+
+    @classmethod
+    def check_config(cls, cfg: dict[str, Any]) -> None:
+        super().check_config(cfg)
+        if cfg.get("use_sliding_window"):
+            raise ConfigError("Qwen2 use_sliding_window=true is not supported")

@@ -1,0 +1,117 @@
+"""Per-request sampling parameters (shaped like vLLM's ``SamplingParams``).
+
+The struct crosses the engine -> last-stage socket as msgpack (msgspec), never pickle.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import msgspec
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; ``param`` names it (the OpenAI error's ``param`` field)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to pick tokens for one request.
+
+    Processing order on the last stage (same as vLLM / HF ``generate``): repetition, frequency and
+    presence penalties on the raw logits, ``min_tokens`` suppression of stop tokens, then
+    temperature, top-k, top-p, min-p, and sampling (argmax when ``temperature == 0``).
+
+    Raises:
+        SamplingParamsError: on construction, for any out-of-range value; ``.param`` names it.
+    """
+
+    n: int = 1
+    """Number of completions for the prompt (each an independent sequence)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to >= top_p; (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 = all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p x the top token's; [0, 1]."""
+    presence_penalty: float = 0.0
+    """Subtract this from the logit of every token already generated; [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtract this x count from the logit of every token already generated; [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """CTRL-style penalty (> 0) on tokens in the prompt or the output; 1 = off."""
+    seed: Optional[int] = None
+    """Per-request seed: the same seed gives the same tokens at any PP size and batch mix."""
+    max_tokens: Optional[int] = 16
+    """Most tokens to generate; None = the remaining room up to max_model_len."""
+    min_tokens: int = 0
+    """Stop tokens (EOS, stop_token_ids) are suppressed until this many tokens are generated."""
+    stop: Union[None, str, list[str]] = None
+    """Strings that end generation; the stop string itself is not returned."""
+    stop_token_ids: Optional[list[int]] = None
+    """Token ids that end generation (in addition to EOS)."""
+    ignore_eos: bool = False
+    """Keep generating after EOS."""
+    logprobs: Optional[int] = None
+    """Return this many top log-probabilities per generated token (plus the sampled token's)."""
+    prompt_logprobs: Optional[int] = None
+    """Return this many top log-probabilities per prompt token."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string in the text."""
+
+    def __post_init__(self):
+        def bad(param, msg):
+            raise SamplingParamsError(param, f"{param}: {msg}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            bad("top_k", f"must be -1, 0 (off) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            bad("max_tokens", f"must be >= 0, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None:
+            if any(not isinstance(s, str) for s in self.stop):
+                bad("stop", "must be a string or a list of strings")
+            if any(s == "" for s in self.stop):
+                bad("stop", "must not contain an empty string")
+            if not self.stop:
+                self.stop = None
+        if self.stop_token_ids is not None and any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative token ids")
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def clone(self, **changes) -> "SamplingParams":
+        return msgspec.structs.replace(self, **changes)

@@ -1,0 +1,1 @@
+"""Inter-process messages (msgspec over ZeroMQ) and stage-to-stage tensors (torch.distributed P2P)."""

@@ -1,0 +1,177 @@
+"""Every message that crosses a process boundary, as tagged msgspec Structs.
+
+Control plane only: ZeroMQ frames carrying msgpack. Tensors between stages go over
+torch.distributed (see ``p2p.py``); only sampled token ids and logprobs travel back here.
+
+Handshake (one path for local and remote workers)::
+
+    worker -> engine   Hello(rank, key)                 worker knows only address, rank, key
+    engine -> worker   InitWorker(...)                  model, stage, layer range, rendezvous
+    worker -> engine   WorkerReady(num_kv_blocks_fit)   weights loaded, process group joined
+    engine -> worker   InitKVCache(num_blocks)          the minimum over all stages
+    worker -> engine   CacheReady()
+    engine -> worker   ExecuteBatch ... (steps)         every stage, same batches, same order
+    last   -> engine   StepResult ...                   one per batch, in batch order
+    engine -> worker   Shutdown()
+
+Any worker may send WorkerError at any time; the engine treats it as fatal.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import msgspec
+
+from zpp.sampling_params import SamplingParams
+
+
+class Hello(msgspec.Struct, tag=True, array_like=True):
+    rank: int
+    key: str
+    pid: int
+    hostname: str
+
+
+class InitWorker(msgspec.Struct, tag=True, array_like=True):
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    pp_size: int
+    tp_size: int
+    model: str
+    load_format: str
+    dtype: str
+    device: str
+    device_index: int
+    layer_start: int
+    layer_end: int
+    num_layers: int
+    dist_init_method: str
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    kv_cache_memory: Optional[int]
+    gpu_memory_utilization: float
+    num_threads: int
+    seed: int
+    enforce_eager: bool
+    pipeline_depth: int
+    eos_token_ids: list[int]
+
+
+class WorkerReady(msgspec.Struct, tag=True, array_like=True):
+    rank: int
+    num_kv_blocks_fit: int
+    """How many KV blocks this stage can hold within its memory budget."""
+    weight_bytes: int
+
+
+class InitKVCache(msgspec.Struct, tag=True, array_like=True):
+    num_blocks: int
+
+
+class CacheReady(msgspec.Struct, tag=True, array_like=True):
+    rank: int
+
+
+class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the workers have not seen (or see again after preemption: state is replaced)."""
+
+    req_id: str
+    token_ids: list[int]
+    """Every token known so far (prompt, then outputs when resumed)."""
+    num_prompt_tokens: int
+    block_ids: list[int]
+    sampling: Optional[SamplingParams] = None
+
+
+class CachedRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What changed for a request the workers already hold."""
+
+    req_id: str
+    new_token_ids: list[int] = []
+    new_block_ids: list[int] = []
+
+
+class ScheduledChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Run tokens ``[start, start + num_tokens)`` of a request in this micro-batch."""
+
+    req_id: str
+    start: int
+    num_tokens: int
+    sample: bool = False
+    """Sample the next token after this chunk (the chunk reaches the end of the known tokens)."""
+    prompt_logprobs: bool = False
+    """Return prompt logprobs for the positions of this chunk."""
+
+
+class ExecuteBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """One micro-batch, decided once by the engine's scheduler and run by every stage in order."""
+
+    batch_id: int
+    chunks: list[ScheduledChunk]
+    new_reqs: list[NewRequest] = []
+    cached_reqs: list[CachedRequest] = []
+    finished_req_ids: list[str] = []
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Log-probabilities at one position: the chosen token's, then the top-k."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    """1-based rank of the chosen token in the distribution."""
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class SampledOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    req_id: str
+    token_id: int
+    logprobs: Optional[TokenLogprobs] = None
+
+
+class PromptLogprobsOutput(msgspec.Struct, array_like=True, gc=False):
+    req_id: str
+    start: int
+    """Position of the first token these logprobs are for (position 0 never has one)."""
+    entries: list[TokenLogprobs]
+
+
+class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """The last stage's answer to one ExecuteBatch."""
+
+    batch_id: int
+    sampled: list[SampledOutput]
+    prompt_logprobs: list[PromptLogprobsOutput] = []
+    busy_s: float = 0.0
+    """Seconds the last stage spent computing this batch."""
+
+
+class StageStats(msgspec.Struct, tag=True, array_like=True):
+    """Periodic per-stage busy time (every stage, not only the last)."""
+
+    rank: int
+    busy_s: float
+    batches: int
+
+
+class WorkerError(msgspec.Struct, tag=True, array_like=True):
+    rank: int
+    message: str
+    traceback: str = ""
+
+
+ToWorker = Union[InitWorker, InitKVCache, ExecuteBatch, Shutdown]
+FromWorker = Union[Hello, WorkerReady, CacheReady, StepResult, StageStats, WorkerError]
+
+_encoder = msgspec.msgpack.Encoder()
+encode = _encoder.encode
+to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)
+from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)

@@ -1,0 +1,73 @@
+"""Stage-to-stage activations over torch.distributed point-to-point (gloo on CPU, NCCL on CUDA).
+
+Invariants (learnt from other engines' bugs):
+
+1. One ordered channel per neighbour pair: sends and receives happen in batch order and tags are
+   never relied on (NCCL ignores them).
+2. A tensor handed to an asynchronous send is kept alive, unmodified, until the send completes:
+   ``StageLink`` holds a reference to every pending send and only drops it after ``wait()``.
+"""
+from __future__ import annotations
+
+from collections import deque
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def init_process_group(init_method: str, rank: int, world_size: int, device: str) -> None:
+    """Join the workers' process group (not the engine: it never touches tensors)."""
+    backend = "nccl" if device == "cuda" else "gloo"
+    kwargs = {}
+    if device == "cuda":
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=timedelta(minutes=30), **kwargs)
+
+
+class StageLink:
+    """Sends this stage's activations to the next stage and receives the previous stage's.
+
+    Activations are one contiguous tensor ``[k, num_tokens, hidden_size]`` (k = 2 for models that
+    carry a separate residual stream, else 1), so each micro-batch is exactly one send per hop.
+    """
+
+    def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], device: torch.device,
+                 max_pending: int = 8):
+        self.prev_rank = prev_rank
+        self.next_rank = next_rank
+        self.device = device
+        self._pending: deque[tuple[dist.Work, torch.Tensor]] = deque()
+        self._max_pending = max_pending
+
+    def send(self, tensor: torch.Tensor) -> None:
+        """Start sending ``tensor`` to the next stage; the tensor is kept alive until sent."""
+        assert self.next_rank is not None
+        tensor = tensor.contiguous()
+        work = dist.isend(tensor, dst=self.next_rank)
+        self._pending.append((work, tensor))
+        self._reap(block=len(self._pending) > self._max_pending)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Receive the previous stage's activations for the next batch in order."""
+        assert self.prev_rank is not None
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(buf, src=self.prev_rank)
+        self._reap(block=False)
+        return buf
+
+    def _reap(self, block: bool) -> None:
+        while self._pending:
+            work, _ = self._pending[0]
+            if block or work.is_completed():
+                work.wait()
+                self._pending.popleft()
+                block = len(self._pending) > self._max_pending
+            else:
+                break
+
+    def flush(self) -> None:
+        while self._pending:
+            self._pending.popleft()[0].wait()

@@ -1,0 +1,1 @@
+"""Stage worker processes: one per device, each running its share of the model's layers."""

@@ -1,0 +1,141 @@
+"""Runs one pipeline stage's share of every micro-batch the engine sends.
+
+Per batch: update the per-request state from what changed, build inputs and attention metadata,
+receive the previous stage's activations (unless first), run the stage's layers, then either send
+the activations on (not last) or compute logits, sample and build the StepResult (last).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from zpp.models.base import StageModel
+from zpp.models.layers.attention import build_attention_metadata
+from zpp.transport import messages as m
+from zpp.transport.p2p import StageLink
+from zpp.workers.sampler import Sampler, SeqState, token_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Holds a stage's model, its KV cache and the state of every request it has been sent."""
+
+    def __init__(self, model: StageModel, device: torch.device, dtype: torch.dtype, block_size: int,
+                 link: Optional[StageLink], eos_token_ids: set[int], seed: int = 0):
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.link = link
+        self.stage = model.stage
+        self.seqs: dict[str, SeqState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.sampler = Sampler(device, seed) if self.stage.is_last else None
+        self.eos_token_ids = eos_token_ids
+        self.busy_s = 0.0
+        self.num_batches = 0
+
+    # --- KV cache -----------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one block takes across this stage's layers (K and V)."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.block_size * self.model.num_kv_heads * self.model.head_dim * elem * self.model.num_local_layers
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        shape = (2, num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(self.model.num_local_layers)]
+
+    # --- per-batch state ----------------------------------------------------------------------
+    def _update_states(self, batch: m.ExecuteBatch) -> None:
+        for rid in batch.finished_req_ids:
+            self.seqs.pop(rid, None)
+        for r in batch.new_reqs:
+            self.seqs[r.req_id] = SeqState(list(r.token_ids), r.num_prompt_tokens, r.sampling, list(r.block_ids))
+        for c in batch.cached_reqs:
+            s = self.seqs[c.req_id]
+            s.token_ids.extend(c.new_token_ids)
+            s.block_ids.extend(c.new_block_ids)
+
+    @torch.inference_mode()
+    def execute(self, batch: m.ExecuteBatch) -> Optional[m.StepResult]:
+        """Run one micro-batch. Returns the StepResult on the last stage, None elsewhere."""
+        self._update_states(batch)
+        if not batch.chunks:
+            return m.StepResult(batch.batch_id, []) if self.stage.is_last else None
+        t0 = time.perf_counter()
+        seqs = [self.seqs[c.req_id] for c in batch.chunks]
+        starts = [c.start for c in batch.chunks]
+        q_lens = [c.num_tokens for c in batch.chunks]
+        T = sum(q_lens)
+        positions = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in zip(starts, q_lens)])
+        input_ids = None
+        if self.stage.is_first:
+            ids = [t for s, st, n in zip(seqs, starts, q_lens) for t in s.token_ids[st:st + n]]
+            input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        meta = build_attention_metadata(starts, q_lens, [s.block_ids for s in seqs], self.block_size, self.device)
+        positions = positions.to(self.device, non_blocking=True)
+
+        acts = None
+        if not self.stage.is_first:
+            t_wait = time.perf_counter()
+            acts = self.link.recv((self.model.num_acts, T, self.model.hidden_size), self.dtype)
+            t0 += time.perf_counter() - t_wait  # time blocked on the previous stage is not busy time
+        out = self.model(input_ids, positions, acts, self.kv_caches, meta)
+        if not self.stage.is_last:
+            self.link.send(out)
+            self._account(t0)
+            return None
+        result = self._sample(batch, seqs, out)
+        self._account(t0)
+        result.busy_s = self.busy_s
+        return result
+
+    def _account(self, t0: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.busy_s += time.perf_counter() - t0
+        self.num_batches += 1
+
+    def _sample(self, batch: m.ExecuteBatch, seqs: list[SeqState], hidden: torch.Tensor) -> m.StepResult:
+        rows: list[int] = []        # hidden rows whose logits are needed
+        sample_rows: list[int] = []  # index into rows
+        plp_spans: list[tuple[int, int, int]] = []  # (chunk index, first row in rows, count)
+        offset = 0
+        for ci, c in enumerate(batch.chunks):
+            s = seqs[ci]
+            if c.prompt_logprobs:
+                # Position p predicts token p + 1; only prompt tokens get prompt logprobs.
+                n = max(0, min(c.start + c.num_tokens, s.num_prompt_tokens - 1) - c.start)
+                if n:
+                    plp_spans.append((ci, len(rows), n))
+                    rows.extend(range(offset, offset + n))
+            if c.sample:
+                sample_rows.append(len(rows))
+                rows.append(offset + c.num_tokens - 1)
+            offset += c.num_tokens
+        if not rows:
+            return m.StepResult(batch.batch_id, [])
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])  # [N, V]
+
+        sampled: list[m.SampledOutput] = []
+        sample_chunks = [c for c in batch.chunks if c.sample]
+        if sample_rows:
+            sample_seqs = [self.seqs[c.req_id] for c in sample_chunks]
+            tokens, lps = self.sampler(logits[sample_rows], sample_seqs, self.eos_token_ids)
+            for c, tok, lp in zip(sample_chunks, tokens, lps):
+                sampled.append(m.SampledOutput(c.req_id, tok, lp))
+
+        plps: list[m.PromptLogprobsOutput] = []
+        for ci, first, n in plp_spans:
+            c, s = batch.chunks[ci], seqs[ci]
+            k = (s.sampling.prompt_logprobs if s.sampling else 0) or 0
+            lp = torch.log_softmax(logits[first:first + n], dim=-1)
+            targets = s.token_ids[c.start + 1:c.start + 1 + n]
+            entries = [token_logprobs(lp[j], targets[j], k) for j in range(n)]
+            plps.append(m.PromptLogprobsOutput(c.req_id, c.start + 1, entries))
+        return m.StepResult(batch.batch_id, sampled, plps)

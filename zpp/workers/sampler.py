@@ -1,0 +1,145 @@
+"""Token sampling on the last pipeline stage.
+
+Order of logit processing follows HF transformers' ``generate`` and vLLM's sampler: penalties
+(repetition, CTRL paper, Keskar et al. 2019; frequency and presence, OpenAI API) on the raw logits,
+``min_tokens`` suppression of stop tokens, temperature, top-k, top-p (nucleus, Holtzman et al.
+2019), min-p (Nguyen et al. 2024), then a draw.
+
+Draws use the "exponential race": ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. is an exact sample
+of ``p``. A request with a ``seed`` draws ``E`` from a generator seeded by ``(seed, output index)``,
+so its tokens are a pure function of the seed and the logits: the same at any PP size, in any
+batch, and after preemption and recompute.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from zpp.sampling_params import SamplingParams
+from zpp.transport.messages import TokenLogprobs
+
+_MASK64 = (1 << 63) - 1
+
+
+@dataclass
+class SeqState:
+    """What the last stage knows of a sequence: every token fed so far and how to sample."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: Optional[SamplingParams]
+    block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+def _seeded_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    mixed = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 1) & _MASK64
+    return torch.Generator(device=device).manual_seed(mixed)
+
+
+def token_logprobs(logprobs_row: torch.Tensor, token_id: int, k: int) -> TokenLogprobs:
+    """Chosen token's logprob and rank plus the top-k, from one row of log-softmax values ``[V]``."""
+    lp = float(logprobs_row[token_id])
+    rank = int((logprobs_row > logprobs_row[token_id]).sum()) + 1
+    if k > 0:
+        vals, ids = logprobs_row.topk(k)
+        return TokenLogprobs(token_id, lp, rank, ids.tolist(), vals.tolist())
+    return TokenLogprobs(token_id, lp, rank, [], [])
+
+
+class Sampler:
+    """Samples one token per row of logits.
+
+    ``__call__(logits [N, V] float32, seqs: list[SeqState], eos_token_ids)`` ->
+    ``(token_ids: list[int], logprobs: list[TokenLogprobs | None])``.
+    """
+
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, seqs: list[SeqState], eos_token_ids: set[int]):
+        N, V = logits.shape
+        params = [s.sampling or _GREEDY for s in seqs]
+        want_lp = [p.logprobs is not None for p in params]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+
+        logits = logits.clone()
+        for i, (s, p) in enumerate(zip(seqs, params)):
+            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+                self._apply_penalties(logits[i], s, p)
+            if p.min_tokens and s.num_output_tokens < p.min_tokens:
+                stop_ids = set(p.stop_token_ids or ())
+                if not p.ignore_eos:
+                    stop_ids |= eos_token_ids
+                ids = [t for t in stop_ids if 0 <= t < V]
+                if ids:
+                    logits[i, ids] = float("-inf")
+
+        greedy = torch.tensor([p.temperature == 0.0 for p in params], device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            sampled = self._sample(logits, seqs, params)
+            tokens = torch.where(greedy, tokens, sampled)
+        token_list = tokens.tolist()
+
+        lps: list[Optional[TokenLogprobs]] = [None] * N
+        if raw_logprobs is not None:
+            for i, p in enumerate(params):
+                if want_lp[i]:
+                    lps[i] = token_logprobs(raw_logprobs[i], token_list[i], p.logprobs)
+        return token_list, lps
+
+    @staticmethod
+    def _apply_penalties(row: torch.Tensor, s: SeqState, p: SamplingParams) -> None:
+        V = row.shape[0]
+        ids = torch.tensor(s.token_ids, dtype=torch.int64, device=row.device).clamp(0, V - 1)
+        if p.repetition_penalty != 1.0:
+            seen = torch.unique(ids)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.frequency_penalty or p.presence_penalty:
+            out = ids[s.num_prompt_tokens:]
+            if out.numel():
+                counts = torch.bincount(out, minlength=V).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[SeqState], params: list[SamplingParams]) -> torch.Tensor:
+        N, V = logits.shape
+        dev = logits.device
+        temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
+        logits = logits / temp[:, None]
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        if any(k > 0 for k in top_k):
+            k = torch.tensor([k if k > 0 else V for k in top_k], device=dev).clamp(max=V)
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if any(tp < 1.0 for tp in top_p):
+            # Follows HF TopPLogitsWarper: drop the low tail whose mass is <= 1 - top_p, keep >= 1 token.
+            tp = torch.tensor(top_p, device=dev)
+            sorted_logits, order = logits.sort(dim=-1, descending=False)
+            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            remove = cum <= (1 - tp)[:, None]
+            remove[:, -1] = False
+            logits = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+        probs = logits.softmax(dim=-1)
+        if any(mp > 0 for mp in min_p):
+            mp = torch.tensor(min_p, device=dev)
+            probs = probs.masked_fill(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, (s, p) in enumerate(zip(seqs, params)):
+            if p.seed is not None and p.temperature > 0:
+                g = _seeded_generator(p.seed, s.num_output_tokens, dev)
+                noise[i] = torch.empty(V, device=dev).exponential_(generator=g)
+        return (probs / noise).argmax(dim=-1)
+
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=None)

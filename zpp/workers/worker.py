@@ -1,0 +1,168 @@
+"""Worker process main: one pipeline stage on one device.
+
+A worker starts knowing only the engine's address, its rank and a key. Everything else (model,
+layer range, dtype, device, rendezvous) arrives over ZeroMQ in ``InitWorker``; the same entry point
+serves workers spawned locally and workers started by ``zpp-node`` on another host.
+
+A worker never outlives its engine: it asks the kernel to kill it when its parent dies
+(``PR_SET_PDEATHSIG``) and a watchdog thread exits when the parent pid changes.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+
+logger = logging.getLogger("zpp.worker")
+
+
+def watch_parent(poll_s: float = 0.5) -> None:
+    """Exit this process as soon as its parent dies (even by SIGKILL)."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+    def loop():
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(poll_s)
+
+    threading.Thread(target=loop, name="zpp-parent-watch", daemon=True).start()
+
+
+def worker_main(engine_address: str, rank: int, key: str, log_level: int = logging.INFO) -> None:
+    """Entry point of a worker process. Exits with status 0 on Shutdown, 1 on any error."""
+    watch_parent()
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [worker {rank}] %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when workers stop
+    from zpp.transport import messages as m
+    from zpp.transport.channels import WorkerSocket
+
+    sock = WorkerSocket(engine_address, rank)
+    try:
+        sock.send(m.Hello(rank=rank, key=key, pid=os.getpid(), hostname=socket.gethostname()))
+        init = sock.recv(timeout_s=120)
+        if not isinstance(init, m.InitWorker):
+            raise RuntimeError(f"expected InitWorker, got {type(init).__name__}")
+        runner = _setup(init, sock)
+        _serve(runner, sock, init)
+    except SystemExit:
+        raise
+    except BaseException as e:  # report, then die: the engine fails every request
+        logger.error("worker failed: %s", e)
+        try:
+            sock.send(m.WorkerError(rank=rank, message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
+            time.sleep(0.2)
+        except Exception:
+            pass
+        os._exit(1)
+    finally:
+        pass
+    sock.close()
+    os._exit(0)
+
+
+def _setup(init, sock):
+    import torch
+
+    from zpp.config import parse_dtype
+    from zpp.models.base import StageInfo
+    from zpp.models.loader import load_stage_model
+    from zpp.transport import messages as m
+    from zpp.transport.p2p import StageLink, init_process_group
+    from zpp.workers.model_runner import ModelRunner
+
+    torch.set_num_threads(max(1, init.num_threads))
+    if init.device == "cuda":
+        torch.cuda.set_device(init.device_index)
+        device = torch.device("cuda", init.device_index)
+    else:
+        device = torch.device("cpu")
+    dtype = parse_dtype(init.dtype, init.device)
+    if init.pp_size * init.tp_size > 1:
+        init_process_group(init.dist_init_method, init.rank, init.pp_size * init.tp_size, init.device)
+    with open(os.path.join(init.model, "config.json")) as f:
+        cfg = json.load(f)
+    stage = StageInfo(init.pp_rank, init.pp_size, init.layer_start, init.layer_end)
+    t = time.perf_counter()
+    model = load_stage_model(init.model, cfg, stage, dtype, device, init.max_model_len,
+                             init.load_format, init.seed)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info("stage %d/%d: layers [%d, %d) loaded in %.1fs (%.1f MiB)", init.pp_rank, init.pp_size,
+                init.layer_start, init.layer_end, time.perf_counter() - t, weight_bytes / 2**20)
+    prev_rank = init.rank - init.tp_size if init.pp_rank > 0 else None
+    next_rank = init.rank + init.tp_size if init.pp_rank < init.pp_size - 1 else None
+    link = StageLink(prev_rank, next_rank, device) if init.pp_size > 1 else None
+    runner = ModelRunner(model, device, dtype, init.block_size, link, set(init.eos_token_ids), init.seed)
+
+    per_block = runner.kv_bytes_per_block()
+    if init.device == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_by_others = total - free - torch.cuda.memory_allocated(device)
+        budget = total * init.gpu_memory_utilization - used_by_others - torch.cuda.memory_allocated(device)
+        budget -= _activation_reserve(init, model, dtype)
+        fit = int(budget // per_block) if init.kv_cache_memory is None else init.kv_cache_memory // per_block
+    else:
+        mem = init.kv_cache_memory if init.kv_cache_memory is not None else 1 << 30
+        fit = int(mem // per_block)
+    sock.send(m.WorkerReady(rank=init.rank, num_kv_blocks_fit=max(0, fit), weight_bytes=weight_bytes))
+    msg = sock.recv(timeout_s=600)
+    if not isinstance(msg, m.InitKVCache):
+        raise RuntimeError(f"expected InitKVCache, got {type(msg).__name__}")
+    runner.init_kv_cache(msg.num_blocks)
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", msg.num_blocks, init.block_size,
+                msg.num_blocks * per_block / 2**20)
+    sock.send(m.CacheReady(rank=init.rank))
+    return runner
+
+
+def _activation_reserve(init, model, dtype) -> int:
+    """Rough upper bound of activation memory for one micro-batch (CUDA sizing)."""
+    import torch
+    elem = torch.empty(0, dtype=dtype).element_size()
+    tokens = init.max_num_batched_tokens
+    inter = int(model.cfg.get("intermediate_size", 4 * model.hidden_size))
+    vocab = int(model.cfg.get("vocab_size", 0))
+    per_token = (8 * model.hidden_size + 3 * inter) * elem
+    logits = init.max_num_seqs * vocab * 4 * 3
+    return tokens * per_token * 2 + logits + (512 << 20)
+
+
+def _serve(runner, sock, init) -> None:
+    from zpp.transport import messages as m
+
+    last_stats = time.monotonic()
+    while True:
+        msg = sock.recv()
+        if isinstance(msg, m.ExecuteBatch):
+            result = runner.execute(msg)
+            if result is not None:
+                sock.send(result)
+            now = time.monotonic()
+            if not runner.stage.is_last and now - last_stats > 1.0:
+                sock.send(m.StageStats(rank=init.rank, busy_s=runner.busy_s, batches=runner.num_batches))
+                last_stats = now
+        elif isinstance(msg, m.Shutdown):
+            if runner.link is not None:
+                runner.link.flush()
+            return
+        else:
+            raise RuntimeError(f"unexpected message {type(msg).__name__}")
+
+
+if __name__ == "__main__":  # started by zpp-node: python -m zpp.workers.worker ADDRESS RANK (key on stdin)
+    _key = sys.stdin.readline().strip()
+    worker_main(sys.argv[1], int(sys.argv[2]), _key)
