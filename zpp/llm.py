@@ -63,14 +63,25 @@ class LLM:
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       pipeline_depth=pipeline_depth),
             enforce_eager=enforce_eager)
-        from zpp.engine.async_engine import validate_startup
-        validate_startup(self.config)
+        self._start(self.config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        """Start an LLM from a ready EngineConfig (used by the CLI benchmarks)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        from zpp.engine.async_engine import AsyncEngine, validate_startup
+        self.config = config
+        self._closed = True
+        validate_startup(config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="zpp-engine-loop", daemon=True)
         self._thread.start()
-        from zpp.engine.async_engine import AsyncEngine
         try:
-            self.engine = self._call(AsyncEngine.start(self.config))
+            self.engine = self._call(AsyncEngine.start(config))
         except BaseException:
             self._stop_loop()
             raise

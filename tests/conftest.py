@@ -1,0 +1,120 @@
+"""Shared fixtures: the real demo model (SmolLM2-135M-Instruct, converted once) and HF references."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> str:
+    from zpp.demo import prepare_demo_model
+    return prepare_demo_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(demo_model):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(demo_model)
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Reference: HF transformers, float32 on CPU, greedy, one prompt at a time, EOS ignored."""
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model(ids, use_cache=True)
+            past, gen = out.past_key_values, []
+            for _ in range(max_new_tokens):
+                tok = int(out.logits[0, -1].argmax())
+                gen.append(tok)
+                out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+            outs.append(gen)
+    return outs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``zpp serve`` in a subprocess (its own process group), waited on until /health is 200."""
+
+    def __init__(self, args: list[str], timeout: float = 180.0):
+        import urllib.request
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "zpp.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.log = open(f"/tmp/zpp-test-server-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except Exception:
+                time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"server did not become healthy:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait(5)
+        self.log.close()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant pid of ``pid`` (via /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    out, stack = [], [pid]
+    while stack:
+        for c in children.get(stack.pop(), []):
+            out.append(c)
+            stack.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,62 @@
+"""Latency of one batch: ``--batch-size`` random prompts of ``--input-len`` tokens generating
+``--output-len`` tokens each (``ignore_eos``). Warm-up iterations, then timed ones; reports the
+median end-to-end latency, the median prefill latency (a run with 1 output token) and
+TPOT = (e2e - prefill) / (output_len - 1)."""
+from __future__ import annotations
+
+import datetime
+import statistics
+import time
+
+
+def add_parser(sub) -> None:
+    from zpp.cli import add_engine_args
+    p = sub.add_parser("latency", help="batch latency and time per output token")
+    add_engine_args(p, model_optional=False)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-iters-warmup", type=int, default=2)
+    p.add_argument("--num-iters", type=int, default=5)
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from zpp import LLM, SamplingParams
+    from zpp.bench import print_table, random_prompts, write_json
+    from zpp.cli import engine_config_from_args
+    config = engine_config_from_args(args)
+    vocab = int(config.model.hf_config["vocab_size"])
+    prompts = random_prompts(args.batch_size, args.input_len, vocab, args.seed)
+    llm = LLM.from_config(config)
+    try:
+        def timed(max_tokens: int, iters: int) -> list[float]:
+            sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            out = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                llm.generate(prompts, sp)
+                out.append(time.perf_counter() - t0)
+            return out
+
+        timed(args.output_len, args.num_iters_warmup)
+        e2e = timed(args.output_len, args.num_iters)
+        prefill = timed(1, max(3, args.num_iters))
+    finally:
+        llm.shutdown()
+    e2e_med, prefill_med = statistics.median(e2e), statistics.median(prefill)
+    tpot = (e2e_med - prefill_med) / max(1, args.output_len - 1)
+    result = {"model": config.model.model, "device": config.parallel.device,
+              "dtype": str(config.torch_dtype).removeprefix("torch."),
+              "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
+              "enforce_eager": config.enforce_eager, "batch_size": args.batch_size,
+              "input_len": args.input_len, "output_len": args.output_len,
+              "latencies_s": e2e, "prefill_latencies_s": prefill, "median_latency_s": e2e_med,
+              "median_prefill_latency_s": prefill_med, "tpot_ms": tpot * 1000,
+              "date": datetime.date.today().isoformat()}
+    print_table("Latency", [("Batch size", args.batch_size), ("Input / output len", f"{args.input_len} / {args.output_len}"),
+                            ("Median e2e latency (s)", e2e_med), ("Median prefill latency (ms)", prefill_med * 1000),
+                            ("TPOT (ms)", tpot * 1000)])
+    write_json(args.output_json, result)
+    return 0

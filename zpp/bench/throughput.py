@@ -1,0 +1,105 @@
+"""Offline throughput: ``num_prompts`` random prompts of ``input_len`` tokens, ``output_len`` new tokens
+each (``ignore_eos``), all submitted at once. ``--backend hf`` runs HF transformers ``generate`` on the
+same prompts so the peer is measured in the same run."""
+from __future__ import annotations
+
+import datetime
+import json
+import time
+
+
+def add_parser(sub) -> None:
+    from zpp.cli import add_engine_args
+    p = sub.add_parser("throughput", help="offline throughput (requests/s, tokens/s)")
+    add_engine_args(p, model_optional=False)
+    p.add_argument("--backend", choices=["zpp", "hf"], default="zpp")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--hf-max-batch-size", type=int, default=64, help="HF backend: prompts per generate call")
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from zpp.bench import print_table, random_prompts, write_json
+    from zpp.cli import engine_config_from_args
+    config = engine_config_from_args(args)
+    vocab = int(config.model.hf_config["vocab_size"])
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    if args.backend == "hf":
+        elapsed, out_tokens = _run_hf(config, prompts, args)
+        busy = None
+    else:
+        elapsed, out_tokens, busy = _run_zpp(config, prompts, args)
+    total_tokens = out_tokens + args.num_prompts * args.input_len
+    result = {
+        "backend": args.backend, "model": config.model.model, "device": config.parallel.device,
+        "dtype": str(config.torch_dtype).removeprefix("torch."),
+        "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
+        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+        "elapsed_s": elapsed, "requests_per_s": args.num_prompts / elapsed,
+        "total_tokens_per_s": total_tokens / elapsed, "output_tokens_per_s": out_tokens / elapsed,
+        "stage_busy_fraction": busy, "date": datetime.date.today().isoformat(),
+    }
+    rows = [("Backend", args.backend), ("Pipeline stages", result["pipeline_parallel_size"]),
+            ("Prompts", args.num_prompts), ("Input / output len", f"{args.input_len} / {args.output_len}"),
+            ("Elapsed (s)", elapsed), ("Requests/s", result["requests_per_s"]),
+            ("Total tokens/s", result["total_tokens_per_s"]), ("Output tokens/s", result["output_tokens_per_s"])]
+    if busy:
+        rows.append(("Stage busy fraction", ", ".join(f"{b:.2f}" for b in busy)))
+    print_table("Throughput", rows)
+    write_json(args.output_json, result)
+    return 0
+
+
+def _run_zpp(config, prompts, args):
+    from zpp import LLM, SamplingParams
+    from zpp.engine.async_engine import AsyncEngine
+    llm = LLM.from_config(config)
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        llm.generate(prompts[: min(len(prompts), 4)], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                     ignore_eos=True))  # warm-up
+        engine: AsyncEngine = llm.engine
+        busy0 = list(engine.executor.stage_busy_s)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=True)
+        elapsed = time.perf_counter() - t0
+        # Stage stats arrive at most once a second from non-last stages; give them a moment.
+        time.sleep(1.2 if config.parallel.pipeline_parallel_size > 1 else 0)
+        busy = [(b - a) / elapsed for a, b in zip(busy0, engine.executor.stage_busy_s)]
+        out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return elapsed, out_tokens, [min(1.0, b) for b in busy]
+    finally:
+        llm.shutdown()
+
+
+def _run_hf(config, prompts, args):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    device = torch.device(config.parallel.device)
+    dtype = config.torch_dtype
+    if config.model.load_format == "dummy":
+        hf_cfg = AutoConfig.from_pretrained(config.model.model)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(config.model.model, dtype=dtype).to(device)
+    model.eval()
+    pad = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
+    out_tokens = 0
+    bs = args.hf_max_batch_size
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), bs):
+            batch = torch.tensor(prompts[i:i + bs], device=device)  # equal lengths: no padding needed
+            out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=args.output_len,
+                                 min_new_tokens=args.output_len, do_sample=False, pad_token_id=pad)
+            out_tokens += (out.shape[1] - batch.shape[1]) * out.shape[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, out_tokens
+
+
+__all__ = ["add_parser", "run", "json"]
