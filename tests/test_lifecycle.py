@@ -1,0 +1,68 @@
+"""No orphan processes: SIGTERM / SIGINT stop `zpp serve` and every worker; after SIGKILL of the
+engine process its workers exit on their own within 10 s."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import ServerProcess, alive, descendants
+
+
+def _wait_gone(pids, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.2)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_everything(demo_model, sig):
+    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB"])
+    try:
+        kids = descendants(s.proc.pid)
+        assert len(kids) >= 2, "expected at least two worker processes"
+        os.kill(s.proc.pid, sig)
+        assert s.proc.wait(30) == 0
+        assert _wait_gone(kids, 10) == [], "worker processes left behind"
+    finally:
+        s.stop()
+
+
+def test_sigkill_engine_workers_exit(demo_model):
+    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB"])
+    try:
+        kids = descendants(s.proc.pid)
+        assert len(kids) >= 2
+        os.kill(s.proc.pid, signal.SIGKILL)
+        s.proc.wait(10)
+        assert _wait_gone(kids, 10) == [], "workers outlived their SIGKILLed engine by more than 10 s"
+    finally:
+        for p in descendants(s.proc.pid):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        s.stop()
+
+
+def test_worker_death_fails_engine(demo_model):
+    """A worker killed under the engine: /health turns 503 / the server exits non-zero; no hang."""
+    import urllib.error
+    import urllib.request
+    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB"])
+    try:
+        kids = [p for p in descendants(s.proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()
+                and "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
+        assert kids
+        os.kill(kids[-1], signal.SIGKILL)
+        rc = s.proc.wait(30)
+        assert rc != 0
+        assert _wait_gone(kids, 10) == []
+    finally:
+        s.stop()

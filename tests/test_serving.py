@@ -1,0 +1,85 @@
+"""End-to-end HTTP serving at PP=2: concurrent requests (streaming and not, mixed lengths) each give
+exactly what the same request gives alone, and the chat answer on the real model is right."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from conftest import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(demo_model):
+    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "256MiB"])
+    yield s
+    s.stop()
+
+
+async def _complete(session, url, body) -> tuple[str, str, int]:
+    """(text, finish_reason, completion_tokens) for one completion request, streamed or not."""
+    async with session.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        if not body.get("stream"):
+            data = await r.json()
+            c = data["choices"][0]
+            return c["text"], c["finish_reason"], data["usage"]["completion_tokens"]
+        text, finish, usage, done = "", None, None, False
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line:
+                continue
+            assert line.startswith("data: ")
+            payload = line[6:]
+            if payload == "[DONE]":
+                done = True
+                continue
+            msg = json.loads(payload)
+            if msg.get("usage"):
+                usage = msg["usage"]["completion_tokens"]
+            for c in msg["choices"]:
+                text += c["text"]
+                if c["finish_reason"] is not None:
+                    assert finish is None, "two finish_reasons in one stream"
+                    finish = c["finish_reason"]
+        assert done, "stream did not end with data: [DONE]"
+        return text, finish, usage
+
+
+def test_chat_answers_paris(server):
+    import urllib.request
+    body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(server.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        data = json.loads(r.read())
+    assert "Paris" in data["choices"][0]["message"]["content"]
+    assert data["choices"][0]["finish_reason"] == "stop"
+
+
+def test_concurrent_requests_equal_alone(server):
+    words = "the river runs past the old mill and the children play by the water while".split()
+    bodies = []
+    for i in range(16):
+        prompt = " ".join(words[: 2 + (i * 5) % len(words)]) * (1 + i % 4)
+        bodies.append({"prompt": prompt, "max_tokens": 4 + (i * 7) % 29, "temperature": 0,
+                       "stream": i % 2 == 1, "stream_options": {"include_usage": True} if i % 2 else None})
+    for b in bodies:
+        if b["stream_options"] is None:
+            del b["stream_options"]
+
+    async def run():
+        timeout = aiohttp.ClientTimeout(total=600)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            together = await asyncio.gather(*(_complete(s, server.url, b) for b in bodies))
+            alone = [await _complete(s, server.url, b) for b in bodies]
+        return together, alone
+
+    together, alone = asyncio.run(run())
+    for i, (t, a) in enumerate(zip(together, alone)):
+        assert t == a, f"request {i} differs when sent with 15 others"
+        assert t[2] is not None and t[2] <= bodies[i]["max_tokens"]
+        if t[1] == "length":
+            assert t[2] == bodies[i]["max_tokens"]
