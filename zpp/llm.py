@@ -30,7 +30,7 @@ class LLM:
         ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``num_kv_blocks``,
         ``kv_cache_memory``, ``enable_prefix_caching``, ``enable_chunked_prefill``,
         ``pp_layer_partition``, ``pipeline_depth``, ``load_format``, ``seed``, ``tokenizer``,
-        ``gpu_memory_utilization``, ``enforce_eager``).
+        ``gpu_memory_utilization``, ``enforce_eager``, ``nodes``: extra hosts for ``zpp-node``).
 
     Raises:
         ConfigError: a bad setting (before any worker starts).
@@ -45,7 +45,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = False,
                  enable_chunked_prefill: bool = True, pp_layer_partition: Optional[Sequence[int]] = None,
                  pipeline_depth: Optional[int] = None, load_format: str = "safetensors", seed: int = 0,
-                 tokenizer: Optional[str] = None, enforce_eager: bool = False):
+                 tokenizer: Optional[str] = None, enforce_eager: bool = False, nodes: Sequence[str] = ()):
         if model is None:
             from zpp.demo import prepare_demo_model
             model = prepare_demo_model()
@@ -53,7 +53,7 @@ class LLM:
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, tokenizer=tokenizer,
                               load_format=load_format, seed=seed),
             parallel=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size,
-                                    tensor_parallel_size=tensor_parallel_size, device=device,
+                                    tensor_parallel_size=tensor_parallel_size, device=device, nodes=tuple(nodes),
                                     pp_layer_partition=tuple(pp_layer_partition) if pp_layer_partition else None),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory=parse_size(kv_cache_memory),

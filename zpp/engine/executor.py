@@ -197,8 +197,8 @@ class Executor:
 
     def _watch_procs(self) -> None:
         sentinels = {p.sentinel: p for p in self.procs}
-        while sentinels and not self._stopping:
-            ready = mp_wait(list(sentinels), timeout=0.5)
+        while not self._stopping:
+            ready = mp_wait(list(sentinels), timeout=0.5) if sentinels else time.sleep(0.5) or []
             for s in ready:
                 p = sentinels.pop(s)
                 if not self._stopping:

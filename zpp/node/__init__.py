@@ -1,0 +1,1 @@
+"""Multi-host support: ``zpp-node`` (the per-host agent) and the head's SSH launcher."""
