@@ -343,7 +343,10 @@ class AsyncEngine:
                 seq.cum_logprob += sampled.logprobs.logprob
                 out.cumulative_logprob = seq.cum_logprob
             if seq.detok is not None:
-                stop = seq.detok.add_tokens([sampled.token_id])
+                # As in vLLM, a token that stopped the sequence (EOS, stop_token_ids) adds no text
+                # unless include_stop_str_in_output.
+                hide = req.status == RequestStatus.FINISHED_STOPPED and not req.sampling.include_stop_str_in_output
+                stop = seq.detok.add_tokens([] if hide else [sampled.token_id])
                 if stop is not None and not req.status.finished:
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
                     req.stop_reason = stop
