@@ -1,48 +1,82 @@
 """Prometheus metrics (prometheus-client) for ``GET /metrics``.
 
-Names follow vLLM's (``zpp:`` prefix): running / waiting requests, KV-cache usage, prompt and
-generation token counters, TTFT / TPOT / end-to-end latency histograms (seconds), per-stage busy
-time (seconds).
+Names follow vLLM's with a ``zpp:`` prefix. Read from the engine at scrape time: running and
+waiting sequences, KV-cache usage (fraction 0-1) and free blocks, preemptions, prefix-cache hit
+tokens, per-stage busy seconds. Counted as the engine runs: prompt and generation tokens,
+finished requests by reason; histograms (seconds) of time to first token, time per output token
+(per request: decode time / (tokens - 1)), inter-token latency (per step) and end-to-end latency.
 """
 from __future__ import annotations
 
 import time
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LAT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class _EngineCollector:
+    """Gauges and counters the engine already keeps, read when /metrics is scraped."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        e = self.engine
+        yield GaugeMetricFamily("zpp:num_requests_running", "Sequences in the running queue (a request with n "
+                                "completions counts n)", value=e.scheduler.num_running)
+        yield GaugeMetricFamily("zpp:num_requests_waiting", "Sequences waiting to be scheduled",
+                                value=e.scheduler.num_waiting)
+        yield GaugeMetricFamily("zpp:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)",
+                                value=e.kv.usage)
+        yield GaugeMetricFamily("zpp:num_free_kv_blocks", "Free KV-cache blocks", value=e.kv.num_free_blocks)
+        yield CounterMetricFamily("zpp:num_preemptions", "Sequences preempted (recomputed later) so far",
+                                  value=e.scheduler.stats.num_preemptions)
+        yield CounterMetricFamily("zpp:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                  value=e.kv.prefix_hits)
+        busy = CounterMetricFamily("zpp:stage_busy_seconds", "Seconds each pipeline stage spent computing",
+                                   labels=["stage"])
+        for i, b in enumerate(e.executor.stage_busy_s):
+            busy.add_metric([str(i)], b)
+        yield busy
 
 
 class Metrics:
-    """Engine observer: the engine calls ``on_*`` hooks; gauges are read at scrape time."""
+    """Engine observer: the engine calls the ``on_*`` hooks (on its event loop); ``handler``
+    serves the text exposition format.
+
+    Args:
+        engine: the AsyncEngine (its scheduler, KV manager and executor are read at scrape time).
+    """
 
     def __init__(self, engine):
         self.engine = engine
         self.registry = r = CollectorRegistry()
-        self.running = Gauge("zpp:num_requests_running", "Requests in the running queue", registry=r)
-        self.waiting = Gauge("zpp:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
-        self.kv_usage = Gauge("zpp:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)", registry=r)
-        self.free_blocks = Gauge("zpp:num_free_kv_blocks", "Free KV-cache blocks", registry=r)
-        self.preemptions = Gauge("zpp:num_preemptions_total", "Preemptions so far", registry=r)
-        self.prefix_hits = Gauge("zpp:prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache",
-                                 registry=r)
-        self.stage_busy = Gauge("zpp:stage_busy_seconds_total", "Seconds each pipeline stage spent computing",
-                                ["stage"], registry=r)
-        self.prompt_tokens = Counter("zpp:prompt_tokens", "Prompt tokens processed", registry=r)
+        r.register(_EngineCollector(engine))
+        self.prompt_tokens = Counter("zpp:prompt_tokens", "Prompt tokens admitted (prompt length x n)", registry=r)
         self.generation_tokens = Counter("zpp:generation_tokens", "Tokens generated", registry=r)
         self.requests_finished = Counter("zpp:request_success", "Finished requests", ["finished_reason"], registry=r)
-        self.ttft = Histogram("zpp:time_to_first_token_seconds", "Time to first token", buckets=_LAT_BUCKETS,
-                              registry=r)
-        self.tpot = Histogram("zpp:time_per_output_token_seconds", "Time between output tokens (ITL)",
+        self.ttft = Histogram("zpp:time_to_first_token_seconds", "Time from arrival to the first token",
                               buckets=_LAT_BUCKETS, registry=r)
-        self.e2e = Histogram("zpp:e2e_request_latency_seconds", "End-to-end request latency",
+        self.tpot = Histogram("zpp:time_per_output_token_seconds",
+                              "Per request: (last token time - first token time) / (tokens - 1)",
+                              buckets=_LAT_BUCKETS, registry=r)
+        self.itl = Histogram("zpp:inter_token_latency_seconds", "Time between consecutive steps of a request",
+                             buckets=_LAT_BUCKETS, registry=r)
+        self.e2e = Histogram("zpp:e2e_request_latency_seconds", "Time from arrival to the last token",
                              buckets=_LAT_BUCKETS + (160.0, 320.0), registry=r)
+        self.req_prompt = Histogram("zpp:request_prompt_tokens", "Prompt length of finished requests",
+                                    buckets=_TOKEN_BUCKETS, registry=r)
+        self.req_gen = Histogram("zpp:request_generation_tokens", "Tokens generated by finished requests "
+                                 "(all n sequences)", buckets=_TOKEN_BUCKETS, registry=r)
         self._last_token: dict[str, float] = {}
 
-    # --- engine hooks (called on the engine loop) ---------------------------------------------
+    # --- engine hooks (called on the engine loop; times are time.monotonic()) ------------------
     def on_request_added(self, group) -> None:
         self.prompt_tokens.inc(len(group.prompt_token_ids) * len(group.seqs))
 
@@ -52,31 +86,25 @@ class Metrics:
         self._last_token[group.request_id] = t
 
     def on_token(self, group, t: float) -> None:
-        last = self._last_token.get(group.request_id)
-        if last is not None:
-            self.tpot.observe(t - last)
-        self._last_token[group.request_id] = t
         self.generation_tokens.inc()
+        last = self._last_token.get(group.request_id)
+        if last is not None and t > last:  # n > 1: sequences of one step share one interval
+            self.itl.observe(t - last)
+        self._last_token[group.request_id] = t
 
     def on_request_finished(self, group, aborted: bool) -> None:
         self._last_token.pop(group.request_id, None)
         reason = "abort" if aborted else (group.seqs[0].out.finish_reason or "abort")
         self.requests_finished.labels(finished_reason=reason).inc()
-        if not aborted:
-            self.e2e.observe(time.monotonic() - group.arrival)
+        if aborted:
+            return
+        self.e2e.observe(time.monotonic() - group.arrival)
+        ntok = max((len(s.out.token_ids) for s in group.seqs), default=0)
+        if ntok > 1 and group.first_token_time is not None and group.last_token_time is not None:
+            self.tpot.observe((group.last_token_time - group.first_token_time) / (ntok - 1))
+        self.req_prompt.observe(len(group.prompt_token_ids))
+        self.req_gen.observe(sum(len(s.out.token_ids) for s in group.seqs))
 
     # --- scrape -------------------------------------------------------------------------------
-    def refresh(self) -> None:
-        e = self.engine
-        self.running.set(e.scheduler.num_running)
-        self.waiting.set(e.scheduler.num_waiting)
-        self.kv_usage.set(e.kv.usage)
-        self.free_blocks.set(e.kv.num_free_blocks)
-        self.preemptions.set(e.scheduler.stats.num_preemptions)
-        self.prefix_hits.set(e.kv.prefix_hits)
-        for i, b in enumerate(e.executor.stage_busy_s):
-            self.stage_busy.labels(stage=str(i)).set(b)
-
     async def handler(self, request: web.Request) -> web.Response:
-        self.refresh()
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,27 +1,36 @@
 """OpenAI-compatible HTTP server on aiohttp: /v1/completions, /v1/chat/completions, /v1/models,
 /health, /version, /metrics.
 
-Bad requests get HTTP 4xx in OpenAI's error shape and never reach the engine; a client that goes
-away aborts its request (aiohttp cancels the handler, the engine frees the request's blocks).
+Bad requests get HTTP 4xx in OpenAI's error shape and never reach the engine. A client that goes
+away aborts its requests: the runner is built with ``handler_cancellation=True``, so aiohttp
+cancels the handler task, which closes the engine streams (``AsyncEngine.generate`` aborts an
+unfinished request in its ``finally``) and the engine frees the request's KV blocks once no
+micro-batch in flight still writes them.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import signal
+from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
 
 from aiohttp import web
 
 import zpp
+from zpp.config import ConfigError
 from zpp.engine.async_engine import AsyncEngine, EngineDeadError, RequestError
-from zpp.outputs import RequestOutput
-from zpp.sampling_params import SamplingParamsError
+from zpp.outputs import CompletionOutput, RequestOutput
+from zpp.sampling_params import SamplingParams, SamplingParamsError
 from zpp.server.protocol import (ChatCompletionRequest, CompletionRequest, ProtocolError, decode_request,
                                  error_body, new_id, now, to_sampling_params)
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+_CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -33,8 +42,118 @@ def _error(message: str, status: int = 400, err_type: str = "invalid_request_err
     return _json(error_body(message, err_type, param, code), status)
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable characters (the alphabet of
+    byte-level BPE vocabularies)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = list(bs)
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+class TokenStrings:
+    """Text and raw bytes of single tokens, for logprobs (cached per token id).
+
+    ``text(id)`` is the token decoded alone (U+FFFD for a piece of a multi-byte character, as
+    vLLM reports it); ``bytes(id)`` is the token's exact UTF-8 bytes for byte-level BPE
+    tokenizers, so that a client can join the bytes of consecutive tokens into characters (the
+    purpose of OpenAI's ``bytes`` field). Without a tokenizer a token reads ``token_id:<id>``.
+    """
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+        self._byte_of: Optional[dict[str, int]] = None
+        try:
+            if type(tokenizer.backend_tokenizer.decoder).__name__ == "ByteLevel":
+                self._byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+        except Exception:  # no fast backend / no decoder: fall back to the decoded text's bytes
+            pass
+
+    def text(self, tid: int) -> str:
+        s = self._text.get(tid)
+        if s is None:
+            s = self.tok.decode([tid]) if self.tok is not None else f"token_id:{tid}"
+            self._text[tid] = s
+        return s
+
+    def bytes(self, tid: int) -> list[int]:
+        b = self._bytes.get(tid)
+        if b is None:
+            b = None
+            if self._byte_of is not None and tid not in self.tok.all_special_ids:
+                piece = self.tok.convert_ids_to_tokens(tid)
+                if isinstance(piece, str) and all(ch in self._byte_of for ch in piece):
+                    b = [self._byte_of[ch] for ch in piece]
+            if b is None:
+                b = list(self.text(tid).encode("utf-8"))
+            self._bytes[tid] = b
+        return b
+
+
+def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely (token id, logprob) pairs of one position, most likely first."""
+    return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+
+
+class _SSE:
+    """A server-sent-events response prepared on its first event, so that an error raised before
+    any output (engine dead, ...) still becomes an ordinary JSON error response."""
+
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.resp: Optional[web.StreamResponse] = None
+
+    @property
+    def started(self) -> bool:
+        return self.resp is not None
+
+    async def send(self, data: dict) -> None:
+        if self.resp is None:
+            self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                    "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            await self.resp.prepare(self.request)
+        await self.resp.write(b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n")
+
+    async def error(self, e: BaseException) -> None:
+        """Report a failure after the stream started (OpenAI's client raises APIError on it)."""
+        status, err_type, param = _classify(e)
+        await self.send(error_body(str(e), err_type, param) | {"status_code": status})
+
+    async def done(self) -> web.StreamResponse:
+        if self.resp is None:  # nothing was sent (cannot happen for a finished request): still answer
+            await self.send({})
+        await self.resp.write(b"data: [DONE]\n\n")
+        await self.resp.write_eof()
+        return self.resp
+
+
+def _classify(e: BaseException) -> tuple[int, str, Optional[str]]:
+    """(HTTP status, OpenAI error type, param) for an exception raised while serving."""
+    if isinstance(e, ProtocolError):
+        return e.status, e.err_type, e.param
+    if isinstance(e, (RequestError, SamplingParamsError)):
+        return 400, "invalid_request_error", e.param
+    if isinstance(e, EngineDeadError):
+        return 503, "server_error", None
+    return 500, "server_error", None
+
+
 class OpenAIServer:
-    """Routes and request handling around one AsyncEngine."""
+    """Routes and request handling around one AsyncEngine.
+
+    Args:
+        engine: a started AsyncEngine.
+        served_model_name: the only model name requests may use (unknown names get 404).
+        api_key: when set, every ``/v1/*`` request needs ``Authorization: Bearer <api_key>`` (401).
+        chat_template: a Jinja chat template used instead of the tokenizer's.
+    """
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: Optional[str] = None,
                  chat_template: Optional[str] = None):
@@ -43,7 +162,7 @@ class OpenAIServer:
         self.api_key = api_key
         self.chat_template = chat_template
         self.tokenizer = engine.tokenizer
-        self._tok_cache: dict[int, str] = {}
+        self.tokens = TokenStrings(engine.tokenizer)
         from zpp.server.metrics import Metrics
         self.metrics = Metrics(engine)
         engine.metrics = self.metrics
@@ -53,6 +172,7 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics.handler)
@@ -61,37 +181,40 @@ class OpenAIServer:
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
         if self.api_key and request.path.startswith("/v1/"):
-            if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
+            got = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
                 return _error("invalid or missing API key (send 'Authorization: Bearer <key>')", 401,
-                              "authentication_error", code="invalid_api_key")
+                              code="invalid_api_key")
         try:
             return await handler(request)
         except web.HTTPException as e:
             if e.status >= 400:
                 return _error(e.reason or "error", e.status, "invalid_request_error" if e.status < 500 else "server_error")
             raise
-        except ProtocolError as e:
-            return _error(str(e), e.status, e.err_type, e.param, e.code)
-        except SamplingParamsError as e:
-            return _error(str(e), 400, param=e.param)
-        except RequestError as e:
-            return _error(str(e), 400, param=e.param)
-        except EngineDeadError as e:
-            return _error(f"the engine is dead: {e}", 503, "server_error")
         except (asyncio.CancelledError, ConnectionResetError):
             raise
+        except (ProtocolError, RequestError, SamplingParamsError, EngineDeadError) as e:
+            status, err_type, param = _classify(e)
+            msg = f"the engine is dead: {e}" if isinstance(e, EngineDeadError) else str(e)
+            return _error(msg, status, err_type, param, getattr(e, "code", None))
         except Exception as e:  # a bug: answer in the API's shape and keep serving
             logger.exception("error handling %s", request.path)
             return _error(f"internal error: {type(e).__name__}: {e}", 500, "server_error")
 
     # --- simple routes ------------------------------------------------------------------------
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": now(), "owned_by": "zpp",
+                "root": self.engine.config.model.model, "parent": None, "max_model_len": self.engine.max_model_len}
+
     async def models(self, request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": now(), "owned_by": "zpp",
-            "root": self.engine.config.model.model, "parent": None,
-            "max_model_len": self.engine.max_model_len}]})
+        return _json({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        self._check_model(request.match_info["model"])
+        return _json(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 while the engine runs; 503 once a worker died (the server then exits)."""
         if not self.engine.is_healthy:
             return web.Response(status=503, text=f"engine dead: {self.engine.dead}")
         return web.Response(status=200)
@@ -103,36 +226,37 @@ class OpenAIServer:
     def _check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.model_name:
             raise ProtocolError(f"the model {name!r} does not exist (this server serves {self.model_name!r})",
-                                "model", 404, "not_found_error", "model_not_found")
-
-    def _token_str(self, tid: int) -> str:
-        s = self._tok_cache.get(tid)
-        if s is None:
-            s = self.tokenizer.decode([tid]) if self.tokenizer is not None else str(tid)
-            self._tok_cache[tid] = s
-        return s
+                                "model", 404, "invalid_request_error", "model_not_found")
 
     async def _read(self, request: web.Request, kind):
-        body = await request.read()
-        return decode_request(body, kind)
+        return decode_request(await request.read(), kind)
 
-    def _validate_all(self, prompts, sampling) -> None:
-        for p in prompts:
-            _, ids = self.engine.tokenize_prompt(p)
-            self.engine.validate(ids, sampling)
+    def _check_stop_token_ids(self, sampling: SamplingParams) -> None:
+        bad = [t for t in sampling.stop_token_ids or () if t >= self.engine.vocab_size]
+        if bad:
+            raise ProtocolError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})",
+                                "stop_token_ids")
 
-    async def _run_all(self, prompts, sampling, base_id) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run every prompt concurrently; yield (prompt index, cumulative output) as they progress."""
+    async def _run_all(self, prompts: list[list[int]], sampling: SamplingParams,
+                       base_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every prompt concurrently; yield (prompt index, cumulative output) as they progress.
+
+        Use under ``contextlib.aclosing``: closing the generator (the handler was cancelled, the
+        client went away, an error) cancels the per-prompt tasks, which aborts their requests.
+        Raises whatever a request raised (EngineDeadError, RequestError).
+        """
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def one(i, p):
+        async def one(i: int, ids: list[int]) -> None:
             try:
-                async for out in self.engine.generate(p, sampling, f"{base_id}-{i}"):
+                async for out in self.engine.generate(ids, sampling, f"{base_id}-{i}"):
                     queue.put_nowait((i, out))
-            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # forwarded to the consumer
                 queue.put_nowait((i, e))
 
-        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+        tasks = [asyncio.create_task(one(i, ids)) for i, ids in enumerate(prompts)]
         done = 0
         try:
             while done < len(tasks):
@@ -148,115 +272,167 @@ class OpenAIServer:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     # --- /v1/completions ----------------------------------------------------------------------
+    def _tokenize_prompts(self, prompt) -> list[tuple[Optional[str], list[int]]]:
+        """OpenAI's four prompt forms -> [(text or None, token ids)]. Raises ProtocolError."""
+        try:
+            return [self.engine.tokenize_prompt(p) for p in _normalize_prompt(prompt)]
+        except RequestError as e:
+            raise ProtocolError(str(e), e.param) from None
+
+    def _completion_logprobs(self, k: int, pairs: list[tuple[int, Optional[dict[int, float]]]],
+                             offset: int) -> dict:
+        """OpenAI's completions ``logprobs`` object for (token id, {id: logprob} or None) pairs;
+        ``text_offset`` counts characters from ``offset``."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, lp in pairs:
+            s = self.tokens.text(tid)
+            tokens.append(s)
+            if lp is None:
+                token_lps.append(None)
+                tops.append(None)
+            else:
+                token_lps.append(lp.get(tid))
+                top = dict((self.tokens.text(t), v) for t, v in _top(lp, k))
+                top.setdefault(s, lp.get(tid))  # the chosen token is always listed, as in vLLM
+                tops.append(top)
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
     async def completions(self, request: web.Request):
         req: CompletionRequest = await self._read(request, CompletionRequest)
         self._check_model(req.model)
         if req.suffix is not None:
-            raise ProtocolError("suffix is not supported", "suffix")
+            raise ProtocolError("suffix is not supported by this server", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise ProtocolError("best_of is not supported (only best_of == n)", "best_of")
-        prompts = _normalize_prompt(req.prompt)
-        sampling = to_sampling_params(req, req.max_tokens, req.logprobs)
-        if req.echo and req.logprobs is not None:
-            sampling = sampling.clone(prompt_logprobs=max(req.logprobs, sampling.prompt_logprobs or 0))
-        self._validate_all(prompts, sampling)
-        cid, created = new_id("cmpl"), now()
-        n = sampling.n
+        prompts = self._tokenize_prompts(req.prompt)
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        sampling = to_sampling_params(req, max_tokens, req.logprobs)
+        want_prompt_lps = req.echo and req.logprobs is not None
+        # echo + logprobs + max_tokens 0 scores the prompt: run one step for its logprobs and
+        # drop the sampled token.
+        prompt_only = want_prompt_lps and max_tokens == 0
+        if want_prompt_lps:
+            sampling = sampling.clone(prompt_logprobs=max(req.logprobs, sampling.prompt_logprobs or 0),
+                                      max_tokens=1 if prompt_only else max_tokens)
+        self._check_stop_token_ids(sampling)
+        for _, ids in prompts:
+            self.engine.validate(ids, sampling)
+        cid, created, n = new_id("cmpl"), now(), sampling.n
+        k = req.logprobs
 
-        def choice_logprobs(out, prompt_ids, prompt_lps, text_offset0: int) -> Optional[dict]:
-            if req.logprobs is None:
-                return None
-            tokens, token_lps, tops, offsets = [], [], [], []
-            off = text_offset0
-            pairs = []
-            if req.echo:
-                pairs += [(t, prompt_lps[j] if prompt_lps else None) for j, t in enumerate(prompt_ids)]
-            pairs += list(zip(out.token_ids, out.logprobs or [None] * len(out.token_ids)))
-            for tid, lp in pairs:
-                s = self._token_str(tid)
-                tokens.append(s)
-                token_lps.append(lp.get(tid) if lp else None)
-                tops.append({self._token_str(t): v for t, v in list(lp.items())[: max(req.logprobs, 1) + 1]}
-                            if lp else None)
-                offsets.append(off)
-                off += len(s)
-            return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+        def shown(c: CompletionOutput) -> CompletionOutput:
+            if not prompt_only:
+                return c
+            return CompletionOutput(index=c.index, text="", token_ids=[], logprobs=[] if k is not None else None,
+                                    finish_reason="length" if c.finish_reason else None)
 
-        def prompt_text(o: RequestOutput) -> str:
-            if o.prompt is not None:
-                return o.prompt
-            return self.tokenizer.decode(o.prompt_token_ids) if self.tokenizer is not None else ""
+        def echo_text(i: int) -> str:
+            text, ids = prompts[i]
+            if text is not None:
+                return text
+            return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+        def prompt_pairs(i: int, o: RequestOutput) -> list:
+            lps = o.prompt_logprobs or [None] * len(prompts[i][1])
+            return list(zip(prompts[i][1], lps))
+
+        def gen_pairs(c: CompletionOutput, t0: int = 0) -> list:
+            return list(zip(c.token_ids[t0:], (c.logprobs or [])[t0:] + [None] * len(c.token_ids)))
 
         if not req.stream:
             finals: dict[int, RequestOutput] = {}
-            async for i, out in self._run_all(prompts, sampling, cid):
-                if out.finished:
-                    finals[i] = out
+            async with aclosing(self._run_all([ids for _, ids in prompts], sampling, cid)) as outs:
+                async for i, out in outs:
+                    if out.finished:
+                        finals[i] = out
             choices = []
             for i in range(len(prompts)):
                 o = finals[i]
-                for c in o.outputs:
-                    echo = prompt_text(o) if req.echo else ""
-                    choices.append({"index": i * n + c.index, "text": echo + c.text,
-                                    "logprobs": choice_logprobs(c, o.prompt_token_ids, o.prompt_logprobs, 0),
+                head = echo_text(i) if req.echo else ""
+                for c in map(shown, o.outputs):
+                    lp = None
+                    if k is not None:
+                        pairs = (prompt_pairs(i, o) if req.echo else []) + gen_pairs(c)
+                        lp = self._completion_logprobs(k, pairs, 0)
+                    choices.append({"index": i * n + c.index, "text": head + c.text, "logprobs": lp,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-            usage = _usage(finals.values())
             return _json({"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                          "choices": choices, "usage": usage})
+                          "choices": choices, "usage": _usage(prompts, [map(shown, finals[i].outputs)
+                                                                        for i in finals])})
 
-        resp = await _sse_response(request)
-        sent_text: dict[tuple[int, int], int] = {}
-        sent_tok: dict[tuple[int, int], int] = {}
-        finals = {}
-        async for i, out in self._run_all(prompts, sampling, cid):
-            for c in out.outputs:
-                key = (i, c.index)
-                start = sent_text.get(key)
-                if start is None and req.echo:
-                    await _sse(resp, {"id": cid, "object": "text_completion", "created": created,
-                                      "model": self.model_name, "choices": [{
-                                          "index": i * n + c.index, "text": prompt_text(out),
-                                          "logprobs": None, "finish_reason": None}]})
-                start = start or 0
-                delta = c.text[start:]
-                t0 = sent_tok.get(key, 0)
-                new_ids = c.token_ids[t0:]
-                if not delta and not c.finish_reason and not (req.logprobs is not None and new_ids):
-                    continue
-                lp = None
-                if req.logprobs is not None:
-                    part = type(c)(index=c.index, token_ids=new_ids,
-                                   logprobs=(c.logprobs or [])[t0:] if c.logprobs is not None else None)
-                    lp = choice_logprobs(part, [], None, start)
-                sent_text[key] = len(c.text)
-                sent_tok[key] = len(c.token_ids)
-                await _sse(resp, {"id": cid, "object": "text_completion", "created": created,
-                                  "model": self.model_name, "choices": [{
-                                      "index": i * n + c.index, "text": delta, "logprobs": lp,
-                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
-            if out.finished:
-                finals[i] = out
+        sse = _SSE(request)
+        sent_text: dict[tuple[int, int], int] = {}   # characters of generated text sent
+        sent_tok: dict[tuple[int, int], int] = {}    # generated tokens whose logprobs were sent
+        base: dict[tuple[int, int], int] = {}        # length of the echoed prompt text
+        finished: set[tuple[int, int]] = set()
+        completion_tokens = 0
+
+        def chunk(index: int, text: str, lp, finish_reason=None, stop_reason=None) -> dict:
+            return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+                    "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
+                                 "stop_reason": stop_reason}]}
+
+        try:
+            async with aclosing(self._run_all([ids for _, ids in prompts], sampling, cid)) as outs:
+                async for i, out in outs:
+                    for c in map(shown, out.outputs):
+                        key = (i, c.index)
+                        if key in finished or (not c.token_ids and c.finish_reason is None):
+                            continue  # nothing new for this choice (or its prompt logprobs are not complete)
+                        if key not in base:
+                            base[key] = 0
+                            if req.echo:
+                                head = echo_text(i)
+                                base[key] = len(head)
+                                lp = self._completion_logprobs(k, prompt_pairs(i, out), 0) if k is not None else None
+                                await sse.send(chunk(i * n + c.index, head, lp))
+                        start, t0 = sent_text.get(key, 0), sent_tok.get(key, 0)
+                        delta = c.text[start:]
+                        lp = None
+                        if k is not None:
+                            lp = self._completion_logprobs(k, gen_pairs(c, t0), base[key] + start)
+                        if not delta and c.finish_reason is None and not (lp and lp["tokens"]):
+                            continue
+                        sent_text[key], sent_tok[key] = len(c.text), len(c.token_ids)
+                        if c.finish_reason is not None:
+                            finished.add(key)
+                            completion_tokens += len(c.token_ids)
+                        await sse.send(chunk(i * n + c.index, delta, lp, c.finish_reason, c.stop_reason))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if not sse.started:
+                raise
+            await sse.error(e)
+            return await sse.done()
         if req.stream_options and req.stream_options.include_usage:
-            await _sse(resp, {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                              "choices": [], "usage": _usage(finals.values())})
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+            prompt_tokens = sum(len(ids) for _, ids in prompts)
+            await sse.send({"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+                            "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                     "completion_tokens": completion_tokens,
+                                                     "total_tokens": prompt_tokens + completion_tokens}})
+        return await sse.done()
 
     # --- /v1/chat/completions -----------------------------------------------------------------
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """Render the messages with the chat template and tokenize (no special tokens added: the
+        template writes any BOS itself, so there is never a second one). Raises ProtocolError."""
         if self.tokenizer is None:
-            raise ProtocolError("this model has no tokenizer, so chat is unavailable; use /v1/completions with token ids")
+            raise ProtocolError("this model has no tokenizer, so chat is unavailable; use /v1/completions "
+                                "with token ids", "messages")
         if not req.messages:
             raise ProtocolError("messages must be a non-empty list", "messages")
-        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        template = req.chat_template or self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
-            raise ProtocolError("this model has no chat template; start the server with --chat-template FILE "
-                                "or use /v1/completions", "messages")
+            raise ProtocolError("this model has no chat template, so /v1/chat/completions cannot format "
+                                "messages; start the server with --chat-template FILE or use /v1/completions",
+                                "messages")
         msgs = []
         for i, m in enumerate(req.messages):
-            if m.role not in ("system", "user", "assistant", "tool", "developer"):
-                raise ProtocolError(f"messages[{i}].role {m.role!r} is not one of system, user, assistant, tool",
+            if m.role not in _CHAT_ROLES:
+                raise ProtocolError(f"messages[{i}].role {m.role!r} is not one of {', '.join(_CHAT_ROLES)}",
                                     "messages")
             content = m.content
             if isinstance(content, list):
@@ -266,88 +442,103 @@ class OpenAIServer:
                         raise ProtocolError(f"messages[{i}].content: only text parts are supported", "messages")
                     parts.append(p["text"])
                 content = "".join(parts)
-            msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+            elif content is None and m.role != "assistant":
+                raise ProtocolError(f"messages[{i}].content is required for role {m.role!r}", "messages")
+            msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+            if m.name is not None:
+                msg["name"] = m.name
+            msgs.append(msg)
         try:
             text = self.tokenizer.apply_chat_template(
-                msgs, chat_template=self.chat_template, tokenize=False,
+                msgs, chat_template=template, tokenize=False,
+                # continue_final_message wins: the last (assistant) message is continued, no new turn
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
         except Exception as e:  # template errors are the request's fault (e.g. role order)
             raise ProtocolError(f"the chat template failed on these messages: {e}", "messages") from None
-        # The template already holds any BOS; encoding must not add another.
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _chat_logprobs(self, k: int, token_ids: list[int], lps) -> dict:
+        content = []
+        for tid, lp in zip(token_ids, lps or []):
+            top = [{"token": self.tokens.text(t), "logprob": v, "bytes": self.tokens.bytes(t)}
+                   for t, v in _top(lp, k)] if lp else []
+            content.append({"token": self.tokens.text(tid), "logprob": lp.get(tid) if lp else None,
+                            "bytes": self.tokens.bytes(tid), "top_logprobs": top})
+        return {"content": content}
 
     async def chat_completions(self, request: web.Request):
         req: ChatCompletionRequest = await self._read(request, ChatCompletionRequest)
         self._check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise ProtocolError("top_logprobs needs logprobs: true", "top_logprobs")
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        sampling = to_sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        use_mct = req.max_completion_tokens is not None
+        sampling = to_sampling_params(req, req.max_completion_tokens if use_mct else req.max_tokens,
+                                      (req.top_logprobs or 0) if req.logprobs else None,
+                                      rename={"max_tokens": "max_completion_tokens" if use_mct else "max_tokens",
+                                              "logprobs": "top_logprobs"})
+        self._check_stop_token_ids(sampling)
         prompt_ids = self._chat_prompt(req)
-        self._validate_all([prompt_ids], sampling)
-        cid, created = new_id("chatcmpl"), now()
-
-        def lp_content(token_ids, lps) -> Optional[dict]:
-            if not req.logprobs:
-                return None
-            content = []
-            for tid, lp in zip(token_ids, lps or []):
-                s = self._token_str(tid)
-                top = [{"token": self._token_str(t), "logprob": v, "bytes": list(self._token_str(t).encode())}
-                       for t, v in list(lp.items())[1:][: req.top_logprobs or 0]] if lp else []
-                if lp and req.top_logprobs:
-                    # top_logprobs are the k most likely tokens; the chosen one may be among them.
-                    ranked = sorted(lp.items(), key=lambda kv: -kv[1])[: req.top_logprobs]
-                    top = [{"token": self._token_str(t), "logprob": v, "bytes": list(self._token_str(t).encode())}
-                           for t, v in ranked]
-                content.append({"token": s, "logprob": lp.get(tid) if lp else None,
-                                "bytes": list(s.encode()), "top_logprobs": top})
-            return {"content": content}
+        self.engine.validate(prompt_ids, sampling)
+        cid, created, k = new_id("chatcmpl"), now(), req.top_logprobs or 0
 
         if not req.stream:
             final = None
-            async for _, out in self._run_all([prompt_ids], sampling, cid):
-                final = out
+            async with aclosing(self._run_all([prompt_ids], sampling, cid)) as outs:
+                async for _, out in outs:
+                    final = out
             choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": lp_content(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason} for c in final.outputs]
+                        "logprobs": self._chat_logprobs(k, c.token_ids, c.logprobs) if req.logprobs else None,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
             return _json({"id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
-                          "choices": choices, "usage": _usage([final])})
+                          "choices": choices, "usage": _usage([(None, prompt_ids)], [final.outputs])})
 
-        resp = await _sse_response(request)
+        sse = _SSE(request)
         sent_text: dict[int, int] = {}
         sent_tok: dict[int, int] = {}
-        finish_sent: set[int] = set()
-        final = None
+        finished: set[int] = set()
+        completion_tokens = 0
 
-        def chunk(choices):
+        def chunk(choices: list) -> dict:
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                     "choices": choices}
 
-        for j in range(sampling.n):
-            await _sse(resp, chunk([{"index": j, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]))
-        async for _, out in self._run_all([prompt_ids], sampling, cid):
-            final = out
-            for c in out.outputs:
-                start, t0 = sent_text.get(c.index, 0), sent_tok.get(c.index, 0)
-                delta = c.text[start:]
-                new_ids = c.token_ids[t0:]
-                if delta or (req.logprobs and new_ids):
-                    sent_text[c.index], sent_tok[c.index] = len(c.text), len(c.token_ids)
-                    await _sse(resp, chunk([{"index": c.index, "delta": {"content": delta},
-                                             "logprobs": lp_content(new_ids, (c.logprobs or [])[t0:]),
-                                             "finish_reason": None}]))
-                if c.finish_reason is not None and c.index not in finish_sent:
-                    finish_sent.add(c.index)
-                    await _sse(resp, chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]))
+        try:
+            async with aclosing(self._run_all([prompt_ids], sampling, cid)) as outs:
+                async for _, out in outs:
+                    if not sse.started:  # the first chunk of every choice carries the role
+                        for j in range(sampling.n):
+                            await sse.send(chunk([{"index": j, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}]))
+                    for c in out.outputs:
+                        if c.index in finished:
+                            continue
+                        start, t0 = sent_text.get(c.index, 0), sent_tok.get(c.index, 0)
+                        delta, new_ids = c.text[start:], c.token_ids[t0:]
+                        if not delta and c.finish_reason is None and not (req.logprobs and new_ids):
+                            continue
+                        sent_text[c.index], sent_tok[c.index] = len(c.text), len(c.token_ids)
+                        choice = {"index": c.index, "delta": {"content": delta} if delta else {},
+                                  "logprobs": self._chat_logprobs(k, new_ids, (c.logprobs or [])[t0:])
+                                  if req.logprobs and new_ids else None,
+                                  "finish_reason": c.finish_reason}
+                        if c.finish_reason is not None:
+                            finished.add(c.index)
+                            completion_tokens += len(c.token_ids)
+                            choice["stop_reason"] = c.stop_reason
+                        await sse.send(chunk([choice]))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if not sse.started:
+                raise
+            await sse.error(e)
+            return await sse.done()
         if req.stream_options and req.stream_options.include_usage:
-            await _sse(resp, {**chunk([]), "usage": _usage([final])})
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+            await sse.send({**chunk([]), "usage": {"prompt_tokens": len(prompt_ids),
+                                                   "completion_tokens": completion_tokens,
+                                                   "total_tokens": len(prompt_ids) + completion_tokens}})
+        return await sse.done()
 
 
 def _normalize_prompt(prompt) -> list:
@@ -369,20 +560,22 @@ def _normalize_prompt(prompt) -> list:
     raise ProtocolError("prompt must be a string, a list of strings, a list of token ids or a list of those", "prompt")
 
 
-def _usage(outputs) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+def _usage(prompts: list[tuple[Optional[str], list[int]]], outputs) -> dict:
+    """OpenAI's usage: each prompt counted once (whatever ``n``), every generated token counted."""
+    prompt = sum(len(ids) for _, ids in prompts)
+    completion = sum(len(c.token_ids) for outs in outputs for c in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _sse_response(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    return resp
-
-
-async def _sse(resp: web.StreamResponse, data: dict) -> None:
-    await resp.write(b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n")
+def load_chat_template(path: Optional[str]) -> Optional[str]:
+    """The text of a ``--chat-template`` file (None -> None). Raises ConfigError if unreadable."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"--chat-template {path!r}: {e.strerror or e}") from None
 
 
 # --- running the server ---------------------------------------------------------------------------
@@ -390,17 +583,18 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
                 chat_template: Optional[str] = None) -> int:
     """Start the engine and the HTTP server; run until SIGINT/SIGTERM or engine death.
 
+    ``chat_template`` is a file path (read before any worker starts).
+
     Returns the process exit status: 0 after a signal, 1 if the engine died.
+    Raises:
+        ConfigError: the chat template file cannot be read, or the engine configuration is bad.
     """
+    template = load_chat_template(chat_template)
     engine = await AsyncEngine.start(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    template = None
-    if chat_template:
-        with open(chat_template) as f:
-            template = f.read()
     server = OpenAIServer(engine, config.model.name, api_key, template)
     runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None)
     status = 0

@@ -1,18 +1,24 @@
 """OpenAI API request schemas (msgspec) and their translation into SamplingParams.
 
-Decoding a body with ``msgspec.json.decode(body, type=CompletionRequest)`` checks every field's
-type; a ValidationError's path (``$.temperature``) names the parameter for the 400 response.
+Decoding a body with :func:`decode_request` checks every field's type and the ranges that can be
+checked without the model (an integer must fit in 64 bits, ``n`` is at most 128, ...); a
+ValidationError's path (``$.temperature``) names the parameter for the 400 response. Unknown
+fields are ignored, as OpenAI-compatible servers usually do.
 """
 from __future__ import annotations
 
 import re
 import time
 import uuid
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
 import msgspec
 
-from zpp.sampling_params import SamplingParams
+from zpp.sampling_params import SamplingParams, SamplingParamsError
+
+# Every integer that reaches the engine crosses a msgpack socket: it must fit in 64 bits.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2 ** 63), le=2 ** 63 - 1)]
+MAX_N = 128  # OpenAI's limit on completions per prompt
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
@@ -22,36 +28,39 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
 
 class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
+    max_tokens: Optional[Int64] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    n: int = 1
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[None, str, list[str]] = None
-    seed: Optional[int] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    seed: Optional[Int64] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
     user: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
     # vLLM extensions
-    top_k: Optional[int] = None
+    top_k: Optional[Int64] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[Int64]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: Optional[int] = None
+    prompt_logprobs: Optional[Int64] = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
+    """``POST /v1/completions``; ``prompt`` is a string, a list of strings, a token-id list or a
+    list of token-id lists."""
+
     prompt: Union[str, list[Union[str, int, list[int]]], None] = None
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[Int64] = None
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    best_of: Optional[Int64] = None
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
@@ -61,12 +70,16 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over the older ``max_tokens``;
+    ``chat_template`` (a vLLM extension) overrides the server's template for this request."""
+
     messages: list[ChatMessage] = []
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: Optional[Int64] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Annotated[int, msgspec.Meta(ge=0, le=20)]] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
@@ -83,7 +96,12 @@ _PATH_RE = re.compile(r"at `\$\.([A-Za-z_]+)")
 
 
 def decode_request(body: bytes, kind: type):
-    """Parse and type-check a JSON body. Raises ProtocolError naming the bad parameter."""
+    """Parse and type-check a JSON body into ``kind`` (CompletionRequest or ChatCompletionRequest).
+
+    Raises:
+        ProtocolError: the body is not JSON, not an object, or a field has the wrong type or is
+            out of range (``param`` names the top-level field).
+    """
     try:
         req = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
@@ -91,38 +109,58 @@ def decode_request(body: bytes, kind: type):
         raise ProtocolError(f"invalid request: {e}", m.group(1) if m else None) from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"the body is not valid JSON: {e}") from None
+    if req.stream_options is not None and not req.stream:
+        raise ProtocolError("stream_options is only allowed with stream: true", "stream_options")
     return req
 
 
-def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
+                       rename: Optional[dict[str, str]] = None) -> SamplingParams:
     """Map OpenAI fields onto SamplingParams (None -> OpenAI defaults: temperature 1, top_p 1).
 
+    ``rename`` maps a SamplingParams field to the request field it came from (``max_tokens`` ->
+    ``max_completion_tokens``), so that an error names what the client sent.
+
     Raises:
-        SamplingParamsError: an out-of-range value (``.param`` names it).
-        ProtocolError: a field zpp does not support.
+        ProtocolError: an out-of-range value or a field zpp does not support (``param`` names it).
     """
     if req.logit_bias:
         raise ProtocolError("logit_bias is not supported", "logit_bias")
-    return SamplingParams(
-        n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        seed=req.seed,
-        max_tokens=max_tokens,
-        min_tokens=req.min_tokens,
-        stop=req.stop,
-        stop_token_ids=req.stop_token_ids,
-        ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
-        prompt_logprobs=req.prompt_logprobs,
-        skip_special_tokens=req.skip_special_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output,
-    )
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=_temperature(req.temperature),
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except SamplingParamsError as e:
+        param = (rename or {}).get(e.param, e.param)
+        msg = str(e)
+        if param != e.param and msg.startswith(e.param + ":"):
+            msg = param + msg[len(e.param):]
+        raise ProtocolError(msg, param) from None
+
+
+def _temperature(t: Optional[float]) -> float:
+    """None -> 1 (OpenAI's default); below 1e-5 -> 0 (greedy, as vLLM does: dividing logits by a
+    tiny temperature overflows)."""
+    if t is None:
+        return 1.0
+    return 0.0 if 0 <= t < 1e-5 else t
 
 
 def error_body(message: str, err_type: str = "invalid_request_error", param: Optional[str] = None,
@@ -132,8 +170,10 @@ def error_body(message: str, err_type: str = "invalid_request_error", param: Opt
 
 
 def new_id(prefix: str) -> str:
+    """A fresh response id, e.g. ``cmpl-<32 hex digits>``."""
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now() -> int:
+    """Unix time in whole seconds (the ``created`` field)."""
     return int(time.time())
