@@ -1,12 +1,25 @@
-"""Serving benchmark (like vLLM's benchmark_serving): drives a running ``zpp serve`` (or any
-OpenAI-compatible server) over HTTP and reports request/token throughput and TTFT, TPOT, ITL and
-end-to-end latency statistics."""
+"""Serving benchmark (like vLLM's ``benchmark_serving.py``): drives a running ``zpp serve`` (or any
+OpenAI-compatible server) with streaming ``/v1/completions`` requests and reports request and
+token throughput and TTFT, TPOT, ITL and end-to-end latency statistics (milliseconds).
+
+Requests come from a random dataset (token-id prompts of ``--random-input-len`` tokens, each
+asking for ``--random-output-len`` tokens with ``ignore_eos``) or from a ShareGPT-format JSON
+file (``[{"conversations": [{"value": prompt}, {"value": reference answer}, ...]}, ...]``). They
+are sent at ``--request-rate`` per second (Poisson arrivals; ``inf`` sends all at once), with at
+most ``--max-concurrency`` in flight.
+
+Definitions (as in vLLM): TTFT = time to the first streamed chunk; ITL = time between
+consecutive chunks; TPOT = (latency - TTFT) / (output tokens - 1) per request; E2EL = request
+latency.
+"""
 from __future__ import annotations
 
 import asyncio
 import datetime
 import json
+import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -14,22 +27,35 @@ from typing import Optional
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="load-test a running server (streaming /v1/completions)")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (without /v1)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--dataset", default="random", help="'random' or a ShareGPT-format JSON file")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--random-input-len", type=int, default=128)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.5,
-                   help="lengths drawn uniformly from [len * (1 - r), len * (1 + r)]")
-    p.add_argument("--sharegpt-output-len", type=int, default=None, help="override ShareGPT output lengths")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    p.add_argument("--random-input-len", type=int, default=1024, help="random dataset: prompt tokens")
+    p.add_argument("--random-output-len", type=int, default=128, help="random dataset: tokens to generate")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="random dataset: lengths drawn uniformly from [len * (1 - r), len * (1 + r)]")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="ShareGPT: generate this many tokens (default: the reference answer's length)")
+    p.add_argument("--tokenizer", default=None,
+                   help="ShareGPT: tokenizer directory to measure lengths (default: the served model's "
+                        "directory when it exists here, else 4 characters per token)")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second (Poisson arrivals); inf = all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default=None)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--output-json", default=None, help="write the results (and per-request data) here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
+
+
+@dataclass
+class BenchRequest:
+    prompt: object          # text or token ids
+    prompt_len: int         # tokens (measured or estimated)
+    output_len: int         # tokens to generate (sent as max_tokens with ignore_eos)
 
 
 @dataclass
@@ -43,137 +69,217 @@ class _Result:
     error: str = ""
 
 
-def _sample_requests(args) -> list[tuple[object, int, int]]:
-    """(prompt, prompt length, output length) per request."""
-    rng = random.Random(args.seed)
-    if args.dataset == "random":
-        out = []
-        for _ in range(args.num_prompts):
-            r = args.random_range_ratio
-            ilen = max(1, int(args.random_input_len * rng.uniform(1 - r, 1 + r)))
-            olen = max(1, int(args.random_output_len * rng.uniform(1 - r, 1 + r)))
-            out.append(([rng.randrange(100, 30000) for _ in range(ilen)], ilen, olen))
-        return out
-    with open(args.dataset) as f:
-        data = json.load(f)
-    convs = [d["conversations"] for d in data if len(d.get("conversations", [])) >= 2]
-    rng.shuffle(convs)
+def random_requests(num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+                    seed: int) -> list[BenchRequest]:
+    """``num`` token-id prompts (ids in [100, vocab_size - 100)) with lengths drawn uniformly
+    from ``[len * (1 - r), len * (1 + r)]`` (at least 1)."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    rng = random.Random(seed)
+    lo, hi = min(100, vocab_size // 4), max(vocab_size - 100, vocab_size // 2)
     out = []
-    for c in convs:
-        prompt, completion = c[0]["value"], c[1]["value"]
-        olen = args.sharegpt_output_len or max(4, min(1024, len(completion) // 4))
-        out.append((prompt, max(1, len(prompt) // 4), olen))
-        if len(out) >= args.num_prompts:
-            break
+    for _ in range(num):
+        ilen = max(1, round(input_len * rng.uniform(1 - range_ratio, 1 + range_ratio)))
+        olen = max(1, round(output_len * rng.uniform(1 - range_ratio, 1 + range_ratio)))
+        out.append(BenchRequest([rng.randrange(lo, hi) for _ in range(ilen)], ilen, olen))
     return out
 
 
-async def _one(session, url, model, prompt, olen, result: _Result) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": olen, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+def sharegpt_requests(path: str, num: int, tokenizer, fixed_output_len: Optional[int],
+                      seed: int) -> list[BenchRequest]:
+    """First-turn prompts of a ShareGPT file, shuffled; like vLLM, pairs with a prompt or answer
+    under 4 tokens, a prompt over 1024 tokens or a total over 2048 are skipped.
+
+    Raises:
+        ValueError: the file holds fewer usable conversations than ``num``.
+    """
+    with open(path) as f:
+        data = json.load(f)
+    convs = [d["conversations"] for d in data if len(d.get("conversations") or []) >= 2]
+    random.Random(seed).shuffle(convs)
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text)) if tokenizer is not None else max(1, len(text) // 4)
+
+    out = []
+    for c in convs:
+        prompt, answer = c[0].get("value", ""), c[1].get("value", "")
+        plen = count(prompt)
+        olen = fixed_output_len or count(answer)
+        if plen < 4 or (fixed_output_len is None and olen < 4) or plen > 1024 or plen + olen > 2048:
+            continue
+        out.append(BenchRequest(prompt, plen, olen))
+        if len(out) == num:
+            return out
+    raise ValueError(f"{path}: only {len(out)} usable conversations, {num} requested")
+
+
+async def _one(session, url: str, headers: dict, model: str, req: BenchRequest, result: _Result) -> None:
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    result.prompt_len = req.prompt_len
+    chunks = 0
     t0 = time.perf_counter()
     last = t0
     try:
-        async with session.post(url, json=body) as resp:
+        async with session.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return
             async for raw in resp.content:
                 line = raw.strip()
-                if not line.startswith(b"data: "):
+                if not line.startswith(b"data:"):
                     continue
-                data = line[6:]
+                data = line[5:].strip()
                 if data == b"[DONE]":
                     break
                 msg = json.loads(data)
+                if "error" in msg:
+                    result.error = str(msg["error"].get("message"))[:200]
+                    return
                 if msg.get("usage"):
                     result.output_tokens = msg["usage"]["completion_tokens"]
                     result.prompt_len = msg["usage"]["prompt_tokens"]
-                if msg.get("choices") and msg["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if result.ttft == 0.0:
-                        result.ttft = now - t0
+                if msg.get("choices"):
+                    t = time.perf_counter()
+                    if chunks == 0:
+                        result.ttft = t - t0
                     else:
-                        result.itl.append(now - last)
-                    last = now
+                        result.itl.append(t - last)
+                    last = t
+                    chunks += 1
         result.latency = time.perf_counter() - t0
+        if result.output_tokens == 0:  # a server that sends no usage: one chunk per token
+            result.output_tokens = chunks
         result.ok = True
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - reported per request
         result.error = repr(e)
 
 
-def _pct(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile (0-100) with linear interpolation, as numpy's default; 0 for no data."""
     if not xs:
         return 0.0
     xs = sorted(xs)
-    k = min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))
-    return xs[k]
+    pos = q / 100 * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-async def _main(args) -> dict:
-    import aiohttp
-    from tqdm import tqdm
-    reqs = _sample_requests(args)
-    rng = random.Random(args.seed + 1)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-        model = args.model
-        if model is None:
-            async with session.get(f"{args.base_url}/v1/models") as r:
-                model = (await r.json())["data"][0]["id"]
-        url = f"{args.base_url}/v1/completions"
-        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        bar = None if args.no_progress else tqdm(total=len(reqs), desc="requests")
-        results = [_Result() for _ in reqs]
-
-        async def go(i, prompt, olen):
-            if sem:
-                async with sem:
-                    await _one(session, url, model, prompt, olen, results[i])
-            else:
-                await _one(session, url, model, prompt, olen, results[i])
-            if bar:
-                bar.update(1)
-
-        tasks = []
-        t0 = time.perf_counter()
-        for i, (prompt, _, olen) in enumerate(reqs):
-            tasks.append(asyncio.create_task(go(i, prompt, olen)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
-        if bar:
-            bar.close()
+def summarize(results: list[_Result], duration: float) -> dict:
+    """Throughput (per second) and latency statistics (ms: mean, median, p99) of the results."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itls = [x for r in ok for x in r.itl]
-    ms = lambda xs: {"mean": 1000 * sum(xs) / len(xs) if xs else 0.0, "median": 1000 * _pct(xs, 50),
-                     "p99": 1000 * _pct(xs, 99)}
-    return {"date": datetime.date.today().isoformat(), "base_url": args.base_url, "model": model,
-            "dataset": args.dataset, "num_prompts": len(reqs), "request_rate": args.request_rate,
-            "max_concurrency": args.max_concurrency, "completed": len(ok), "failed": len(reqs) - len(ok),
-            "errors": [r.error for r in results if not r.ok][:5], "duration_s": duration,
+
+    def ms(xs):
+        return {"mean": 1000 * sum(xs) / len(xs) if xs else 0.0, "median": 1000 * percentile(xs, 50),
+                "p99": 1000 * percentile(xs, 99)}
+
+    return {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
             "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-            "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
-            "total_token_throughput": (in_tokens + out_tokens) / duration,
+            "request_throughput": len(ok) / duration if duration else 0.0,
+            "output_throughput": out_tokens / duration if duration else 0.0,
+            "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
             "ttft_ms": ms([r.ttft for r in ok]), "tpot_ms": ms(tpots), "itl_ms": ms(itls),
             "e2el_ms": ms([r.latency for r in ok])}
 
 
+def _load_tokenizer(path: Optional[str]):
+    if not path or not os.path.isdir(path):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+async def _main(args) -> dict:
+    import aiohttp
+    from tqdm import tqdm
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        async with session.get(f"{args.base_url}/v1/models", headers=headers) as r:
+            if r.status != 200:
+                raise RuntimeError(f"GET {args.base_url}/v1/models: HTTP {r.status}: {(await r.text())[:200]}")
+            card = (await r.json())["data"][0]
+        model = args.model or card["id"]
+        if args.dataset == "random":
+            vocab = 32000
+            tok = _load_tokenizer(card.get("root"))
+            if tok is not None:
+                vocab = len(tok)
+            reqs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                                   args.random_range_ratio, vocab, args.seed)
+        else:
+            tok = _load_tokenizer(args.tokenizer or card.get("root"))
+            reqs = sharegpt_requests(args.dataset, args.num_prompts, tok, args.sharegpt_output_len, args.seed)
+        url = f"{args.base_url}/v1/completions"
+
+        # One request first, outside the measurement: it checks the set-up and warms the server.
+        probe = _Result()
+        await _one(session, url, headers, model, BenchRequest(reqs[0].prompt, reqs[0].prompt_len, 4), probe)
+        if not probe.ok:
+            raise RuntimeError(f"the initial test request failed: {probe.error}")
+
+        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        bar = None if args.no_progress else tqdm(total=len(reqs), desc="requests", file=sys.stderr)
+        results = [_Result() for _ in reqs]
+
+        async def go(i: int, req: BenchRequest) -> None:
+            if sem is not None:
+                async with sem:
+                    await _one(session, url, headers, model, req, results[i])
+            else:
+                await _one(session, url, headers, model, req, results[i])
+            if bar is not None:
+                bar.update(1)
+
+        rng = random.Random(args.seed + 1)
+        tasks = []
+        t0 = time.perf_counter()
+        for i, req in enumerate(reqs):
+            tasks.append(asyncio.create_task(go(i, req)))
+            if args.request_rate != float("inf") and i < len(reqs) - 1:
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "base_url": args.base_url,
+           "model": model, "dataset": args.dataset, "num_prompts": len(reqs),
+           "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
+           "max_concurrency": args.max_concurrency, "command": " ".join(sys.argv)}
+    res.update(summarize(results, duration))
+    res["errors"] = [r.error for r in results if not r.ok][:10]
+    res["per_request"] = {"input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
+                          "ttfts_s": [r.ttft for r in results], "latencies_s": [r.latency for r in results],
+                          "itls_s": [r.itl for r in results]}
+    return res
+
+
 def run(args) -> int:
+    """``zpp bench serve``: print the result table; exit status 1 if any request failed."""
     from zpp.bench import print_table, write_json
-    res = asyncio.run(_main(args))
+    try:
+        res = asyncio.run(_main(args))
+    except (OSError, RuntimeError, ValueError) as e:
+        print(f"zpp bench serve: error: {e}", file=sys.stderr)
+        return 2
     rows = [("Successful requests", res["completed"]), ("Failed requests", res["failed"]),
+            ("Maximum request concurrency", res["max_concurrency"] or "unlimited"),
+            ("Request rate (req/s)", res["request_rate"]),
             ("Benchmark duration (s)", res["duration_s"]), ("Total input tokens", res["total_input_tokens"]),
             ("Total generated tokens", res["total_output_tokens"]),
             ("Request throughput (req/s)", res["request_throughput"]),
             ("Output token throughput (tok/s)", res["output_throughput"]),
             ("Total token throughput (tok/s)", res["total_token_throughput"])]
-    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E latency")):
+    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL")):
         for stat in ("mean", "median", "p99"):
             rows.append((f"{stat.capitalize()} {name} (ms)", res[key][stat]))
     print_table("Serving Benchmark Result", rows)
+    for e in res["errors"][:3]:
+        print(f"error: {e}", file=sys.stderr)
     write_json(args.output_json, res)
     return 0 if res["failed"] == 0 else 1
