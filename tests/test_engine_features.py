@@ -1,0 +1,156 @@
+"""Scheduler features on the real model: preemption, chunked prefill, seeded sampling, prefix caching,
+request limits. Outputs are compared with the same request run alone / at PP=1."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from zpp import LLM, SamplingParams
+from zpp.engine.async_engine import RequestError
+from zpp.sampling_params import SamplingParamsError
+
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
+         "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+
+
+def _prompt(tokenizer, i: int, n_words: int) -> list[int]:
+    return tokenizer.encode(" ".join(WORDS[(i + k) % len(WORDS)] for k in range(n_words)))
+
+
+async def _stream_checked(engine, prompt, sp):
+    """Consume a request's stream; assert no token is ever delivered twice or taken back."""
+    prev: list[int] = []
+    final = None
+    async for out in engine.generate(prompt, sp):
+        ids = out.outputs[0].token_ids
+        assert ids[: len(prev)] == prev, "stream changed tokens it already delivered"
+        prev = list(ids)
+        final = out
+    return final
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_preemption_keeps_outputs(demo_model, tokenizer, pp):
+    prompts = [_prompt(tokenizer, i * 3, 18)[:20] for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    with LLM(demo_model, pipeline_parallel_size=pp, num_kv_blocks=12, block_size=16) as llm:
+        alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
+        engine = llm.engine
+        before = engine.scheduler.stats.num_preemptions
+
+        async def together():
+            return await asyncio.gather(*(_stream_checked(engine, p, sp) for p in prompts))
+
+        outs = llm._call(together())
+        assert engine.scheduler.stats.num_preemptions > before, "the test did not force preemption"
+        assert engine.kv.num_free_blocks == 12
+    for i, o in enumerate(outs):
+        assert len(o.outputs[0].token_ids) == 60
+        assert o.outputs[0].token_ids == alone[i], f"request {i} changed by preemption"
+
+
+def test_chunked_prefill_long_prompt(demo_model, tokenizer):
+    long_prompt = _prompt(tokenizer, 0, 160)[:300]
+    assert len(long_prompt) >= 280
+    shorts = [_prompt(tokenizer, i, 4) for i in (5, 9, 13)]
+    sp_long = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    sp_short = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(demo_model, pipeline_parallel_size=1, enable_chunked_prefill=False,
+             kv_cache_memory="128MiB") as llm:
+        ref_long = llm.generate([long_prompt], sp_long)[0].outputs[0].token_ids
+        ref_short = [o.outputs[0].token_ids for o in llm.generate(shorts, sp_short)]
+
+    with LLM(demo_model, pipeline_parallel_size=2, max_num_batched_tokens=32,
+             kv_cache_memory="128MiB") as llm:
+        engine = llm.engine
+        progress_at_first_long_token: list[int] = []
+
+        async def run():
+            short_tasks = []
+            counts = [0, 0, 0]
+
+            async def short(i):
+                out = None
+                async for out in engine.generate(shorts[i], sp_short):
+                    counts[i] = len(out.outputs[0].token_ids)
+                return out.outputs[0].token_ids
+
+            for i in range(3):
+                short_tasks.append(asyncio.create_task(short(i)))
+            while min(counts) < 1:
+                await asyncio.sleep(0.001)
+            long_out = None
+            async for out in engine.generate(long_prompt, sp_long):
+                if not progress_at_first_long_token and out.outputs[0].token_ids:
+                    progress_at_first_long_token.extend(counts)
+                long_out = out
+            return long_out.outputs[0].token_ids, await asyncio.gather(*short_tasks), list(counts)
+
+        got_long, got_short, _ = llm._call(run())
+    assert got_long == ref_long
+    assert got_short == ref_short
+    # 300 tokens at 32 per batch take ~10 batches; the short requests decode during them.
+    assert min(progress_at_first_long_token) >= 5, progress_at_first_long_token
+
+
+def test_seeded_sampling_same_at_any_pp_and_batch(demo_model, tokenizer):
+    prompts = [_prompt(tokenizer, i, 6) for i in range(3)]
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    noise = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    texts = {}
+    for pp in (1, 2):
+        with LLM(demo_model, pipeline_parallel_size=pp, kv_cache_memory="64MiB") as llm:
+            alone = [llm.generate([p], sp)[0].outputs[0].text for p in prompts]
+            mixed = llm.generate(prompts + [_prompt(tokenizer, 20, 9)] * 3, [sp] * 3 + [noise] * 3)
+            texts[pp] = (alone, [o.outputs[0].text for o in mixed[:3]])
+    assert texts[1][0] == texts[1][1] == texts[2][0] == texts[2][1]
+    assert len(set(texts[1][0])) == 3  # different prompts, different samples
+
+
+def test_prefix_caching_same_output_and_hits(demo_model, tokenizer):
+    base = _prompt(tokenizer, 2, 70)
+    prompts = [base + _prompt(tokenizer, i, 3) for i in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(demo_model, kv_cache_memory="64MiB") as llm:
+        off = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
+    with LLM(demo_model, pipeline_parallel_size=2, kv_cache_memory="64MiB", enable_prefix_caching=True) as llm:
+        on = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
+        again = llm.generate([prompts[0]], sp)[0].outputs[0].token_ids
+        hits = llm.engine.kv.prefix_hits
+    assert on == off
+    assert again == off[0]
+    assert hits >= 2 * (len(base) // 16) * 16, hits
+
+
+def test_limits_and_invalid_params(demo_model):
+    with LLM(demo_model, max_model_len=64, kv_cache_memory="32MiB") as llm:
+        cases = [
+            ([], SamplingParams(), "empty"),
+            ([1] * 64, SamplingParams(max_tokens=1), "64 tokens"),
+            ([1] * 40, SamplingParams(max_tokens=30), "70"),
+            ([1, 49152], SamplingParams(), "49152"),
+            ([-1], SamplingParams(), "-1"),
+        ]
+        for prompt, sp, needle in cases:
+            with pytest.raises(RequestError) as e:
+                llm.generate([prompt], sp)
+            assert needle in str(e.value)
+        for kwargs, param in [({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                              ({"top_p": 1.5}, "top_p"), ({"n": 0}, "n"), ({"top_k": -3}, "top_k"),
+                              ({"min_p": 2.0}, "min_p"), ({"max_tokens": -1}, "max_tokens"),
+                              ({"repetition_penalty": 0.0}, "repetition_penalty"),
+                              ({"presence_penalty": 3.0}, "presence_penalty"),
+                              ({"logprobs": 50}, "logprobs"), ({"stop": [""]}, "stop"),
+                              ({"min_tokens": 5, "max_tokens": 2}, "min_tokens")]:
+            with pytest.raises(SamplingParamsError) as e:
+                SamplingParams(**kwargs)
+            assert e.value.param == param
+        # max_tokens omitted -> the remaining room; max_tokens 0 -> empty, finished
+        out = llm.generate([[1] * 60], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+        assert len(out.outputs[0].token_ids) == 4
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=0))[0]
+        assert out.finished and out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
+        # still serving
+        out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+        assert len(out.outputs[0].token_ids) == 3
