@@ -51,6 +51,7 @@ class StageModel(nn.Module):
         ``num_acts``: tensors sent between stages (2 = hidden + residual, 1 = hidden only);
         ``packed_modules``: checkpoint sub-name -> (merged sub-name, shard index);
         ``tied_names``: checkpoint names to load into ``lm_head.weight`` when embeddings are tied;
+        ``tie_word_embeddings_default``: HF's default when ``config.json`` omits the key;
     and implement ``forward(input_ids, positions, acts, kv_caches, meta)`` returning
     ``[num_acts, T, hidden]`` on non-last stages and the final hidden states ``[T, hidden]`` on
     the last one, and ``compute_logits(h [N, hidden])`` -> float32 ``[N, vocab]``.
@@ -59,6 +60,7 @@ class StageModel(nn.Module):
     num_acts: int = 2
     packed_modules: dict[str, tuple[str, int]] = {}
     tied_names: tuple[str, ...] = ()
+    tie_word_embeddings_default: bool = False
 
     def __init__(self, cfg: dict[str, Any], stage: StageInfo):
         super().__init__()
@@ -117,19 +119,30 @@ class StageModel(nn.Module):
                 loaded.add(f"{pname}#{shard}")
         if unexpected:
             raise ValueError(f"unexpected checkpoint tensors for this model: {', '.join(sorted(unexpected)[:10])}")
-        missing = [pname for pname, p in params.items() if not self._param_loaded(pname, p, loaded)]
+        missing = [m for pname, p in params.items() if (m := self._missing(pname, p, loaded))]
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {', '.join(sorted(missing)[:10])}"
                              + (" ..." if len(missing) > 10 else ""))
 
-    def _param_loaded(self, pname: str, param: nn.Parameter, loaded: set[str]) -> bool:
-        owner = self.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else self
-        sizes = getattr(owner, "output_sizes", None)
+    def _missing(self, pname: str, param: nn.Parameter, loaded: set[str]) -> Optional[str]:
+        """None if ``pname`` was loaded whole (shard None) or in every shard, else its description.
+
+        Shard counts: ``param.num_shards`` if set (MoE experts), else ``len(owner.output_sizes)``
+        (merged linear layers); other parameters must be loaded whole.
+        """
         if f"{pname}#None" in loaded:
-            return True
-        if sizes is not None:
-            return all(f"{pname}#{i}" in loaded for i in range(len(sizes)))
-        return False
+            return None
+        n = getattr(param, "num_shards", None)
+        if n is None:
+            owner = self.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else self
+            sizes = getattr(owner, "output_sizes", None)
+            n = len(sizes) if sizes is not None else None
+        if n is None:
+            return pname
+        absent = [i for i in range(n) if f"{pname}#{i}" not in loaded]
+        if not absent:
+            return None
+        return pname if len(absent) == n else f"{pname} (shards {','.join(map(str, absent))} of {n})"
 
     def map_weight_name(self, name: str) -> Optional[list[tuple[str, Optional[int]]]]:
         """Checkpoint name -> [(parameter name, shard index or None)], or None to skip it."""
@@ -152,4 +165,4 @@ class StageModel(nn.Module):
 
     @property
     def tie_embeddings(self) -> bool:
-        return bool(self.cfg.get("tie_word_embeddings", False))
+        return bool(self.cfg.get("tie_word_embeddings", self.tie_word_embeddings_default))

@@ -9,6 +9,7 @@ from zpp.models.layers.linear import Linear, MergedLinear
 
 _ACTS = {
     "silu": F.silu,
+    "swish": F.silu,
     "gelu": F.gelu,
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),

@@ -37,7 +37,10 @@ class Linear(nn.Module):
 
     @staticmethod
     def _load_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
-        default_weight_loader(param, loaded.t())
+        if loaded.dim() != 2 or loaded.shape[::-1] != param.shape:
+            raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} (stored transposed, "
+                             f"{tuple(param.shape[::-1])}) vs checkpoint {tuple(loaded.shape)}")
+        param.data.copy_(loaded.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -78,6 +81,23 @@ class VocabEmbedding(nn.Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(num_embeddings, embedding_dim)
         self.weight.weight_loader = default_weight_loader
+
+
+class PositionEmbedding(nn.Embedding):
+    """Learned absolute positions (GPT-2 ``wpe``, OPT ``embed_positions``).
+
+    ``forward(positions [T] int64)`` -> ``[T, embedding_dim]``, reading row ``position + offset``
+    (OPT's table starts 2 rows late, HF ``OPTLearnedPositionalEmbedding``; GPT-2's offset is 0).
+    ``num_embeddings`` is the table's size as stored in the checkpoint, offset rows included.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, offset: int = 0):
+        super().__init__(num_embeddings, embedding_dim)
+        self.offset = offset
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return super().forward(positions + self.offset if self.offset else positions)
 
 
 class LMHead(nn.Module):
