@@ -45,12 +45,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool):
+    """Pre-norm block; ``mlp`` replaces the gated MLP (Mixtral passes its sparse MoE block)."""
+
+    def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool, mlp: Optional[nn.Module] = None):
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.self_attn = LlamaAttention(cfg, max_positions, qkv_bias)
-        self.mlp = GatedMLP(cfg["hidden_size"], cfg["intermediate_size"], cfg.get("hidden_act", "silu"),
-                            bias=bool(cfg.get("mlp_bias", False)))
+        self.mlp = mlp if mlp is not None else GatedMLP(
+            cfg["hidden_size"], cfg["intermediate_size"], cfg.get("hidden_act", "silu"),
+            bias=bool(cfg.get("mlp_bias", False)))
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
@@ -86,8 +89,12 @@ class LlamaForCausalLM(StageModel):
             get_activation(act)
         except KeyError:
             raise ConfigError(f"hidden_act {act!r} is not supported") from None
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) and cfg.get("model_type") == "mistral":
-            raise ConfigError("sliding-window attention (Mistral sliding_window) is not supported")
+        window = cfg.get("sliding_window")
+        if (window and cfg.get("use_sliding_window", True) and cfg.get("model_type") in ("mistral", "mixtral")
+                and window < cfg.get("max_position_embeddings", window + 1)):
+            raise ConfigError(f"sliding-window attention (sliding_window={window}) is not supported")
+        if any(t != "full_attention" for t in cfg.get("layer_types") or []):
+            raise ConfigError("layer_types other than full_attention (sliding-window layers) are not supported")
 
     def __init__(self, cfg: dict[str, Any], stage: StageInfo, max_positions: int):
         super().__init__(cfg, stage)
@@ -97,13 +104,15 @@ class LlamaForCausalLM(StageModel):
         if stage.is_first:
             self.model.embed_tokens = VocabEmbedding(cfg["vocab_size"], self.hidden_size)
         self.model.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, max_positions, self.qkv_bias or bool(cfg.get("attention_bias", False))) if stage.owns_layer(i) else MissingLayer()
-            for i in range(n_layers))
+            self.make_layer(cfg, max_positions) if stage.owns_layer(i) else MissingLayer() for i in range(n_layers))
         if stage.is_last:
             self.model.norm = RMSNorm(self.hidden_size, cfg.get("rms_norm_eps", 1e-6))
             self.lm_head = LMHead(cfg["vocab_size"], self.hidden_size)
         self.num_kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
         self.head_dim = cfg.get("head_dim") or self.hidden_size // cfg["num_attention_heads"]
+
+    def make_layer(self, cfg: dict[str, Any], max_positions: int) -> nn.Module:
+        return LlamaDecoderLayer(cfg, max_positions, self.qkv_bias or bool(cfg.get("attention_bias", False)))
 
     def stage_owns(self, name: str) -> bool:
         i = layer_index(name)

@@ -1,0 +1,60 @@
+"""Mixtral (sparse mixture of experts), one pipeline stage of it.
+
+Follows HF transformers' ``modeling_mixtral.py``: the LLaMA block (RMSNorm, RoPE, grouped-query
+attention without biases) whose MLP is a sparse MoE block -- a router picks the top-2 of 8 experts
+per token and renormalises their weights (:class:`zpp.models.layers.moe.SparseMoeBlock`).
+
+Checkpoint names: HF 5.x's in-memory names (``mlp.gate.weight``, fused ``mlp.experts.gate_up_proj``
+``[E, 2I, H]`` and ``mlp.experts.down_proj`` ``[E, H, I]``) and the original per-expert names that
+``save_pretrained`` writes (``block_sparse_moe.gate.weight``,
+``block_sparse_moe.experts.{e}.w1/w2/w3.weight``) both load into the same parameters.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+from torch import nn
+
+from zpp.config import ConfigError
+from zpp.models.layers.moe import SparseMoeBlock
+from zpp.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+_EXPERT_RE = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """One stage of a Mixtral causal LM; same inputs / outputs as :class:`LlamaForCausalLM`
+    (``[2, T, H]`` hidden + residual between stages, final normed hidden ``[T, H]`` on the last)."""
+
+    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+
+    @classmethod
+    def check_config(cls, cfg: dict[str, Any]) -> None:
+        super().check_config(cfg)
+        e, k = _num_experts(cfg)
+        if not 1 <= k <= e:
+            raise ConfigError(f"num_experts_per_tok={k} must be between 1 and num_local_experts={e}")
+
+    def make_layer(self, cfg: dict[str, Any], max_positions: int) -> nn.Module:
+        moe = SparseMoeBlock(cfg["hidden_size"], cfg["intermediate_size"], *_num_experts(cfg),
+                             act=cfg.get("hidden_act", "silu"))
+        return LlamaDecoderLayer(cfg, max_positions, qkv_bias=False, mlp=moe)
+
+    def map_weight_name(self, name: str) -> Optional[list[tuple[str, Optional[int]]]]:
+        """Per-expert ``w1``/``w3`` -> shard ``2e``/``2e+1`` of ``mlp.experts.gate_up_proj``, ``w2`` ->
+        shard ``e`` of ``mlp.experts.down_proj``; ``block_sparse_moe.gate`` -> ``mlp.gate``."""
+        match = _EXPERT_RE.search(name)
+        if match is None:
+            return super().map_weight_name(name.replace(".block_sparse_moe.gate.", ".mlp.gate."))
+        if not self.stage_owns(name):
+            return None
+        prefix, e, w = name[:match.start()], int(match.group(1)), match.group(2)
+        if w == "w2":
+            return [(f"{prefix}.mlp.experts.down_proj", e)]
+        return [(f"{prefix}.mlp.experts.gate_up_proj", 2 * e + (0 if w == "w1" else 1))]
+
+
+def _num_experts(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(experts per layer, experts per token), with HF ``MixtralConfig``'s defaults (8, 2)."""
+    return int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2))
