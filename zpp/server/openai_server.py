@@ -124,7 +124,7 @@ class _SSE:
     async def error(self, e: BaseException) -> None:
         """Report a failure after the stream started (OpenAI's client raises APIError on it)."""
         status, err_type, param = _classify(e)
-        await self.send(error_body(str(e), err_type, param) | {"status_code": status})
+        await self.send(error_body(_message(e), err_type, param) | {"status_code": status})
 
     async def done(self) -> web.StreamResponse:
         if self.resp is None:  # nothing was sent (cannot happen for a finished request): still answer
@@ -132,6 +132,14 @@ class _SSE:
         await self.resp.write(b"data: [DONE]\n\n")
         await self.resp.write_eof()
         return self.resp
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, EngineDeadError):
+        return f"the engine is dead: {e}"
+    if isinstance(e, (ProtocolError, RequestError, SamplingParamsError)):
+        return str(e)
+    return f"internal error: {type(e).__name__}: {e}"
 
 
 def _classify(e: BaseException) -> tuple[int, str, Optional[str]]:
@@ -195,11 +203,10 @@ class OpenAIServer:
             raise
         except (ProtocolError, RequestError, SamplingParamsError, EngineDeadError) as e:
             status, err_type, param = _classify(e)
-            msg = f"the engine is dead: {e}" if isinstance(e, EngineDeadError) else str(e)
-            return _error(msg, status, err_type, param, getattr(e, "code", None))
+            return _error(_message(e), status, err_type, param, getattr(e, "code", None))
         except Exception as e:  # a bug: answer in the API's shape and keep serving
             logger.exception("error handling %s", request.path)
-            return _error(f"internal error: {type(e).__name__}: {e}", 500, "server_error")
+            return _error(_message(e), 500, "server_error")
 
     # --- simple routes ------------------------------------------------------------------------
     def _model_card(self) -> dict:
@@ -405,6 +412,8 @@ class OpenAIServer:
         except Exception as e:
             if not sse.started:
                 raise
+            if not isinstance(e, (EngineDeadError, RequestError)):
+                logger.exception("error while streaming %s", request.path)
             await sse.error(e)
             return await sse.done()
         if req.stream_options and req.stream_options.include_usage:
@@ -417,8 +426,9 @@ class OpenAIServer:
 
     # --- /v1/chat/completions -----------------------------------------------------------------
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """Render the messages with the chat template and tokenize (no special tokens added: the
-        template writes any BOS itself, so there is never a second one). Raises ProtocolError."""
+        """Render the messages with the chat template and tokenize without adding special tokens
+        (unless the request sets ``add_special_tokens``): the template writes any BOS itself, so
+        there is never a second one. Raises ProtocolError."""
         if self.tokenizer is None:
             raise ProtocolError("this model has no tokenizer, so chat is unavailable; use /v1/completions "
                                 "with token ids", "messages")
@@ -456,7 +466,7 @@ class OpenAIServer:
                 continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
         except Exception as e:  # template errors are the request's fault (e.g. role order)
             raise ProtocolError(f"the chat template failed on these messages: {e}", "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
     def _chat_logprobs(self, k: int, token_ids: list[int], lps) -> dict:
         content = []
@@ -479,7 +489,11 @@ class OpenAIServer:
                                               "logprobs": "top_logprobs"})
         self._check_stop_token_ids(sampling)
         prompt_ids = self._chat_prompt(req)
-        self.engine.validate(prompt_ids, sampling)
+        try:
+            self.engine.validate(prompt_ids, sampling)
+        except RequestError as e:
+            raise ProtocolError(str(e), "max_completion_tokens" if use_mct and e.param == "max_tokens"
+                                else e.param) from None
         cid, created, k = new_id("chatcmpl"), now(), req.top_logprobs or 0
 
         if not req.stream:
@@ -532,6 +546,8 @@ class OpenAIServer:
         except Exception as e:
             if not sse.started:
                 raise
+            if not isinstance(e, (EngineDeadError, RequestError)):
+                logger.exception("error while streaming %s", request.path)
             await sse.error(e)
             return await sse.done()
         if req.stream_options and req.stream_options.include_usage:

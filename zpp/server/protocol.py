@@ -79,6 +79,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: Optional[Annotated[int, msgspec.Meta(ge=0, le=20)]] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM's: the template writes BOS itself; True adds the tokenizer's too
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
