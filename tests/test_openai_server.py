@@ -1,0 +1,534 @@
+"""The OpenAI API through the official ``openai`` client against one live ``zpp serve`` at
+--pipeline-parallel-size 2 (the real SmolLM2 weights, CPU), shared by every test of this module."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from conftest import ServerProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+# Prompts for which SmolLM2 greedily answers with emoji / CJK characters (byte-level BPE splits
+# each of them over 2-4 tokens).
+EMOJI = [{"role": "user", "content": "Give me a list of 5 fruit emojis."}]
+PARTY = [{"role": "user", "content": "Use emojis to describe a party 🎉"}]
+CHINESE = [{"role": "user", "content": "Translate into Chinese: I love my family."}]
+JAPANESE = [{"role": "user", "content": "Translate 'good morning' into Japanese."}]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def server(demo_model):
+    srv = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--max-model-len", "1024",
+                         "--num-kv-blocks", "128", "--log-level", "warning"])
+    yield srv
+    srv.stop()
+
+
+def client(server, **kw) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, **kw)
+
+
+async def scrape(server) -> dict[str, float]:
+    """The /metrics samples as {'name{labels}': value}."""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(server.url + "/metrics") as r:
+            assert r.status == 200
+            text = await r.text()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def non_ascii(text: str) -> int:
+    return sum(ord(ch) >= 0x2E80 for ch in text)  # CJK, kana, hangul, emoji, ...
+
+
+# --- models, health, version -------------------------------------------------------------------
+def test_models_health_version(server):
+    async def go():
+        c = client(server)
+        models = await c.models.list()
+        assert [m.id for m in models.data] == [MODEL]
+        assert (await c.models.retrieve(MODEL)).id == MODEL
+        with pytest.raises(openai.NotFoundError):
+            await c.models.retrieve("no-such-model")
+        async with aiohttp.ClientSession() as s:
+            async with s.get(server.url + "/health") as r:
+                assert r.status == 200
+            async with s.get(server.url + "/version") as r:
+                assert "version" in await r.json()
+    run(go())
+
+
+# --- /v1/completions ---------------------------------------------------------------------------
+def test_completion_prompt_forms_and_exact_usage(server, tokenizer):
+    texts = ["The capital of France is", "One, two, three,"]
+    ids = [tokenizer.encode(t) for t in texts]
+
+    async def go():
+        c = client(server)
+        kw = dict(model=MODEL, max_tokens=6, temperature=0)
+        r_str, r_strs, r_ids, r_idss = await asyncio.gather(
+            c.completions.create(prompt=texts[0], **kw), c.completions.create(prompt=texts, **kw),
+            c.completions.create(prompt=ids[0], **kw), c.completions.create(prompt=ids, **kw))
+        return r_str, r_strs, r_ids, r_idss
+
+    r_str, r_strs, r_ids, r_idss = run(go())
+    assert r_str.object == "text_completion" and r_str.model == MODEL
+    assert len(r_str.choices) == 1 and len(r_ids.choices) == 1
+    assert len(r_strs.choices) == 2 and len(r_idss.choices) == 2
+    # A string and its token ids give the same (greedy) completion.
+    assert r_str.choices[0].text == r_ids.choices[0].text == r_strs.choices[0].text == r_idss.choices[0].text
+    assert r_strs.choices[1].text == r_idss.choices[1].text
+    assert " Paris" in r_str.choices[0].text
+    assert [ch.index for ch in r_strs.choices] == [0, 1]
+    for r, plens in ((r_str, [len(ids[0])]), (r_ids, [len(ids[0])]), (r_strs, map(len, ids)), (r_idss, map(len, ids))):
+        assert all(ch.finish_reason == "length" for ch in r.choices)
+        n_prompt = sum(plens)
+        assert r.usage.prompt_tokens == n_prompt
+        assert r.usage.completion_tokens == 6 * len(r.choices)
+        assert r.usage.total_tokens == n_prompt + 6 * len(r.choices)
+
+
+def test_completion_n_choices_are_prompt_major(server, tokenizer):
+    prompts = ["Apples are", "The ocean is"]
+    plen = sum(len(tokenizer.encode(p)) for p in prompts)
+
+    async def go():
+        return await client(server).completions.create(
+            model=MODEL, prompt=prompts, n=3, max_tokens=4, temperature=1.0, seed=7, echo=True)
+
+    r = run(go())
+    assert [ch.index for ch in r.choices] == list(range(6))
+    for ch in r.choices:
+        assert ch.text.startswith(prompts[ch.index // 3])  # choice index = prompt index * n + j
+    assert r.usage.completion_tokens == 6 * 4
+    assert r.usage.prompt_tokens == plen  # each prompt once, whatever n
+
+
+def test_completion_echo_and_logprobs(server, tokenizer):
+    prompt = "The capital of France is"
+    plen = len(tokenizer.encode(prompt))
+
+    async def go():
+        c = client(server)
+        full = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                          echo=True, logprobs=3)
+        gen = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=0)
+        score = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+        return full, gen, score
+
+    full, gen, score = run(go())
+    ch = full.choices[0]
+    lp = ch.logprobs
+    assert ch.text.startswith(prompt) and ch.text == prompt + gen.choices[0].text
+    assert len(lp.tokens) == plen + 5 and "".join(lp.tokens) == ch.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for i in range(1, len(lp.tokens)):
+        top = lp.top_logprobs[i]
+        assert lp.tokens[i] in top and top[lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])
+        assert len(top) <= 4 and lp.token_logprobs[i] <= 0
+    for i in range(plen, plen + 5):  # greedy: every generated token is the most likely one
+        assert lp.token_logprobs[i] == pytest.approx(max(lp.top_logprobs[i].values()), abs=1e-5)
+    # logprobs=0: the chosen token only; the same numbers as with echo.
+    g = gen.choices[0].logprobs
+    assert all(len(t) == 1 for t in g.top_logprobs)
+    assert g.token_logprobs == pytest.approx(lp.token_logprobs[plen:], abs=1e-4)
+    # echo + max_tokens 0 scores the prompt: its logprobs, nothing generated.
+    s = score.choices[0]
+    assert s.text == prompt and score.usage.completion_tokens == 0 and s.finish_reason == "length"
+    assert s.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:plen], abs=1e-4)
+
+
+def test_completion_stream_matches_non_stream_with_usage(server):
+    prompts = ["Once upon a time", "def fibonacci(n):"]
+
+    async def go():
+        c = client(server)
+        kw = dict(model=MODEL, prompt=prompts, n=2, max_tokens=8, temperature=0.7, seed=3)
+        ref = await c.completions.create(**kw)
+        stream = await c.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+        chunks = [ch async for ch in stream]
+        return ref, chunks
+
+    ref, chunks = run(go())
+    texts, finishes = {}, {}
+    for ch in chunks[:-1]:
+        assert ch.usage is None and len(ch.choices) == 1
+        c = ch.choices[0]
+        texts[c.index] = texts.get(c.index, "") + c.text
+        if c.finish_reason is not None:
+            finishes.setdefault(c.index, []).append(c.finish_reason)
+    assert finishes == {i: ["length"] for i in range(4)}  # exactly one finish per choice
+    assert texts == {ch.index: ch.text for ch in ref.choices}  # seeded sampling: the same text
+    last = chunks[-1]
+    assert last.choices == [] and last.usage == ref.usage
+    assert ref.usage.completion_tokens == 4 * 8
+
+
+def test_completion_suffix_and_best_of_rejected(server):
+    async def go():
+        c = client(server)
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model=MODEL, prompt="def f(", suffix="return 1", max_tokens=4)
+        assert e.value.body["param"] == "suffix" and "suffix" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model=MODEL, prompt="x", best_of=3, max_tokens=4)
+        assert e.value.body["param"] == "best_of"
+    run(go())
+
+
+def test_completion_stop_strings_and_tokens(server, tokenizer):
+    async def go():
+        c = client(server)
+        base = await c.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0)
+        text = base.choices[0].text
+        assert " 7" in text
+        cut = await c.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0,
+                                         stop=[" 7"])
+        assert cut.choices[0].text == text[:text.index(" 7")]
+        assert cut.choices[0].finish_reason == "stop" and cut.choices[0].model_dump()["stop_reason"] == " 7"
+        comma = tokenizer.encode(",")[0]
+        tok = await c.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0,
+                                         extra_body={"stop_token_ids": [comma]})
+        assert tok.choices[0].finish_reason == "stop" and tok.choices[0].model_dump()["stop_reason"] == comma
+        assert tok.choices[0].text == text[:text.index(",")]  # the stop token's text is not returned
+    run(go())
+
+
+# --- /v1/chat/completions ----------------------------------------------------------------------
+def test_chat_uses_template_without_double_bos(server, tokenizer):
+    msgs = [{"role": "system", "content": "You are a geography teacher."},
+            {"role": "user", "content": "Name a country in Europe."},
+            {"role": "assistant", "content": "France."},
+            {"role": "user", "content": "What is the capital of France?"}]
+
+    async def go():
+        c = client(server)
+        return await asyncio.gather(
+            c.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_completion_tokens=20),
+            c.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=20))
+
+    simple, multi = run(go())
+    assert simple.object == "chat.completion"
+    m = simple.choices[0].message
+    assert m.role == "assistant" and m.content == "The capital of France is Paris."
+    assert simple.choices[0].finish_reason == "stop"
+    # The template writes every <|im_start|> (SmolLM2's BOS) itself: default system, user, assistant.
+    expect = tokenizer.encode(tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=False),
+                              add_special_tokens=False)
+    assert expect.count(tokenizer.bos_token_id) == 3 and expect[1] != tokenizer.bos_token_id
+    assert simple.usage.prompt_tokens == len(expect)
+    rendered = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert multi.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+    assert multi.choices[0].message.content
+
+
+def test_chat_max_completion_tokens_and_n(server):
+    async def go():
+        return await client(server).chat.completions.create(
+            model=MODEL, messages=FRANCE, n=2, temperature=1.0, seed=11, max_completion_tokens=3,
+            extra_body={"ignore_eos": True})
+
+    r = run(go())
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 6
+
+
+def test_chat_logprobs(server):
+    async def go():
+        return await client(server).chat.completions.create(
+            model=MODEL, messages=EMOJI, temperature=0, max_tokens=12, logprobs=True, top_logprobs=3)
+
+    r = run(go())
+    content = r.choices[0].logprobs.content
+    text = r.choices[0].message.content
+    assert len(content) == r.usage.completion_tokens == 12
+    for item in content:
+        assert len(item.top_logprobs) == 3
+        values = [t.logprob for t in item.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert item.token == item.top_logprobs[0].token  # greedy
+        assert item.logprob == pytest.approx(values[0], abs=1e-5)
+    # The bytes of consecutive tokens join into the text, even where a character is split.
+    joined = bytes(b for item in content for b in item.bytes)
+    assert joined.decode("utf-8", errors="replace") == text
+    assert non_ascii(text) > 0 and any("\ufffd" in item.token for item in content)
+
+
+def _collect_chat(chunks):
+    """Per choice: (joined content, finish reasons); checks the role / [DONE]-free chunk shape."""
+    text, finishes, roles = {}, {}, {}
+    for ch in chunks:
+        assert ch.object == "chat.completion.chunk"
+        for c in ch.choices:
+            if c.delta.role is not None:
+                roles.setdefault(c.index, []).append(c.delta.role)
+                assert c.index not in text, "the role comes in the choice's first chunk"
+            text[c.index] = text.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason is not None:
+                finishes.setdefault(c.index, []).append(c.finish_reason)
+    return text, finishes, roles
+
+
+def test_chat_stream_matches_non_stream(server):
+    async def go():
+        c = client(server)
+        kw = dict(model=MODEL, messages=FRANCE, temperature=0.8, seed=5, n=2, max_tokens=16)
+        ref = await c.chat.completions.create(**kw)
+        chunks = [ch async for ch in await c.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kw)]
+        return ref, chunks
+
+    ref, chunks = run(go())
+    text, finishes, roles = _collect_chat(chunks[:-1])
+    assert roles == {0: ["assistant"], 1: ["assistant"]}
+    assert text == {c.index: c.message.content for c in ref.choices}
+    assert finishes == {c.index: [c.finish_reason] for c in ref.choices}
+    assert all(f in ("stop", "length") for fs in finishes.values() for f in fs)
+    assert chunks[-1].choices == [] and chunks[-1].usage == ref.usage
+
+
+def test_raw_sse_ends_with_done(server):
+    async def go():
+        body = {"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 4, "stream": True}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(server.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                raw = (await r.read()).decode()
+        events = [e for e in raw.split("\n\n") if e]
+        assert all(e.startswith("data: ") for e in events)
+        assert events[-1] == "data: [DONE]" and raw.count("[DONE]") == 1
+        payloads = [json.loads(e[6:]) for e in events[:-1]]
+        assert sum(c["finish_reason"] is not None for p in payloads for c in p["choices"]) == 1
+    run(go())
+
+
+@pytest.mark.parametrize("messages", [EMOJI, PARTY, CHINESE, JAPANESE], ids=["emoji", "party", "chinese", "japanese"])
+def test_multibyte_stream_equals_non_stream(server, tokenizer, messages):
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    async def go():
+        c = client(server)
+        kw = dict(model=MODEL, temperature=0, max_tokens=24)
+        chat_ref, chat_stream, cmpl_ref, cmpl_stream = await asyncio.gather(
+            c.chat.completions.create(messages=messages, **kw),
+            c.chat.completions.create(messages=messages, stream=True, **kw),
+            c.completions.create(prompt=prompt, **kw),
+            c.completions.create(prompt=prompt, stream=True, **kw))
+        return chat_ref, [x async for x in chat_stream], cmpl_ref, [x async for x in cmpl_stream]
+
+    chat_ref, chat_chunks, cmpl_ref, cmpl_chunks = run(go())
+    ref = chat_ref.choices[0].message.content
+    assert non_ascii(ref) >= 3, f"expected emoji/CJK output, got {ref!r}"
+    chat_deltas = [c.delta.content for ch in chat_chunks for c in ch.choices if c.delta.content]
+    cmpl_deltas = [c.text for ch in cmpl_chunks for c in ch.choices if c.text]
+    assert "".join(chat_deltas) == ref
+    assert cmpl_ref.choices[0].text == ref and "".join(cmpl_deltas) == ref
+    # No piece of a character is ever sent on its own: a U+FFFD can only be a character cut by
+    # max_tokens at the very end.
+    for deltas in (chat_deltas, cmpl_deltas):
+        assert all("\ufffd" not in d for d in deltas[:-1])
+        assert "\ufffd" not in deltas[-1][:-1]
+
+
+# --- errors ------------------------------------------------------------------------------------
+MALFORMED = [
+    # (path, body: dict or raw bytes, expected status, expected param or None)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", b"", 400, None),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -7}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 129}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 9]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"42": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], []]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [5, -1]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [49152]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", 7]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": {"text": "hi"}}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1] * 1024}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 42}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": FRANCE, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": FRANCE, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": FRANCE, "max_completion_tokens": -2}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": FRANCE, "max_completion_tokens": 10 ** 6}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": FRANCE, "chat_template_kwargs": 3}, 400, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": FRANCE, "chat_template": "{% for %}"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": FRANCE, "model": "nope"}, 404, "model"),
+    ("/v1/no-such-route", {}, 404, None),
+]
+
+
+def test_malformed_requests_get_openai_errors_and_server_keeps_serving(server):
+    assert len(MALFORMED) >= 25
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            for path, body, status, param in MALFORMED:
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                async with s.post(server.url + path, data=data, headers={"Content-Type": "application/json"}) as r:
+                    got = await r.json()
+                    assert r.status == status, (path, body, got)
+                err = got["error"]
+                assert set(err) == {"message", "type", "param", "code"}, got
+                assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
+                if param is not None:
+                    assert err["param"] == param, (body, got)
+            async with s.get(server.url + "/v1/completions") as r:
+                assert r.status == 405 and "error" in await r.json()
+            async with s.get(server.url + "/health") as r:
+                assert r.status == 200
+        r = await client(server).completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+    run(go())
+
+
+def test_client_errors_through_the_official_client(server):
+    async def go():
+        c = client(server)
+        with pytest.raises(openai.NotFoundError) as e:
+            await c.chat.completions.create(model="gpt-4o", messages=FRANCE)
+        assert e.value.status_code == 404 and e.value.body["param"] == "model"
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model=MODEL, prompt="hi", temperature=-1)
+        assert e.value.body["param"] == "temperature" and e.value.body["type"] == "invalid_request_error"
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.chat.completions.create(model=MODEL, messages=FRANCE, max_completion_tokens=2000)
+        assert "max_model_len" in e.value.body["message"]
+    run(go())
+
+
+# --- abort on disconnect, metrics --------------------------------------------------------------
+async def _wait_metrics(server, pred, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        m = await scrape(server)
+        if pred(m) or time.monotonic() > deadline:
+            return m
+        await asyncio.sleep(0.05)
+
+
+def test_disconnect_aborts_and_frees_kv(server):
+    aborted = 'zpp:request_success_total{finished_reason="abort"}'
+
+    async def go():
+        idle = await _wait_metrics(server, lambda m: m["zpp:num_requests_running"] == 0)
+        assert idle["zpp:num_requests_running"] == 0 and idle["zpp:num_requests_waiting"] == 0
+        idle_kv, aborts0 = idle["zpp:kv_cache_usage_perc"], idle.get(aborted, 0.0)
+        c = client(server)
+        kw = dict(model=MODEL, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        keep = [await c.completions.create(prompt=f"Story number {i}:", max_tokens=40, **kw) for i in range(2)]
+        quitter_client = client(server)
+        quitter = await quitter_client.completions.create(prompt="A very long story:", max_tokens=800, **kw)
+
+        async def drain(stream):
+            text, finishes = "", 0
+            async for ch in stream:
+                text += ch.choices[0].text if ch.choices else ""
+                finishes += sum(c.finish_reason is not None for c in ch.choices)
+            return text, finishes
+
+        keepers = [asyncio.create_task(drain(s)) for s in keep]
+        got = 0
+        async for ch in quitter:
+            got += 1
+            if got == 3:
+                break
+        during = await scrape(server)
+        assert during["zpp:num_requests_running"] == 3 and during["zpp:kv_cache_usage_perc"] > idle_kv
+        await quitter.close()  # the client goes away mid-stream
+        await quitter_client.close()
+        # The abort lands within a step or so: the other two streams are still running then.
+        m = await _wait_metrics(server, lambda m: m.get(aborted, 0.0) > aborts0, timeout=5.0)
+        assert m.get(aborted, 0.0) == aborts0 + 1
+        m = await _wait_metrics(server, lambda m: m["zpp:num_requests_running"] <= 2, timeout=5.0)
+        assert m["zpp:num_requests_running"] <= 2
+        results = await asyncio.gather(*keepers)
+        assert all(f == 1 and t for t, f in results)  # the other streams finish normally
+        m = await _wait_metrics(server, lambda m: m["zpp:num_requests_running"] == 0
+                                and m["zpp:kv_cache_usage_perc"] == idle_kv)
+        assert m["zpp:num_requests_running"] == 0 and m["zpp:num_requests_waiting"] == 0
+        assert m["zpp:kv_cache_usage_perc"] == idle_kv
+
+        # A non-streaming client that gives up is aborted too.
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(asyncio.TimeoutError):
+                await s.post(server.url + "/v1/completions", timeout=aiohttp.ClientTimeout(total=1.0),
+                             json={"model": MODEL, "prompt": "Go on forever:", "max_tokens": 800,
+                                   "ignore_eos": True})
+        m = await _wait_metrics(server, lambda m: m.get(aborted, 0.0) == aborts0 + 2
+                                and m["zpp:num_requests_running"] == 0 and m["zpp:kv_cache_usage_perc"] == idle_kv)
+        assert m.get(aborted, 0.0) == aborts0 + 2
+        assert m["zpp:num_requests_running"] == 0 and m["zpp:kv_cache_usage_perc"] == idle_kv
+
+    run(go())
+
+
+def test_metrics(server):
+    async def go():
+        before = await scrape(server)
+        await client(server).completions.create(model=MODEL, prompt=[1, 2, 3, 4, 5], max_tokens=7,
+                                                temperature=0, extra_body={"ignore_eos": True})
+        return before, await scrape(server)
+
+    before, after = run(go())
+    for name in ("zpp:num_requests_running", "zpp:num_requests_waiting", "zpp:kv_cache_usage_perc",
+                 "zpp:num_free_kv_blocks", "zpp:num_preemptions_total"):
+        assert name in after
+    assert after["zpp:prompt_tokens_total"] - before["zpp:prompt_tokens_total"] == 5
+    assert after["zpp:generation_tokens_total"] - before["zpp:generation_tokens_total"] == 7
+    for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert after[f"zpp:{h}_count"] - before.get(f"zpp:{h}_count", 0) == 1
+        assert after[f"zpp:{h}_sum"] > before.get(f"zpp:{h}_sum", 0)
+    assert after["zpp:inter_token_latency_seconds_count"] - before.get("zpp:inter_token_latency_seconds_count", 0) == 6
+    assert after['zpp:request_success_total{finished_reason="length"}'] >= 1
+    busy = {k: v for k, v in after.items() if k.startswith("zpp:stage_busy_seconds_total")}
+    assert set(busy) == {'zpp:stage_busy_seconds_total{stage="0"}', 'zpp:stage_busy_seconds_total{stage="1"}'}
+    assert all(v > 0 for v in busy.values())
