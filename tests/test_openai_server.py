@@ -532,3 +532,34 @@ def test_metrics(server):
     busy = {k: v for k, v in after.items() if k.startswith("zpp:stage_busy_seconds_total")}
     assert set(busy) == {'zpp:stage_busy_seconds_total{stage="0"}', 'zpp:stage_busy_seconds_total{stage="1"}'}
     assert all(v > 0 for v in busy.values())
+
+
+# --- zpp bench serve ---------------------------------------------------------------------------
+def test_bench_serve_random_and_sharegpt(server, tmp_path, capsys):
+    from zpp.cli import main
+    out = tmp_path / "random.json"
+    rc = main(["bench", "serve", "--base-url", server.url, "--num-prompts", "4", "--random-input-len", "16",
+               "--random-output-len", "4", "--request-rate", "inf", "--no-progress", "--output-json", str(out)])
+    table = capsys.readouterr().out
+    assert rc == 0 and "Serving Benchmark Result" in table and "Median TTFT (ms)" in table
+    res = json.loads(out.read_text())
+    assert res["completed"] == 4 and res["failed"] == 0 and res["model"] == MODEL
+    assert res["total_input_tokens"] == 4 * 16 and res["total_output_tokens"] == 4 * 4
+    assert res["request_throughput"] > 0 and res["output_throughput"] > 0
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert set(res[key]) == {"mean", "median", "p99"} and res[key]["mean"] > 0
+    assert res["ttft_ms"]["mean"] < res["e2el_ms"]["mean"]
+    assert all(len(itl) == 3 for itl in res["per_request"]["itls_s"])
+
+    convs = [{"conversations": [{"from": "human", "value": f"Tell me about the number {i} in a few words."},
+                                {"from": "gpt", "value": "It is a number that comes after the one before it."}]}
+             for i in range(6)] + [{"conversations": [{"from": "human", "value": "hi"}]}]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(convs))
+    out = tmp_path / "sharegpt-result.json"
+    rc = main(["bench", "serve", "--base-url", server.url, "--dataset", str(data), "--num-prompts", "3",
+               "--sharegpt-output-len", "3", "--request-rate", "50", "--max-concurrency", "2", "--no-progress",
+               "--output-json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["completed"] == 3 and res["total_output_tokens"] == 9 and res["max_concurrency"] == 2

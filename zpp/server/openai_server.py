@@ -114,12 +114,16 @@ class _SSE:
     def started(self) -> bool:
         return self.resp is not None
 
-    async def send(self, data: dict) -> None:
+    async def _start(self) -> web.StreamResponse:
         if self.resp is None:
             self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                     "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             await self.resp.prepare(self.request)
-        await self.resp.write(b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n")
+        return self.resp
+
+    async def send(self, data: dict) -> None:
+        resp = await self._start()
+        await resp.write(b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n")
 
     async def error(self, e: BaseException) -> None:
         """Report a failure after the stream started (OpenAI's client raises APIError on it)."""
@@ -127,11 +131,10 @@ class _SSE:
         await self.send(error_body(_message(e), err_type, param) | {"status_code": status})
 
     async def done(self) -> web.StreamResponse:
-        if self.resp is None:  # nothing was sent (cannot happen for a finished request): still answer
-            await self.send({})
-        await self.resp.write(b"data: [DONE]\n\n")
-        await self.resp.write_eof()
-        return self.resp
+        resp = await self._start()
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
 
 def _message(e: BaseException) -> str:
