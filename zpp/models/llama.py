@@ -37,11 +37,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary(positions, q.view(T, self.num_heads, self.head_dim),
-                           k.view(T, self.num_kv_heads, self.head_dim))
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))        # [T, hidden]
+        out = self.attn(q, k, v, kv_cache, meta, positions=positions, rotary=self.rotary)
+        return self.o_proj(out)                                        # [T, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Optional
 
+import numpy as np
 import torch
 
 from zpp.models.base import StageModel
@@ -38,6 +39,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.busy_s = 0.0
         self.num_batches = 0
+        self.group = int(model.cfg.get("num_attention_heads", 1)) // max(1, model.num_kv_heads)
+        self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager
 
     # --- KV cache -----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -46,9 +49,45 @@ class ModelRunner:
         return 2 * self.block_size * self.model.num_kv_heads * self.model.head_dim * elem * self.model.num_local_layers
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        shape = (2, num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        """Allocate ``num_blocks`` blocks per layer, plus one scratch block (id ``num_blocks``) that
+        CUDA-graph padding rows write into."""
+        shape = (2, num_blocks + 1, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.model.num_local_layers)]
+        self.scratch_slot = num_blocks * self.block_size
+
+    def capture_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
+        from zpp.workers.cuda_graphs import DecodeGraphs
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_model_len, max_num_seqs,
+                                   self.scratch_slot, self.dtype, self.device, self.group)
+        self.graphs.capture()
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, num_tokens: int, num_logit_rows: int) -> int:
+        """CUDA: run the largest micro-batch once (one sequence of ``num_tokens`` tokens, logits for
+        ``num_logit_rows`` rows) and return the peak bytes allocated, weights included."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        blocks = -(-num_tokens // self.block_size)
+        self.init_kv_cache(blocks)
+        meta = build_attention_metadata([0], [num_tokens], [list(range(blocks))], self.block_size, self.device,
+                                        self.group)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        pos = torch.arange(num_tokens, device=self.device)
+        acts = None if self.stage.is_first else torch.zeros(
+            self.model.num_acts, num_tokens, self.model.hidden_size, dtype=self.dtype, device=self.device)
+        out = self.model(ids if self.stage.is_first else None, pos, acts, self.kv_caches, meta)
+        if self.stage.is_last:
+            rows = out[:1].expand(num_logit_rows, -1).contiguous()
+            logits = self.model.compute_logits(rows)
+            torch.log_softmax(logits, -1)
+            logits.softmax(-1).sort(-1)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv_caches = []
+        del out
+        torch.cuda.empty_cache()
+        return peak
 
     # --- per-batch state ----------------------------------------------------------------------
     def _update_states(self, batch: m.ExecuteBatch) -> None:
@@ -72,12 +111,17 @@ class ModelRunner:
         starts = [c.start for c in batch.chunks]
         q_lens = [c.num_tokens for c in batch.chunks]
         T = sum(q_lens)
+        B = len(seqs)
+        if (self.graphs is not None and T == B and self.graphs.bucket(B) is not None
+                and not any(c.prompt_logprobs for c in batch.chunks)):
+            return self._execute_graph(batch, seqs, starts, t0)
         positions = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in zip(starts, q_lens)])
         input_ids = None
         if self.stage.is_first:
             ids = [t for s, st, n in zip(seqs, starts, q_lens) for t in s.token_ids[st:st + n]]
             input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        meta = build_attention_metadata(starts, q_lens, [s.block_ids for s in seqs], self.block_size, self.device)
+        meta = build_attention_metadata(starts, q_lens, [s.block_ids for s in seqs], self.block_size,
+                                        self.device, self.group)
         positions = positions.to(self.device, non_blocking=True)
 
         acts = None
@@ -94,6 +138,37 @@ class ModelRunner:
         self._account(t0)
         result.busy_s = self.busy_s
         return result
+
+    def _execute_graph(self, batch: m.ExecuteBatch, seqs: list[SeqState], starts: list[int], t0: float):
+        """Decode batch through a captured CUDA graph."""
+        B = len(seqs)
+        bs = self.block_size
+        pos = np.asarray(starts, dtype=np.int64)
+        w = int(pos.max()) // bs + 1
+        bt = np.zeros((B, w), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            n = min(len(s.block_ids), w)
+            bt[i, :n] = s.block_ids[:n]
+        slots = bt[np.arange(B), pos // bs].astype(np.int64) * bs + pos % bs
+        ids = np.asarray([s.token_ids[p] for s, p in zip(seqs, starts)], dtype=np.int64) \
+            if self.stage.is_first else None
+        acts = None
+        if not self.stage.is_first:
+            t_wait = time.perf_counter()
+            acts = self.link.recv((self.model.num_acts, B, self.model.hidden_size), self.dtype)
+            t0 += time.perf_counter() - t_wait
+        out = self.graphs.run(B, ids, pos, slots, bt, acts)
+        if not self.stage.is_last:
+            self.link.send(out)
+            self._account(t0)
+            return None
+        rows = [i for i, c in enumerate(batch.chunks) if c.sample]
+        if len(rows) < B:
+            out = out[torch.tensor(rows, device=out.device)]
+        tokens, lps = self.sampler(out, [seqs[i] for i in rows], self.eos_token_ids)
+        sampled = [m.SampledOutput(batch.chunks[i].req_id, tok, lp) for i, tok, lp in zip(rows, tokens, lps)]
+        self._account(t0)
+        return m.StepResult(batch.batch_id, sampled, busy_s=self.busy_s)
 
     def _account(self, t0: float) -> None:
         if self.device.type == "cuda":

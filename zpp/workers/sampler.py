@@ -67,6 +67,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[SeqState], eos_token_ids: set[int]):
         N, V = logits.shape
         params = [s.sampling or _GREEDY for s in seqs]
+        if all(p.temperature == 0.0 and p.logprobs is None and p.repetition_penalty == 1.0
+               and not p.frequency_penalty and not p.presence_penalty and not p.min_tokens for p in params):
+            return logits.argmax(dim=-1).tolist(), [None] * N  # plain greedy: one kernel, one copy
         want_lp = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
 

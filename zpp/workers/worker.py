@@ -110,11 +110,7 @@ def _setup(init, sock):
 
     per_block = runner.kv_bytes_per_block()
     if init.device == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used_by_others = total - free - torch.cuda.memory_allocated(device)
-        budget = total * init.gpu_memory_utilization - used_by_others - torch.cuda.memory_allocated(device)
-        budget -= _activation_reserve(init, model, dtype)
-        fit = int(budget // per_block) if init.kv_cache_memory is None else init.kv_cache_memory // per_block
+        fit = _cuda_kv_blocks(init, runner, device, per_block)
     else:
         mem = init.kv_cache_memory if init.kv_cache_memory is not None else 1 << 30
         fit = int(mem // per_block)
@@ -125,20 +121,28 @@ def _setup(init, sock):
     runner.init_kv_cache(msg.num_blocks)
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", msg.num_blocks, init.block_size,
                 msg.num_blocks * per_block / 2**20)
+    if init.device == "cuda" and not init.enforce_eager:
+        runner.capture_graphs(init.max_model_len, init.max_num_seqs)
     sock.send(m.CacheReady(rank=init.rank))
     return runner
 
 
-def _activation_reserve(init, model, dtype) -> int:
-    """Rough upper bound of activation memory for one micro-batch (CUDA sizing)."""
+def _cuda_kv_blocks(init, runner, device, per_block: int) -> int:
+    """KV blocks that fit on this GPU: ``--kv-cache-memory`` if given, else what is left of
+    ``total x --gpu-memory-utilization`` after a profiling pass of the largest micro-batch
+    (weights, activations, logits and sampler buffers), minus memory other processes hold and a
+    margin for CUDA graphs."""
     import torch
-    elem = torch.empty(0, dtype=dtype).element_size()
-    tokens = init.max_num_batched_tokens
-    inter = int(model.cfg.get("intermediate_size", 4 * model.hidden_size))
-    vocab = int(model.cfg.get("vocab_size", 0))
-    per_token = (8 * model.hidden_size + 3 * inter) * elem
-    logits = init.max_num_seqs * vocab * 4 * 3
-    return tokens * per_token * 2 + logits + (512 << 20)
+    if init.kv_cache_memory is not None:
+        return init.kv_cache_memory // per_block
+    peak = runner.profile_peak_memory(init.max_num_batched_tokens, min(init.max_num_seqs, init.max_num_batched_tokens))
+    free, total = torch.cuda.mem_get_info(device)
+    others = total - free - torch.cuda.memory_reserved(device)  # other processes / CUDA context
+    graphs_margin = 0 if init.enforce_eager else 512 << 20
+    budget = total * init.gpu_memory_utilization - peak - others - graphs_margin
+    logger.info("memory profile: peak %.2f GiB, others %.2f GiB, KV budget %.2f GiB", peak / 2**30,
+                others / 2**30, budget / 2**30)
+    return int(max(0, budget) // per_block)
 
 
 def _serve(runner, sock, init) -> None:

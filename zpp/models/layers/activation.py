@@ -36,5 +36,9 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda and self.act is F.silu:
+            from zpp.models.layers.triton_ops import silu_and_mul
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,26 +27,41 @@ from torch import nn
 class AttentionMetadata:
     """Per-micro-batch indices shared by every attention layer of a stage.
 
-    Attributes:
+    Portable path (CPU):
         slot_mapping: ``[T]`` int64, KV-cache slot each new token's K/V is written to.
         q_index: ``[B, L_q]`` int64 into the flat tokens; padding points at row ``T`` (a zero row).
         out_index: ``[T]`` int64 into the flattened ``[B * L_q]`` padded output.
         ctx_slots: ``[B, L_k]`` int64 slots of each sequence's context (padding -> slot 0).
         mask: ``[B, 1, L_q, L_k]`` bool, True where the query may attend the key.
-        decode_only: every sequence has exactly one new token.
+    Triton path (CUDA), see ``triton_ops.paged_attention``:
+        block_tables ``[B, W]`` int32, seq_lens ``[B]`` int32, query_start ``[B + 1]`` int32,
+        tile_seq / tile_qstart ``[num_tiles]`` int32, block_m (rows per program).
     """
 
     slot_mapping: torch.Tensor
-    q_index: torch.Tensor
-    out_index: torch.Tensor
-    ctx_slots: torch.Tensor
-    mask: torch.Tensor
+    q_index: Optional[torch.Tensor] = None
+    out_index: Optional[torch.Tensor] = None
+    ctx_slots: Optional[torch.Tensor] = None
+    mask: Optional[torch.Tensor] = None
     decode_only: bool = False
+    block_tables: Optional[torch.Tensor] = None
+    seq_lens: Optional[torch.Tensor] = None
+    query_start: Optional[torch.Tensor] = None
+    tile_seq: Optional[torch.Tensor] = None
+    tile_qstart: Optional[torch.Tensor] = None
+    block_m: int = 16
+
+    @property
+    def triton(self) -> bool:
+        return self.block_tables is not None
 
 
 def build_attention_metadata(starts: list[int], q_lens: list[int], block_tables: list[list[int]],
-                             block_size: int, device: torch.device) -> AttentionMetadata:
-    """Build :class:`AttentionMetadata` for one micro-batch (host-side index math, one copy to ``device``)."""
+                             block_size: int, device: torch.device, group: int = 1) -> AttentionMetadata:
+    """Build :class:`AttentionMetadata` for one micro-batch (host-side index math, then copies to
+    ``device``). On CUDA the Triton layout is built (``group`` = query heads per KV head)."""
+    if device.type == "cuda":
+        return _build_triton_metadata(starts, q_lens, block_tables, block_size, device, group)
     B = len(starts)
     T = sum(q_lens)
     Lq = max(q_lens)
@@ -78,6 +94,36 @@ def build_attention_metadata(starts: list[int], q_lens: list[int], block_tables:
                              ctx_slots=to(ctx_slots), mask=to(mask), decode_only=(Lq == 1))
 
 
+def _build_triton_metadata(starts, q_lens, block_tables, block_size, device, group) -> AttentionMetadata:
+    from zpp.models.layers.triton_ops import pick_block_m
+    B = len(starts)
+    st = np.asarray(starts, dtype=np.int64)
+    ql = np.asarray(q_lens, dtype=np.int64)
+    seq_lens = st + ql
+    T = int(ql.sum())
+    qstart = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(ql, out=qstart[1:])
+    W = max(1, int(-(-seq_lens.max() // block_size)))
+    bt = np.zeros((B, W), dtype=np.int64)
+    for i, blocks in enumerate(block_tables):
+        n = min(len(blocks), W)
+        bt[i, :n] = blocks[:n]
+    seq_of_tok = np.repeat(np.arange(B), ql)
+    pos = np.arange(T) - qstart[seq_of_tok] + st[seq_of_tok]
+    slots = bt[seq_of_tok, pos // block_size] * block_size + pos % block_size
+    block_m = pick_block_m(int(ql.max()), group)
+    block_q = max(1, block_m // group)
+    n_tiles = -(-ql // block_q)
+    tile_seq = np.repeat(np.arange(B), n_tiles)
+    first = np.cumsum(n_tiles) - n_tiles
+    tile_qstart = (np.arange(int(n_tiles.sum())) - first[tile_seq]) * block_q
+    i32 = lambda a: torch.from_numpy(a.astype(np.int32)).to(device, non_blocking=True)
+    return AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(device, non_blocking=True),
+                             block_tables=i32(bt), seq_lens=i32(seq_lens), query_start=i32(qstart),
+                             tile_seq=i32(tile_seq), tile_qstart=i32(tile_qstart), block_m=block_m,
+                             decode_only=bool((ql == 1).all()))
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query attention reading and writing one layer's paged KV cache.
 
@@ -92,12 +138,30 @@ class Attention(nn.Module):
         self.scale = scale if scale is not None else head_dim ** -0.5
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: Optional[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: Optional[torch.Tensor], meta: AttentionMetadata,
+                positions: Optional[torch.Tensor] = None, rotary=None) -> torch.Tensor:
+        """With ``rotary`` (a RotaryEmbedding) and ``positions [T]``, RoPE is applied to q and k
+        first (fused with the cache write on CUDA)."""
         T = q.shape[0]
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
         q = q.view(T, H, D)
         k = k.view(T, Hk, D)
         v = v.view(T, Hk, D)
+        if meta.triton and kv_cache is not None:
+            from zpp.models.layers import triton_ops
+            if rotary is not None:
+                q = q.contiguous()
+                triton_ops.rope_and_cache(q, k, v, positions, rotary.cos, rotary.sin, kv_cache[0], kv_cache[1],
+                                          meta.slot_mapping)
+            else:
+                kv_cache[0].view(-1, Hk, D).index_copy_(0, meta.slot_mapping, k)
+                kv_cache[1].view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v)
+            out = torch.empty_like(q)
+            triton_ops.paged_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables, meta.seq_lens,
+                                       meta.query_start, meta.tile_seq, meta.tile_qstart, self.scale, meta.block_m)
+            return out.view(T, H * D)
+        if rotary is not None:
+            q, k = rotary(positions, q, k)
         if kv_cache is not None:
             k_flat = kv_cache[0].view(-1, Hk, D)
             v_flat = kv_cache[1].view(-1, Hk, D)

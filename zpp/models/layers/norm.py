@@ -27,6 +27,9 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if x.is_cuda:
+            from zpp.models.layers.triton_ops import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual

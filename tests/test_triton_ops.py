@@ -1,0 +1,132 @@
+"""Triton kernels of the CUDA path against plain PyTorch references. Runs on CUDA, or on the CPU
+under TRITON_INTERPRET=1 (slow but exact); skipped when Triton is missing."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from zpp.models.layers import triton_ops as ops  # noqa: E402
+
+if not ON_GPU:
+    # Triton 3.6's interpreter converts loaded scalars (numpy shape (1,)) with int(), which numpy 2
+    # refuses; convert through .item() instead so `range(0, loaded_scalar, step)` works.
+    import triton.runtime.interpreter as _ti
+    _orig_patch = _ti._patch_lang_tensor
+
+    def _patch(tensor, scope):
+        _orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _ti._patch_lang_tensor = _patch
+
+DEV = "cuda" if ON_GPU else "cpu"
+DT = torch.bfloat16 if ON_GPU else torch.float32
+TOL = 2e-2 if ON_GPU else 1e-4
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def ref_attention(q, k_cache, v_cache, block_tables, seq_lens, q_lens, scale):
+    out = torch.empty_like(q)
+    bs = k_cache.shape[1]
+    start = 0
+    for i, (L, n) in enumerate(zip(seq_lens, q_lens)):
+        pos = torch.arange(L)
+        slots = torch.tensor(block_tables[i])[pos // bs] * bs + pos % bs
+        k = k_cache.reshape(-1, *k_cache.shape[2:])[slots.to(k_cache.device)].float()   # [L, Hk, D]
+        v = v_cache.reshape(-1, *v_cache.shape[2:])[slots.to(k_cache.device)].float()
+        qq = q[start:start + n].float()                                                 # [n, Hq, D]
+        G = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(G, 1)
+        v = v.repeat_interleave(G, 1)
+        s = torch.einsum("qhd,khd->hqk", qq, k) * scale
+        qpos = torch.arange(L - n, L)
+        s = s.masked_fill(pos[None, None, :].to(s.device) > qpos[None, :, None].to(s.device), float("-inf"))
+        out[start:start + n] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(q.dtype)
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("hq,hk,d", [(4, 2, 64), (9, 3, 64), (8, 8, 32)])
+@pytest.mark.parametrize("mode", ["decode", "prefill", "chunked"])
+def test_paged_attention(hq, hk, d, mode):
+    torch.manual_seed(0)
+    rng = random.Random(1)
+    bs, nblocks = 16, 64
+    kc = torch.randn(nblocks, bs, hk, d, device=DEV, dtype=DT)
+    vc = torch.randn(nblocks, bs, hk, d, device=DEV, dtype=DT)
+    B = 3
+    if mode == "decode":
+        q_lens = [1] * B
+        seq_lens = [rng.randrange(1, 90) for _ in range(B)]
+    elif mode == "prefill":
+        q_lens = [rng.randrange(1, 70) for _ in range(B)]
+        seq_lens = list(q_lens)
+    else:
+        q_lens = [rng.randrange(1, 40) for _ in range(B)]
+        seq_lens = [n + rng.randrange(1, 50) for n in q_lens]
+    free = list(range(nblocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range((L + bs - 1) // bs)] for L in seq_lens]
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV)
+    T = sum(q_lens)
+    q = torch.randn(T, hq, d, device=DEV, dtype=DT)
+    out = torch.full_like(q, float("nan"))
+    block_m = ops.pick_block_m(max(q_lens), hq // hk)
+    ts, tq = ops.attention_tiles(q_lens, max(1, block_m // (hq // hk)))
+    qstart = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)
+    ops.paged_attention(q, kc, vc, out, bt, i32(seq_lens), qstart, i32(ts), i32(tq), d ** -0.5, block_m)
+    ref = ref_attention(q, kc, vc, tables, seq_lens, q_lens, d ** -0.5)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL
+
+
+def test_rms_norm_and_residual():
+    x = torch.randn(5, 96, device=DEV, dtype=DT)
+    r = torch.randn(5, 96, device=DEV, dtype=DT)
+    w = torch.randn(96, device=DEV, dtype=DT)
+    y = ops.rms_norm(x, w, 1e-5)
+    ref = lambda h: w * (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(DT)
+    assert rel_err(y, ref(x)) < TOL
+    y2, r2 = ops.rms_norm(x, w, 1e-5, r)
+    assert rel_err(r2, x + r) < TOL and rel_err(y2, ref(x + r)) < TOL
+
+
+def test_rope_and_cache():
+    from zpp.models.layers.rotary import RotaryEmbedding
+    T, hq, hk, d, bs = 6, 4, 2, 32, 16
+    rope = RotaryEmbedding(d, 128, 10000.0).to(DEV)
+    q = torch.randn(T, hq, d, device=DEV, dtype=DT)
+    k = torch.randn(T, hk, d, device=DEV, dtype=DT)
+    v = torch.randn(T, hk, d, device=DEV, dtype=DT)
+    pos = torch.tensor([0, 5, 9, 17, 100, 3], device=DEV)
+    slots = torch.tensor([3, 40, 7, 16, 63, 0], device=DEV)
+    kc = torch.zeros(4, bs, hk, d, device=DEV, dtype=DT)
+    vc = torch.zeros_like(kc)
+    q_ref, k_ref = rope(pos, q.clone(), k.clone())
+    q2 = q.clone()
+    ops.rope_and_cache(q2, k, v, pos, rope.cos, rope.sin, kc, vc, slots)
+    assert rel_err(q2, q_ref) < TOL
+    assert rel_err(kc.view(-1, hk, d)[slots], k_ref) < TOL
+    assert torch.equal(vc.view(-1, hk, d)[slots], v)
+
+
+def test_silu_mul_and_gemv():
+    x = torch.randn(3, 2 * 1100, device=DEV, dtype=DT)
+    g, u = x.chunk(2, -1)
+    assert rel_err(ops.silu_and_mul(x), torch.nn.functional.silu(g.float()) * u.float()) < TOL
+    a = torch.randn(1, 700, device=DEV, dtype=DT)
+    w = torch.randn(301, 700, device=DEV, dtype=DT)
+    assert rel_err(ops.gemv(a, w), a.float() @ w.float().t()) < TOL

@@ -1,0 +1,255 @@
+"""Triton kernels for the CUDA path: paged attention, fused add + RMSNorm, rotary + KV-cache write,
+SiLU-and-mul, and a matrix-vector product for small decode batches.
+
+The CPU path never imports this module (Triton needs a GPU, or ``TRITON_INTERPRET=1`` for tests).
+
+References: FlashAttention-2 (Dao 2023) for the online-softmax tiling, PagedAttention (Kwon et al.
+2023) for the block-table indirection, vLLM's Triton "unified attention" for handling prefill,
+chunked prefill and decode in one kernel (every token's K/V is written to the cache first, then
+each query tile attends over the cache up to its causal limit).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+# --- attention --------------------------------------------------------------------------------
+@triton.jit
+def _paged_attention_kernel(
+    Q, K_cache, V_cache, Out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
+    scale_log2e,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_bt,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(tile_seq + tile)
+    q0 = tl.load(tile_qstart + tile)
+    qs = tl.load(query_start + seq)
+    q_len = tl.load(query_start + seq + 1) - qs
+    seq_len = tl.load(seq_lens + seq)
+    ctx = seq_len - q_len
+
+    r = tl.arange(0, BLOCK_M)
+    t = r // G
+    head = kvh * G + (r % G)
+    tok = q0 + t
+    row_ok = (t < BLOCK_Q) & (tok < q_len)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(Q + (qs + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    qpos = ctx + tok
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    end = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)
+    for start in range(0, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        blk = tl.load(block_tables + seq * stride_bt + n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
+        off = blk * stride_kb + (n % KV_BLOCK) * stride_ks + kvh * stride_kh
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2e                       # [BLOCK_M, BLOCK_N], log2 units
+        s = tl.where((n[None, :] <= qpos[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(Out + (qs + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def attention_tiles(q_lens: list[int], block_q: int) -> tuple[list[int], list[int]]:
+    """Map query tiles to (sequence, first local query index) for :func:`paged_attention`."""
+    seqs, starts = [], []
+    for i, n in enumerate(q_lens):
+        for s in range(0, n, block_q):
+            seqs.append(i)
+            starts.append(s)
+    return seqs, starts
+
+
+def pick_block_m(max_q_len: int, group: int) -> int:
+    """Rows per program (query tokens x heads of one KV group): 16 for decode-like batches, 64 for
+    prefill; at least the group size."""
+    g = triton.next_power_of_2(group)
+    return max(16, g) if max_q_len * group <= 16 else max(64, g)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
+                    tile_seq: torch.Tensor, tile_qstart: torch.Tensor, scale: float, block_m: int) -> torch.Tensor:
+    """Causal attention of new query tokens over the paged KV cache (their own K/V already written).
+
+    Args:
+        q: ``[T, Hq, D]`` queries (rotary applied). out: ``[T, Hq, D]`` result buffer.
+        k_cache, v_cache: ``[num_blocks, block_size, Hk, D]``.
+        block_tables: ``[B, max_blocks]`` int32. seq_lens: ``[B]`` int32 (context + new tokens).
+        query_start: ``[B + 1]`` int32 offsets of each sequence's new tokens in ``q``.
+        tile_seq, tile_qstart: ``[num_tiles]`` int32 from :func:`attention_tiles` with
+            ``block_q = block_m // (Hq // Hk)``.
+    """
+    T, Hq, D = q.shape
+    _, kv_block, Hk, _ = k_cache.shape
+    G = Hq // Hk
+    block_q = max(1, block_m // G)
+    grid = (tile_seq.shape[0], Hk)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
+        scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        G=G, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64 if block_m == 64 else 32, KV_BLOCK=kv_block,
+        D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=4, num_stages=2)
+    return out
+
+
+# --- fused add + RMSNorm ----------------------------------------------------------------------
+@triton.jit
+def _rms_norm_kernel(X, R, W, Y, R_out, stride_x, stride_r, stride_y, N, eps,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x = x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x_round = x.to(R_out.dtype.element_ty)
+        tl.store(R_out + row * stride_r + cols, x_round, mask=mask)
+        x = x_round.to(tl.float32)
+    var = tl.sum(x * x, 0) / N
+    y = (x * tl.math.rsqrt(var + eps)).to(Y.dtype.element_ty)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    tl.store(Y + row * stride_y + cols, (w * y).to(Y.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
+    """``[T, H]`` RMSNorm; with ``residual``: returns ``(norm(x + residual), x + residual)``."""
+    T, N = x.shape
+    y = torch.empty_like(x)
+    BLOCK = triton.next_power_of_2(N)
+    warps = 4 if BLOCK <= 2048 else 8
+    if residual is None:
+        _rms_norm_kernel[(T,)](x, x, weight, y, x, x.stride(0), 0, y.stride(0), N, eps,
+                               HAS_RES=False, BLOCK=BLOCK, num_warps=warps)
+        return y
+    r_out = torch.empty_like(residual)
+    _rms_norm_kernel[(T,)](x, residual, weight, y, r_out, x.stride(0), residual.stride(0), y.stride(0), N, eps,
+                           HAS_RES=True, BLOCK=BLOCK, num_warps=warps)
+    return y, r_out
+
+
+# --- rotary + KV-cache write --------------------------------------------------------------------
+@triton.jit
+def _rope_cache_kernel(Q, K, V, positions, cos_ptr, sin_ptr, k_cache, v_cache, slots,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                       stride_cs, stride_kcs, stride_kch,
+                       HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    pos = tl.load(positions + t).to(tl.int64)
+    slot = tl.load(slots + t).to(tl.int64)
+    i = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * stride_cs + i)
+    sin = tl.load(sin_ptr + pos * stride_cs + i)
+    h = tl.arange(0, BLOCK_H)
+    # q: rotate in place
+    qm = (h < HQ)[:, None]
+    qp = Q + t * stride_qt + h[:, None] * stride_qh + i[None, :]
+    q1 = tl.load(qp, mask=qm, other=0.0).to(tl.float32)
+    q2 = tl.load(qp + HALF, mask=qm, other=0.0).to(tl.float32)
+    tl.store(qp, (q1 * cos - q2 * sin).to(Q.dtype.element_ty), mask=qm)
+    tl.store(qp + HALF, (q2 * cos + q1 * sin).to(Q.dtype.element_ty), mask=qm)
+    # k: rotate, then write k and v into the cache slot
+    km = (h < HK)[:, None]
+    kp = K + t * stride_kt + h[:, None] * stride_kh + i[None, :]
+    k1 = tl.load(kp, mask=km, other=0.0).to(tl.float32)
+    k2 = tl.load(kp + HALF, mask=km, other=0.0).to(tl.float32)
+    cp = k_cache + slot * stride_kcs + h[:, None] * stride_kch + i[None, :]
+    tl.store(cp, (k1 * cos - k2 * sin).to(k_cache.dtype.element_ty), mask=km)
+    tl.store(cp + HALF, (k2 * cos + k1 * sin).to(k_cache.dtype.element_ty), mask=km)
+    vp = V + t * stride_vt + h[:, None] * stride_vh + i[None, :]
+    vc = v_cache + slot * stride_kcs + h[:, None] * stride_kch + i[None, :]
+    tl.store(vc, tl.load(vp, mask=km, other=0.0), mask=km)
+    tl.store(vc + HALF, tl.load(vp + HALF, mask=km, other=0.0), mask=km)
+
+
+def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Rotate ``q [T, Hq, D]`` in place (rotate-half RoPE) and write rotated ``k`` and ``v``
+    (``[T, Hk, D]``) into the caches (``[num_blocks, block_size, Hk, D]``) at ``slot_mapping [T]``.
+    ``cos``/``sin``: ``[max_pos, D]`` float32 tables."""
+    T, HQ, D = q.shape
+    HK = k.shape[1]
+    kc = k_cache.view(-1, HK, D)
+    vc = v_cache.view(-1, HK, D)
+    _rope_cache_kernel[(T,)](q, k, v, positions, cos, sin, kc, vc, slot_mapping,
+                             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                             cos.stride(0), kc.stride(0), kc.stride(1),
+                             HQ=HQ, HK=HK, HALF=D // 2, BLOCK_H=triton.next_power_of_2(HQ), num_warps=4)
+
+
+# --- SiLU and mul -------------------------------------------------------------------------------
+@triton.jit
+def _silu_mul_kernel(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``x [T, 2I]`` (gate | up) -> ``silu(gate) * up`` ``[T, I]``."""
+    T, N2 = x.shape
+    N = N2 // 2
+    y = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    BLOCK = 1024
+    _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](x, y, x.stride(0), y.stride(0), N, BLOCK=BLOCK, num_warps=4)
+    return y
+
+
+# --- small-batch matrix-vector product ------------------------------------------------------------
+@triton.jit
+def _gemv_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_MAX: tl.constexpr):
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    kk = tl.arange(0, BLOCK_K)
+    for m in tl.static_range(M_MAX):
+        if m < M:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + kk
+                k_ok = k < K
+                w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(X + m * stride_xm + k, mask=k_ok, other=0.0)
+                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            tl.store(Y + m * stride_ym + n, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=n_ok)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ w[N, K]^T`` for M == 1 (decode at batch 1), reading ``w`` once, coalesced."""
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    BLOCK_N = 8
+    _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+                                             BLOCK_N=BLOCK_N, BLOCK_K=512, M_MAX=1, num_warps=4)
+    return y
