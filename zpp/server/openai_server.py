@@ -202,7 +202,7 @@ class OpenAIServer:
             if e.status >= 400:
                 return _error(e.reason or "error", e.status, "invalid_request_error" if e.status < 500 else "server_error")
             raise
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionError):
             raise
         except (ProtocolError, RequestError, SamplingParamsError, EngineDeadError) as e:
             status, err_type, param = _classify(e)
@@ -410,8 +410,8 @@ class OpenAIServer:
                             finished.add(key)
                             completion_tokens += len(c.token_ids)
                         await sse.send(chunk(i * n + c.index, delta, lp, c.finish_reason, c.stop_reason))
-        except asyncio.CancelledError:
-            raise
+        except (asyncio.CancelledError, ConnectionError):
+            raise  # the client went away: nothing to tell it
         except Exception as e:
             if not sse.started:
                 raise
@@ -544,8 +544,8 @@ class OpenAIServer:
                             completion_tokens += len(c.token_ids)
                             choice["stop_reason"] = c.stop_reason
                         await sse.send(chunk([choice]))
-        except asyncio.CancelledError:
-            raise
+        except (asyncio.CancelledError, ConnectionError):
+            raise  # the client went away: nothing to tell it
         except Exception as e:
             if not sse.started:
                 raise
