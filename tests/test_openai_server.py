@@ -203,6 +203,13 @@ def test_completion_stop_strings_and_tokens(server, tokenizer):
                                          stop=[" 7"])
         assert cut.choices[0].text == text[:text.index(" 7")]
         assert cut.choices[0].finish_reason == "stop" and cut.choices[0].model_dump()["stop_reason"] == " 7"
+        # Streamed, a possible start of the stop string (the "," of ", 7", one token before " 7") is
+        # held back, never sent and taken back.
+        kw = dict(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0, stop=[", 7"])
+        whole = await c.completions.create(**kw)
+        deltas = [ch.choices[0].text async for ch in await c.completions.create(stream=True, **kw)]
+        assert whole.choices[0].text == text[:text.index(", 7")]
+        assert "".join(deltas) == whole.choices[0].text and not any("," in d for d in deltas)
         comma = tokenizer.encode(",")[0]
         tok = await c.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0,
                                          extra_body={"stop_token_ids": [comma]})
