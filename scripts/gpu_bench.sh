@@ -16,3 +16,6 @@ run python -m zpp.cli bench latency --model $SMOL --load-format dummy --device c
 run python -m zpp.cli bench throughput --model $L3 --load-format dummy --device cuda --num-prompts 1000 \
     --input-len 256 --output-len 256 --max-num-seqs 1024 --max-num-batched-tokens 8192 \
     --output-json "$OUT/throughput_llama3-8b_zpp.json"
+run python -m zpp.cli bench throughput --model $L3 --load-format dummy --device cuda --num-prompts 1000 \
+    --input-len 256 --output-len 256 --backend hf --hf-max-batch-size 256 \
+    --output-json "$OUT/throughput_llama3-8b_hf.json"

@@ -19,7 +19,7 @@ def small_llama(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-                      rms_norm_eps=1e-5, initializer_range=0.05, tie_word_embeddings=False)
+                      rms_norm_eps=1e-5, initializer_range=0.2, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     d = tmp_path_factory.mktemp("llama-small")

@@ -198,7 +198,12 @@ class EngineConfig:
 
     @property
     def pipeline_depth(self) -> int:
-        return self.scheduler.pipeline_depth or self.parallel.pipeline_parallel_size
+        """Micro-batches in flight: the number of stages; on one GPU 2, so that the CPU work of one
+        batch (scheduling, inputs, outputs) overlaps the GPU work of the other."""
+        if self.scheduler.pipeline_depth:
+            return self.scheduler.pipeline_depth
+        pp = self.parallel.pipeline_parallel_size
+        return pp if pp > 1 or self.parallel.device != "cuda" else 2
 
     @property
     def torch_dtype(self) -> torch.dtype:

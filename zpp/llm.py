@@ -127,7 +127,7 @@ class LLM:
 
         async def one(p, sp):
             final = None
-            async for out in engine.generate(p, sp):
+            async for out in engine.generate(p, sp, stream=False):
                 final = out
             if bar is not None:
                 bar.update(1)

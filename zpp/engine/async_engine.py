@@ -67,10 +67,16 @@ class _Group:
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
+    stream: bool = True
+    """Publish every step (False: only the final output, for offline use)."""
+    num_unfinished: int = 0
+
+    def __post_init__(self):
+        self.num_unfinished = len(self.seqs)
 
     @property
     def finished(self) -> bool:
-        return all(s.out.finish_reason is not None for s in self.seqs)
+        return self.num_unfinished == 0
 
 
 class AsyncEngine:
@@ -183,15 +189,16 @@ class AsyncEngine:
                 f"holds only {self.kv.num_blocks} blocks of {self.kv.block_size} tokens", "max_tokens")
         return max_tokens
 
-    async def generate(self, prompt: PromptType, sampling: SamplingParams,
-                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: PromptType, sampling: SamplingParams, request_id: Optional[str] = None,
+                       stream: bool = True) -> AsyncIterator[RequestOutput]:
         """Submit a request and iterate over its outputs (cumulative; the last has finished=True).
+        With ``stream=False`` only the final output is produced (cheaper for offline batches).
 
         Raises:
             RequestError: the request breaks a limit (before it is queued).
             EngineDeadError: a worker died.
         """
-        group = self.add_request(prompt, sampling, request_id)
+        group = self.add_request(prompt, sampling, request_id, stream)
         try:
             while True:
                 item = await group.queue.get()
@@ -208,7 +215,7 @@ class AsyncEngine:
                 self.abort(group.request_id)
 
     def add_request(self, prompt: PromptType, sampling: SamplingParams,
-                    request_id: Optional[str] = None) -> _Group:
+                    request_id: Optional[str] = None, stream: bool = True) -> _Group:
         if self.dead:
             raise EngineDeadError(self.dead)
         text, ids = self.tokenize_prompt(prompt)
@@ -227,7 +234,7 @@ class AsyncEngine:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop, sampling.skip_special_tokens,
                                                sampling.include_stop_str_in_output)
             seqs.append(_Seq(req, detok, CompletionOutput(index=i, logprobs=[] if sampling.logprobs is not None else None)))
-        group = _Group(rid, text, ids, sampling, seqs)
+        group = _Group(rid, text, ids, sampling, seqs, stream=stream)
         if sampling.prompt_logprobs is not None:
             group.prompt_logprobs = [None] + [None] * (len(ids) - 1)
         self.groups[rid] = group
@@ -235,6 +242,7 @@ class AsyncEngine:
         if max_tokens == 0:
             for s in seqs:
                 s.out.finish_reason = "length"
+            group.num_unfinished = 0
             self._publish(group)
             return group
         for s in seqs:
@@ -351,6 +359,7 @@ class AsyncEngine:
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
                     req.stop_reason = stop
             if req.status.finished:
+                group.num_unfinished -= 1
                 out.finish_reason = req.status.finish_reason
                 out.stop_reason = req.stop_reason
                 if seq.detok is not None:
@@ -361,7 +370,8 @@ class AsyncEngine:
             touched[group.request_id] = group
         self.scheduler.release_finished(finished_reqs)
         for group in touched.values():
-            self._publish(group)
+            if group.stream or group.num_unfinished == 0:
+                self._publish(group)
 
     def _publish(self, group: _Group) -> None:
         finished = group.finished

@@ -103,7 +103,11 @@ class KVCacheManager:
         admission. Returns the block ids added to the request's table, or None (nothing changed)
         when the free blocks do not suffice.
         """
-        blocks = self.req_blocks.get(req.req_id, [])
+        blocks = self.req_blocks.get(req.req_id)
+        if blocks is None:
+            blocks = []
+        elif not computed_blocks and len(blocks) * self.block_size >= num_tokens:
+            return []  # the common decode step: the last block still has room
         need = self.blocks_needed(num_tokens) - len(blocks) - len(computed_blocks)
         reusable_free = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
         if need > self.num_free_blocks - reusable_free:

@@ -138,7 +138,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.arrival):
             if budget <= 0 or len(reqs) >= max_reqs:
                 break
-            if req.in_flight or req.status.finished or req not in self.running:
+            if req.in_flight or req.status != RequestStatus.RUNNING:
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             new_blocks = None

@@ -100,6 +100,10 @@ class WorkerSocket:
             raise TimeoutError("no message from the engine")
         return m.to_worker_decoder.decode(self.sock.recv())
 
+    def poll(self, timeout_ms: int = 0) -> bool:
+        """Is a message from the engine waiting?"""
+        return bool(self.sock.poll(timeout_ms))
+
     def close(self) -> None:
         self.sock.close()
         self.ctx.term()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Optional
 
 import numpy as np
@@ -20,6 +21,25 @@ from zpp.transport.p2p import StageLink
 from zpp.workers.sampler import Sampler, SeqState, token_logprobs
 
 logger = logging.getLogger(__name__)
+
+
+class PendingResult:
+    """A last-stage result still on the GPU: token ids copied to pinned memory asynchronously.
+    ``finish(runner)`` waits for them and builds the StepResult."""
+
+    def __init__(self, batch_id: int, req_ids: list[str], tokens: torch.Tensor):
+        self.batch_id = batch_id
+        self.req_ids = req_ids
+        self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        self.host.copy_(tokens, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def finish(self, runner: "ModelRunner") -> m.StepResult:
+        self.event.synchronize()
+        runner.reap_timings()
+        return m.StepResult(self.batch_id, [m.SampledOutput(r, t) for r, t in zip(self.req_ids, self.host.tolist())],
+                            busy_s=runner.busy_s)
 
 
 class ModelRunner:
@@ -40,6 +60,7 @@ class ModelRunner:
         self.busy_s = 0.0
         self.num_batches = 0
         self.group = int(model.cfg.get("num_attention_heads", 1)) // max(1, model.num_kv_heads)
+        self._timings: deque = deque()
         self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager
 
     # --- KV cache -----------------------------------------------------------------------------
@@ -106,7 +127,6 @@ class ModelRunner:
         self._update_states(batch)
         if not batch.chunks:
             return m.StepResult(batch.batch_id, []) if self.stage.is_last else None
-        t0 = time.perf_counter()
         seqs = [self.seqs[c.req_id] for c in batch.chunks]
         starts = [c.start for c in batch.chunks]
         q_lens = [c.num_tokens for c in batch.chunks]
@@ -114,7 +134,7 @@ class ModelRunner:
         B = len(seqs)
         if (self.graphs is not None and T == B and self.graphs.bucket(B) is not None
                 and not any(c.prompt_logprobs for c in batch.chunks)):
-            return self._execute_graph(batch, seqs, starts, t0)
+            return self._execute_graph(batch, seqs, starts)
         positions = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in zip(starts, q_lens)])
         input_ids = None
         if self.stage.is_first:
@@ -125,21 +145,20 @@ class ModelRunner:
         positions = positions.to(self.device, non_blocking=True)
 
         acts = None
-        if not self.stage.is_first:
-            t_wait = time.perf_counter()
+        if not self.stage.is_first:  # time blocked on the previous stage is not busy time
             acts = self.link.recv((self.model.num_acts, T, self.model.hidden_size), self.dtype)
-            t0 += time.perf_counter() - t_wait  # time blocked on the previous stage is not busy time
+        t0 = self._begin()
         out = self.model(input_ids, positions, acts, self.kv_caches, meta)
         if not self.stage.is_last:
+            self._end(t0)
             self.link.send(out)
-            self._account(t0)
             return None
         result = self._sample(batch, seqs, out)
-        self._account(t0)
+        self._end(t0)
         result.busy_s = self.busy_s
         return result
 
-    def _execute_graph(self, batch: m.ExecuteBatch, seqs: list[SeqState], starts: list[int], t0: float):
+    def _execute_graph(self, batch: m.ExecuteBatch, seqs: list[SeqState], starts: list[int]):
         """Decode batch through a captured CUDA graph."""
         B = len(seqs)
         bs = self.block_size
@@ -154,27 +173,51 @@ class ModelRunner:
             if self.stage.is_first else None
         acts = None
         if not self.stage.is_first:
-            t_wait = time.perf_counter()
             acts = self.link.recv((self.model.num_acts, B, self.model.hidden_size), self.dtype)
-            t0 += time.perf_counter() - t_wait
+        t0 = self._begin()
         out = self.graphs.run(B, ids, pos, slots, bt, acts)
         if not self.stage.is_last:
+            self._end(t0)
             self.link.send(out)
-            self._account(t0)
             return None
         rows = [i for i, c in enumerate(batch.chunks) if c.sample]
         if len(rows) < B:
             out = out[torch.tensor(rows, device=out.device)]
-        tokens, lps = self.sampler(out, [seqs[i] for i in rows], self.eos_token_ids)
+        row_seqs = [seqs[i] for i in rows]
+        if self.sampler.plain_greedy(row_seqs):
+            # Leave the GPU running: the worker finishes this result after launching the next batch.
+            pending = PendingResult(batch.batch_id, [batch.chunks[i].req_id for i in rows], out.argmax(dim=-1))
+            self._end(t0)
+            return pending
+        tokens, lps = self.sampler(out, row_seqs, self.eos_token_ids)
         sampled = [m.SampledOutput(batch.chunks[i].req_id, tok, lp) for i, tok, lp in zip(rows, tokens, lps)]
-        self._account(t0)
+        self._end(t0)
         return m.StepResult(batch.batch_id, sampled, busy_s=self.busy_s)
 
-    def _account(self, t0: float) -> None:
+    # --- busy-time accounting -----------------------------------------------------------------
+    def _begin(self):
+        """Start timing a batch: a CUDA event on GPU (device time), a wall-clock stamp on CPU."""
         if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        self.busy_s += time.perf_counter() - t0
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _end(self, start) -> None:
         self.num_batches += 1
+        if self.device.type != "cuda":
+            self.busy_s += time.perf_counter() - start
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._timings.append((start, end))
+        self.reap_timings()
+
+    def reap_timings(self) -> None:
+        """Add the device time of finished batches to ``busy_s`` (never blocks)."""
+        while self._timings and self._timings[0][1].query():
+            start, end = self._timings.popleft()
+            self.busy_s += start.elapsed_time(end) / 1000.0
 
     def _sample(self, batch: m.ExecuteBatch, seqs: list[SeqState], hidden: torch.Tensor) -> m.StepResult:
         rows: list[int] = []        # hidden rows whose logits are needed

@@ -63,13 +63,22 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
+    @staticmethod
+    def plain_greedy(seqs: list[SeqState]) -> bool:
+        """Every row is greedy with nothing to adjust or report: the token is just the argmax."""
+        for s in seqs:
+            p = s.sampling or _GREEDY
+            if (p.temperature != 0.0 or p.logprobs is not None or p.repetition_penalty != 1.0
+                    or p.frequency_penalty or p.presence_penalty or p.min_tokens):
+                return False
+        return True
+
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, seqs: list[SeqState], eos_token_ids: set[int]):
         N, V = logits.shape
+        if self.plain_greedy(seqs):
+            return logits.argmax(dim=-1).tolist(), [None] * N  # one kernel, one copy
         params = [s.sampling or _GREEDY for s in seqs]
-        if all(p.temperature == 0.0 and p.logprobs is None and p.repetition_penalty == 1.0
-               and not p.frequency_penalty and not p.presence_penalty and not p.min_tokens for p in params):
-            return logits.argmax(dim=-1).tolist(), [None] * N  # plain greedy: one kernel, one copy
         want_lp = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
 

@@ -146,20 +146,37 @@ def _cuda_kv_blocks(init, runner, device, per_block: int) -> int:
 
 
 def _serve(runner, sock, init) -> None:
+    """Run batches in order. A last-stage result left on the GPU (PendingResult) is finished only
+    after the next batch, if one is already queued, has been launched: the CPU work of batch i+1
+    overlaps the GPU work of batch i, and results still go out in batch order."""
     from zpp.transport import messages as m
+    from zpp.workers.model_runner import PendingResult
 
     last_stats = time.monotonic()
+    pending = None
     while True:
+        if pending is not None and not sock.poll(0):
+            sock.send(pending.finish(runner))
+            pending = None
+            continue
         msg = sock.recv()
         if isinstance(msg, m.ExecuteBatch):
             result = runner.execute(msg)
-            if result is not None:
+            if pending is not None:
+                sock.send(pending.finish(runner))
+                pending = None
+            if isinstance(result, PendingResult):
+                pending = result
+            elif result is not None:
                 sock.send(result)
             now = time.monotonic()
             if not runner.stage.is_last and now - last_stats > 1.0:
+                runner.reap_timings()
                 sock.send(m.StageStats(rank=init.rank, busy_s=runner.busy_s, batches=runner.num_batches))
                 last_stats = now
         elif isinstance(msg, m.Shutdown):
+            if pending is not None:
+                sock.send(pending.finish(runner))
             if runner.link is not None:
                 runner.link.flush()
             return
