@@ -247,9 +247,10 @@ class OpenAIServer:
             raise ProtocolError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})",
                                 "stop_token_ids")
 
-    async def _run_all(self, prompts: list[list[int]], sampling: SamplingParams,
-                       base_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run every prompt concurrently; yield (prompt index, cumulative output) as they progress.
+    async def _run_all(self, prompts: list[list[int]], sampling: SamplingParams, base_id: str,
+                       stream: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every prompt concurrently; yield (prompt index, cumulative output) as they progress
+        (with ``stream=False`` only each prompt's final output).
 
         Use under ``contextlib.aclosing``: closing the generator (the handler was cancelled, the
         client went away, an error) cancels the per-prompt tasks, which aborts their requests.
@@ -259,7 +260,7 @@ class OpenAIServer:
 
         async def one(i: int, ids: list[int]) -> None:
             try:
-                async for out in self.engine.generate(ids, sampling, f"{base_id}-{i}"):
+                async for out in self.engine.generate(ids, sampling, f"{base_id}-{i}", stream=stream):
                     queue.put_nowait((i, out))
             except asyncio.CancelledError:
                 raise
@@ -353,7 +354,7 @@ class OpenAIServer:
 
         if not req.stream:
             finals: dict[int, RequestOutput] = {}
-            async with aclosing(self._run_all([ids for _, ids in prompts], sampling, cid)) as outs:
+            async with aclosing(self._run_all([ids for _, ids in prompts], sampling, cid, stream=False)) as outs:
                 async for i, out in outs:
                     if out.finished:
                         finals[i] = out
@@ -501,7 +502,7 @@ class OpenAIServer:
 
         if not req.stream:
             final = None
-            async with aclosing(self._run_all([prompt_ids], sampling, cid)) as outs:
+            async with aclosing(self._run_all([prompt_ids], sampling, cid, stream=False)) as outs:
                 async for _, out in outs:
                     final = out
             choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
