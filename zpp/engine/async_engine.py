@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 PromptType = Union[str, list[int]]
 
 
+_WAKE = object()  # sentinel on the results queue: new work, not a result
+
+
 class RequestError(ValueError):
     """A request the engine refuses (HTTP 400). ``param`` names the offending field."""
 
@@ -102,7 +105,7 @@ class AsyncEngine:
         self.groups: dict[str, _Group] = {}
         self.seq_to_group: dict[str, tuple[_Group, _Seq]] = {}
         self.inflight: deque[ScheduledBatch] = deque()
-        self._wake = asyncio.Event()
+        self._wake_pending = False
         self._ids = itertools.count()
         self._loop_task: Optional[asyncio.Task] = None
         self.dead: Optional[str] = None
@@ -147,7 +150,7 @@ class AsyncEngine:
         self.dead = reason
         for g in list(self.groups.values()):
             g.queue.put_nowait(EngineDeadError(reason))
-        self._wake.set()
+        self._wake()
 
     # --- requests -----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -250,7 +253,7 @@ class AsyncEngine:
             self.scheduler.add_request(s.req)
         if self.metrics:
             self.metrics.on_request_added(group)
-        self._wake.set()
+        self._wake()
         return group
 
     def abort(self, request_id: str) -> None:
@@ -266,10 +269,13 @@ class AsyncEngine:
                 self.scheduler.abort(s.req.req_id)
         if self.metrics:
             self.metrics.on_request_finished(group, aborted=True)
-        self._wake.set()
+        self._wake()
 
     # --- the loop -----------------------------------------------------------------------------
     async def _run(self) -> None:
+        """Keep the pipeline full; then wait on one queue that carries both the workers' results
+        (in batch order) and wake-ups from new or aborted requests."""
+        results = self.executor.results
         try:
             while True:
                 if self.dead:
@@ -280,17 +286,16 @@ class AsyncEngine:
                         break
                     self.executor.send(sched.batch)
                     self.inflight.append(sched)
-                if not self.inflight:
-                    self._wake.clear()
-                    await self._wake.wait()
+                item = await results.get()
+                if item is _WAKE:
+                    self._wake_pending = False
                     continue
-                result = await self._next_result_or_wake()
-                if result is None:
-                    continue
+                if isinstance(item, Exception):
+                    raise item
                 sched = self.inflight.popleft()
-                if result.batch_id != sched.batch.batch_id:
-                    raise RuntimeError(f"result for batch {result.batch_id}, expected {sched.batch.batch_id}")
-                self._apply(sched, result)
+                if item.batch_id != sched.batch.batch_id:
+                    raise RuntimeError(f"result for batch {item.batch_id}, expected {sched.batch.batch_id}")
+                self._apply(sched, item)
         except asyncio.CancelledError:
             raise
         except WorkerDiedError as e:
@@ -299,23 +304,11 @@ class AsyncEngine:
             logger.exception("engine loop crashed")
             self._on_worker_death(f"engine loop crashed: {e!r}")
 
-    async def _next_result_or_wake(self):
-        """Wait for the oldest batch's result; if the pipeline has room, also wake on new requests."""
-        if len(self.inflight) >= self.depth or not self.executor.results.empty():
-            return await self.executor.next_result()
-        self._wake.clear()
-        res_task = asyncio.ensure_future(self.executor.next_result())
-        wake_task = asyncio.ensure_future(self._wake.wait())
-        done, _ = await asyncio.wait({res_task, wake_task}, return_when=asyncio.FIRST_COMPLETED)
-        wake_task.cancel()
-        if res_task in done:
-            return res_task.result()
-        res_task.cancel()
-        try:
-            await res_task
-        except asyncio.CancelledError:
-            pass
-        return None
+    def _wake(self) -> None:
+        """Make the loop look at the queues again (a request arrived or was aborted)."""
+        if not self._wake_pending:
+            self._wake_pending = True
+            self.executor.results.put_nowait(_WAKE)
 
     def _apply(self, sched: ScheduledBatch, result) -> None:
         now = time.monotonic()

@@ -44,14 +44,23 @@ class DecodeGraphs:
         B = self.max_bs = self.sizes[-1]
         W = -(-max_model_len // block_size)
         self.scratch_slot = scratch_slot
-        i64 = dict(dtype=torch.int64, device=device)
+        # All per-step inputs live in two device buffers (int64: token ids, positions, slots;
+        # int32: sequence lengths, query starts, block tables) filled from pinned host staging with
+        # one copy each; two staging slots alternate so the CPU can prepare step i+1 while the copy
+        # of step i is still queued.
+        self.W = W
+        self.dev64 = torch.zeros(3 * B, dtype=torch.int64, device=device)
+        self.dev32 = torch.zeros(2 * B + 1 + B * W, dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.dev64.view(3, B)
+        self.seq_lens = self.dev32[:B]
+        self.query_start = self.dev32[B:2 * B + 1]
+        self.block_tables = self.dev32[2 * B + 1:].view(B, W)
+        self.slot_mapping.fill_(scratch_slot)
+        self.host64 = [torch.zeros(3 * B, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.host32 = [torch.zeros(2 * B + 1 + B * W, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.copied = [None, None]
+        self.slot = 0
         i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(B, **i64)
-        self.positions = torch.zeros(B, **i64)
-        self.slot_mapping = torch.full((B,), scratch_slot, **i64)
-        self.block_tables = torch.zeros(B, W, **i32)
-        self.seq_lens = torch.zeros(B, **i32)
-        self.query_start = torch.zeros(B + 1, **i32)
         self.tile_seq = torch.arange(B, **i32)
         self.tile_qstart = torch.zeros(B, **i32)
         self.acts = (torch.zeros(model.num_acts, B, model.hidden_size, dtype=dtype, device=device)
@@ -101,17 +110,28 @@ class DecodeGraphs:
             block_tables: np.ndarray, acts: Optional[torch.Tensor]) -> torch.Tensor:
         """Replay for ``b`` decode rows. ``block_tables`` is ``[b, w]`` (w <= the static width)."""
         bs = self.bucket(b)
+        B, W = self.max_bs, self.W
+        k = self.slot = self.slot ^ 1
+        if self.copied[k] is not None:
+            self.copied[k].synchronize()  # the copy that last read this staging slot is done
+        h64 = self.host64[k].numpy().reshape(3, B)
+        h32 = self.host32[k].numpy()
+        h64[:, b:bs] = 0
         if input_ids is not None:
-            self.input_ids[:b].copy_(torch.from_numpy(input_ids))
-        self.positions[:b].copy_(torch.from_numpy(positions))
-        self.slot_mapping[:b].copy_(torch.from_numpy(slots))
-        self.slot_mapping[b:bs].fill_(self.scratch_slot)
+            h64[0, :b] = input_ids
+        h64[1, :b] = positions
+        h64[2, :b] = slots
+        h64[2, b:bs] = self.scratch_slot
+        h32[:b] = positions + 1                                        # seq_lens
+        h32[b:bs] = 0
+        h32[B:B + bs + 1] = np.minimum(np.arange(bs + 1), b)          # query_start (padding: empty)
         w = block_tables.shape[1]
-        self.block_tables[:b, :w].copy_(torch.from_numpy(block_tables))
-        self.seq_lens[:b].copy_(torch.from_numpy((positions + 1).astype(np.int32)))
-        self.seq_lens[b:bs].zero_()
-        qs = np.minimum(np.arange(bs + 1, dtype=np.int32), b)
-        self.query_start[:bs + 1].copy_(torch.from_numpy(qs))
+        h32[2 * B + 1:].reshape(B, W)[:b, :w] = block_tables
+        self.dev64.copy_(self.host64[k], non_blocking=True)
+        n32 = 2 * B + 1 + b * W
+        self.dev32[:n32].copy_(self.host32[k][:n32], non_blocking=True)
+        ev = self.copied[k] = torch.cuda.Event()
+        ev.record()
         if acts is not None:
             self.acts[:, :b].copy_(acts)
         self.graphs[bs].replay()

@@ -27,10 +27,10 @@ class PendingResult:
     """A last-stage result still on the GPU: token ids copied to pinned memory asynchronously.
     ``finish(runner)`` waits for them and builds the StepResult."""
 
-    def __init__(self, batch_id: int, req_ids: list[str], tokens: torch.Tensor):
+    def __init__(self, batch_id: int, req_ids: list[str], tokens: torch.Tensor, host_buf: torch.Tensor):
         self.batch_id = batch_id
         self.req_ids = req_ids
-        self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        self.host = host_buf[: tokens.shape[0]]
         self.host.copy_(tokens, non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record()
@@ -61,6 +61,8 @@ class ModelRunner:
         self.num_batches = 0
         self.group = int(model.cfg.get("num_attention_heads", 1)) // max(1, model.num_kv_heads)
         self._timings: deque = deque()
+        self._pinned = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
+        self._pin_idx = 0
         self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager
 
     # --- KV cache -----------------------------------------------------------------------------
@@ -186,7 +188,12 @@ class ModelRunner:
         row_seqs = [seqs[i] for i in rows]
         if self.sampler.plain_greedy(row_seqs):
             # Leave the GPU running: the worker finishes this result after launching the next batch.
-            pending = PendingResult(batch.batch_id, [batch.chunks[i].req_id for i in rows], out.argmax(dim=-1))
+            # Two pinned buffers, alternating: at most one result is pending while the next is made.
+            self._pin_idx ^= 1
+            if self._pinned[self._pin_idx].shape[0] < len(rows):
+                self._pinned[self._pin_idx] = torch.empty(max(len(rows), 1024), dtype=torch.int64, pin_memory=True)
+            pending = PendingResult(batch.batch_id, [batch.chunks[i].req_id for i in rows], out.argmax(dim=-1),
+                                    self._pinned[self._pin_idx])
             self._end(t0)
             return pending
         tokens, lps = self.sampler(out, row_seqs, self.eos_token_ids)

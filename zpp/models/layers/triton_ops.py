@@ -25,7 +25,7 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV_BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -58,7 +58,7 @@ def _paged_attention_kernel(
         off = blk * stride_kb + (n % KV_BLOCK) * stride_ks + kvh * stride_kh
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2e                       # [BLOCK_M, BLOCK_N], log2 units
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2e                       # [BLOCK_M, BLOCK_N], log2 units
         s = tl.where((n[None, :] <= qpos[:, None]) & n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -66,7 +66,7 @@ def _paged_attention_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(Out + (qs + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -114,7 +114,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=G, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64 if block_m == 64 else 32, KV_BLOCK=kv_block,
-        D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=4, num_stages=2)
+        D=D, BLOCK_D=triton.next_power_of_2(D), PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2)
     return out
 
 
