@@ -73,6 +73,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad("n", f"must be >= 1, got {self.n}")
         if self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
+        if self.temperature < 1e-5:
+            self.temperature = 0.0  # dividing logits by a tiny temperature overflows: greedy, as vLLM
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 63):
+            bad("seed", f"must fit in a signed 64-bit integer, got {self.seed}")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

@@ -201,6 +201,7 @@ class Executor:
             ready = mp_wait(list(sentinels), timeout=0.5) if sentinels else time.sleep(0.5) or []
             for s in ready:
                 p = sentinels.pop(s)
+                p.join(1.0)  # the sentinel fires before the exit code is collected
                 if not self._stopping:
                     msg = f"worker process {p.name} (pid {p.pid}) exited with code {p.exitcode}"
                     self._loop.call_soon_threadsafe(self._fail, msg)
@@ -226,10 +227,12 @@ class Executor:
         self._stopping = True
         if self._reader is not None:
             self._reader.cancel()
-        try:
-            self.socket.send_bytes(range(self.world), m.encode(m.Shutdown()))
-        except Exception:
-            pass
+        payload = m.encode(m.Shutdown())
+        for rank in range(self.world):
+            try:
+                self.socket.send_bytes([rank], payload)
+            except Exception:  # that worker is already gone
+                pass
         deadline = time.monotonic() + timeout_s
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))

@@ -58,6 +58,8 @@ class StageModel(nn.Module):
     """
 
     num_acts: int = 2
+    supports_cuda_graphs: bool = True
+    """False when the forward reads device values on the host (e.g. MoE expert counts)."""
     packed_modules: dict[str, tuple[str, int]] = {}
     tied_names: tuple[str, ...] = ()
     tie_word_embeddings_default: bool = False

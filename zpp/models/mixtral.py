@@ -28,6 +28,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     (``[2, T, H]`` hidden + residual between stages, final normed hidden ``[T, H]`` on the last)."""
 
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+    supports_cuda_graphs = False  # the MoE block reads per-expert token counts on the host
 
     @classmethod
     def check_config(cls, cfg: dict[str, Any]) -> None:

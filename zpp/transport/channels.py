@@ -54,7 +54,9 @@ class EngineSocket:
         """Send one encoded frame to several ranks (encode once, fan out)."""
         for r in ranks:
             # ROUTER sends never block with the default HWM; NOBLOCK turns an unknown peer into an error.
-            self.sock.send_multipart([identity(r), payload], flags=zmq.NOBLOCK, copy=False)
+            fut = self.sock.send_multipart([identity(r), payload], flags=zmq.NOBLOCK, copy=False)
+            if fut.done() and fut.exception() is not None:
+                raise fut.exception()
 
     async def recv(self, timeout_s: Optional[float] = None) -> tuple[int, m.FromWorker]:
         """Next message from any worker: (rank, message).

@@ -122,7 +122,10 @@ def _setup(init, sock):
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", msg.num_blocks, init.block_size,
                 msg.num_blocks * per_block / 2**20)
     if init.device == "cuda" and not init.enforce_eager:
-        runner.capture_graphs(init.max_model_len, init.max_num_seqs)
+        if model.supports_cuda_graphs:
+            runner.capture_graphs(init.max_model_len, init.max_num_seqs)
+        else:
+            logger.info("%s runs eagerly (no CUDA graphs)", type(model).__name__)
     sock.send(m.CacheReady(rank=init.rank))
     return runner
 
