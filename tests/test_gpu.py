@@ -87,3 +87,18 @@ def test_cuda_graphs_equal_eager(small_llama):
                  enforce_eager=eager, max_num_seqs=16) as llm:
             res[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert res[True] == res[False]
+
+
+def test_pipeline_stages_on_one_gpu_equal_pp1(small_llama, monkeypatch):
+    """PP=2 and PP=3 with CUDA graphs (both stages on GPU 0, activations over gloo: ZPP_SHARE_GPU=1)
+    give exactly the tokens of PP=1: graph inputs / outputs between stages never alias."""
+    from zpp import LLM, SamplingParams
+    monkeypatch.setenv("ZPP_SHARE_GPU", "1")
+    prompts = _prompts() * 3  # 12 sequences: two micro-batches of 6 in flight
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    res = {}
+    for pp in (1, 2, 3):
+        with LLM(small_llama, device="cuda", dtype="bfloat16", pipeline_parallel_size=pp,
+                 kv_cache_memory="1GiB", max_num_seqs=16, pipeline_depth=2) as llm:
+            res[pp] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert res[2] == res[1] and res[3] == res[1]

@@ -418,7 +418,8 @@ def validate_startup(config: EngineConfig) -> None:
     if config.parallel.device == "cuda":
         import torch
         n = torch.cuda.device_count()
-        if not config.parallel.nodes and config.parallel.world_size > n:
+        from zpp.transport.p2p import shared_gpu
+        if not config.parallel.nodes and config.parallel.world_size > n and not shared_gpu():
             raise ConfigError(f"--pipeline-parallel-size x --tensor-parallel-size = {config.parallel.world_size} "
                               f"GPUs needed, but this host has {n}")
 

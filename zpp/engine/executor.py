@@ -24,6 +24,7 @@ from zpp.config import EngineConfig
 from zpp.models.partition import partition_layers
 from zpp.transport import messages as m
 from zpp.transport.channels import EngineSocket, free_tcp_port, local_ipc_address
+from zpp.transport.p2p import shared_gpu
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class Executor:
         self._reader = asyncio.create_task(self._read_loop())
 
     def _device_index(self, rank: int) -> int:
-        if self.config.parallel.device != "cuda":
+        if self.config.parallel.device != "cuda" or shared_gpu():
             return 0
         if self.nodes is not None:
             return self.nodes.local_index(rank)

@@ -9,6 +9,7 @@ Invariants (learnt from other engines' bugs):
 """
 from __future__ import annotations
 
+import os
 from collections import deque
 from datetime import timedelta
 from typing import Optional
@@ -17,11 +18,17 @@ import torch
 import torch.distributed as dist
 
 
+def shared_gpu() -> bool:
+    """Testing mode (``ZPP_SHARE_GPU=1``): every stage on GPU 0, activations over gloo through host
+    memory, so pipeline stages can be tested on a one-GPU machine (NCCL refuses two ranks on one GPU)."""
+    return os.environ.get("ZPP_SHARE_GPU") == "1"
+
+
 def init_process_group(init_method: str, rank: int, world_size: int, device: str) -> None:
     """Join the workers' process group (not the engine: it never touches tensors)."""
-    backend = "nccl" if device == "cuda" else "gloo"
+    backend = "nccl" if device == "cuda" and not shared_gpu() else "gloo"
     kwargs = {}
-    if device == "cuda":
+    if backend == "nccl":
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
                             world_size=world_size, timeout=timedelta(minutes=30), **kwargs)
@@ -41,11 +48,14 @@ class StageLink:
         self.device = device
         self._pending: deque[tuple[dist.Work, torch.Tensor]] = deque()
         self._max_pending = max_pending
+        self._via_host = device.type == "cuda" and shared_gpu()
 
     def send(self, tensor: torch.Tensor) -> None:
         """Start sending ``tensor`` to the next stage; the tensor is kept alive until sent."""
         assert self.next_rank is not None
         tensor = tensor.contiguous()
+        if self._via_host:
+            tensor = tensor.cpu()
         work = dist.isend(tensor, dst=self.next_rank)
         self._pending.append((work, tensor))
         self._reap(block=len(self._pending) > self._max_pending)
@@ -53,10 +63,10 @@ class StageLink:
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Receive the previous stage's activations for the next batch in order."""
         assert self.prev_rank is not None
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        buf = torch.empty(shape, dtype=dtype, device="cpu" if self._via_host else self.device)
         dist.recv(buf, src=self.prev_rank)
         self._reap(block=False)
-        return buf
+        return buf.to(self.device) if self._via_host else buf
 
     def _reap(self, block: bool) -> None:
         while self._pending:
