@@ -125,10 +125,16 @@ class _SSE:
         resp = await self._start()
         await resp.write(b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n")
 
-    async def error(self, e: BaseException) -> None:
-        """Report a failure after the stream started (OpenAI's client raises APIError on it)."""
+    async def fail(self, e: Exception) -> web.StreamResponse:
+        """End the stream with an error event and [DONE] (OpenAI's client raises APIError on it);
+        before the first event, re-raise so the client gets an ordinary JSON error response."""
+        if not self.started:
+            raise e
+        if not isinstance(e, (EngineDeadError, RequestError)):
+            logger.exception("error while streaming %s", self.request.path)
         status, err_type, param = _classify(e)
         await self.send(error_body(_message(e), err_type, param) | {"status_code": status})
+        return await self.done()
 
     async def done(self) -> web.StreamResponse:
         resp = await self._start()
@@ -414,12 +420,7 @@ class OpenAIServer:
         except (asyncio.CancelledError, ConnectionError):
             raise  # the client went away: nothing to tell it
         except Exception as e:
-            if not sse.started:
-                raise
-            if not isinstance(e, (EngineDeadError, RequestError)):
-                logger.exception("error while streaming %s", request.path)
-            await sse.error(e)
-            return await sse.done()
+            return await sse.fail(e)
         if req.stream_options and req.stream_options.include_usage:
             prompt_tokens = sum(len(ids) for _, ids in prompts)
             await sse.send({"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
@@ -548,12 +549,7 @@ class OpenAIServer:
         except (asyncio.CancelledError, ConnectionError):
             raise  # the client went away: nothing to tell it
         except Exception as e:
-            if not sse.started:
-                raise
-            if not isinstance(e, (EngineDeadError, RequestError)):
-                logger.exception("error while streaming %s", request.path)
-            await sse.error(e)
-            return await sse.done()
+            return await sse.fail(e)
         if req.stream_options and req.stream_options.include_usage:
             await sse.send({**chunk([]), "usage": {"prompt_tokens": len(prompt_ids),
                                                    "completion_tokens": completion_tokens,
