@@ -26,7 +26,7 @@ from zpp.engine.scheduler import ScheduledBatch, Scheduler
 from zpp.models.partition import partition_layers
 from zpp.models.registry import resolve_model_class
 from zpp.outputs import CompletionOutput, RequestOutput
-from zpp.sampling_params import SamplingParams, SamplingParamsError
+from zpp.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
