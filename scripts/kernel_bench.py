@@ -43,5 +43,7 @@ for ctx in (256, 2048):
     bt = torch.arange(nb, device=dev, dtype=torch.int32)[None]
     i32 = lambda v: torch.tensor(v, device=dev, dtype=torch.int32)
     args = (q, kc, vc, out, bt, i32([ctx]), i32([0, 1]), i32([0]), i32([0]), d ** -0.5, 16)
-    t = triton.testing.do_bench(lambda: ops.paged_attention(*args), warmup=25, rep=100, return_mode="median") * 1000
-    print(f"paged attention bs1 ctx {ctx}: {t:.1f} us")
+    for splits in (1, ops.decode_splits(1, hk)):
+        t = triton.testing.do_bench(lambda: ops.paged_attention(*args, splits), warmup=25, rep=100,
+                                    return_mode="median") * 1000
+        print(f"paged attention bs1 ctx {ctx}, {splits} split(s): {t:.1f} us")

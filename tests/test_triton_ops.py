@@ -58,7 +58,7 @@ def ref_attention(q, k_cache, v_cache, block_tables, seq_lens, q_lens, scale):
 
 
 @pytest.mark.parametrize("hq,hk,d", [(4, 2, 64), (9, 3, 64), (8, 8, 32)])
-@pytest.mark.parametrize("mode", ["decode", "prefill", "chunked"])
+@pytest.mark.parametrize("mode", ["decode", "prefill", "chunked", "decode-split"])
 def test_paged_attention(hq, hk, d, mode):
     torch.manual_seed(0)
     rng = random.Random(1)
@@ -66,7 +66,7 @@ def test_paged_attention(hq, hk, d, mode):
     kc = torch.randn(nblocks, bs, hk, d, device=DEV, dtype=DT)
     vc = torch.randn(nblocks, bs, hk, d, device=DEV, dtype=DT)
     B = 3
-    if mode == "decode":
+    if mode.startswith("decode"):
         q_lens = [1] * B
         seq_lens = [rng.randrange(1, 90) for _ in range(B)]
     elif mode == "prefill":
@@ -87,7 +87,8 @@ def test_paged_attention(hq, hk, d, mode):
     ts, tq = ops.attention_tiles(q_lens, max(1, block_m // (hq // hk)))
     qstart = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
     i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)
-    ops.paged_attention(q, kc, vc, out, bt, i32(seq_lens), qstart, i32(ts), i32(tq), d ** -0.5, block_m)
+    splits = 4 if mode == "decode-split" else 1
+    ops.paged_attention(q, kc, vc, out, bt, i32(seq_lens), qstart, i32(ts), i32(tq), d ** -0.5, block_m, splits)
     ref = ref_attention(q, kc, vc, tables, seq_lens, q_lens, d ** -0.5)
     assert not out.isnan().any()
     assert rel_err(out, ref) < TOL

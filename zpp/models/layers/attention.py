@@ -157,8 +157,10 @@ class Attention(nn.Module):
                 kv_cache[0].view(-1, Hk, D).index_copy_(0, meta.slot_mapping, k)
                 kv_cache[1].view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v)
             out = torch.empty_like(q)
+            splits = triton_ops.decode_splits(meta.seq_lens.shape[0], Hk) if meta.decode_only else 1
             triton_ops.paged_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables, meta.seq_lens,
-                                       meta.query_start, meta.tile_seq, meta.tile_qstart, self.scale, meta.block_m)
+                                       meta.query_start, meta.tile_seq, meta.tile_qstart, self.scale, meta.block_m,
+                                       splits)
             return out.view(T, H * D)
         if rotary is not None:
             q, k = rotary(positions, q, k)

@@ -21,14 +21,16 @@ import triton.language as tl
 @triton.jit
 def _paged_attention_kernel(
     Q, K_cache, V_cache, Out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
-    scale_log2e,
+    Part_O, Part_ML, scale_log2e,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HQ: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(tile_seq + tile)
     q0 = tl.load(tile_qstart + tile)
     qs = tl.load(query_start + seq)
@@ -51,7 +53,12 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)
-    for start in range(0, end, BLOCK_N):
+    lo = 0
+    if NUM_SPLITS > 1:  # flash-decoding: this program covers one slice of the context
+        chunk = tl.cdiv(tl.cdiv(end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        end = tl.minimum(end, lo + chunk)
+    for start in range(lo, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < end
         blk = tl.load(block_tables + seq * stride_bt + n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
@@ -69,8 +76,32 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(Out + (qs + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if NUM_SPLITS == 1:
+        tl.store(Out + (qs + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        row = ((qs + tok) * HQ + head) * NUM_SPLITS + split                  # [BLOCK_M]
+        tl.store(Part_O + row[:, None] * BLOCK_D + d[None, :], out, mask=row_ok[:, None])
+        tl.store(Part_ML + row * 2, m_i, mask=row_ok)
+        tl.store(Part_ML + row * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(Part_O, Part_ML, Out, stride_ot, stride_oh, HQ: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    row = (t * HQ + h) * NUM_SPLITS + sp
+    m = tl.load(Part_ML + row * 2)
+    l = tl.load(Part_ML + row * 2 + 1)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max) * l                                          # [S]
+    o = tl.load(Part_O + row[:, None] * BLOCK_D + d[None, :])               # [S, BLOCK_D]
+    out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
 
 
 def attention_tiles(q_lens: list[int], block_q: int) -> tuple[list[int], list[int]]:
@@ -92,7 +123,8 @@ def pick_block_m(max_q_len: int, group: int) -> int:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
-                    tile_seq: torch.Tensor, tile_qstart: torch.Tensor, scale: float, block_m: int) -> torch.Tensor:
+                    tile_seq: torch.Tensor, tile_qstart: torch.Tensor, scale: float, block_m: int,
+                    num_splits: int = 1) -> torch.Tensor:
     """Causal attention of new query tokens over the paged KV cache (their own K/V already written).
 
     Args:
@@ -102,21 +134,40 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         query_start: ``[B + 1]`` int32 offsets of each sequence's new tokens in ``q``.
         tile_seq, tile_qstart: ``[num_tiles]`` int32 from :func:`attention_tiles` with
             ``block_q = block_m // (Hq // Hk)``.
+        num_splits: decode batches only (``block_m == 16``): split each context into this many
+            slices computed in parallel and merged (flash-decoding, Dao et al. 2023).
     """
     T, Hq, D = q.shape
     _, kv_block, Hk, _ = k_cache.shape
     G = Hq // Hk
     block_q = max(1, block_m // G)
-    grid = (tile_seq.shape[0], Hk)
+    BLOCK_D = triton.next_power_of_2(D)
+    splits = num_splits if block_m <= 16 else 1
+    if splits > 1:
+        part_o = torch.empty((T * Hq * splits, BLOCK_D), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((T * Hq * splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_ml = out
+    grid = (tile_seq.shape[0], Hk, splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
-        scale * 1.4426950408889634,
+        part_o, part_ml, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=G, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64 if block_m == 64 else 32, KV_BLOCK=kv_block,
-        D=D, BLOCK_D=triton.next_power_of_2(D), PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2)
+        D=D, BLOCK_D=BLOCK_D, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_SPLITS=splits, HQ=Hq, num_warps=4, num_stages=2)
+    if splits > 1:
+        _merge_splits_kernel[(T, Hq)](part_o, part_ml, out, out.stride(0), out.stride(1), HQ=Hq,
+                                      NUM_SPLITS=splits, D=D, BLOCK_D=BLOCK_D, num_warps=4)
     return out
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> int:
+    """Context slices per (sequence, KV head) for decode batches (flash-decoding): enough programs
+    to cover the GPU twice; 1 once the batch alone fills it. A power of two in [1, 16]."""
+    want = (2 * num_sms) // max(1, num_seqs * num_kv_heads)
+    return 1 if want < 2 else min(16, 1 << (want.bit_length() - 1))
 
 
 # --- fused add + RMSNorm ----------------------------------------------------------------------
