@@ -102,3 +102,17 @@ def test_pipeline_stages_on_one_gpu_equal_pp1(small_llama, monkeypatch):
                  kv_cache_memory="1GiB", max_num_seqs=16, pipeline_depth=2) as llm:
             res[pp] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert res[2] == res[1] and res[3] == res[1]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL refuses two ranks on one GPU)")
+def test_nccl_pipeline_equals_pp1(small_llama):
+    """PP=2 over NCCL on two GPUs, CUDA graphs on: exactly the tokens of PP=1."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts() * 3
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    res = {}
+    for pp in (1, 2):
+        with LLM(small_llama, device="cuda", dtype="bfloat16", pipeline_parallel_size=pp,
+                 kv_cache_memory="1GiB", max_num_seqs=16, pipeline_depth=2) as llm:
+            res[pp] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert res[2] == res[1]
