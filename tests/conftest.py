@@ -56,7 +56,19 @@ def free_port() -> int:
 class ServerProcess:
     """``zpp serve`` in a subprocess (its own process group), waited on until /health is 200."""
 
-    def __init__(self, args: list[str], timeout: float = 180.0):
+    def __init__(self, args: list[str], timeout: float = 180.0, attempts: int = 3):
+        for attempt in range(attempts):
+            try:
+                self._start(args, timeout)
+                return
+            except RuntimeError as e:
+                # The free port we picked can be taken (by another process's ephemeral socket)
+                # before the server binds it: try another one.
+                if "cannot listen there" not in str(e) and "address already in use" not in str(e) \
+                        or attempt == attempts - 1:
+                    raise
+
+    def _start(self, args: list[str], timeout: float) -> None:
         import urllib.request
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -65,3 +65,19 @@ def test_worker_death_fails_engine(demo_model):
         assert _wait_gone(kids, 10) == []
     finally:
         s.stop()
+
+
+def test_busy_port_fails_before_loading(demo_model):
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "zpp.cli", "serve", demo_model, "--host", "127.0.0.1",
+                            "--port", str(port), "--log-level", "warning"], capture_output=True, text=True,
+                           timeout=60)
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("zpp: error:") and str(port) in lines[0], r.stderr

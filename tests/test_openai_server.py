@@ -408,6 +408,11 @@ MALFORMED = [
     ("/v1/chat/completions", {"messages": FRANCE, "chat_template_kwargs": 3}, 400, "chat_template_kwargs"),
     ("/v1/chat/completions", {"messages": FRANCE, "chat_template": "{% for %}"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": FRANCE, "model": "nope"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": FRANCE, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("/v1/chat/completions", {"messages": FRANCE, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools"),
+    ("/v1/chat/completions", {"messages": FRANCE, "continue_final_message": True}, 400, "continue_final_message"),
     ("/v1/no-such-route", {}, 404, None),
 ]
 
@@ -570,3 +575,23 @@ def test_bench_serve_random_and_sharegpt(server, tmp_path, capsys):
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["completed"] == 3 and res["total_output_tokens"] == 9 and res["max_concurrency"] == 2
+
+
+def test_prompt_logprobs_in_responses(server, tokenizer):
+    """vLLM's ``prompt_logprobs``: one entry per prompt token (None first) holding the prompt token."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            body = {"prompt": "The capital of France is", "max_tokens": 1, "prompt_logprobs": 2}
+            async with s.post(server.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                plp = (await r.json())["choices"][0]["prompt_logprobs"]
+            ids = tokenizer.encode(body["prompt"])
+            assert len(plp) == len(ids) and plp[0] is None
+            assert all(str(t) in e for t, e in zip(ids[1:], plp[1:]))
+            body = {"messages": FRANCE, "max_tokens": 1, "prompt_logprobs": 0}
+            async with s.post(server.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                data = await r.json()
+            assert data["prompt_logprobs"][0] is None
+            assert len(data["prompt_logprobs"]) == data["usage"]["prompt_tokens"]
+    run(go())

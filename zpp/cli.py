@@ -91,7 +91,19 @@ def cmd_serve(args) -> int:
     from zpp.server.openai_server import serve
     config = engine_config_from_args(args)
     validate_startup(config)
+    _check_port_free(args.host, args.port)
     return asyncio.run(serve(config, args.host, args.port, args.api_key, args.chat_template))
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail before any weight loads if the HTTP port cannot be bound. Raises ConfigError."""
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
 
 
 def cmd_prepare(args) -> int:

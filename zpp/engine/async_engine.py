@@ -130,6 +130,10 @@ class AsyncEngine:
         logger.info("engine ready in %.1fs: %d stage(s), %d KV blocks of %d tokens, pipeline depth %d",
                     time.perf_counter() - t, config.parallel.pipeline_parallel_size, executor.num_blocks,
                     config.cache.block_size, engine.depth)
+        cache_tokens = executor.num_blocks * config.cache.block_size
+        if cache_tokens < config.max_model_len:
+            logger.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "
+                           "are refused", cache_tokens, config.max_model_len)
         engine._loop_task = asyncio.create_task(engine._run())
         return engine
 

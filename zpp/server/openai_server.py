@@ -323,7 +323,7 @@ class OpenAIServer:
             raise ProtocolError("suffix is not supported by this server", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise ProtocolError("best_of is not supported (only best_of == n)", "best_of")
-        prompts = self._tokenize_prompts(req.prompt)
+        prompts = await _off_loop_if_large(self._tokenize_prompts, req.prompt, _text_size(req.prompt))
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         sampling = to_sampling_params(req, max_tokens, req.logprobs)
         want_prompt_lps = req.echo and req.logprobs is not None
@@ -373,8 +373,11 @@ class OpenAIServer:
                     if k is not None:
                         pairs = (prompt_pairs(i, o) if req.echo else []) + gen_pairs(c)
                         lp = self._completion_logprobs(k, pairs, 0)
-                    choices.append({"index": i * n + c.index, "text": head + c.text, "logprobs": lp,
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    choice = {"index": i * n + c.index, "text": head + c.text, "logprobs": lp,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    if req.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = self._prompt_logprobs(prompts[i][1], o.prompt_logprobs)
+                    choices.append(choice)
             return _json({"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
                           "choices": choices, "usage": _usage(prompts, [map(shown, finals[i].outputs)
                                                                         for i in finals])})
@@ -439,6 +442,15 @@ class OpenAIServer:
                                 "with token ids", "messages")
         if not req.messages:
             raise ProtocolError("messages must be a non-empty list", "messages")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise ProtocolError("cannot set both continue_final_message and add_generation_prompt to true "
+                                "(set add_generation_prompt: false to continue the last message)",
+                                "continue_final_message")
+        if req.response_format is not None and req.response_format.get("type", "text") != "text":
+            raise ProtocolError(f"response_format type {req.response_format.get('type')!r} is not supported "
+                                "by this server (no constrained decoding)", "response_format")
+        if req.tools and req.tool_choice != "none":
+            raise ProtocolError("tools / tool calls are not supported by this server", "tools")
         template = req.chat_template or self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise ProtocolError("this model has no chat template, so /v1/chat/completions cannot format "
@@ -466,12 +478,21 @@ class OpenAIServer:
         try:
             text = self.tokenizer.apply_chat_template(
                 msgs, chat_template=template, tokenize=False,
-                # continue_final_message wins: the last (assistant) message is continued, no new turn
-                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
         except Exception as e:  # template errors are the request's fault (e.g. role order)
             raise ProtocolError(f"the chat template failed on these messages: {e}", "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+
+    def _prompt_logprobs(self, ids: list[int], lps) -> list:
+        """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else
+        ``{token_id: {"logprob", "decoded_token"}}`` (the prompt token first, then the top-k)."""
+        out = []
+        for j in range(len(ids)):
+            lp = lps[j] if lps and j < len(lps) else None
+            out.append(None if lp is None else
+                       {str(t): {"logprob": v, "decoded_token": self.tokens.text(t)} for t, v in lp.items()})
+        return out
 
     def _chat_logprobs(self, k: int, token_ids: list[int], lps) -> dict:
         content = []
@@ -493,7 +514,7 @@ class OpenAIServer:
                                       rename={"max_tokens": "max_completion_tokens" if use_mct else "max_tokens",
                                               "logprobs": "top_logprobs"})
         self._check_stop_token_ids(sampling)
-        prompt_ids = self._chat_prompt(req)
+        prompt_ids = await _off_loop_if_large(self._chat_prompt, req, _text_size(req.messages))
         try:
             self.engine.validate(prompt_ids, sampling)
         except RequestError as e:
@@ -509,8 +530,11 @@ class OpenAIServer:
             choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                         "logprobs": self._chat_logprobs(k, c.token_ids, c.logprobs) if req.logprobs else None,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
-            return _json({"id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
-                          "choices": choices, "usage": _usage([(None, prompt_ids)], [final.outputs])})
+            body = {"id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
+                    "choices": choices, "usage": _usage([(None, prompt_ids)], [final.outputs])}
+            if req.prompt_logprobs is not None:
+                body["prompt_logprobs"] = self._prompt_logprobs(prompt_ids, final.prompt_logprobs)
+            return _json(body)
 
         sse = _SSE(request)
         sent_text: dict[int, int] = {}
@@ -555,6 +579,27 @@ class OpenAIServer:
                                                    "completion_tokens": completion_tokens,
                                                    "total_tokens": len(prompt_ids) + completion_tokens}})
         return await sse.done()
+
+
+_LARGE_TEXT = 100_000  # characters; tokenizing more than this runs in a thread, off the event loop
+
+
+def _text_size(obj) -> int:
+    """Rough number of characters in a prompt or message list."""
+    if isinstance(obj, str):
+        return len(obj)
+    if isinstance(obj, (list, tuple)):
+        return sum(_text_size(x) for x in obj)
+    content = getattr(obj, "content", None)
+    return _text_size(content) if content is not None else 0
+
+
+async def _off_loop_if_large(fn, arg, size: int):
+    """Run ``fn(arg)`` in a worker thread when the text is large, so one huge prompt does not stall
+    every other client while it is tokenized."""
+    if size < _LARGE_TEXT:
+        return fn(arg)
+    return await asyncio.get_running_loop().run_in_executor(None, fn, arg)
 
 
 def _normalize_prompt(prompt) -> list:

@@ -82,6 +82,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     add_special_tokens: bool = False  # vLLM's: the template writes BOS itself; True adds the tokenizer's too
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # Accepted so that they can be refused clearly (constrained decoding / tool calls are not built).
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Union[None, str, dict[str, Any]] = None
 
 
 class ProtocolError(ValueError):
