@@ -191,3 +191,12 @@ def test_stop_string_spanning_tokens_and_n(demo_model, tokenizer):
         multi = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12))[0]
     assert [c.index for c in multi.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in multi.outputs}) > 1
+
+
+def test_llm_chat(demo_model):
+    with LLM(demo_model, kv_cache_memory="32MiB") as llm:
+        outs = llm.chat([[{"role": "user", "content": "What is the capital of France?"}],
+                         [{"role": "user", "content": "What is the capital of Italy?"}]],
+                        SamplingParams(temperature=0, max_tokens=20))
+    assert "Paris" in outs[0].outputs[0].text
+    assert "Rome" in outs[1].outputs[0].text

@@ -116,6 +116,25 @@ class LLM:
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         return self._call(self._generate_all(prompts, list(sampling_params), use_tqdm))
 
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = False,
+             chat_template: Optional[str] = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to several
+        (a list of such lists), formatted with the tokenizer's chat template (or ``chat_template``).
+
+        Raises:
+            ValueError: the model has no tokenizer or no chat template.
+        """
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer, so chat() cannot format messages")
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no chat template; pass chat_template=...")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [tok.encode(tok.apply_chat_template(c, chat_template=chat_template, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt),
+                              add_special_tokens=False) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     async def _generate_all(self, prompts, params, use_tqdm):
         engine = self.engine
         for p, sp in zip(prompts, params):  # validate everything before queuing anything
