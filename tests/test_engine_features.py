@@ -193,10 +193,14 @@ def test_stop_string_spanning_tokens_and_n(demo_model, tokenizer):
     assert len({tuple(c.token_ids) for c in multi.outputs}) > 1
 
 
-def test_llm_chat(demo_model):
+def test_llm_chat(demo_model, tokenizer):
+    convs = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a color."}]]
+    sp = SamplingParams(temperature=0, max_tokens=20)
     with LLM(demo_model, kv_cache_memory="32MiB") as llm:
-        outs = llm.chat([[{"role": "user", "content": "What is the capital of France?"}],
-                         [{"role": "user", "content": "What is the capital of Italy?"}]],
-                        SamplingParams(temperature=0, max_tokens=20))
+        outs = llm.chat(convs, sp)
+        ids = tokenizer.apply_chat_template(convs[1], add_generation_prompt=True, tokenize=False)
+        ref = llm.generate([tokenizer.encode(ids, add_special_tokens=False)], sp)[0]
     assert "Paris" in outs[0].outputs[0].text
-    assert "Rome" in outs[1].outputs[0].text
+    assert outs[1].prompt_token_ids == ref.prompt_token_ids
+    assert outs[1].outputs[0].token_ids == ref.outputs[0].token_ids
