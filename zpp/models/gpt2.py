@@ -17,7 +17,7 @@ from torch import nn
 
 from zpp.config import ConfigError
 from zpp.models.base import MissingLayer, StageInfo, StageModel, layer_index
-from zpp.models.layers.activation import get_activation
+from zpp.models.layers.activation import check_activation, get_activation
 from zpp.models.layers.attention import Attention
 from zpp.models.layers.linear import Linear, LMHead, PositionEmbedding, VocabEmbedding
 from zpp.models.layers.norm import LayerNorm
@@ -80,11 +80,7 @@ class GPT2LMHeadModel(StageModel):
 
     @classmethod
     def check_config(cls, cfg: dict[str, Any]) -> None:
-        act = cfg.get("activation_function", "gelu_new")
-        try:
-            get_activation(act)
-        except KeyError:
-            raise ConfigError(f"activation_function {act!r} is not supported") from None
+        check_activation(cfg, "activation_function", "gelu_new")
         if cfg.get("add_cross_attention"):
             raise ConfigError("add_cross_attention=true (GPT-2 as a decoder of an encoder) is not supported")
         if cfg["n_embd"] % cfg["n_head"]:

@@ -13,7 +13,7 @@ from torch import nn
 
 from zpp.config import ConfigError
 from zpp.models.base import MissingLayer, StageInfo, StageModel, layer_index
-from zpp.models.layers.activation import GatedMLP, get_activation
+from zpp.models.layers.activation import GatedMLP, check_activation
 from zpp.models.layers.attention import Attention, AttentionMetadata
 from zpp.models.layers.linear import Linear, LMHead, MergedLinear, VocabEmbedding
 from zpp.models.layers.norm import RMSNorm
@@ -82,11 +82,7 @@ class LlamaForCausalLM(StageModel):
     @classmethod
     def check_config(cls, cfg: dict[str, Any]) -> None:
         rope_params(cfg)
-        act = cfg.get("hidden_act", "silu")
-        try:
-            get_activation(act)
-        except KeyError:
-            raise ConfigError(f"hidden_act {act!r} is not supported") from None
+        check_activation(cfg, "hidden_act", "silu")
         window = cfg.get("sliding_window")
         if (window and cfg.get("use_sliding_window", True) and cfg.get("model_type") in ("mistral", "mixtral")
                 and window < cfg.get("max_position_embeddings", window + 1)):

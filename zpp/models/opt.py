@@ -18,7 +18,7 @@ from torch import nn
 
 from zpp.config import ConfigError
 from zpp.models.base import MissingLayer, StageInfo, StageModel, layer_index
-from zpp.models.layers.activation import get_activation
+from zpp.models.layers.activation import check_activation, get_activation
 from zpp.models.layers.attention import Attention
 from zpp.models.layers.linear import Linear, LMHead, MergedLinear, PositionEmbedding, VocabEmbedding
 from zpp.models.layers.norm import LayerNorm
@@ -87,11 +87,7 @@ class OPTForCausalLM(StageModel):
 
     @classmethod
     def check_config(cls, cfg: dict[str, Any]) -> None:
-        act = cfg.get("activation_function", "relu")
-        try:
-            get_activation(act)
-        except KeyError:
-            raise ConfigError(f"activation_function {act!r} is not supported") from None
+        check_activation(cfg, "activation_function", "relu")
         if cfg["hidden_size"] % cfg["num_attention_heads"]:
             raise ConfigError(f"hidden_size {cfg['hidden_size']} is not divisible by "
                               f"num_attention_heads {cfg['num_attention_heads']}")
