@@ -4,7 +4,6 @@ Each prints a final table and can write ``--output-json``.
 """
 from __future__ import annotations
 
-import argparse
 
 
 def add_bench_parser(sub) -> None:
@@ -41,6 +40,3 @@ def write_json(path: str | None, data: dict) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(data, f, indent=2)
-
-
-__all__ = ["add_bench_parser", "print_table", "random_prompts", "write_json", "argparse"]

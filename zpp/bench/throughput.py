@@ -4,7 +4,6 @@ same prompts so the peer is measured in the same run."""
 from __future__ import annotations
 
 import datetime
-import json
 import time
 
 
@@ -100,6 +99,3 @@ def _run_hf(config, prompts, args):
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t0, out_tokens
-
-
-__all__ = ["add_parser", "run", "json"]

@@ -109,7 +109,6 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._loop_task: Optional[asyncio.Task] = None
         self.dead: Optional[str] = None
-        self.stats = EngineStats()
         self.metrics = None  # optional observer with on_* hooks (server/metrics.py)
         executor.on_death = self._on_worker_death
 
@@ -245,7 +244,6 @@ class AsyncEngine:
         if sampling.prompt_logprobs is not None:
             group.prompt_logprobs = [None] + [None] * (len(ids) - 1)
         self.groups[rid] = group
-        self.stats.prompt_tokens += len(ids) * sampling.n
         if max_tokens == 0:
             for s in seqs:
                 s.out.finish_reason = "length"
@@ -316,7 +314,6 @@ class AsyncEngine:
 
     def _apply(self, sched: ScheduledBatch, result) -> None:
         now = time.monotonic()
-        self.stats.on_batch(sched, now)
         updates = self.scheduler.update(sched, result)
         plp = {p.req_id: p for p in result.prompt_logprobs}
         touched: dict[str, _Group] = {}
@@ -333,7 +330,6 @@ class AsyncEngine:
             if sampled is None:
                 touched[group.request_id] = group
                 continue
-            self.stats.generation_tokens += 1
             if group.first_token_time is None:
                 group.first_token_time = now
                 if self.metrics:
@@ -384,24 +380,6 @@ class AsyncEngine:
                 self.seq_to_group.pop(s.req.req_id, None)
             if self.metrics:
                 self.metrics.on_request_finished(group, aborted=False)
-
-    # --- introspection ------------------------------------------------------------------------
-    def stage_busy_fractions(self, since: Optional[float] = None) -> list[float]:
-        elapsed = time.monotonic() - (since if since is not None else self.stats.start_time)
-        return [min(1.0, b / elapsed) if elapsed > 0 else 0.0 for b in self.executor.stage_busy_s]
-
-
-@dataclass
-class EngineStats:
-    start_time: float = field(default_factory=time.monotonic)
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    num_batches: int = 0
-    batch_tokens: int = 0
-
-    def on_batch(self, sched: ScheduledBatch, now: float) -> None:
-        self.num_batches += 1
-        self.batch_tokens += sched.num_tokens
 
 
 def _lp_dict(lp) -> dict[int, float]:

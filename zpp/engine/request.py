@@ -47,13 +47,10 @@ class Request:
         self.arrival = time.monotonic() if arrival is None else arrival
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prefix-cache hits at admission
         self.num_sent_tokens = 0
         self.sent_to_workers = False
         self.in_flight = False
         self.stop_reason = None
-        self.num_preemptions = 0
-        self.first_token_time: Optional[float] = None
         self.block_hashes: list[int] = []
 
     @property

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from zpp.engine.kv_cache_manager import KVCacheManager
@@ -31,16 +31,11 @@ class ScheduledBatch:
     batch: m.ExecuteBatch
     reqs: list[Request]
     num_tokens: int
-    num_prefill_tokens: int = 0
 
 
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0
-    num_batches: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    batch_tokens_hist: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -113,7 +108,6 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_sent_tokens = 0
         req.sent_to_workers = False  # resent in full as a NewRequest (workers replace their state)
-        req.num_preemptions += 1
         self.stats.num_preemptions += 1
         # Back to the head of the queue, keeping arrival order among preempted requests.
         i = 0
@@ -132,7 +126,6 @@ class Scheduler:
         new_reqs: list[m.NewRequest] = []
         cached_reqs: list[m.CachedRequest] = []
         reqs: list[Request] = []
-        prefill_tokens = 0
         preempted = False
 
         for req in sorted(self.running, key=lambda r: r.arrival):
@@ -158,8 +151,6 @@ class Scheduler:
             self._add_chunk(req, num_new, new_blocks, chunks, new_reqs, cached_reqs)
             reqs.append(req)
             budget -= num_new
-            if req.num_computed_tokens + num_new < req.num_tokens or req.num_computed_tokens == 0:
-                prefill_tokens += num_new
 
         while self.waiting and not preempted and budget > 0 and len(reqs) < max_reqs \
                 and len(self.running) < self.max_num_seqs:
@@ -175,27 +166,20 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
-            req.num_cached_tokens = num_cached
             self.running.append(req)
             self._add_chunk(req, num_new, new_blocks, chunks, new_reqs, cached_reqs)
             reqs.append(req)
             budget -= num_new
-            prefill_tokens += num_new
 
         if not chunks:
-            if self._finished_ids and not any(r.in_flight for r in self.running):
-                pass  # nothing to run; finished ids ride on the next real batch
-            return None
+            return None  # finished ids (if any) ride on the next real batch
         batch = m.ExecuteBatch(batch_id=next(self._batch_ids), chunks=chunks, new_reqs=new_reqs,
                                cached_reqs=cached_reqs, finished_req_ids=self._finished_ids)
         self._finished_ids = []
         for r in reqs:
             r.in_flight = True
         num_tokens = sum(c.num_tokens for c in chunks)
-        self.stats.num_batches += 1
-        self.stats.prefill_tokens += prefill_tokens
-        self.stats.decode_tokens += num_tokens - prefill_tokens
-        return ScheduledBatch(batch, reqs, num_tokens, prefill_tokens)
+        return ScheduledBatch(batch, reqs, num_tokens)
 
     def _pick_victim(self, exclude: list[Request]) -> Optional[Request]:
         candidates = [r for r in self.running if not r.in_flight and r not in exclude]

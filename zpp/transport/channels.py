@@ -11,7 +11,6 @@ import tempfile
 import uuid
 from typing import Optional
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -109,6 +108,3 @@ class WorkerSocket:
     def close(self) -> None:
         self.sock.close()
         self.ctx.term()
-
-
-__all__ = ["EngineSocket", "WorkerSocket", "local_ipc_address", "free_tcp_port", "msgspec"]

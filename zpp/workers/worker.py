@@ -69,8 +69,6 @@ def worker_main(engine_address: str, rank: int, key: str, log_level: int = loggi
         except Exception:
             pass
         os._exit(1)
-    finally:
-        pass
     sock.close()
     os._exit(0)
 
