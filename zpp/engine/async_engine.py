@@ -298,6 +298,7 @@ class AsyncEngine:
                 if item.batch_id != sched.batch.batch_id:
                     raise RuntimeError(f"result for batch {item.batch_id}, expected {sched.batch.batch_id}")
                 self._apply(sched, item)
+                self.executor.trace.mark("applied", item.batch_id)
         except asyncio.CancelledError:
             raise
         except WorkerDiedError as e:

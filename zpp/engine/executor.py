@@ -24,6 +24,7 @@ from zpp.config import EngineConfig
 from zpp.models.partition import partition_layers
 from zpp.transport import messages as m
 from zpp.transport.channels import EngineSocket, free_tcp_port, local_ipc_address
+from zpp.trace import Trace
 from zpp.transport.p2p import shared_gpu
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class Executor:
         self._monitor: Optional[threading.Thread] = None
         self._stopping = False
         self.nodes = None
+        self.trace = Trace("engine")
 
     @classmethod
     async def start(cls, config: EngineConfig, eos_token_ids: set[int]) -> "Executor":
@@ -167,6 +169,7 @@ class Executor:
         if self.dead:
             raise WorkerDiedError(self.dead)
         self.socket.send_bytes(range(self.world), m.encode(batch))
+        self.trace.mark("send", batch.batch_id)
 
     async def next_result(self) -> m.StepResult:
         """The next StepResult (batches return in the order sent). Raises WorkerDiedError."""
@@ -181,6 +184,7 @@ class Executor:
             while True:
                 rank, msg = await self.socket.recv()
                 if isinstance(msg, m.StepResult):
+                    self.trace.mark("result", msg.batch_id)
                     self.stage_busy_s[-1] = msg.busy_s
                     self.stage_batches[-1] += 1
                     self.results.put_nowait(msg)
@@ -248,6 +252,7 @@ class Executor:
         if self.nodes is not None:
             self.nodes.stop()
         self.socket.close()
+        self.trace.dump()
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import torch
 
 from zpp.models.base import StageModel
 from zpp.models.layers.attention import build_attention_metadata
+from zpp.trace import Trace
 from zpp.transport import messages as m
 from zpp.transport.p2p import StageLink
 from zpp.workers.sampler import Sampler, SeqState, token_logprobs
@@ -64,6 +65,8 @@ class ModelRunner:
         self._pinned = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
         self._pin_idx = 0
         self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager
+        self.trace = Trace(f"stage{self.stage.pp_rank}")
+        self._batch_id = -1
 
     # --- KV cache -----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -127,6 +130,7 @@ class ModelRunner:
     def execute(self, batch: m.ExecuteBatch) -> Optional[m.StepResult]:
         """Run one micro-batch. Returns the StepResult on the last stage, None elsewhere."""
         self._update_states(batch)
+        self._batch_id = batch.batch_id
         if not batch.chunks:
             return m.StepResult(batch.batch_id, []) if self.stage.is_last else None
         seqs = [self.seqs[c.req_id] for c in batch.chunks]
@@ -213,18 +217,24 @@ class ModelRunner:
     def _end(self, start) -> None:
         self.num_batches += 1
         if self.device.type != "cuda":
-            self.busy_s += time.perf_counter() - start
+            now = time.perf_counter()
+            self.busy_s += now - start
+            if self.trace.enabled:
+                offset = time.monotonic() - now
+                self.trace.mark("gpu_start", self._batch_id, start + offset)
+                self.trace.mark("gpu_end", self._batch_id, now + offset)
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._timings.append((start, end))
+        self._timings.append((start, end, self._batch_id))
         self.reap_timings()
 
     def reap_timings(self) -> None:
         """Add the device time of finished batches to ``busy_s`` (never blocks)."""
         while self._timings and self._timings[0][1].query():
-            start, end = self._timings.popleft()
+            start, end, batch_id = self._timings.popleft()
             self.busy_s += start.elapsed_time(end) / 1000.0
+            self.trace.gpu_interval(batch_id, start, end)
 
     def _sample(self, batch: m.ExecuteBatch, seqs: list[SeqState], hidden: torch.Tensor) -> m.StepResult:
         rows: list[int] = []        # hidden rows whose logits are needed

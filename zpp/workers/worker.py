@@ -105,6 +105,9 @@ def _setup(init, sock):
     next_rank = init.rank + init.tp_size if init.pp_rank < init.pp_size - 1 else None
     link = StageLink(prev_rank, next_rank, device) if init.pp_size > 1 else None
     runner = ModelRunner(model, device, dtype, init.block_size, link, set(init.eos_token_ids), init.seed)
+    runner.trace.name = f"rank{init.rank}-stage{init.pp_rank}"
+    if runner.trace.enabled and init.device == "cuda":
+        runner.trace.cuda_clock()
 
     per_block = runner.kv_bytes_per_block()
     if init.device == "cuda":
@@ -157,19 +160,21 @@ def _serve(runner, sock, init) -> None:
     pending = None
     while True:
         if pending is not None and not sock.poll(0):
-            sock.send(pending.finish(runner))
+            _send_result(sock, runner, pending.finish(runner))
             pending = None
             continue
         msg = sock.recv()
         if isinstance(msg, m.ExecuteBatch):
+            runner.trace.mark("msg", msg.batch_id)
             result = runner.execute(msg)
+            runner.trace.mark("launched", msg.batch_id)
             if pending is not None:
-                sock.send(pending.finish(runner))
+                _send_result(sock, runner, pending.finish(runner))
                 pending = None
             if isinstance(result, PendingResult):
                 pending = result
             elif result is not None:
-                sock.send(result)
+                _send_result(sock, runner, result)
             now = time.monotonic()
             if not runner.stage.is_last and now - last_stats > 1.0:
                 runner.reap_timings()
@@ -180,9 +185,20 @@ def _serve(runner, sock, init) -> None:
                 sock.send(pending.finish(runner))
             if runner.link is not None:
                 runner.link.flush()
+            if runner.trace.enabled:
+                if runner.device.type == "cuda":
+                    import torch
+                    torch.cuda.synchronize()
+                runner.reap_timings()
+                runner.trace.dump()
             return
         else:
             raise RuntimeError(f"unexpected message {type(msg).__name__}")
+
+
+def _send_result(sock, runner, result) -> None:
+    runner.trace.mark("result_sent", result.batch_id)
+    sock.send(result)
 
 
 if __name__ == "__main__":  # started by zpp-node: python -m zpp.workers.worker ADDRESS RANK (key on stdin)
