@@ -198,12 +198,14 @@ class EngineConfig:
 
     @property
     def pipeline_depth(self) -> int:
-        """Micro-batches in flight: the number of stages; on one GPU 2, so that the CPU work of one
-        batch (scheduling, inputs, outputs) overlaps the GPU work of the other."""
+        """Micro-batches in flight. On CUDA, the number of stages + 1: the extra micro-batch covers
+        the engine's round trip (apply a result, schedule, the worker's input building) so no GPU
+        waits for it (on 2 H200s, PP=2: stage busy 0.69/0.77 at depth 2, 0.84/0.97 at depth 3). On
+        CPU, the number of stages: the cores are the bottleneck and smaller micro-batches only cost."""
         if self.scheduler.pipeline_depth:
             return self.scheduler.pipeline_depth
         pp = self.parallel.pipeline_parallel_size
-        return pp if pp > 1 or self.parallel.device != "cuda" else 2
+        return pp + 1 if self.parallel.device == "cuda" else pp
 
     @property
     def torch_dtype(self) -> torch.dtype:
