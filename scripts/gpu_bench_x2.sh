@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The two-GPU measurements of the README (run on a machine with 2 H200s):
+#   bash scripts/gpu_bench_x2.sh OUTDIR [RUN...]
+# RUN: tput-pp1 tput-pp2 tput-pp2-d3 tput-pp2-d4 tput-tp2 lat-pp1 lat-pp2 lat-tp2 (default: all).
+# Throughput runs are traced (ZPP_TRACE) and followed by scripts/trace_report.py's summary;
+# the traces go into OUTDIR/traces.tgz. NVLink multicast stays off in every process.
+set -u
+OUT="${1:-benchmarks/results}"
+shift || true
+RUNS="${*:-tput-pp1 tput-pp2 tput-pp2-d3 tput-pp2-d4 tput-tp2 lat-pp1 lat-pp2 lat-tp2}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+L3=scripts/configs/llama3-8b
+TR=$(mktemp -d)
+TPUT="--num-prompts 1000 --input-len 256 --output-len 256 --max-num-seqs 1024 --max-num-batched-tokens 8192"
+LAT="--batch-size 1 --input-len 128 --output-len 128"
+tput() {  # name, extra args
+  local name=$1; shift
+  echo "### throughput $name: $*"
+  ZPP_TRACE=$TR/$name python -m zpp.cli bench throughput --model $L3 --load-format dummy --device cuda $TPUT "$@" \
+    --output-json "$OUT/h200x2_throughput_llama3-8b_$name.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -14
+  python scripts/trace_report.py "$TR/$name"
+}
+lat() {
+  local name=$1; shift
+  echo "### latency $name: $*"
+  python -m zpp.cli bench latency --model $L3 --load-format dummy --device cuda $LAT "$@" \
+    --output-json "$OUT/h200x2_latency_llama3-8b_${name}_bs1.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -12
+}
+for r in $RUNS; do
+  case $r in
+    tput-pp1) tput pp1 ;;
+    tput-pp2) tput pp2 -pp 2 ;;
+    tput-pp2-d3) tput pp2_depth3 -pp 2 --pipeline-depth 3 ;;
+    tput-pp2-d4) tput pp2_depth4 -pp 2 --pipeline-depth 4 ;;
+    tput-tp2) tput tp2 -tp 2 ;;
+    lat-pp1) lat pp1 ;;
+    lat-pp2) lat pp2 -pp 2 ;;
+    lat-tp2) lat tp2 -tp 2 ;;
+    *) echo "unknown run $r" ;;
+  esac
+done
+tar czf "$OUT/traces.tgz" -C "$TR" . 2>/dev/null
