@@ -13,6 +13,7 @@ down projection).
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -35,7 +36,7 @@ def init_tp_group(rank: int, pp_size: int, tp_size: int) -> None:
         return
     for pp_rank in range(pp_size):
         ranks = list(range(pp_rank * tp_size, (pp_rank + 1) * tp_size))
-        group = dist.new_group(ranks=ranks)
+        group = dist.new_group(ranks=ranks, timeout=timedelta(minutes=30))  # as the world group
         if rank in ranks:
             _GROUP = group
     _SIZE = tp_size
