@@ -145,3 +145,43 @@ def test_real_smollm2_bf16_pipeline_over_nccl(demo_model, tokenizer):
                 assert a in set(ref_lps[j].topk(TOP_K).indices.tolist()), f"step {j}: {a} not in HF's top-{TOP_K}"
                 assert b in lps[j], f"step {j}: HF's token {b} not in zpp's top-{TOP_K}"
                 break
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one per tensor-parallel rank, NCCL)")
+def test_nccl_tensor_parallel_equals_tp1(small_llama):
+    """TP=2 over NCCL (8 heads / 2 KV heads split 2 ways), CUDA graphs on (the all-reduces are
+    captured), float32: exactly the tokens of TP=1, eager and graph-replayed decode alike."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts() * 3  # 12 sequences: decode replays the batch-16 graph
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    res = {}
+    for tp, eager in ((1, False), (2, False), (2, True)):
+        with LLM(small_llama, device="cuda", dtype="float32", tensor_parallel_size=tp, enforce_eager=eager,
+                 kv_cache_memory="1GiB", max_num_seqs=16) as llm:
+            res[tp, eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert res[2, False] == res[1, False]
+    assert res[2, True] == res[1, False]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs (TP=2 x PP=2, NCCL)")
+def test_nccl_tensor_and_pipeline_parallel_equal_tp1(small_llama):
+    """TP=2 x PP=2 on four GPUs, CUDA graphs on, float32: exactly the tokens of one GPU."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts() * 3
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    res = {}
+    for tp, pp in ((1, 1), (2, 2)):
+        with LLM(small_llama, device="cuda", dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                 kv_cache_memory="1GiB", max_num_seqs=16, pipeline_depth=2) as llm:
+            res[tp, pp] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert res[2, 2] == res[1, 1]
+
+
+def test_tensor_parallel_refused_with_shared_gpu(small_llama, monkeypatch):
+    """ZPP_SHARE_GPU=1 (every rank on GPU 0, gloo) is for pipeline stages only: gloo all-reduces on
+    CUDA tensors cannot be captured, so TP > 1 is refused before any worker starts."""
+    from zpp import LLM
+    from zpp.config import ConfigError
+    monkeypatch.setenv("ZPP_SHARE_GPU", "1")
+    with pytest.raises(ConfigError, match="--tensor-parallel-size > 1 needs one GPU per rank"):
+        LLM(small_llama, device="cuda", tensor_parallel_size=2)

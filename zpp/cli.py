@@ -21,7 +21,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
         p.add_argument("--model", default=None, help="model directory; default: the packaged demo model")
     g = p.add_argument_group("parallelism")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages (one process each)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks per stage (only 1 for now)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="tensor-parallel ranks (one process / GPU each) per pipeline stage; > 1 for the LLaMA "
+                        "family (Llama, Mistral, Qwen2) when it divides the attention and KV heads")
     g.add_argument("--pp-layer-partition", default=None,
                    help="layers per stage, e.g. 10,10,5,5 (default: as even as possible, earlier stages larger)")
     g.add_argument("--pipeline-depth", type=int, default=None,

@@ -97,7 +97,8 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     """Number of pipeline stages (one worker process each)."""
     tensor_parallel_size: int = 1
-    """Ranks inside a stage (only 1 is implemented)."""
+    """Ranks inside a stage (Megatron-LM tensor parallelism, LLaMA family only; see
+    ``zpp.models.layers.linear``). Each stage then runs on ``tensor_parallel_size`` processes/GPUs."""
     pp_layer_partition: Optional[tuple[int, ...]] = None
     """Layers per stage, e.g. ``(10, 10, 5, 5)``; default: as even as possible, earlier stages larger."""
     device: str = "cpu"
@@ -108,9 +109,8 @@ class ParallelConfig:
     def __post_init__(self):
         if self.pipeline_parallel_size < 1:
             raise ConfigError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
-        if self.tensor_parallel_size != 1:
-            raise ConfigError(
-                f"--tensor-parallel-size {self.tensor_parallel_size} is not supported yet (only 1)")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device {self.device!r} is not one of: cpu, cuda")
         if self.device == "cuda" and not torch.cuda.is_available():

@@ -18,12 +18,16 @@ Prompt = Union[str, list[int]]
 
 
 class LLM:
-    """Load a model split into ``pipeline_parallel_size`` stages and generate offline.
+    """Load a model split into ``pipeline_parallel_size`` stages (each split over
+    ``tensor_parallel_size`` ranks) and generate offline.
 
     Args:
         model: model directory (``config.json`` + safetensors + tokenizer). Default: the packaged
             demo model (SmolLM2-135M-Instruct, converted on first use).
-        pipeline_parallel_size: number of stages / worker processes.
+        pipeline_parallel_size: number of stages.
+        tensor_parallel_size: worker processes (GPUs) per stage, Megatron-LM tensor parallelism
+            (LLaMA family only; must divide the attention and KV heads). Workers:
+            ``pipeline_parallel_size * tensor_parallel_size``.
         device: ``"cpu"`` or ``"cuda"``.
         dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA), ``"float32"``, ``"bfloat16"``, ``"float16"``.
         Other keyword arguments map to the CLI flags of ``zpp serve`` (``max_model_len``,

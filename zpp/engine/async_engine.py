@@ -395,13 +395,15 @@ def validate_startup(config: EngineConfig) -> None:
     """Every check that must fail before any worker starts (one-line ConfigError)."""
     config.validate()
     hf = config.model.hf_config
-    cls = resolve_model_class(hf)
+    cls = resolve_model_class(hf, config.parallel.tensor_parallel_size)
     partition_layers(cls.num_layers_of(hf), config.parallel.pipeline_parallel_size,
                      config.parallel.pp_layer_partition)
     if config.parallel.device == "cuda":
         import torch
         n = torch.cuda.device_count()
         from zpp.transport.p2p import shared_gpu
+        if shared_gpu() and config.parallel.tensor_parallel_size > 1:
+            raise ConfigError("--tensor-parallel-size > 1 needs one GPU per rank (NCCL); ZPP_SHARE_GPU=1 is for PP only")
         if not config.parallel.nodes and config.parallel.world_size > n and not shared_gpu():
             raise ConfigError(f"--pipeline-parallel-size x --tensor-parallel-size = {config.parallel.world_size} "
                               f"GPUs needed, but this host has {n}")

@@ -15,12 +15,15 @@ _LAYER_RE = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
 
 @dataclass(frozen=True)
 class StageInfo:
-    """Which part of the model a worker owns: decoder layers ``[layer_start, layer_end)``."""
+    """Which part of the model a worker owns: decoder layers ``[layer_start, layer_end)``, and its
+    tensor-parallel slice of them (rank ``tp_rank`` of ``tp_size``; 0 of 1 without TP)."""
 
     pp_rank: int
     pp_size: int
     layer_start: int
     layer_end: int
+    tp_rank: int = 0
+    tp_size: int = 1
 
     @property
     def is_first(self) -> bool:
@@ -29,6 +32,12 @@ class StageInfo:
     @property
     def is_last(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+    @property
+    def produces_results(self) -> bool:
+        """The one worker that computes logits, samples and reports to the engine: TP rank 0 of
+        the last stage (the other TP ranks of the last stage run the forward for its all-reduces)."""
+        return self.is_last and self.tp_rank == 0
 
     def owns_layer(self, i: int) -> bool:
         return self.layer_start <= i < self.layer_end
@@ -58,6 +67,8 @@ class StageModel(nn.Module):
     """
 
     num_acts: int = 2
+    supports_tensor_parallel: bool = False
+    """True when the family splits its layers over ``StageInfo.tp_size`` ranks (Megatron-LM style)."""
     supports_cuda_graphs: bool = True
     """False when the forward reads device values on the host (e.g. MoE expert counts)."""
     packed_modules: dict[str, tuple[str, int]] = {}
@@ -72,11 +83,18 @@ class StageModel(nn.Module):
     # --- to be defined by each family -------------------------------------------------------
     hidden_size: int
     num_kv_heads: int
+    """KV heads this worker holds (the model's count divided by ``stage.tp_size``); sizes the KV cache."""
     head_dim: int
 
     @classmethod
     def check_config(cls, cfg: dict[str, Any]) -> None:
         """Raise ConfigError for options this implementation does not support."""
+
+    @classmethod
+    def check_tensor_parallel(cls, cfg: dict[str, Any], tp_size: int) -> None:
+        """Raise ConfigError (one line, naming ``--tensor-parallel-size``) if this config cannot be
+        split ``tp_size`` ways. Called only for ``tp_size > 1`` on families with
+        ``supports_tensor_parallel``."""
 
     @staticmethod
     def num_layers_of(cfg: dict[str, Any]) -> int:

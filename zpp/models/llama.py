@@ -15,22 +15,31 @@ from zpp.config import ConfigError
 from zpp.models.base import MissingLayer, StageInfo, StageModel, layer_index
 from zpp.models.layers.activation import GatedMLP, check_activation
 from zpp.models.layers.attention import Attention, AttentionMetadata
-from zpp.models.layers.linear import Linear, LMHead, MergedLinear, VocabEmbedding
+from zpp.models.layers.linear import LMHead, MergedLinear, RowParallelLinear, VocabEmbedding
 from zpp.models.layers.norm import RMSNorm
 from zpp.models.layers.rotary import get_rope, rope_params
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool):
+    """Grouped-query self-attention with RoPE: ``forward(positions [T], x [T, hidden])`` ->
+    ``[T, hidden]``. With ``tp_size > 1`` this rank computes heads
+    ``[tp_rank * H / tp, (tp_rank + 1) * H / tp)`` (and the KV heads they read) and ``o_proj``
+    all-reduces the partial outputs."""
+
+    def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         hidden = cfg["hidden_size"]
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
-        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        self.head_dim = cfg.get("head_dim") or hidden // heads
+        self.num_heads = heads // tp_size             # this rank's query heads
+        self.num_kv_heads = kv_heads // tp_size       # this rank's KV heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=bool(cfg.get("attention_bias", False)))
+        self.qkv_proj = MergedLinear(hidden, [heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim],
+                                     bias=qkv_bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias=bool(cfg.get("attention_bias", False)),
+                                        tp_rank=tp_rank, tp_size=tp_size)
         theta, scaling = rope_params(cfg)
         self.rotary = get_rope(self.head_dim, max_positions, theta, scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads)
@@ -43,15 +52,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; ``mlp`` replaces the gated MLP (Mixtral passes its sparse MoE block)."""
+    """Pre-norm block; ``mlp`` replaces the gated MLP (Mixtral passes its sparse MoE block).
+    ``tp_rank`` / ``tp_size``: this rank's tensor-parallel slice of attention and MLP."""
 
-    def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool, mlp: Optional[nn.Module] = None):
+    def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool, mlp: Optional[nn.Module] = None,
+                 tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, max_positions, qkv_bias)
+        self.self_attn = LlamaAttention(cfg, max_positions, qkv_bias, tp_rank, tp_size)
         self.mlp = mlp if mlp is not None else GatedMLP(
             cfg["hidden_size"], cfg["intermediate_size"], cfg.get("hidden_act", "silu"),
-            bias=bool(cfg.get("mlp_bias", False)))
+            bias=bool(cfg.get("mlp_bias", False)), tp_rank=tp_rank, tp_size=tp_size)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
@@ -70,10 +81,12 @@ class LlamaForCausalLM(StageModel):
     """One stage of a LLaMA-architecture causal LM.
 
     forward(input_ids [T] int64 | None, positions [T] int64, acts [2, T, H] | None, kv_caches, meta)
-    returns ``[2, T, H]`` (hidden, residual) on non-last stages, final normed hidden ``[T, H]`` last.
+    returns ``[2, T, H]`` (hidden, residual) on non-last stages, final normed hidden ``[T, H]`` last;
+    with tensor parallelism the same, whole, on every TP rank of the stage.
     """
 
     num_acts = 2
+    supports_tensor_parallel = True
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     tied_names = ("model.embed_tokens.weight",)
@@ -90,6 +103,15 @@ class LlamaForCausalLM(StageModel):
         if any(t != "full_attention" for t in cfg.get("layer_types") or []):
             raise ConfigError("layer_types other than full_attention (sliding-window layers) are not supported")
 
+    @classmethod
+    def check_tensor_parallel(cls, cfg: dict[str, Any], tp_size: int) -> None:
+        heads = cfg["num_attention_heads"]
+        sizes = {"num_attention_heads": heads, "num_key_value_heads": cfg.get("num_key_value_heads") or heads,
+                 "intermediate_size": cfg["intermediate_size"]}
+        for key, n in sizes.items():
+            if n % tp_size:
+                raise ConfigError(f"--tensor-parallel-size {tp_size} does not divide the model's {key} ({n})")
+
     def __init__(self, cfg: dict[str, Any], stage: StageInfo, max_positions: int):
         super().__init__(cfg, stage)
         self.hidden_size = cfg["hidden_size"]
@@ -102,11 +124,12 @@ class LlamaForCausalLM(StageModel):
         if stage.is_last:
             self.model.norm = RMSNorm(self.hidden_size, cfg.get("rms_norm_eps", 1e-6))
             self.lm_head = LMHead(cfg["vocab_size"], self.hidden_size)
-        self.num_kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        self.num_kv_heads = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // stage.tp_size
         self.head_dim = cfg.get("head_dim") or self.hidden_size // cfg["num_attention_heads"]
 
     def make_layer(self, cfg: dict[str, Any], max_positions: int) -> nn.Module:
-        return LlamaDecoderLayer(cfg, max_positions, self.qkv_bias or bool(cfg.get("attention_bias", False)))
+        return LlamaDecoderLayer(cfg, max_positions, self.qkv_bias or bool(cfg.get("attention_bias", False)),
+                                 tp_rank=self.stage.tp_rank, tp_size=self.stage.tp_size)
 
     def stage_owns(self, name: str) -> bool:
         i = layer_index(name)

@@ -50,13 +50,14 @@ def init_dummy_weights(model: StageModel, seed: int) -> None:
 def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtype: torch.dtype,
                      device: torch.device, max_positions: int, load_format: str = "safetensors",
                      seed: int = 0) -> StageModel:
-    """Construct the stage's modules directly on ``device`` in ``dtype`` and fill them.
+    """Construct the stage's modules directly on ``device`` in ``dtype`` and fill them; with
+    ``stage.tp_size > 1`` only this TP rank's slices of the split weights are allocated and copied.
 
     Raises:
         ConfigError: unsupported architecture / option (checked again here, before any allocation).
         ValueError: missing or unexpected tensors, or shape mismatches (names given).
     """
-    cls = resolve_model_class(cfg)
+    cls = resolve_model_class(cfg, stage.tp_size)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

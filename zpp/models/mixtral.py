@@ -29,6 +29,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
     supports_cuda_graphs = False  # the MoE block reads per-expert token counts on the host
+    supports_tensor_parallel = False  # experts are not split (yet)
 
     @classmethod
     def check_config(cls, cfg: dict[str, Any]) -> None:

@@ -21,12 +21,20 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def resolve_model_class(cfg: dict[str, Any]):
+def tensor_parallel_architectures() -> list[str]:
+    """Architectures that support ``--tensor-parallel-size > 1``."""
+    return sorted(a for a, (module, name) in _MODELS.items()
+                  if getattr(importlib.import_module(module), name).supports_tensor_parallel)
+
+
+def resolve_model_class(cfg: dict[str, Any], tensor_parallel_size: int = 1):
     """The StageModel subclass for an HF config, after checking its options (nothing is allocated).
 
     Raises:
         ConfigError: no/unknown ``architectures`` entry, an option the family does not support, or a
             required field missing; one line, naming the architecture and listing the supported ones.
+            With ``tensor_parallel_size > 1``: a family without tensor parallelism, or head / KV-head
+            / intermediate sizes it does not divide (one line naming ``--tensor-parallel-size``).
     """
     archs = cfg.get("architectures") or []
     for arch in archs:
@@ -42,6 +50,15 @@ def resolve_model_class(cfg: dict[str, Any]):
                 raise ConfigError(f"{arch}: config.json lacks required field {e}; {_supported()}") from None
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"{arch}: malformed config.json ({e}); {_supported()}") from None
+            if tensor_parallel_size > 1:
+                if not cls.supports_tensor_parallel:
+                    raise ConfigError(
+                        f"--tensor-parallel-size > 1 is supported for {', '.join(tensor_parallel_architectures())} "
+                        f"only, not {arch} (got --tensor-parallel-size {tensor_parallel_size})")
+                try:
+                    cls.check_tensor_parallel(cfg, tensor_parallel_size)
+                except KeyError as e:
+                    raise ConfigError(f"{arch}: config.json lacks required field {e}") from None
             return cls
     shown = ", ".join(archs) if archs else "(none in config.json)"
     raise ConfigError(f"architecture {shown} is not supported; {_supported()}")

@@ -9,6 +9,12 @@ The stage processes micro-batches strictly one after another, so one set of stat
 enough even with several micro-batches in flight: a graph's output is copied out (``clone``)
 before it is handed to an asynchronous send, so a later replay never overwrites a tensor that is
 still being sent (the PP "buffer aliasing" hazard).
+
+With tensor parallelism the graphs contain the layers' NCCL all-reduces (PyTorch supports capturing
+NCCL collectives; the warm-up forwards before each capture create the communicator). Every TP rank
+of a stage captures the same buckets in the same order and replays the same bucket for every batch,
+so the captured collectives always pair up. Capture then uses ``thread_local`` error mode so that
+the NCCL watchdog thread's event queries cannot invalidate the capture.
 """
 from __future__ import annotations
 
@@ -32,8 +38,9 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode graphs of one stage. ``run(...)`` returns logits ``[b, V]`` on the last
-    stage and activations ``[num_acts, b, H]`` elsewhere."""
+    """Captured decode graphs of one stage. ``run(...)`` returns logits ``[b, V]`` on the result
+    rank (TP rank 0 of the last stage), the final hidden states ``[b, H]`` on the other TP ranks of
+    the last stage, and activations ``[num_acts, b, H]`` elsewhere."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
                  max_num_seqs: int, scratch_slot: int, dtype: torch.dtype, device: torch.device, group: int):
@@ -79,7 +86,7 @@ class DecodeGraphs:
     def _forward(self, bs: int) -> torch.Tensor:
         out = self.model(self.input_ids[:bs] if self.stage.is_first else None, self.positions[:bs],
                          self.acts[:, :bs] if self.acts is not None else None, self.kv_caches, self._meta(bs))
-        if self.stage.is_last:
+        if self.stage.produces_results:
             out = self.model.compute_logits(out)
         return out
 
@@ -87,12 +94,13 @@ class DecodeGraphs:
     def capture(self) -> None:
         t = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        mode = "thread_local" if self.stage.tp_size > 1 else "global"
         for bs in sorted(self.sizes, reverse=True):
             for _ in range(2):
                 self._forward(bs)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with torch.cuda.graph(g, pool=pool, capture_error_mode=mode):
                 out = self._forward(bs)
             self.graphs[bs] = g
             self.outputs[bs] = out

@@ -3,6 +3,10 @@
 Per batch: update the per-request state from what changed, build inputs and attention metadata,
 receive the previous stage's activations (unless first), run the stage's layers, then either send
 the activations on (not last) or compute logits, sample and build the StepResult (last).
+
+With tensor parallelism every TP rank of a stage runs every batch (the layers' all-reduces need all
+of them); on the last stage only TP rank 0 (``StageInfo.produces_results``) computes logits,
+samples and returns a StepResult, the others return None.
 """
 from __future__ import annotations
 
@@ -56,11 +60,12 @@ class ModelRunner:
         self.stage = model.stage
         self.seqs: dict[str, SeqState] = {}
         self.kv_caches: list[torch.Tensor] = []
-        self.sampler = Sampler(device, seed) if self.stage.is_last else None
+        self.sampler = Sampler(device, seed) if self.stage.produces_results else None
         self.eos_token_ids = eos_token_ids
         self.busy_s = 0.0
         self.num_batches = 0
-        self.group = int(model.cfg.get("num_attention_heads", 1)) // max(1, model.num_kv_heads)
+        # Query heads per KV head (the same on every TP rank: both counts are divided by tp_size).
+        self.group = int(model.cfg.get("num_attention_heads", 1)) // max(1, model.num_kv_heads * self.stage.tp_size)
         self._timings: deque = deque()
         self._pinned = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
         self._pin_idx = 0
@@ -70,7 +75,8 @@ class ModelRunner:
 
     # --- KV cache -----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        """Bytes one block takes across this stage's layers (K and V)."""
+        """Bytes one block takes across this stage's layers (K and V) on this worker: with tensor
+        parallelism only this rank's ``num_kv_heads / tp_size`` KV heads."""
         elem = torch.empty(0, dtype=self.dtype).element_size()
         return 2 * self.block_size * self.model.num_kv_heads * self.model.head_dim * elem * self.model.num_local_layers
 
@@ -103,7 +109,7 @@ class ModelRunner:
         acts = None if self.stage.is_first else torch.zeros(
             self.model.num_acts, num_tokens, self.model.hidden_size, dtype=self.dtype, device=self.device)
         out = self.model(ids if self.stage.is_first else None, pos, acts, self.kv_caches, meta)
-        if self.stage.is_last:
+        if self.stage.produces_results:
             rows = out[:1].expand(num_logit_rows, -1).contiguous()
             logits = self.model.compute_logits(rows)
             torch.log_softmax(logits, -1)
@@ -128,11 +134,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: m.ExecuteBatch) -> Optional[m.StepResult]:
-        """Run one micro-batch. Returns the StepResult on the last stage, None elsewhere."""
+        """Run one micro-batch. Returns the StepResult (or a PendingResult) on the result rank (TP
+        rank 0 of the last stage), None elsewhere."""
         self._update_states(batch)
         self._batch_id = batch.batch_id
         if not batch.chunks:
-            return m.StepResult(batch.batch_id, []) if self.stage.is_last else None
+            return m.StepResult(batch.batch_id, []) if self.stage.produces_results else None
         seqs = [self.seqs[c.req_id] for c in batch.chunks]
         starts = [c.start for c in batch.chunks]
         q_lens = [c.num_tokens for c in batch.chunks]
@@ -158,6 +165,9 @@ class ModelRunner:
         if not self.stage.is_last:
             self._end(t0)
             self.link.send(out)
+            return None
+        if not self.stage.produces_results:  # a last-stage TP rank > 0: forward only
+            self._end(t0)
             return None
         result = self._sample(batch, seqs, out)
         self._end(t0)
@@ -185,6 +195,9 @@ class ModelRunner:
         if not self.stage.is_last:
             self._end(t0)
             self.link.send(out)
+            return None
+        if not self.stage.produces_results:
+            self._end(t0)
             return None
         rows = [i for i, c in enumerate(batch.chunks) if c.sample]
         if len(rows) < B:

@@ -1,4 +1,4 @@
-"""Worker process main: one pipeline stage on one device.
+"""Worker process main: one pipeline stage (or one tensor-parallel rank of it) on one device.
 
 A worker starts knowing only the engine's address, its rank and a key. Everything else (model,
 layer range, dtype, device, rendezvous) arrives over ZeroMQ in ``InitWorker``; the same entry point
@@ -81,6 +81,7 @@ def _setup(init, sock):
     from zpp.models.loader import load_stage_model
     from zpp.transport import messages as m
     from zpp.transport.p2p import StageLink, init_process_group
+    from zpp.transport.tensor_parallel import init_tp_group
     from zpp.workers.model_runner import ModelRunner
 
     torch.set_num_threads(max(1, init.num_threads))
@@ -92,15 +93,19 @@ def _setup(init, sock):
     dtype = parse_dtype(init.dtype, init.device)
     if init.pp_size * init.tp_size > 1:
         init_process_group(init.dist_init_method, init.rank, init.pp_size * init.tp_size, init.device)
+        init_tp_group(init.rank, init.pp_size, init.tp_size)
     with open(os.path.join(init.model, "config.json")) as f:
         cfg = json.load(f)
-    stage = StageInfo(init.pp_rank, init.pp_size, init.layer_start, init.layer_end)
+    stage = StageInfo(init.pp_rank, init.pp_size, init.layer_start, init.layer_end, init.tp_rank, init.tp_size)
     t = time.perf_counter()
     model = load_stage_model(init.model, cfg, stage, dtype, device, init.max_model_len,
                              init.load_format, init.seed)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    logger.info("stage %d/%d: layers [%d, %d) loaded in %.1fs (%.1f MiB)", init.pp_rank, init.pp_size,
+    logger.info("stage %d/%d%s: layers [%d, %d) loaded in %.1fs (%.1f MiB)", init.pp_rank, init.pp_size,
+                f" TP rank {init.tp_rank}/{init.tp_size}" if init.tp_size > 1 else "",
                 init.layer_start, init.layer_end, time.perf_counter() - t, weight_bytes / 2**20)
+    # Each TP rank exchanges activations (whole on every TP rank) with the same TP rank of the
+    # neighbouring stages: global ranks are pp_rank * tp_size + tp_rank.
     prev_rank = init.rank - init.tp_size if init.pp_rank > 0 else None
     next_rank = init.rank + init.tp_size if init.pp_rank < init.pp_size - 1 else None
     link = StageLink(prev_rank, next_rank, device) if init.pp_size > 1 else None

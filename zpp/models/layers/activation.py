@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zpp.models.layers.linear import Linear, MergedLinear
+from zpp.models.layers.linear import MergedLinear, RowParallelLinear
 
 _ACTS = {
     "silu": F.silu,
@@ -34,14 +34,22 @@ class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up merged into one matmul (LLaMA/Qwen2/Mistral).
 
     ``x: [T, hidden]`` -> ``[T, hidden]``.
+
+    Tensor parallel (``tp_size > 1``, Megatron-LM's MLP split): ``gate_up_proj`` is column-parallel
+    (each rank holds ``intermediate_size / tp_size`` rows of gate and of up) and ``down_proj``
+    row-parallel, so the activation runs on the rank's slice and one all-reduce (inside
+    ``down_proj``) completes the output. Raises ValueError if ``intermediate_size % tp_size``.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias,
+                                         tp_rank=tp_rank, tp_size=tp_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_rank=tp_rank,
+                                           tp_size=tp_size)
         self.act = get_activation(act)
-        self.intermediate_size = intermediate_size
+        self.intermediate_size = intermediate_size // tp_size  # this rank's share
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -3,6 +3,17 @@
 A checkpoint tensor is copied into its parameter by ``param.weight_loader(param, tensor[, shard])``;
 merged layers (q/k/v -> qkv, gate/up -> gate_up) place each shard at its offset along dim 0, so one
 matmul replaces several while checkpoint names stay those of HF transformers.
+
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion
+Parameter Language Models Using Model Parallelism"; the layer split of vLLM's
+``ColumnParallelLinear`` / ``RowParallelLinear``): with ``tp_size > 1`` a :class:`MergedLinear` is
+*column-parallel* -- rank ``r`` holds rows ``[r * n / tp, (r + 1) * n / tp)`` of every shard's
+output dim, so its output is the rank's slice of each shard (its heads, its part of the MLP's
+intermediate dim) -- and a :class:`RowParallelLinear` is *row-parallel* -- rank ``r`` holds the
+matching slice of the input dim, computes a partial sum, and the partial sums are added over the
+TP group by one all-reduce. A column-parallel layer followed by a row-parallel one thus needs no
+communication in between. The loaders slice full checkpoint tensors, so a checkpoint loads
+unchanged at any ``tp_size`` that divides the sliced dims.
 """
 from __future__ import annotations
 
@@ -47,32 +58,100 @@ class Linear(nn.Module):
 
 
 class MergedLinear(Linear):
-    """Several linear layers sharing one input, stacked along the output dim.
+    """Several linear layers sharing one input, stacked along the output dim; column-parallel when
+    ``tp_size > 1``.
 
-    ``output_sizes`` are the shards' widths; ``weight_loader(param, tensor, shard_index)``.
+    ``output_sizes`` are the shards' full widths (as in the checkpoint); this rank holds
+    ``output_sizes[i] // tp_size`` rows of shard ``i``, namely rows
+    ``[tp_rank * w_i, (tp_rank + 1) * w_i)`` with ``w_i = output_sizes[i] // tp_size``, so
+    ``forward(x [T, in_features])`` returns ``[T, sum(w_i)]``: the rank's slice of every shard,
+    concatenated. ``self.output_sizes`` holds the local widths ``w_i``.
+    ``weight_loader(param, tensor, shard_index)`` takes the full checkpoint tensor of one shard
+    (``shard_index=None``: all shards already concatenated, e.g. GPT-2 ``c_attn``).
+
+    Raises:
+        ValueError: an output size is not divisible by ``tp_size`` (construction), or a checkpoint
+            tensor's shape does not match (loading).
     """
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool = False,
-                 transposed: bool = False):
-        super().__init__(in_features, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
+                 transposed: bool = False, tp_rank: int = 0, tp_size: int = 1):
+        if any(n % tp_size for n in output_sizes):
+            raise ValueError(f"output sizes {list(output_sizes)} are not divisible by tensor-parallel size {tp_size}")
+        local = [n // tp_size for n in output_sizes]
+        super().__init__(in_features, sum(local), bias)
+        self.output_sizes = local
+        self.full_output_sizes = list(output_sizes)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.transposed = transposed
         self.weight.weight_loader = self._load_shard
         if self.bias is not None:
             self.bias.weight_loader = self._load_shard
 
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: Optional[int] = None) -> None:
-        if shard is None:  # already merged in the checkpoint (e.g. GPT-2 c_attn)
-            default_weight_loader(param, loaded.t() if (self.transposed and loaded.dim() == 2) else loaded)
-            return
         if self.transposed and loaded.dim() == 2:
             loaded = loaded.t()
-        offset = sum(self.output_sizes[:shard])
+        if shard is None:  # already merged in the checkpoint (e.g. GPT-2 c_attn)
+            if self.tp_size == 1:
+                default_weight_loader(param, loaded)
+                return
+            if loaded.shape[0] != sum(self.full_output_sizes):
+                raise ValueError(f"shape mismatch: merged checkpoint tensor {tuple(loaded.shape)} vs output "
+                                 f"sizes {self.full_output_sizes}")
+            for i, part in enumerate(loaded.split(self.full_output_sizes, dim=0)):
+                self._copy_shard(param, part, i)
+            return
+        self._copy_shard(param, loaded, shard)
+
+    def _copy_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
+        """Copy this rank's rows of shard ``shard`` (full tensor ``loaded``, output dim first)."""
         size = self.output_sizes[shard]
-        dst = param.data.narrow(0, offset, size)
-        if dst.shape != loaded.shape:
-            raise ValueError(f"shape mismatch: shard {shard} {tuple(dst.shape)} vs checkpoint {tuple(loaded.shape)}")
-        dst.copy_(loaded)
+        dst = param.data.narrow(0, sum(self.output_sizes[:shard]), size)
+        full = (self.full_output_sizes[shard],) + tuple(dst.shape[1:])
+        if tuple(loaded.shape) != full:
+            raise ValueError(f"shape mismatch: shard {shard} {full} vs checkpoint {tuple(loaded.shape)}")
+        dst.copy_(loaded.narrow(0, self.tp_rank * size, size) if self.tp_size > 1 else loaded)
+
+
+class RowParallelLinear(Linear):
+    """``y = x W^T + b`` with ``W``'s input dim split over the tensor-parallel group (Megatron-LM's
+    row-parallel linear layer; vLLM's ``RowParallelLinear``).
+
+    ``in_features`` is the full input width; this rank holds columns
+    ``[tp_rank * k, (tp_rank + 1) * k)`` of ``W`` (``k = in_features // tp_size``), so ``weight`` is
+    ``[out_features, k]`` and ``forward(x [T, k])`` -- ``x`` being this rank's slice of the input, as
+    a column-parallel layer produces it -- computes the partial product, sums it over the TP group
+    with one all-reduce (:func:`zpp.transport.tensor_parallel.tp_all_reduce`) and then adds the
+    (replicated, full) bias once: ``[T, out_features]``, identical on every rank. With
+    ``tp_size == 1`` it is exactly :class:`Linear` (no all-reduce).
+
+    Raises:
+        ValueError: ``in_features`` is not divisible by ``tp_size`` (construction), or a checkpoint
+            tensor's shape does not match (loading).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0,
+                 tp_size: int = 1):
+        if in_features % tp_size:
+            raise ValueError(f"input size {in_features} is not divisible by tensor-parallel size {tp_size}")
+        super().__init__(in_features // tp_size, out_features, bias)
+        self.full_in_features = in_features
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight.weight_loader = self._load_weight_slice
+
+    def _load_weight_slice(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        k = self.in_features
+        if tuple(loaded.shape) != (self.out_features, self.full_in_features):
+            raise ValueError(f"shape mismatch: parameter {(self.out_features, self.full_in_features)} (before the "
+                             f"tensor-parallel split) vs checkpoint {tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(1, self.tp_rank * k, k) if self.tp_size > 1 else loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        from zpp.transport.tensor_parallel import tp_all_reduce
+        y = tp_all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
 
 
 class VocabEmbedding(nn.Embedding):

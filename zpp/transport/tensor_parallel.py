@@ -1,0 +1,62 @@
+"""The tensor-parallel (TP) process group of this worker and the all-reduce its layers use.
+
+Ranks are laid out stage-major: global rank ``pp_rank * tp_size + tp_rank``, so the TP group of a
+stage is the ``tp_size`` consecutive ranks ``[pp_rank * tp_size, (pp_rank + 1) * tp_size)``. The
+group uses the world's backend (NCCL on CUDA, gloo on CPU). With ``tp_size == 1`` no group is made
+and :func:`tp_all_reduce` is never called (the row-parallel layers skip it), so the TP = 1 path is
+exactly the code that ran before tensor parallelism existed.
+
+Megatron-LM (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models
+Using Model Parallelism") needs exactly one all-reduce after each row-parallel matmul in the
+forward pass: two per transformer layer (after the attention output projection and after the MLP
+down projection).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_GROUP: Optional[dist.ProcessGroup] = None
+_SIZE = 1
+
+
+def init_tp_group(rank: int, pp_size: int, tp_size: int) -> None:
+    """Create one TP group per pipeline stage and keep this rank's.
+
+    Every rank of the world must call this with the same ``pp_size`` / ``tp_size`` after
+    ``torch.distributed.init_process_group`` (``dist.new_group`` is collective over the whole world
+    and must be called for every group, in the same order, even by ranks outside it).
+    No-op when ``tp_size == 1``.
+    """
+    global _GROUP, _SIZE
+    if tp_size == 1:
+        return
+    for pp_rank in range(pp_size):
+        ranks = list(range(pp_rank * tp_size, (pp_rank + 1) * tp_size))
+        group = dist.new_group(ranks=ranks, timeout=timedelta(minutes=30))  # as the world group
+        if rank in ranks:
+            _GROUP = group
+    _SIZE = tp_size
+
+
+def tp_size() -> int:
+    """Ranks in this worker's TP group (1 when tensor parallelism is off)."""
+    return _SIZE
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` (any shape and dtype, on the group's device) over the TP group, in place; returns it.
+
+    On CUDA with NCCL this may run inside a CUDA-graph capture (PyTorch supports capturing NCCL
+    collectives once the communicator exists; the warm-up forwards before capture create it).
+
+    Raises:
+        RuntimeError: no TP group was initialised (``init_tp_group`` with ``tp_size > 1``).
+    """
+    if _GROUP is None:
+        raise RuntimeError("tp_all_reduce called without a tensor-parallel group (init_tp_group not called)")
+    dist.all_reduce(x, group=_GROUP)
+    return x
