@@ -3,7 +3,10 @@
 Invariants (learnt from other engines' bugs):
 
 1. One ordered channel per neighbour pair: sends and receives happen in batch order and tags are
-   never relied on (NCCL ignores them).
+   never relied on (NCCL ignores them). Each pair has its own process group (communicator), so a
+   middle stage's send to the next stage and receive from the previous one are not serialized
+   with each other or with the tensor-parallel all-reduces (PyTorch runs every unbatched P2P op of
+   one NCCL group in order on one stream).
 2. A tensor handed to an asynchronous send is kept alive, unmodified, until the send completes:
    ``StageLink`` holds a reference to every pending send and only drops it after ``wait()``.
 """
@@ -34,6 +37,25 @@ def init_process_group(init_method: str, rank: int, world_size: int, device: str
                             world_size=world_size, timeout=timedelta(minutes=30), **kwargs)
 
 
+def make_stage_link(rank: int, pp_rank: int, pp_size: int, tp_size: int, device: torch.device) -> "StageLink":
+    """This worker's StageLink, over one two-rank process group per neighbour pair.
+
+    Global ranks are ``pp_rank * tp_size + tp_rank``; TP rank ``t`` of stage ``s`` talks to TP rank
+    ``t`` of stages ``s - 1`` and ``s + 1``. ``dist.new_group`` is collective over the whole world,
+    so every rank creates every pair's group, in the same order.
+    """
+    groups = {}
+    for s in range(pp_size - 1):
+        for t in range(tp_size):
+            a, b = s * tp_size + t, (s + 1) * tp_size + t
+            g = dist.new_group(ranks=[a, b])
+            if rank in (a, b):
+                groups[b if rank == a else a] = g
+    prev_rank = rank - tp_size if pp_rank > 0 else None
+    next_rank = rank + tp_size if pp_rank < pp_size - 1 else None
+    return StageLink(prev_rank, next_rank, device, groups=groups)
+
+
 class StageLink:
     """Sends this stage's activations to the next stage and receives the previous stage's.
 
@@ -42,9 +64,10 @@ class StageLink:
     """
 
     def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], device: torch.device,
-                 max_pending: int = 8):
+                 max_pending: int = 8, groups: Optional[dict] = None):
         self.prev_rank = prev_rank
         self.next_rank = next_rank
+        self._groups = groups or {}  # peer rank -> its pair's process group (None: the world)
         self.device = device
         self._pending: deque[tuple[dist.Work, torch.Tensor]] = deque()
         self._max_pending = max_pending
@@ -56,7 +79,7 @@ class StageLink:
         tensor = tensor.contiguous()
         if self._via_host:
             tensor = tensor.cpu()
-        work = dist.isend(tensor, dst=self.next_rank)
+        work = dist.isend(tensor, dst=self.next_rank, group=self._groups.get(self.next_rank))
         self._pending.append((work, tensor))
         self._reap(block=len(self._pending) > self._max_pending)
 
@@ -64,7 +87,7 @@ class StageLink:
         """Receive the previous stage's activations for the next batch in order."""
         assert self.prev_rank is not None
         buf = torch.empty(shape, dtype=dtype, device="cpu" if self._via_host else self.device)
-        dist.recv(buf, src=self.prev_rank)
+        dist.recv(buf, src=self.prev_rank, group=self._groups.get(self.prev_rank))
         self._reap(block=False)
         return buf.to(self.device) if self._via_host else buf
 

@@ -80,7 +80,7 @@ def _setup(init, sock):
     from zpp.models.base import StageInfo
     from zpp.models.loader import load_stage_model
     from zpp.transport import messages as m
-    from zpp.transport.p2p import StageLink, init_process_group
+    from zpp.transport.p2p import init_process_group, make_stage_link
     from zpp.transport.tensor_parallel import init_tp_group
     from zpp.workers.model_runner import ModelRunner
 
@@ -105,10 +105,8 @@ def _setup(init, sock):
                 f" TP rank {init.tp_rank}/{init.tp_size}" if init.tp_size > 1 else "",
                 init.layer_start, init.layer_end, time.perf_counter() - t, weight_bytes / 2**20)
     # Each TP rank exchanges activations (whole on every TP rank) with the same TP rank of the
-    # neighbouring stages: global ranks are pp_rank * tp_size + tp_rank.
-    prev_rank = init.rank - init.tp_size if init.pp_rank > 0 else None
-    next_rank = init.rank + init.tp_size if init.pp_rank < init.pp_size - 1 else None
-    link = StageLink(prev_rank, next_rank, device) if init.pp_size > 1 else None
+    # neighbouring stages.
+    link = make_stage_link(init.rank, init.pp_rank, init.pp_size, init.tp_size, device) if init.pp_size > 1 else None
     runner = ModelRunner(model, device, dtype, init.block_size, link, set(init.eos_token_ids), init.seed)
     runner.trace.name = f"rank{init.rank}-stage{init.pp_rank}"
     if runner.trace.enabled and init.device == "cuda":
