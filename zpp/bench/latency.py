@@ -49,7 +49,7 @@ def run(args) -> int:
     tpot = (e2e_med - prefill_med) / max(1, args.output_len - 1)
     result = {"model": config.model.model, "device": config.parallel.device,
               "dtype": str(config.torch_dtype).removeprefix("torch."),
-              "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
+              "pipeline_parallel_size": config.parallel.pipeline_parallel_size, "tensor_parallel_size": config.parallel.tensor_parallel_size,
               "enforce_eager": config.enforce_eager, "batch_size": args.batch_size,
               "input_len": args.input_len, "output_len": args.output_len,
               "latencies_s": e2e, "prefill_latencies_s": prefill, "median_latency_s": e2e_med,

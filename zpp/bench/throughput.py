@@ -35,13 +35,14 @@ def run(args) -> int:
     result = {
         "backend": args.backend, "model": config.model.model, "device": config.parallel.device,
         "dtype": str(config.torch_dtype).removeprefix("torch."),
-        "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
+        "pipeline_parallel_size": config.parallel.pipeline_parallel_size, "tensor_parallel_size": config.parallel.tensor_parallel_size,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "elapsed_s": elapsed, "requests_per_s": args.num_prompts / elapsed,
         "total_tokens_per_s": total_tokens / elapsed, "output_tokens_per_s": out_tokens / elapsed,
         "stage_busy_fraction": busy, "date": datetime.date.today().isoformat(),
     }
     rows = [("Backend", args.backend), ("Pipeline stages", result["pipeline_parallel_size"]),
+            ("Tensor-parallel ranks / stage", result["tensor_parallel_size"]),
             ("Prompts", args.num_prompts), ("Input / output len", f"{args.input_len} / {args.output_len}"),
             ("Elapsed (s)", elapsed), ("Requests/s", result["requests_per_s"]),
             ("Total tokens/s", result["total_tokens_per_s"]), ("Output tokens/s", result["output_tokens_per_s"])]

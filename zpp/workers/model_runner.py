@@ -65,7 +65,9 @@ class ModelRunner:
         self.busy_s = 0.0
         self.num_batches = 0
         # Query heads per KV head (the same on every TP rank: both counts are divided by tp_size).
-        self.group = int(model.cfg.get("num_attention_heads", 1)) // max(1, model.num_kv_heads * self.stage.tp_size)
+        # GPT-2's config.json names its head count n_head.
+        heads = int(model.cfg.get("num_attention_heads") or model.cfg.get("n_head") or 1)
+        self.group = max(1, heads // max(1, model.num_kv_heads * self.stage.tp_size))
         self._timings: deque = deque()
         self._pinned = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
         self._pin_idx = 0
