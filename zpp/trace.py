@@ -13,16 +13,14 @@ import os
 import time
 from typing import Optional
 
-TRACE_DIR = os.environ.get("ZPP_TRACE") or None
-
-
 class Trace:
     """Collects events in memory; ``dump()`` writes them (a no-op when tracing is off)."""
 
     def __init__(self, name: str):
         self.name = name
         self.events: list[tuple[str, int, float]] = []
-        self.enabled = TRACE_DIR is not None
+        self.dir = os.environ.get("ZPP_TRACE") or None
+        self.enabled = self.dir is not None
         self._cuda_ref = None
 
     def mark(self, what: str, batch_id: int, t: Optional[float] = None) -> None:
@@ -53,6 +51,6 @@ class Trace:
     def dump(self) -> None:
         if not self.enabled or not self.events:
             return
-        os.makedirs(TRACE_DIR, exist_ok=True)
-        with open(os.path.join(TRACE_DIR, f"{self.name}.json"), "w") as f:
+        os.makedirs(self.dir, exist_ok=True)
+        with open(os.path.join(self.dir, f"{self.name}.json"), "w") as f:
             json.dump(self.events, f)

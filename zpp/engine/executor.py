@@ -168,8 +168,8 @@ class Executor:
         """Send one micro-batch to every worker (encoded once)."""
         if self.dead:
             raise WorkerDiedError(self.dead)
-        self.socket.send_bytes(range(self.world), m.encode(batch))
         self.trace.mark("send", batch.batch_id)
+        self.socket.send_bytes(range(self.world), m.encode(batch))
 
     async def next_result(self) -> m.StepResult:
         """The next StepResult (batches return in the order sent). Raises WorkerDiedError."""

@@ -160,11 +160,25 @@ def _serve(runner, sock, init) -> None:
     from zpp.workers.model_runner import PendingResult
 
     last_stats = time.monotonic()
+    reported = 0  # batches covered by the last StageStats
     pending = None
+
+    def send_stats() -> None:
+        nonlocal last_stats, reported
+        runner.reap_timings()
+        sock.send(m.StageStats(rank=init.rank, busy_s=runner.busy_s, batches=runner.num_batches))
+        last_stats, reported = time.monotonic(), runner.num_batches
+
     while True:
         if pending is not None and not sock.poll(0):
             _send_result(sock, runner, pending.finish(runner))
             pending = None
+            continue
+        if not sock.poll(250):
+            # Idle: non-last stages bring their busy time up to date (the last stage reports it
+            # with every StepResult), so figures read after a run are not up to a second stale.
+            if not runner.stage.is_last and runner.num_batches != reported:
+                send_stats()
             continue
         msg = sock.recv()
         if isinstance(msg, m.ExecuteBatch):
@@ -178,11 +192,8 @@ def _serve(runner, sock, init) -> None:
                 pending = result
             elif result is not None:
                 _send_result(sock, runner, result)
-            now = time.monotonic()
-            if not runner.stage.is_last and now - last_stats > 1.0:
-                runner.reap_timings()
-                sock.send(m.StageStats(rank=init.rank, busy_s=runner.busy_s, batches=runner.num_batches))
-                last_stats = now
+            if not runner.stage.is_last and time.monotonic() - last_stats > 1.0:
+                send_stats()
         elif isinstance(msg, m.Shutdown):
             if pending is not None:
                 sock.send(pending.finish(runner))
