@@ -34,6 +34,43 @@ def test_signal_stops_everything(demo_model, sig):
         s.stop()
 
 
+def test_signal_ends_open_streams_promptly(demo_model):
+    """SIGINT while a long stream is open: the stream ends with an error event and [DONE], and the
+    server and its workers are gone within seconds (not after the request would have finished)."""
+    import json
+    import threading
+    import urllib.request
+    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB"])
+    try:
+        kids = descendants(s.proc.pid)
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 1500, "stream": True,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(s.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        lines: list[str] = []
+        first = threading.Event()
+
+        def read():
+            with urllib.request.urlopen(req, timeout=120) as r:
+                for raw in r:
+                    if raw.strip():
+                        lines.append(raw.decode().strip())
+                        first.set()
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        assert first.wait(60), "no streamed event"
+        t0 = time.monotonic()
+        os.kill(s.proc.pid, signal.SIGINT)
+        assert s.proc.wait(20) == 0
+        assert time.monotonic() - t0 < 15
+        t.join(10)
+        assert lines[-1] == "data: [DONE]"
+        err = json.loads(lines[-2].removeprefix("data: "))
+        assert "shutting down" in err["error"]["message"]
+        assert _wait_gone(kids, 10) == [], "worker processes left behind"
+    finally:
+        s.stop()
+
+
 def test_sigkill_engine_workers_exit(demo_model):
     s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB"])
     try:

@@ -48,6 +48,10 @@ class EngineDeadError(RuntimeError):
     """The engine lost a worker; every request fails and the server reports unhealthy."""
 
 
+class EngineShutdownError(EngineDeadError):
+    """The server is stopping (SIGINT / SIGTERM): requests still running are ended with this."""
+
+
 @dataclass
 class _Seq:
     req: Request
@@ -154,6 +158,12 @@ class AsyncEngine:
         for g in list(self.groups.values()):
             g.queue.put_nowait(EngineDeadError(reason))
         self._wake()
+
+    def abort_all(self, reason: str = "the server is shutting down") -> None:
+        """End every request in progress with :class:`EngineShutdownError` (their streams get an
+        error event; each request is then aborted by its ``generate`` and its blocks freed)."""
+        for g in list(self.groups.values()):
+            g.queue.put_nowait(EngineShutdownError(reason))
 
     # --- requests -----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:

@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import signal
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
@@ -21,7 +22,7 @@ from aiohttp import web
 
 import zpp
 from zpp.config import ConfigError
-from zpp.engine.async_engine import AsyncEngine, EngineDeadError, RequestError
+from zpp.engine.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestError
 from zpp.outputs import CompletionOutput, RequestOutput
 from zpp.sampling_params import SamplingParams, SamplingParamsError
 from zpp.server.protocol import (ChatCompletionRequest, CompletionRequest, ProtocolError, decode_request,
@@ -144,6 +145,8 @@ class _SSE:
 
 
 def _message(e: BaseException) -> str:
+    if isinstance(e, EngineShutdownError):
+        return str(e)
     if isinstance(e, EngineDeadError):
         return f"the engine is dead: {e}"
     if isinstance(e, (ProtocolError, RequestError, SamplingParamsError)):
@@ -646,6 +649,10 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
 
     ``chat_template`` is a file path (read before any worker starts).
 
+    On the first SIGINT/SIGTERM, requests in progress are ended at once (streams get an error event
+    and ``[DONE]``, others HTTP 503) and the server stops within seconds; a second signal stops it
+    immediately.
+
     Returns the process exit status: 0 after a signal, 1 if the engine died.
     Raises:
         ConfigError: the chat template file cannot be read, or the engine configuration is bad.
@@ -654,17 +661,25 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
     engine = await AsyncEngine.start(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    def on_signal() -> None:
+        if stop.is_set():  # a second signal: stop the workers and leave now
+            logger.warning("second signal: exiting now")
+            engine.executor.shutdown(timeout_s=1.0)
+            os._exit(1)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     server = OpenAIServer(engine, config.model.name, api_key, template)
-    runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     status = 0
     try:
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
-        logger.info("serving %s on http://%s:%d (pipeline-parallel-size %d)", config.model.name, host, port,
-                    config.parallel.pipeline_parallel_size)
+        logger.info("serving %s on http://%s:%d (pipeline-parallel-size %d, tensor-parallel-size %d)",
+                    config.model.name, host, port, config.parallel.pipeline_parallel_size,
+                    config.parallel.tensor_parallel_size)
         print(f"zpp: serving {config.model.name} on http://{host}:{port}", flush=True)
         while not stop.is_set():
             try:
@@ -678,6 +693,8 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
                 break
     finally:
         logger.info("shutting down")
+        engine.abort_all()
+        await asyncio.sleep(0.1)  # let the handlers write their error events
         await runner.cleanup()
         await engine.shutdown()
     return status
