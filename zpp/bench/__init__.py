@@ -33,6 +33,16 @@ def random_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list
     return [[rng.randrange(lo, hi) for _ in range(input_len)] for _ in range(num)]
 
 
+def run_fields(config) -> dict:
+    """What every benchmark's JSON records about the run: model, device, dtype, split, date."""
+    import datetime
+    return {"model": config.model.model, "device": config.parallel.device,
+            "dtype": str(config.torch_dtype).removeprefix("torch."),
+            "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
+            "tensor_parallel_size": config.parallel.tensor_parallel_size,
+            "date": datetime.date.today().isoformat()}
+
+
 def write_json(path: str | None, data: dict) -> None:
     if path:
         import json

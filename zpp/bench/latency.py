@@ -4,7 +4,6 @@ median end-to-end latency, the median prefill latency (a run with 1 output token
 TPOT = (e2e - prefill) / (output_len - 1)."""
 from __future__ import annotations
 
-import datetime
 import statistics
 import time
 
@@ -24,7 +23,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from zpp import LLM, SamplingParams
-    from zpp.bench import print_table, random_prompts, write_json
+    from zpp.bench import print_table, random_prompts, run_fields, write_json
     from zpp.cli import engine_config_from_args
     config = engine_config_from_args(args)
     vocab = int(config.model.hf_config["vocab_size"])
@@ -47,14 +46,10 @@ def run(args) -> int:
         llm.shutdown()
     e2e_med, prefill_med = statistics.median(e2e), statistics.median(prefill)
     tpot = (e2e_med - prefill_med) / max(1, args.output_len - 1)
-    result = {"model": config.model.model, "device": config.parallel.device,
-              "dtype": str(config.torch_dtype).removeprefix("torch."),
-              "pipeline_parallel_size": config.parallel.pipeline_parallel_size, "tensor_parallel_size": config.parallel.tensor_parallel_size,
-              "enforce_eager": config.enforce_eager, "batch_size": args.batch_size,
+    result = {**run_fields(config), "enforce_eager": config.enforce_eager, "batch_size": args.batch_size,
               "input_len": args.input_len, "output_len": args.output_len,
               "latencies_s": e2e, "prefill_latencies_s": prefill, "median_latency_s": e2e_med,
-              "median_prefill_latency_s": prefill_med, "tpot_ms": tpot * 1000,
-              "date": datetime.date.today().isoformat()}
+              "median_prefill_latency_s": prefill_med, "tpot_ms": tpot * 1000}
     print_table("Latency", [("Batch size", args.batch_size), ("Input / output len", f"{args.input_len} / {args.output_len}"),
                             ("Median e2e latency (s)", e2e_med), ("Median prefill latency (ms)", prefill_med * 1000),
                             ("TPOT (ms)", tpot * 1000)])

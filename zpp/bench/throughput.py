@@ -3,7 +3,6 @@ each (``ignore_eos``), all submitted at once. ``--backend hf`` runs HF transform
 same prompts so the peer is measured in the same run."""
 from __future__ import annotations
 
-import datetime
 import time
 
 
@@ -21,7 +20,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from zpp.bench import print_table, random_prompts, write_json
+    from zpp.bench import print_table, random_prompts, run_fields, write_json
     from zpp.cli import engine_config_from_args
     config = engine_config_from_args(args)
     vocab = int(config.model.hf_config["vocab_size"])
@@ -33,13 +32,11 @@ def run(args) -> int:
         elapsed, out_tokens, busy = _run_zpp(config, prompts, args)
     total_tokens = out_tokens + args.num_prompts * args.input_len
     result = {
-        "backend": args.backend, "model": config.model.model, "device": config.parallel.device,
-        "dtype": str(config.torch_dtype).removeprefix("torch."),
-        "pipeline_parallel_size": config.parallel.pipeline_parallel_size, "tensor_parallel_size": config.parallel.tensor_parallel_size,
+        "backend": args.backend, **run_fields(config),
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "elapsed_s": elapsed, "requests_per_s": args.num_prompts / elapsed,
         "total_tokens_per_s": total_tokens / elapsed, "output_tokens_per_s": out_tokens / elapsed,
-        "stage_busy_fraction": busy, "date": datetime.date.today().isoformat(),
+        "stage_busy_fraction": busy,
     }
     rows = [("Backend", args.backend), ("Pipeline stages", result["pipeline_parallel_size"]),
             ("Tensor-parallel ranks / stage", result["tensor_parallel_size"]),

@@ -155,15 +155,18 @@ class AsyncEngine:
 
     def _on_worker_death(self, reason: str) -> None:
         self.dead = reason
-        for g in list(self.groups.values()):
-            g.queue.put_nowait(EngineDeadError(reason))
+        self._end_all(EngineDeadError(reason))
         self._wake()
 
     def abort_all(self, reason: str = "the server is shutting down") -> None:
         """End every request in progress with :class:`EngineShutdownError` (their streams get an
         error event; each request is then aborted by its ``generate`` and its blocks freed)."""
+        self._end_all(EngineShutdownError(reason))
+
+    def _end_all(self, error: EngineDeadError) -> None:
+        """Hand ``error`` to every request's output queue (its ``generate`` raises it)."""
         for g in list(self.groups.values()):
-            g.queue.put_nowait(EngineShutdownError(reason))
+            g.queue.put_nowait(error)
 
     # --- requests -----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:

@@ -20,6 +20,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+DIST_TIMEOUT = timedelta(minutes=30)
+"""Of every process group (world, stage pairs, TP): a stage may wait long for a huge prefill."""
+
 
 def shared_gpu() -> bool:
     """Testing mode (``ZPP_SHARE_GPU=1``): every stage on GPU 0, activations over gloo through host
@@ -34,7 +37,7 @@ def init_process_group(init_method: str, rank: int, world_size: int, device: str
     if backend == "nccl":
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timedelta(minutes=30), **kwargs)
+                            world_size=world_size, timeout=DIST_TIMEOUT, **kwargs)
 
 
 def make_stage_link(rank: int, pp_rank: int, pp_size: int, tp_size: int, device: torch.device) -> "StageLink":
@@ -48,7 +51,7 @@ def make_stage_link(rank: int, pp_rank: int, pp_size: int, tp_size: int, device:
     for s in range(pp_size - 1):
         for t in range(tp_size):
             a, b = s * tp_size + t, (s + 1) * tp_size + t
-            g = dist.new_group(ranks=[a, b])
+            g = dist.new_group(ranks=[a, b], timeout=DIST_TIMEOUT)
             if rank in (a, b):
                 groups[b if rank == a else a] = g
     prev_rank = rank - tp_size if pp_rank > 0 else None

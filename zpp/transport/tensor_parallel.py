@@ -13,14 +13,14 @@ down projection).
 """
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from zpp.transport.p2p import DIST_TIMEOUT
+
 _GROUP: Optional[dist.ProcessGroup] = None
-_SIZE = 1
 
 
 def init_tp_group(rank: int, pp_size: int, tp_size: int) -> None:
@@ -31,20 +31,14 @@ def init_tp_group(rank: int, pp_size: int, tp_size: int) -> None:
     and must be called for every group, in the same order, even by ranks outside it).
     No-op when ``tp_size == 1``.
     """
-    global _GROUP, _SIZE
+    global _GROUP
     if tp_size == 1:
         return
     for pp_rank in range(pp_size):
         ranks = list(range(pp_rank * tp_size, (pp_rank + 1) * tp_size))
-        group = dist.new_group(ranks=ranks, timeout=timedelta(minutes=30))  # as the world group
+        group = dist.new_group(ranks=ranks, timeout=DIST_TIMEOUT)
         if rank in ranks:
             _GROUP = group
-    _SIZE = tp_size
-
-
-def tp_size() -> int:
-    """Ranks in this worker's TP group (1 when tensor parallelism is off)."""
-    return _SIZE
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ class ModelRunner:
     """Holds a stage's model, its KV cache and the state of every request it has been sent."""
 
     def __init__(self, model: StageModel, device: torch.device, dtype: torch.dtype, block_size: int,
-                 link: Optional[StageLink], eos_token_ids: set[int], seed: int = 0):
+                 link: Optional[StageLink], eos_token_ids: set[int], seed: int = 0, trace_name: str = "stage"):
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -72,7 +72,7 @@ class ModelRunner:
         self._pinned = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
         self._pin_idx = 0
         self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager
-        self.trace = Trace(f"stage{self.stage.pp_rank}")
+        self.trace = Trace(trace_name)  # ZPP_TRACE timeline (off unless set)
         self._batch_id = -1
 
     # --- KV cache -----------------------------------------------------------------------------

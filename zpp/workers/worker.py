@@ -107,8 +107,8 @@ def _setup(init, sock):
     # Each TP rank exchanges activations (whole on every TP rank) with the same TP rank of the
     # neighbouring stages.
     link = make_stage_link(init.rank, init.pp_rank, init.pp_size, init.tp_size, device) if init.pp_size > 1 else None
-    runner = ModelRunner(model, device, dtype, init.block_size, link, set(init.eos_token_ids), init.seed)
-    runner.trace.name = f"rank{init.rank}-stage{init.pp_rank}"
+    runner = ModelRunner(model, device, dtype, init.block_size, link, set(init.eos_token_ids), init.seed,
+                         trace_name=f"rank{init.rank}-stage{init.pp_rank}")
     if runner.trace.enabled and init.device == "cuda":
         runner.trace.cuda_clock()
 
@@ -196,7 +196,7 @@ def _serve(runner, sock, init) -> None:
                 send_stats()
         elif isinstance(msg, m.Shutdown):
             if pending is not None:
-                sock.send(pending.finish(runner))
+                _send_result(sock, runner, pending.finish(runner))
             if runner.link is not None:
                 runner.link.flush()
             if runner.trace.enabled:

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zpp.transport.tensor_parallel import tp_all_reduce
+
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     """Copy ``loaded`` into ``param``. Raises ValueError on a shape mismatch."""
@@ -149,7 +151,6 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
-        from zpp.transport.tensor_parallel import tp_all_reduce
         y = tp_all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
