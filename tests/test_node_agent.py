@@ -1,5 +1,6 @@
-"""Multi-host path on one machine: stages started by `zpp-node` (through an SSH stand-in) give the
-same tokens as PP=1, and nothing is left running after shutdown."""
+"""Multi-host path on one machine (the fast path; real hosts: tests/test_multi_host.py): stages
+started by `zpp-node` through an SSH stand-in give the same tokens as PP=1, and nothing is left
+running after shutdown."""
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ def test_remote_stage_via_agent(demo_model, tokenizer, monkeypatch):
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with LLM(demo_model, kv_cache_memory="64MiB") as llm:
         ref = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    llm = LLM(demo_model, pipeline_parallel_size=2, nodes=["node-a"], kv_cache_memory="64MiB")
+    llm = LLM(demo_model, pipeline_parallel_size=2, nodes=["localhost"], kv_cache_memory="64MiB")
     try:
         kids = [p for p in descendants(os.getpid())
                 if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]

@@ -104,7 +104,21 @@ class ParallelConfig:
     device: str = "cpu"
     """``cpu`` or ``cuda``."""
     nodes: tuple[str, ...] = ()
-    """Extra hosts (``user@host``) where ``zpp-node`` is started over SSH; stages fill the head first."""
+    """Extra hosts (``user@host``, ``user@host:N`` to pin N ranks there) where ``zpp-node`` runs;
+    ranks fill the head first."""
+    distributed_host: Optional[str] = None
+    """Multi-host: the head's address that every node can reach (control plane and rendezvous bind
+    to it only). Default: ``$ZPP_HOST_IP``, else this host's address on the route to the first node."""
+    distributed_port: int = 0
+    """Multi-host: the head's control-plane TCP port (0 = any free port)."""
+    node_command: str = "zpp-node"
+    """The command run on each node over SSH (e.g. ``/opt/venv/bin/zpp-node``)."""
+    node_launcher: str = "ssh"
+    """``ssh``: the head starts ``zpp-node`` on each node; ``manual``: something else does (the head
+    logs the command and waits), with the keys in ``node_keys_file``."""
+    node_keys_file: Optional[str] = None
+    """Multi-host: a 0600 file with the run's control-plane keys, for agents not started over SSH.
+    Read if it exists, else written with fresh keys."""
 
     def __post_init__(self):
         if self.pipeline_parallel_size < 1:
@@ -115,6 +129,15 @@ class ParallelConfig:
             raise ConfigError(f"--device {self.device!r} is not one of: cpu, cuda")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda: CUDA is not available on this machine")
+        if self.nodes and self.world_size == 1:
+            raise ConfigError("--nodes needs more than one rank: set --pipeline-parallel-size (or "
+                              "--tensor-parallel-size) above 1")
+        if self.node_launcher not in ("ssh", "manual"):
+            raise ConfigError(f"--node-launcher {self.node_launcher!r} is not one of: ssh, manual")
+        if self.node_launcher == "manual" and not self.node_keys_file:
+            raise ConfigError("--node-launcher manual needs --node-keys-file (the agents read the run's keys there)")
+        if not 0 <= self.distributed_port <= 65535:
+            raise ConfigError(f"--distributed-port must be in [0, 65535], got {self.distributed_port}")
         if self.pp_layer_partition is not None and len(self.pp_layer_partition) != self.pipeline_parallel_size:
             raise ConfigError(
                 f"--pp-layer-partition has {len(self.pp_layer_partition)} entries but "

@@ -34,7 +34,8 @@ class LLM:
         ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``num_kv_blocks``,
         ``kv_cache_memory``, ``enable_prefix_caching``, ``enable_chunked_prefill``,
         ``pp_layer_partition``, ``pipeline_depth``, ``load_format``, ``seed``, ``tokenizer``,
-        ``gpu_memory_utilization``, ``enforce_eager``, ``nodes``: extra hosts for ``zpp-node``).
+        ``gpu_memory_utilization``, ``enforce_eager``, ``nodes``: extra hosts for ``zpp-node``,
+        ``distributed_host``, ``node_command``).
 
     Raises:
         ConfigError: a bad setting (before any worker starts).
@@ -49,7 +50,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = False,
                  enable_chunked_prefill: bool = True, pp_layer_partition: Optional[Sequence[int]] = None,
                  pipeline_depth: Optional[int] = None, load_format: str = "safetensors", seed: int = 0,
-                 tokenizer: Optional[str] = None, enforce_eager: bool = False, nodes: Sequence[str] = ()):
+                 tokenizer: Optional[str] = None, enforce_eager: bool = False, nodes: Sequence[str] = (),
+                 distributed_host: Optional[str] = None, node_command: str = "zpp-node"):
         if model is None:
             from zpp.demo import prepare_demo_model
             model = prepare_demo_model()
@@ -58,6 +60,7 @@ class LLM:
                               load_format=load_format, seed=seed),
             parallel=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size,
                                     tensor_parallel_size=tensor_parallel_size, device=device, nodes=tuple(nodes),
+                                    distributed_host=distributed_host, node_command=node_command,
                                     pp_layer_partition=tuple(pp_layer_partition) if pp_layer_partition else None),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory=parse_size(kv_cache_memory),

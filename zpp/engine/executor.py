@@ -13,7 +13,6 @@ import logging
 import multiprocessing as mp
 import os
 import secrets
-import socket
 import sys
 import threading
 import time
@@ -23,9 +22,10 @@ from typing import Callable, Optional
 from zpp.config import EngineConfig
 from zpp.models.partition import partition_layers
 from zpp.transport import messages as m
-from zpp.transport.channels import EngineSocket, free_tcp_port, local_ipc_address
+from zpp.transport.channels import EngineSocket, local_ipc_address, tcp_address
 from zpp.trace import Trace
-from zpp.transport.p2p import shared_gpu
+from zpp.transport.p2p import serve_rendezvous_store, shared_gpu
+from zpp.transport.security import RunKeys, keys_for_run
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +47,11 @@ class Executor:
         self.pp = config.parallel.pipeline_parallel_size
         self.tp = config.parallel.tensor_parallel_size
         self.world = self.pp * self.tp
-        self.key = secrets.token_hex(16)
-        multi_host = bool(config.parallel.nodes)
-        host = _host_ip() if multi_host else "127.0.0.1"
-        self.socket = EngineSocket(f"tcp://{host}:{free_tcp_port(host)}" if multi_host else local_ipc_address())
-        self.dist_init_method = f"tcp://{host}:{free_tcp_port(host)}"
+        self.keys: Optional[RunKeys] = None
+        self.socket: Optional[EngineSocket] = None
+        self._store = None  # the workers' rendezvous TCPStore (kept alive for the run)
+        self.dist_store = ""
+        self.placement: dict[int, m.Hello] = {}
         self.procs: list[mp.Process] = []
         self.results: asyncio.Queue = asyncio.Queue()
         self.stage_busy_s = [0.0] * self.pp
@@ -77,8 +77,25 @@ class Executor:
             raise
         return ex
 
+    def _open_control_plane(self) -> None:
+        """Bind the control plane (and the rendezvous store): ipc on one host; on several, TCP with
+        CURVE on the one address the nodes reach (see ``zpp.transport.addresses``)."""
+        par = self.config.parallel
+        if par.nodes:
+            from zpp.transport.addresses import choose_head_address
+            host = choose_head_address(par.nodes, par.distributed_host)
+            self.keys = keys_for_run(True, par.node_keys_file)
+            self.socket = EngineSocket(tcp_address(host, par.distributed_port), self.keys)
+        else:
+            host = "127.0.0.1"
+            self.keys = keys_for_run(False, None)
+            self.socket = EngineSocket(local_ipc_address())
+        if self.world > 1:
+            self._store, self.dist_store = serve_rendezvous_store(host)
+
     async def _start(self) -> None:
         cfg = self.config
+        self._open_control_plane()
         for r, (a, b) in enumerate(self.layer_ranges):
             logger.info("stage %d: layers [%d, %d) (%d layers)%s", r, a, b, b - a,
                         " + embedding" * (r == 0) + " + norm, lm_head, sampler" * (r == self.pp - 1))
@@ -87,12 +104,15 @@ class Executor:
         local_ranks = list(range(self.world))
         if cfg.parallel.nodes:
             from zpp.node.ssh import NodeLauncher
-            self.nodes = NodeLauncher(cfg.parallel.nodes, self.socket.address, self.key)
+            par = cfg.parallel
+            self.nodes = NodeLauncher(par.nodes, self.socket.address, self.keys, node_command=par.node_command,
+                                      launcher=par.node_launcher, keys_file=par.node_keys_file,
+                                      log_level=logging.getLevelName(level).lower(), tp_size=self.tp)
             local_ranks = self.nodes.assign(self.world)
             self.nodes.start()
         with _main_module_hidden():
             for rank in local_ranks:
-                p = ctx.Process(target=_worker_entry, args=(self.socket.address, rank, self.key, level),
+                p = ctx.Process(target=_worker_entry, args=(self.socket.address, rank, self.keys, level),
                                 name=f"zpp-worker-{rank}", daemon=True)
                 p.start()
                 self.procs.append(p)
@@ -101,7 +121,9 @@ class Executor:
         self._monitor.start()
 
         cpu_threads = max(1, (os.cpu_count() or 1) // max(1, len(local_ranks)))
-        await self._expect_all(m.Hello, timeout=120, check=self._check_hello)
+        hello_timeout = 600 if cfg.parallel.node_launcher == "manual" else 120
+        self.placement = await self._expect_all(m.Hello, timeout=hello_timeout, check=self._check_hello)
+        self._log_placement()
         for rank in range(self.world):
             pp_rank, tp_rank = divmod(rank, self.tp)
             a, b = self.layer_ranges[pp_rank]
@@ -110,7 +132,7 @@ class Executor:
                 model=os.path.abspath(cfg.model.model), load_format=cfg.model.load_format,
                 dtype=cfg.model.dtype, device=cfg.parallel.device,
                 device_index=self._device_index(rank), layer_start=a, layer_end=b,
-                num_layers=_num_layers(cfg), dist_init_method=self.dist_init_method,
+                num_layers=_num_layers(cfg), dist_store=self.dist_store,
                 block_size=cfg.cache.block_size, max_model_len=cfg.max_model_len,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.scheduler.max_num_seqs,
                 kv_cache_memory=cfg.cache.kv_cache_memory, gpu_memory_utilization=cfg.cache.gpu_memory_utilization,
@@ -137,8 +159,25 @@ class Executor:
         return rank
 
     def _check_hello(self, rank: int, msg: m.Hello) -> None:
-        if not secrets.compare_digest(msg.key, self.key):
+        if not secrets.compare_digest(msg.key, self.keys.key):
             raise WorkerDiedError(f"worker rank {rank} presented a wrong key")
+
+    def _log_placement(self) -> None:
+        """One line per rank, once: host, address and interface, device, pid."""
+        for rank in range(self.world):
+            h = self.placement[rank]
+            pp_rank, tp_rank = divmod(rank, self.tp)
+            where = f"{h.hostname}" + (f" ({h.address} on {h.interface or '?'})" if h.address else "")
+            device = self.config.parallel.device + (f":{self._device_index(rank)}"
+                                                    if self.config.parallel.device == "cuda" else "")
+            logger.info("placement: rank %d = stage %d%s on %s, %s, pid %d", rank, pp_rank,
+                        f" TP rank {tp_rank}" if self.tp > 1 else "", where, device, h.pid)
+
+    def describe_rank(self, rank: int) -> str:
+        """``stage S (rank R) on HOST`` for error messages."""
+        h = self.placement.get(rank)
+        host = (self.nodes.host_of_rank(rank) if self.nodes else None) or (h.hostname if h else "this host")
+        return f"stage {rank // self.tp} (rank {rank}) on {host}"
 
     async def _expect_all(self, kind, timeout: float, check=None) -> dict[int, object]:
         got: dict[int, object] = {}
@@ -149,13 +188,14 @@ class Executor:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(self.world)) - set(got))
-                raise WorkerDiedError(f"workers {missing} did not answer {kind.__name__} within {timeout:.0f}s")
+                raise WorkerDiedError(f"{'; '.join(map(self.describe_rank, missing))}: no {kind.__name__} "
+                                      f"within {timeout:.0f}s")
             try:
                 rank, msg = await self.socket.recv(timeout_s=min(left, 0.5))
             except TimeoutError:
                 continue
             if isinstance(msg, m.WorkerError):
-                raise WorkerDiedError(f"worker {rank} failed during start-up: {msg.message}")
+                raise WorkerDiedError(f"{self.describe_rank(rank)} failed during start-up: {msg.message}")
             if not isinstance(msg, kind):
                 raise WorkerDiedError(f"worker {rank}: expected {kind.__name__}, got {type(msg).__name__}")
             if check:
@@ -193,7 +233,7 @@ class Executor:
                     self.stage_busy_s[stage] = msg.busy_s
                     self.stage_batches[stage] = msg.batches
                 elif isinstance(msg, m.WorkerError):
-                    self._fail(f"worker {rank} failed: {msg.message}\n{msg.traceback}")
+                    self._fail(f"{self.describe_rank(rank)} failed: {msg.message}\n{msg.traceback}")
                     return
         except asyncio.CancelledError:
             pass
@@ -236,7 +276,7 @@ class Executor:
         for rank in range(self.world):
             try:
                 self.socket.send_bytes([rank], payload)
-            except Exception:  # that worker is already gone
+            except Exception:  # that worker is already gone (or the socket never opened)
                 pass
         deadline = time.monotonic() + timeout_s
         for p in self.procs:
@@ -251,7 +291,9 @@ class Executor:
                 p.join(1.0)
         if self.nodes is not None:
             self.nodes.stop()
-        self.socket.close()
+        if self.socket is not None:
+            self.socket.close()
+        self._store = None
         self.trace.dump()
 
 
@@ -278,21 +320,12 @@ def _main_module_hidden():
             setattr(main, k, v)
 
 
-def _worker_entry(address: str, rank: int, key: str, level: int) -> None:
+def _worker_entry(address: str, rank: int, keys: RunKeys, level: int) -> None:
     from zpp.workers.worker import worker_main
-    worker_main(address, rank, key, level)
+    worker_main(address, rank, keys, level)
 
 
 def _num_layers(config: EngineConfig) -> int:
     from zpp.models.registry import resolve_model_class
     cfg = config.model.hf_config
     return resolve_model_class(cfg).num_layers_of(cfg)
-
-
-def _host_ip() -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"

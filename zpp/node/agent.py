@@ -1,18 +1,22 @@
-"""``zpp-node``: the agent the head starts over SSH on each extra host.
+"""``zpp-node``: the agent that starts one host's stage workers in a multi-host run.
 
-It starts this host's stage workers (``python -m zpp.workers.worker ADDRESS RANK``, the key passed
-on stdin, never on a command line) and stays until the head goes away: when its stdin closes (the
-SSH session ended) or a worker dies, it kills every worker it started and exits. Workers die with
-the agent too (``PR_SET_PDEATHSIG`` in the worker), so nothing is left behind on any host.
+Normally the head starts it over SSH (``--nodes``) and hands it the run's keys on the session's
+stdin: one JSON line, never on a command line or in the environment. It can also be started by a
+cluster launcher or by hand, with the keys in a file only its owner can read (``--keys-file``; the
+head writes that file with ``--node-keys-file``)::
 
-Usage (normally run by the head, not by hand)::
+    zpp-node --engine tcp://HEAD:PORT --ranks 2,3 --keys-file /etc/zpp/run.keys
 
-    echo KEY | zpp-node --engine tcp://HEAD:PORT --ranks 2,3 [--device-offset 0]
+It starts one worker process per rank (``python -m zpp.workers.worker``, keys on its stdin) and
+stays until the run ends: when the SSH session closes its stdin (the head went away), when a worker
+dies (it then stops the others and exits 1, saying which rank died and how), or on SIGTERM/SIGINT.
+Workers die with the agent too (``PR_SET_PDEATHSIG``) and exit when their connection to the head
+drops, so nothing is left behind on any host.
 """
 from __future__ import annotations
 
 import argparse
-import os
+import logging
 import signal
 import subprocess
 import sys
@@ -20,27 +24,46 @@ import threading
 import time
 
 
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="zpp-node", description="zpp per-host agent: starts this host's stage workers")
-    p.add_argument("--engine", required=True, help="the engine's ZeroMQ address, tcp://HOST:PORT")
+    p = argparse.ArgumentParser(prog="zpp-node", description="zpp per-host agent: starts this host's stage workers",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--engine", required=True, help="the head's control-plane address, tcp://HOST:PORT")
     p.add_argument("--ranks", required=True, help="comma-separated global ranks to start here")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--keys-file", default=None,
+                   help="read the run's keys from this file (mode 0600) instead of stdin; the agent then runs "
+                        "until its workers exit")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
-    key = sys.stdin.readline().strip()
-    if not key:
-        print("zpp-node: error: expected the engine key on stdin", file=sys.stderr)
+    from zpp.config import ConfigError
+    from zpp.transport.security import RunKeys, read_keys_file
+    try:
+        if args.keys_file:
+            keys = read_keys_file(args.keys_file)
+        else:
+            keys = RunKeys.decode(sys.stdin.readline())
+        ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
+    except (ConfigError, ValueError) as e:
+        print(f"zpp-node: error: {e}", file=sys.stderr, flush=True)
         return 2
-    ranks = [int(r) for r in args.ranks.split(",") if r != ""]
-    env = dict(os.environ)
-    env["ZPP_LOCAL_RANKS"] = args.ranks
-    procs: list[subprocess.Popen] = []
+    line = keys.for_workers().encode().decode()
+    level = str(getattr(logging, args.log_level.upper()))
+    procs: dict[int, subprocess.Popen] = {}
     for r in ranks:
-        proc = subprocess.Popen([sys.executable, "-m", "zpp.workers.worker", args.engine, str(r)],
-                                stdin=subprocess.PIPE, env=env, text=True)
-        proc.stdin.write(key + "\n")
+        proc = subprocess.Popen([sys.executable, "-m", "zpp.workers.worker", args.engine, str(r), level],
+                                stdin=subprocess.PIPE, text=True)
+        proc.stdin.write(line)
         proc.stdin.close()
-        procs.append(proc)
-    print(f"zpp-node: started ranks {ranks} (pids {[q.pid for q in procs]})", file=sys.stderr, flush=True)
+        procs[r] = proc
+    print(f"zpp-node: started ranks {ranks} (pids {[q.pid for q in procs.values()]})", file=sys.stderr, flush=True)
 
     stop = threading.Event()
 
@@ -52,25 +75,28 @@ def main(argv=None) -> int:
             pass
         stop.set()
 
-    threading.Thread(target=watch_stdin, daemon=True).start()
+    if not args.keys_file:  # started over SSH: the session's end is the head's end
+        threading.Thread(target=watch_stdin, daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     status = 0
     while not stop.is_set():
-        if any(q.poll() is not None for q in procs):
-            codes = [q.poll() for q in procs]
-            if all(c == 0 for c in codes):  # orderly shutdown by the engine
-                break
-            if any(c not in (None, 0) for c in codes):
-                print(f"zpp-node: a worker exited with {codes}; stopping", file=sys.stderr, flush=True)
-                status = 1
-                break
-        time.sleep(0.2)
-    for q in procs:
+        codes = {r: q.poll() for r, q in procs.items()}
+        failed = {r: c for r, c in codes.items() if c not in (None, 0)}
+        if failed:
+            for r, c in failed.items():
+                print(f"zpp-node: worker rank {r} (pid {procs[r].pid}) {_describe(c)}; stopping this host's "
+                      f"workers", file=sys.stderr, flush=True)
+            status = 1
+            break
+        if all(c == 0 for c in codes.values()):  # orderly shutdown by the engine
+            break
+        time.sleep(0.1)
+    for q in procs.values():
         if q.poll() is None:
             q.terminate()
     deadline = time.monotonic() + 5
-    for q in procs:
+    for q in procs.values():
         try:
             q.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:

@@ -1,34 +1,61 @@
 """The head's side of multi-host runs: start ``zpp-node`` on each extra host over SSH.
 
 Ranks are split into contiguous blocks: the head first, then each node in the order given
-(``--nodes user@a,user@b:2``; ``:N`` pins a host's number of stages, otherwise the ranks are shared
-as evenly as possible). The SSH command is ``ssh -o BatchMode=yes`` unless ``$ZPP_SSH`` names
-another (the tests use a local stand-in). The engine key travels on the session's stdin.
+(``--nodes user@a,user@b:2``; ``:N`` pins a host's number of ranks, otherwise they are shared as
+evenly as possible). The SSH command is ``ssh -o BatchMode=yes -o ConnectTimeout=10 ...`` unless
+``$ZPP_SSH`` names another; the remote command is ``--node-command`` (default ``zpp-node``, e.g.
+``/opt/venv/bin/zpp-node`` for a virtualenv). The run's keys travel on the session's stdin, which
+stays open: its end tells the agent that the head is gone. The SSH client dies with the head
+(``PR_SET_PDEATHSIG`` through ``setpriv``), so a SIGKILLed head still ends every session.
+
+With ``launcher="manual"`` nothing is started: the head logs the command to run on each host
+(a cluster launcher or a person starts ``zpp-node --keys-file``) and waits for the workers.
 """
 from __future__ import annotations
 
+import collections
+import logging
 import os
 import shlex
+import shutil
 import subprocess
+import threading
 from typing import Optional
 
 from zpp.config import ConfigError
+from zpp.transport.security import RunKeys
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SSH = ("ssh -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=5 "
+               "-o ServerAliveCountMax=3")
 
 
 def parse_node(spec: str) -> tuple[str, Optional[int]]:
-    host, _, n = spec.rpartition(":") if ":" in spec and spec.rsplit(":", 1)[1].isdigit() else (spec, "", "")
-    return host, (int(n) if n else None)
+    """``user@host:N`` -> (``user@host``, N); ``user@host`` -> (``user@host``, None)."""
+    host, sep, n = spec.rpartition(":")
+    if sep and n.isdigit() and not host.endswith(":"):
+        return host, int(n)
+    return spec, None
 
 
 class NodeLauncher:
     """Starts and watches the agents of a multi-host run."""
 
-    def __init__(self, nodes: tuple[str, ...], engine_address: str, key: str):
+    def __init__(self, nodes: tuple[str, ...], engine_address: str, keys: RunKeys,
+                 node_command: str = "zpp-node", launcher: str = "ssh", keys_file: Optional[str] = None,
+                 log_level: str = "info", tp_size: int = 1):
         self.nodes = [parse_node(n) for n in nodes]
         self.address = engine_address
-        self.key = key
+        self.keys = keys
+        self.node_command = node_command
+        self.launcher = launcher
+        self.keys_file = keys_file
+        self.log_level = log_level
+        self.tp_size = tp_size
         self.assignment: dict[str, list[int]] = {}
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self._stderr: dict[str, collections.deque[str]] = {}
         self._local_index: dict[int, int] = {}
 
     def assign(self, world: int) -> list[int]:
@@ -38,7 +65,7 @@ class NodeLauncher:
         free_hosts = 1 + sum(1 for _, n in self.nodes if n is None)
         rest = world - pinned
         if rest < 0:
-            raise ConfigError(f"--nodes pins {pinned} stages but only {world} ranks exist")
+            raise ConfigError(f"--nodes pins {pinned} ranks but only {world} exist")
         base, extra = divmod(max(rest, 0), free_hosts)
         counts = []
         k = 0
@@ -65,23 +92,72 @@ class NodeLauncher:
         """Device index of ``rank`` on its own host."""
         return self._local_index.get(rank, 0)
 
+    def host_of_rank(self, rank: int) -> Optional[str]:
+        return next((h for h, rs in self.assignment.items() if rank in rs), None)
+
+    def _stages(self, host: str) -> str:
+        stages = sorted({r // self.tp_size for r in self.assignment.get(host, [])})
+        return f"stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages))}"
+
+    def command_for(self, host: str) -> str:
+        """The ``zpp-node`` command line for ``host`` (keys on stdin, or ``--keys-file``)."""
+        cmd = (f"{self.node_command} --engine {shlex.quote(self.address)} "
+               f"--ranks {','.join(map(str, self.assignment[host]))} --log-level {self.log_level}")
+        if self.launcher == "manual":
+            cmd += f" --keys-file {shlex.quote(self.keys_file or 'KEYS_FILE')}"
+        return cmd
+
     def start(self) -> None:
-        ssh = shlex.split(os.environ.get("ZPP_SSH", "ssh -o BatchMode=yes"))
+        if self.launcher == "manual":
+            for host, ranks in self.assignment.items():
+                if ranks:
+                    logger.info("waiting for %s (%s): start there, with a 0600 copy of %s: %s", host,
+                                self._stages(host), self.keys_file, self.command_for(host))
+            return
+        ssh = shlex.split(os.environ.get("ZPP_SSH", DEFAULT_SSH))
+        # The SSH client must die with the head, even a SIGKILLed one, or the session (and the
+        # remote agent) would stay: PR_SET_PDEATHSIG via setpriv.
+        prefix = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
+        line = self.keys.for_workers().encode().decode()
         for host, ranks in self.assignment.items():
             if not ranks:
                 continue
-            remote = f"zpp-node --engine {shlex.quote(self.address)} --ranks {','.join(map(str, ranks))}"
-            proc = subprocess.Popen(ssh + [host, remote], stdin=subprocess.PIPE, text=True, start_new_session=True)
-            proc.stdin.write(self.key + "\n")
+            proc = subprocess.Popen(prefix + ssh + [host, self.command_for(host)], stdin=subprocess.PIPE,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+            proc.stdin.write(line)
             proc.stdin.flush()  # stdin stays open: closing it tells the agent to stop
+            self._stderr[host] = collections.deque(maxlen=20)
+            threading.Thread(target=self._relay, args=(host, proc), name=f"zpp-ssh-{host}", daemon=True).start()
             self.procs.append((host, proc))
 
+    def _relay(self, host: str, proc: subprocess.Popen) -> None:
+        """Log what the remote side prints (agent and worker logs, ssh's own errors)."""
+        for raw in proc.stderr:
+            text = raw.rstrip()
+            if text:
+                self._stderr[host].append(text)
+                logger.info("[%s] %s", host, text)
+
     def poll(self) -> Optional[str]:
-        """An error message if an agent's session ended, else None."""
+        """An error message naming the host, its stages and the remote side's last words if an
+        agent's session ended, else None."""
         for host, proc in self.procs:
             if proc.poll() is not None:
-                return f"zpp-node on {host} exited with code {proc.returncode}"
+                return self._failure(host, proc)
         return None
+
+    def _failure(self, host: str, proc: subprocess.Popen) -> str:
+        try:
+            proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        lines = list(self._stderr.get(host, ()))
+        said = next((t for t in reversed(lines) if "zpp-node:" in t or "rror" in t or "ssh:" in t
+                     or "denied" in t or "not found" in t), lines[-1] if lines else "")
+        how = (f"the SSH session ended with code {proc.returncode}" if proc.returncode != 255
+               else "ssh failed (code 255)")
+        return f"{self._stages(host)} on {host}: {how}" + (f": {said}" if said else "")
 
     def stop(self) -> None:
         for _, proc in self.procs:

@@ -1,20 +1,28 @@
 """ZeroMQ sockets between the engine and its workers, typed by the msgspec messages they carry.
 
 The engine binds one ROUTER socket; every worker (local or started by ``zpp-node`` on another
-host) connects one DEALER socket whose identity is its rank. Frames are msgpack only.
+host) connects one DEALER socket whose identity is its rank. Frames are msgpack only. Over TCP
+(multi-host) both ends use CURVE with the run's keys (``zpp.transport.security``): the ROUTER
+admits only the run's client key and logs every refused connection.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import tempfile
+import threading
 import uuid
 from typing import Optional
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from zpp.transport import messages as m
+from zpp.transport.security import RunKeys
+
+logger = logging.getLogger(__name__)
 
 
 def local_ipc_address() -> str:
@@ -22,10 +30,9 @@ def local_ipc_address() -> str:
     return f"ipc://{tempfile.gettempdir()}/zpp-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
 
 
-def free_tcp_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def tcp_address(host: str, port: int | str) -> str:
+    """``tcp://host:port`` (IPv6 literals bracketed)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def identity(rank: int) -> bytes:
@@ -38,13 +45,38 @@ class EngineSocket:
     One instance per engine; used from the engine's asyncio loop only.
     """
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, keys: Optional[RunKeys] = None):
+        """Bind ``address`` (``ipc://...`` or ``tcp://HOST:PORT``, port 0 = any free one); with
+        CURVE ``keys`` (TCP), encrypt and admit only peers holding the run's client key."""
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._auth = None
+        if keys is not None and keys.curve:
+            self._secure(keys)
+        if address.startswith("tcp://") and address.endswith(":0"):
+            address = address[:-2] + ":*"
         self.sock.bind(address)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _secure(self, keys: RunKeys) -> None:
+        from zmq.auth.thread import ThreadAuthenticator
+        sync_ctx = zmq.Context.shadow(self.ctx.underlying)  # the ZAP handler must share our context
+        self._auth = ThreadAuthenticator(sync_ctx, log=logging.getLogger("zpp.transport.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback("zpp", credentials_provider=_ClientKey(keys.client_public))
+        self.sock.curve_server = True
+        self.sock.curve_secretkey = keys.server_secret.encode()
+        self.sock.curve_publickey = keys.server_public.encode()
+        self.sock.zap_domain = b"zpp"
+        monitor_address = f"inproc://zpp-monitor-{uuid.uuid4().hex[:8]}"
+        self.sock.monitor(monitor_address, zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                          | zmq.EVENT_MONITOR_STOPPED)
+        mon = sync_ctx.socket(zmq.PAIR)
+        mon.connect(monitor_address)
+        threading.Thread(target=_log_refusals, args=(mon,), name="zpp-zmq-monitor", daemon=True).start()
 
     def send(self, rank: int, msg: m.ToWorker) -> None:
         self.send_bytes([rank], m.encode(msg))
@@ -72,6 +104,9 @@ class EngineSocket:
         return rank, m.from_worker_decoder.decode(payload)
 
     def close(self) -> None:
+        if self._auth is not None:
+            self.sock.disable_monitor()
+            self._auth.stop()
         self.sock.close(0)
         self.ctx.term()
         addr = self.address
@@ -85,12 +120,40 @@ class EngineSocket:
 class WorkerSocket:
     """A worker's DEALER to the engine (blocking; the worker loop is synchronous)."""
 
-    def __init__(self, address: str, rank: int):
+    def __init__(self, address: str, rank: int, keys: Optional[RunKeys] = None):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity(rank))
         self.sock.setsockopt(zmq.LINGER, 2000)
+        if keys is not None and keys.curve:
+            self.sock.curve_serverkey = keys.server_public.encode()
+            self.sock.curve_publickey = keys.client_public.encode()
+            self.sock.curve_secretkey = keys.client_secret.encode()
         self.sock.connect(address)
+
+    def exit_on_disconnect(self) -> None:
+        """Exit this process (status 1) when the connection to the engine, once made, drops: the
+        engine's host died or the network between them failed (workers on other hosts cannot rely
+        on their parent process for that)."""
+        monitor_address = f"inproc://zpp-worker-monitor-{uuid.uuid4().hex[:8]}"
+        self.sock.monitor(monitor_address, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        mon = self.ctx.socket(zmq.PAIR)
+        mon.connect(monitor_address)
+
+        def watch():
+            connected = False
+            while True:
+                try:
+                    event = recv_monitor_message(mon)["event"]
+                except zmq.ZMQError:  # context terminated: orderly close
+                    return
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    connected = True
+                elif event == zmq.EVENT_DISCONNECTED and connected:
+                    logger.error("lost the connection to the engine; exiting")
+                    os._exit(1)
+
+        threading.Thread(target=watch, name="zpp-engine-watch", daemon=True).start()
 
     def send(self, msg: m.FromWorker) -> None:
         self.sock.send(m.encode(msg))
@@ -108,3 +171,45 @@ class WorkerSocket:
     def close(self) -> None:
         self.sock.close()
         self.ctx.term()
+
+
+class _ClientKey:
+    """ZAP credentials check: only the run's CURVE client key is admitted."""
+
+    def __init__(self, client_public: str):
+        self.expected = client_public.encode()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.expected  # a refusal is logged by _log_refusals
+
+
+def _log_refusals(mon: zmq.Socket) -> None:
+    """Log every connection the engine's CURVE socket refuses (with the peer's address when the
+    connection is still open to ask)."""
+    peer = "an unknown peer"
+    reasons = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "it does not speak CURVE with this run's server key",
+               zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed",
+               zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its client key is not this run's"}
+    while True:
+        try:
+            ev = recv_monitor_message(mon)
+        except zmq.ZMQError:
+            return
+        event = ev["event"]
+        if event == zmq.EVENT_MONITOR_STOPPED:
+            mon.close(0)
+            return
+        if event == zmq.EVENT_ACCEPTED:
+            peer = _peer_of(int(ev["value"]))
+        elif event in reasons:
+            logger.warning("refused a control-plane connection from %s on %s: %s", peer,
+                           ev["endpoint"].decode(), reasons[event])
+
+
+def _peer_of(fd: int) -> str:
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            host, port = s.getpeername()[:2]
+            return f"{host}:{port}"
+    except OSError:
+        return "an unknown peer"

@@ -5,7 +5,7 @@ torch.distributed (see ``p2p.py``); only sampled token ids and logprobs travel b
 
 Handshake (one path for local and remote workers)::
 
-    worker -> engine   Hello(rank, key)                 worker knows only address, rank, key
+    worker -> engine   Hello(rank, key)                 worker knows only address, rank, keys
     engine -> worker   InitWorker(...)                  model, stage, layer range, rendezvous
     worker -> engine   WorkerReady(num_kv_blocks_fit)   weights loaded, process group joined
     engine -> worker   InitKVCache(num_blocks)          the minimum over all stages
@@ -30,6 +30,10 @@ class Hello(msgspec.Struct, tag=True, array_like=True):
     key: str
     pid: int
     hostname: str
+    address: str = ""
+    """The worker's address on the route to the engine (multi-host runs; empty over ipc)."""
+    interface: str = ""
+    """The network interface holding ``address``, which gloo / NCCL use."""
 
 
 class InitWorker(msgspec.Struct, tag=True, array_like=True):
@@ -46,7 +50,8 @@ class InitWorker(msgspec.Struct, tag=True, array_like=True):
     layer_start: int
     layer_end: int
     num_layers: int
-    dist_init_method: str
+    dist_store: str
+    """``host:port`` of the rendezvous TCPStore the engine hosts (empty when the world is 1)."""
     block_size: int
     max_model_len: int
     max_num_batched_tokens: int

@@ -13,6 +13,7 @@ Invariants (learnt from other engines' bugs):
 from __future__ import annotations
 
 import os
+import socket
 from collections import deque
 from datetime import timedelta
 from typing import Optional
@@ -30,14 +31,35 @@ def shared_gpu() -> bool:
     return os.environ.get("ZPP_SHARE_GPU") == "1"
 
 
-def init_process_group(init_method: str, rank: int, world_size: int, device: str) -> None:
-    """Join the workers' process group (not the engine: it never touches tensors)."""
+def serve_rendezvous_store(host: str) -> tuple[dist.TCPStore, str]:
+    """The engine's side of the workers' rendezvous: a TCPStore listening on ``host`` only (not on
+    every interface, which is what a store created from a ``tcp://`` init method does).
+
+    Returns:
+        (store, ``host:port`` for :func:`init_process_group`). Keep the store alive for the run.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(host, port, None, True, timeout=DIST_TIMEOUT, wait_for_workers=False,
+                          master_listen_fd=sock.detach())
+    return store, f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+
+
+def init_process_group(store_address: str, rank: int, world_size: int, device: str) -> None:
+    """Join the workers' process group (not the engine: it never touches tensors; it only hosts
+    the rendezvous store at ``store_address``, ``host:port``)."""
     backend = "nccl" if device == "cuda" and not shared_gpu() else "gloo"
     kwargs = {}
     if backend == "nccl":
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=DIST_TIMEOUT, **kwargs)
+    host, _, port = store_address.rpartition(":")
+    store = dist.TCPStore(host.strip("[]"), int(port), world_size, False, timeout=DIST_TIMEOUT)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                            timeout=DIST_TIMEOUT, **kwargs)
 
 
 def make_stage_link(rank: int, pp_rank: int, pp_size: int, tp_size: int, device: torch.device) -> "StageLink":

@@ -43,17 +43,34 @@ def watch_parent(poll_s: float = 0.5) -> None:
     threading.Thread(target=loop, name="zpp-parent-watch", daemon=True).start()
 
 
-def worker_main(engine_address: str, rank: int, key: str, log_level: int = logging.INFO) -> None:
-    """Entry point of a worker process. Exits with status 0 on Shutdown, 1 on any error."""
+def worker_main(engine_address: str, rank: int, keys, log_level: int = logging.INFO) -> None:
+    """Entry point of a worker process. Exits with status 0 on Shutdown, 1 on any error.
+
+    Args:
+        engine_address: the engine's ZeroMQ endpoint (``ipc://...`` on one host, ``tcp://HOST:PORT``
+            in multi-host runs).
+        rank: global rank, ``pp_rank * tensor_parallel_size + tp_rank``.
+        keys: the run's :class:`~zpp.transport.security.RunKeys` (CURVE keys over TCP).
+    """
     watch_parent()
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [worker {rank}] %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when workers stop
     from zpp.transport import messages as m
+    from zpp.transport.addresses import bind_interface_for
     from zpp.transport.channels import WorkerSocket
 
-    sock = WorkerSocket(engine_address, rank)
+    address = interface = ""
+    if engine_address.startswith("tcp://"):
+        # Multi-host: use (and point gloo / NCCL at) the interface that reaches the engine.
+        head = engine_address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        address, ifname = bind_interface_for(head)
+        interface = ifname or ""
+    sock = WorkerSocket(engine_address, rank, keys)
+    if address:
+        sock.exit_on_disconnect()
     try:
-        sock.send(m.Hello(rank=rank, key=key, pid=os.getpid(), hostname=socket.gethostname()))
+        sock.send(m.Hello(rank=rank, key=keys.key, pid=os.getpid(), hostname=socket.gethostname(),
+                          address=address, interface=interface))
         init = sock.recv(timeout_s=120)
         if not isinstance(init, m.InitWorker):
             raise RuntimeError(f"expected InitWorker, got {type(init).__name__}")
@@ -92,7 +109,7 @@ def _setup(init, sock):
         device = torch.device("cpu")
     dtype = parse_dtype(init.dtype, init.device)
     if init.pp_size * init.tp_size > 1:
-        init_process_group(init.dist_init_method, init.rank, init.pp_size * init.tp_size, init.device)
+        init_process_group(init.dist_store, init.rank, init.pp_size * init.tp_size, init.device)
         init_tp_group(init.rank, init.pp_size, init.tp_size)
     with open(os.path.join(init.model, "config.json")) as f:
         cfg = json.load(f)
@@ -215,6 +232,7 @@ def _send_result(sock, runner, result) -> None:
     sock.send(result)
 
 
-if __name__ == "__main__":  # started by zpp-node: python -m zpp.workers.worker ADDRESS RANK (key on stdin)
-    _key = sys.stdin.readline().strip()
-    worker_main(sys.argv[1], int(sys.argv[2]), _key)
+if __name__ == "__main__":  # started by zpp-node: python -m zpp.workers.worker ADDRESS RANK LEVEL (keys on stdin)
+    from zpp.transport.security import RunKeys
+    _keys = RunKeys.decode(sys.stdin.readline())
+    worker_main(sys.argv[1], int(sys.argv[2]), _keys, int(sys.argv[3]) if len(sys.argv) > 3 else logging.INFO)
