@@ -71,15 +71,20 @@ def _count(pids: list[int], comm: str) -> int:
 
 def test_ssh_from_head_runs_in_node(two_hosts):
     h = two_hosts
-    script = "ip -4 -o addr; echo; readlink /proc/self/ns/net; echo $SSH_CONNECTION; cat /proc/self/net/dev"
-    p = h.run_in_head(h.ssh_argv(script), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    parts = ["ip -4 -o addr", "readlink /proc/self/ns/net", "echo $SSH_CONNECTION", "cat /proc/self/net/dev",
+             "command -v zpp-node; echo \"$PYTHONPATH\""]
+    p = h.run_in_head(h.ssh_argv("; echo ---; ".join(parts)), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                       stderr=subprocess.PIPE, text=True)
-    addrs, rest = _output(p).split("\n\n", 1)
-    ns_link, ssh_connection, net_dev = rest.split("\n", 2)
+    addrs, ns_link, ssh_connection, net_dev, env = _output(p).split("---\n")
     assert f"inet {h.node_ip}/24" in addrs and h.head_ip not in addrs
-    assert ns_link == f"net:[{os.stat(f'/run/netns/{h.node_ns}').st_ino}]"  # the node namespace itself
+    assert ns_link.strip() == f"net:[{os.stat(f'/run/netns/{h.node_ns}').st_ino}]"  # the node namespace itself
     assert ssh_connection.split()[0] == h.head_ip  # came from the head's address over the veth
     assert sorted(line.split(":")[0].strip() for line in net_dev.splitlines()[2:]) == ["eth0", "lo"]
+    # The fixture's session environment: this venv's zpp-node first in PATH, this PYTHONPATH.
+    venv_agent = os.path.join(os.path.dirname(sys.executable), "zpp-node")
+    if os.path.exists(venv_agent):
+        assert env.splitlines()[0] == venv_agent
+    assert env.splitlines()[-1] == os.environ.get("PYTHONPATH", "")
     assert not _wait_empty(h, h.node_ns), "ssh session left processes on the node"
     assert h.sshd_pid in h.pids_in(h.node_ns, include_sshd=True)
 

@@ -270,8 +270,10 @@ class TwoHosts:
             "PrintMotd no",
             "PrintLastLog no",
             "UseDNS no",
-            # No AcceptEnv line: sshd takes no variables from the client. Sessions get remote_env:
-            *(f"SetEnv {_quote_setenv(k, v)}" for k, v in self.remote_env.items()),
+            # No AcceptEnv line: sshd takes no variables from the client. Sessions get remote_env, on
+            # one line: sshd honours only the first SetEnv line.
+            *(["SetEnv " + " ".join(_quote_setenv(k, v) for k, v in self.remote_env.items())]
+              if self.remote_env else []),
         ]
         self.sshd_config = f"{d}/sshd_config"
         with open(self.sshd_config, "w") as f:
