@@ -5,4 +5,12 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 zpp prepare-demo-model --log-level warning >/dev/null
+# Multi-host tests run a real sshd in a network namespace (tests/two_hosts.py). A failed install
+# does not stop the run: those tests then skip or error with the reason.
+if [ "$(id -u)" = 0 ] && [ ! -x /usr/sbin/sshd ]; then
+  # ensure_openssh: apt-get update -qq && apt-get install -y -qq openssh-server, with a step message,
+  # keeping the package's own sshd from being started (policy-rc.d).
+  python -c "import sys; sys.path.insert(0, 'tests'); from two_hosts import ensure_openssh; ensure_openssh()" \
+    || echo "test.sh: openssh-server install failed; the two-hosts tests will report it" >&2
+fi
 exec python -m pytest -q "$@"

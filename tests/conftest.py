@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 
 import pytest
+
+from two_hosts import TwoHosts, ensure_openssh, unavailable_reason
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -130,3 +133,43 @@ def alive(pid: int) -> bool:
         return state != "Z"
     except OSError:
         return False
+
+
+# sshd's PATH for root sessions on Debian; the fixture puts this interpreter's bin dir (the venv) first.
+_SSHD_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """Two real hosts for multi-host tests: a head and a node network namespace joined by a veth pair,
+    sshd in the node (see tests/two_hosts.py for the topology and the API). Sessions on the node get
+    PATH (this venv's bin first, so `zpp-node` is found) and this process's PYTHONPATH. Skipped when not
+    root or without `ip netns`; installs openssh-server when missing; any other setup failure is an
+    error. Teardown (every process in both namespaces killed, namespaces and temp files deleted) always
+    runs, and raises if something was left behind."""
+    reason = unavailable_reason()
+    if reason:
+        print(f"two_hosts: skipped: {reason}", file=sys.stderr)
+        pytest.skip(reason)
+    ensure_openssh()
+    env = {"PATH": f"{os.path.dirname(sys.executable)}:{_SSHD_DEFAULT_PATH}"}
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    hosts = TwoHosts(remote_env=env)
+    # A SIGTERM (a CI timeout) would end pytest without teardown or atexit: make it unwind like ^C.
+    old_term = signal.getsignal(signal.SIGTERM)
+    if old_term == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        hosts.start()
+        yield hosts
+    finally:
+        try:
+            hosts.teardown()
+        finally:
+            if old_term == signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _sigterm_as_interrupt(signum, frame):
+    raise KeyboardInterrupt("SIGTERM")
