@@ -135,15 +135,13 @@ def alive(pid: int) -> bool:
         return False
 
 
-# sshd's PATH for root sessions on Debian; the fixture puts this interpreter's bin dir (the venv) first.
-_SSHD_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 @pytest.fixture(scope="module")
 def two_hosts():
     """Two real hosts for multi-host tests: a head and a node network namespace joined by a veth pair,
     sshd in the node (see tests/two_hosts.py for the topology and the API). Sessions on the node get
-    PATH (this venv's bin first, so `zpp-node` is found) and this process's PYTHONPATH. Skipped when not
+    this process's PYTHONPATH, not this venv on PATH (tests pass --node-command). Skipped when not
     root or without `ip netns`; installs openssh-server when missing; any other setup failure is an
     error. Teardown (every process in both namespaces killed, namespaces and temp files deleted) always
     runs, and raises if something was left behind."""
@@ -152,7 +150,7 @@ def two_hosts():
         print(f"two_hosts: skipped: {reason}", file=sys.stderr)
         pytest.skip(reason)
     ensure_openssh()
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:{_SSHD_DEFAULT_PATH}"}
+    env = {}  # zpp-node is not on the node's PATH: tests name it with --node-command
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     hosts = TwoHosts(remote_env=env)

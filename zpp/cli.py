@@ -8,6 +8,7 @@ import sys
 
 from zpp.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                         parse_size)
+from zpp.engine.executor import WorkerDiedError
 from zpp.models.partition import parse_partition
 
 
@@ -31,7 +32,21 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto = cuda when available, else cpu")
     g.add_argument("--nodes", default="",
-                   help="comma-separated extra hosts (user@host) to start zpp-node on over SSH")
+                   help="comma-separated extra hosts (user@host, user@host:N for N ranks there) that run "
+                        "stages; zpp-node is started there over SSH ($ZPP_SSH overrides the ssh command)")
+    g.add_argument("--distributed-host", default=None,
+                   help="multi-host: this host's address that the nodes reach (default: $ZPP_HOST_IP, else the "
+                        "address on the route to the first node); never a loopback address")
+    g.add_argument("--distributed-port", type=int, default=0,
+                   help="multi-host: the control-plane TCP port (default 0: any free port)")
+    g.add_argument("--node-command", default="zpp-node",
+                   help="the command run on each node over SSH, e.g. /opt/venv/bin/zpp-node (default: zpp-node)")
+    g.add_argument("--node-launcher", choices=["ssh", "manual"], default="ssh",
+                   help="manual: do not ssh; log the zpp-node command for each node and wait for them "
+                        "(needs --node-keys-file)")
+    g.add_argument("--node-keys-file", default=None,
+                   help="multi-host: a 0600 file holding the run's control-plane keys for agents started by "
+                        "hand (read if it exists, else written with fresh keys)")
     g = p.add_argument_group("model")
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     g.add_argument("--max-model-len", type=int, default=None, help="longest sequence (prompt + output) in tokens")
@@ -73,7 +88,9 @@ def engine_config_from_args(args) -> EngineConfig:
         parallel=ParallelConfig(pipeline_parallel_size=args.pipeline_parallel_size,
                                 tensor_parallel_size=args.tensor_parallel_size,
                                 pp_layer_partition=parse_partition(args.pp_layer_partition),
-                                device=device, nodes=nodes),
+                                device=device, nodes=nodes, distributed_host=args.distributed_host,
+                                distributed_port=args.distributed_port, node_command=args.node_command,
+                                node_launcher=args.node_launcher, node_keys_file=args.node_keys_file),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory=parse_size(args.kv_cache_memory),
                           gpu_memory_utilization=args.gpu_memory_utilization,
@@ -147,6 +164,11 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"zpp: error: {e}", file=sys.stderr)
         return 2
+    except WorkerDiedError as e:  # a worker or node could not start
+        if args.log_level == "debug":
+            raise
+        print(f"zpp: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

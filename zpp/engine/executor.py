@@ -30,6 +30,10 @@ from zpp.transport.security import RunKeys, keys_for_run
 logger = logging.getLogger(__name__)
 
 
+_ROOT_CAUSE_GRACE_S = 1.0
+"""How long a worker's own error report waits for a process death or a lost node to explain it."""
+
+
 class WorkerDiedError(RuntimeError):
     """A worker process exited or reported an error; the engine cannot continue."""
 
@@ -86,6 +90,8 @@ class Executor:
             host = choose_head_address(par.nodes, par.distributed_host)
             self.keys = keys_for_run(True, par.node_keys_file)
             self.socket = EngineSocket(tcp_address(host, par.distributed_port), self.keys)
+            logger.info("control plane on %s (ZeroMQ CURVE: encrypted, only this run's keys admitted)",
+                        self.socket.address)
         else:
             host = "127.0.0.1"
             self.keys = keys_for_run(False, None)
@@ -233,7 +239,11 @@ class Executor:
                     self.stage_busy_s[stage] = msg.busy_s
                     self.stage_batches[stage] = msg.batches
                 elif isinstance(msg, m.WorkerError):
-                    self._fail(f"{self.describe_rank(rank)} failed: {msg.message}\n{msg.traceback}")
+                    # Often the echo of another failure (gloo: "connection closed by peer" when the
+                    # next stage died): give the process / node monitor a moment to report the
+                    # root cause first; whichever reason arrives first is the one reported.
+                    reason = f"{self.describe_rank(rank)} failed: {msg.message}\n{msg.traceback}"
+                    asyncio.get_running_loop().call_later(_ROOT_CAUSE_GRACE_S, self._fail, reason)
                     return
         except asyncio.CancelledError:
             pass

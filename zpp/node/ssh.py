@@ -122,6 +122,7 @@ class NodeLauncher:
         for host, ranks in self.assignment.items():
             if not ranks:
                 continue
+            logger.info("starting zpp-node on %s over SSH (%s)", host, self._stages(host))
             proc = subprocess.Popen(prefix + ssh + [host, self.command_for(host)], stdin=subprocess.PIPE,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                     start_new_session=True)
@@ -157,7 +158,9 @@ class NodeLauncher:
                      or "denied" in t or "not found" in t), lines[-1] if lines else "")
         how = (f"the SSH session ended with code {proc.returncode}" if proc.returncode != 255
                else "ssh failed (code 255)")
-        return f"{self._stages(host)} on {host}: {how}" + (f": {said}" if said else "")
+        hint = (f" (is zpp installed there? --node-command names the agent, now {self.node_command!r})"
+                if proc.returncode == 127 else "")
+        return f"{self._stages(host)} on {host}: {how}" + (f": {said}" if said else "") + hint
 
     def stop(self) -> None:
         for _, proc in self.procs:
