@@ -20,7 +20,7 @@ import time
 from multiprocessing.connection import wait as mp_wait
 from typing import Callable, Optional
 
-from zpp.config import EngineConfig
+from zpp.config import EngineConfig, cpu_threads_per_worker
 from zpp.models.partition import partition_layers
 from zpp.transport import messages as m
 from zpp.transport.channels import EngineSocket, free_tcp_port, local_ipc_address
@@ -100,7 +100,7 @@ class Executor:
         self._loop = asyncio.get_running_loop()
         self._monitor.start()
 
-        cpu_threads = max(1, (os.cpu_count() or 1) // max(1, len(local_ranks)))
+        cpu_threads = cpu_threads_per_worker(len(local_ranks))
         await self._expect_all(m.Hello, timeout=120, check=self._check_hello)
         for rank in range(self.world):
             pp_rank, tp_rank = divmod(rank, self.tp)
