@@ -1,7 +1,7 @@
 """`zpp serve` start-up as a vLLM user meets it, through a subprocess: accurate help with defaults,
 vLLM's spellings accepted, and every start-up error one line ``zpp: error: ...`` naming the flag or
-file (a traceback only with ``--log-level debug``). These cases fail before torch is imported, so
-each run takes well under a second."""
+file (a traceback only with ``--log-level debug``). Most cases fail before torch is imported, so
+those runs take well under a second."""
 from __future__ import annotations
 
 import json
@@ -23,7 +23,9 @@ def dirs(tmp_path_factory):
     (d / "badjson").mkdir()
     (d / "badjson" / "config.json").write_text('{"architectures": [')
     (d / "noweights").mkdir()
-    (d / "noweights" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (d / "noweights" / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 49152, "max_position_embeddings": 256}))
     (d / "noweights" / "pytorch_model.bin").write_bytes(b"")
     return d
 
@@ -47,7 +49,7 @@ def _one_line_error(r: subprocess.CompletedProcess) -> str:
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--port", "99999"], "argument --port: 99999 is not a TCP port (1-65535)"),
+    (["--port", "99999"], "argument --port: 99999 is not a TCP port (0-65535)"),
     (["{d}/badjson"], "badjson/config.json: not valid JSON"),
     (["{d}/noweights"], "noweights': no *.safetensors weights in that directory"),
     (["HuggingFaceTB/SmolLM2-135M-Instruct"], "zpp does not download models: give a local directory "

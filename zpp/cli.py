@@ -50,8 +50,8 @@ def _port(value: str) -> int:
         port = int(value)
     except ValueError:
         port = -1
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1-65535)")
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0-65535)")
     return port
 
 

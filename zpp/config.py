@@ -119,9 +119,6 @@ class ModelConfig:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(cfg, dict):
             raise ConfigError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
-        if self.load_format == "safetensors" and not any(f.endswith(".safetensors") for f in os.listdir(self.model)):
-            raise ConfigError(f"model {self.model!r}: no *.safetensors weights in that directory "
-                              "(zpp reads safetensors only; --load-format dummy for random weights)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
 
