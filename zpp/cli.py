@@ -5,11 +5,54 @@ import argparse
 import asyncio
 import logging
 import sys
+import traceback
 
 from zpp.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                        parse_size)
-from zpp.engine.executor import WorkerDiedError
+                        parse_size, resolve_device)
 from zpp.models.partition import parse_partition
+
+
+logger = logging.getLogger("zpp.cli")
+
+# vLLM flags accepted so that vLLM command lines work; they change nothing in zpp.
+_NO_EFFECT_FLAGS = {
+    "trust_remote_code": "--trust-remote-code: zpp runs no code from model directories (its own model "
+                         "classes only); ignored",
+    "disable_log_requests": "--disable-log-requests: zpp logs no per-request lines; ignored",
+    "disable_log_stats": "--disable-log-stats: zpp logs no periodic stats; ignored",
+}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless its help already says it or there is none to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or action.default is None or action.default is False or action.default == ""
+                or action.default == argparse.SUPPRESS or isinstance(action, argparse._StoreFalseAction)):
+            return text
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Help with defaults; a bad flag is one line ``zpp: error: ...`` (no usage dump)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"zpp: error: {message} (see: {self.prog} --help)\n")
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0-65535)")
+    return port
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> None:
@@ -18,6 +61,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
         p.add_argument("model", nargs="?", default=None,
                        help="model directory (config.json + safetensors + tokenizer); default: the packaged "
                             "SmolLM2-135M-Instruct demo model")
+        p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                       help="the same as the positional MODEL (vLLM's spelling)")
     else:
         p.add_argument("--model", default=None, help="model directory; default: the packaged demo model")
     g = p.add_argument_group("parallelism")
@@ -28,7 +73,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
     g.add_argument("--pp-layer-partition", default=None,
                    help="layers per stage, e.g. 10,10,5,5 (default: as even as possible, earlier stages larger)")
     g.add_argument("--pipeline-depth", type=int, default=None,
-                   help="micro-batches in flight (default: the pipeline-parallel size)")
+                   help="micro-batches in flight (default: the number of stages; stages + 1 on CUDA)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto = cuda when available, else cpu")
     g.add_argument("--nodes", default="",
@@ -49,42 +94,56 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
                         "hand (read if it exists, else written with fresh keys)")
     g = p.add_argument_group("model")
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest sequence (prompt + output) in tokens")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence (prompt + output) in tokens (default: from the model's config.json)")
     g.add_argument("--served-model-name", default=None, help="model name in the API (default: directory name)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
     g.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
                    help="dummy = random weights from config.json only")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling")
     g = p.add_argument_group("scheduler and KV cache")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one micro-batch")
-    g.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_true", default=True)
-    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    g.add_argument("--enable-prefix-caching", action="store_true", default=False)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one micro-batch (default: 2048 with chunked prefill, else "
+                        "max(--max-model-len, 2048))")
+    g.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_true", default=True,
+                   help="split long prompts over several steps so decodes keep going")
+    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                   help="compute each prompt in one step")
+    g.add_argument("--enable-prefix-caching", action="store_true", default=False,
+                   help="reuse the KV blocks of shared prompt prefixes")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="force the number of KV blocks")
-    g.add_argument("--kv-cache-memory", default=None, help="KV cache bytes per stage, e.g. 512MiB, 4GiB")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="force the number of KV blocks (default: from the KV cache memory)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache bytes per worker (each stage, or each TP rank of it), e.g. 512MiB, 4GiB "
+                        "(default: 1GiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: fraction of GPU memory for weights + activations + KV cache")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: never use CUDA graphs")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="debug also prints the traceback of a start-up error")
 
 
 def engine_config_from_args(args) -> EngineConfig:
     """Build and validate the EngineConfig. Raises ConfigError with a one-line message."""
-    import torch
-    model = args.model
+    model, flag = args.model, getattr(args, "model_flag", None)
+    if model and flag and model != flag:
+        raise ConfigError(f"two models given: {model!r} and --model {flag!r}")
+    model = model or flag
     if model is None:
         from zpp.demo import prepare_demo_model
         model = prepare_demo_model()
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    for dest, warning in _NO_EFFECT_FLAGS.items():
+        if getattr(args, dest, False):
+            logger.warning("%s", warning)
+    model_config = ModelConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
+                               served_model_name=args.served_model_name, tokenizer=args.tokenizer,
+                               load_format=args.load_format, seed=args.seed)
+    device = resolve_device(args.device)
     nodes = tuple(n for n in (args.nodes or "").split(",") if n)
     return EngineConfig(
-        model=ModelConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          served_model_name=args.served_model_name, tokenizer=args.tokenizer,
-                          load_format=args.load_format, seed=args.seed),
+        model=model_config,
         parallel=ParallelConfig(pipeline_parallel_size=args.pipeline_parallel_size,
                                 tensor_parallel_size=args.tensor_parallel_size,
                                 pp_layer_partition=parse_partition(args.pp_layer_partition),
@@ -106,9 +165,9 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_serve(args) -> int:
+    config = engine_config_from_args(args)  # before the heavy imports: a bad flag fails at once
     from zpp.engine.async_engine import validate_startup
     from zpp.server.openai_server import serve
-    config = engine_config_from_args(args)
     validate_startup(config)
     _check_port_free(args.host, args.port)
     return asyncio.run(serve(config, args.host, args.port, args.api_key, args.chat_template))
@@ -133,13 +192,17 @@ def cmd_prepare(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zpp", description="zpp: a pipeline-parallel LLM serving engine")
+    parser = _Parser(prog="zpp", description="zpp: a pipeline-parallel LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_engine_args(p)
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port to listen on")
+    g = p.add_argument_group("accepted for vLLM compatibility (no effect in zpp; a warning says so)")
+    g.add_argument("--trust-remote-code", action="store_true", help="zpp runs only its own model code")
+    g.add_argument("--disable-log-requests", action="store_true", help="zpp logs no per-request lines")
+    g.add_argument("--disable-log-stats", action="store_true", help="zpp logs no periodic stats")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--chat-template", default=None, help="Jinja chat template file (overrides the tokenizer's)")
     p.set_defaults(func=cmd_serve)
@@ -147,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare-demo-model",
                        help="convert the packaged SmolLM2 GGUF into an HF directory (once) and print its path")
     p.add_argument("--output", default=None, help="target directory (default: $ZPP_CACHE/SmolLM2-135M-Instruct)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log level")
     p.set_defaults(func=cmd_prepare)
 
     from zpp.bench import add_bench_parser
@@ -161,16 +225,17 @@ def main(argv=None) -> int:
     _setup_logging(args.log_level)
     try:
         return args.func(args) or 0
-    except ConfigError as e:
-        print(f"zpp: error: {e}", file=sys.stderr)
-        return 2
-    except WorkerDiedError as e:  # a worker or node could not start
-        if args.log_level == "debug":
-            raise
-        print(f"zpp: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # one line; the traceback only with --log-level debug
+        if args.log_level == "debug":
+            traceback.print_exc()
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        from zpp.engine.executor import WorkerDiedError  # already imported if it was raised
+        if not isinstance(e, (ConfigError, WorkerDiedError)):  # those two say what failed already
+            msg = f"{msg} ({type(e).__name__}; --log-level debug shows the traceback)"
+        print(f"zpp: error: {msg}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
 
 
 if __name__ == "__main__":

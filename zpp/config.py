@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is needed, so that `zpp --help` and flag errors are quick
+    import torch
 
 
 class ConfigError(ValueError):
@@ -19,24 +20,54 @@ class ConfigError(ValueError):
 
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
 }
 
 
-def parse_dtype(name: str, device: str) -> torch.dtype:
+def parse_dtype(name: str, device: str) -> "torch.dtype":
     """Map a ``--dtype`` value to a torch dtype. ``auto`` is float32 on CPU, bfloat16 on CUDA.
 
     Raises:
         ConfigError: unknown dtype name.
     """
+    import torch
     if name == "auto":
         return torch.float32 if device == "cpu" else torch.bfloat16
     try:
-        return _DTYPES[name]
+        return getattr(torch, _DTYPES[name])
     except KeyError:
         raise ConfigError(f"--dtype {name!r} is not one of: auto, {', '.join(sorted(_DTYPES))}") from None
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; ``cpu`` and ``cuda`` pass through."""
+    if device == "auto":
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+torch_threads_at_import: Optional[int] = None
+"""torch's thread count when ``zpp.llm`` was imported (set there): a different count later means
+the user called ``torch.set_num_threads`` in this process."""
+
+
+def cpu_threads_per_worker(num_local_workers: int) -> int:
+    """Threads (``torch.set_num_threads``) each CPU worker on this host uses.
+
+    ``OMP_NUM_THREADS`` when the user set it; else the count given to ``torch.set_num_threads`` in
+    this process (after importing zpp); else the cores divided among the local workers (at least 1),
+    so that several stages on one machine do not fight over the same cores.
+    """
+    import torch
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    if torch_threads_at_import is not None and torch.get_num_threads() != torch_threads_at_import:
+        return torch.get_num_threads()
+    return max(1, (os.cpu_count() or 1) // max(1, num_local_workers))
 
 
 def parse_size(value: str | int | float | None) -> Optional[int]:
@@ -73,10 +104,21 @@ class ModelConfig:
     """Seed for dummy weights and for unseeded sampling."""
 
     def __post_init__(self):
-        if not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise ConfigError(f"model {self.model!r}: no config.json in that directory")
         if self.load_format not in ("safetensors", "dummy"):
             raise ConfigError(f"--load-format {self.load_format!r} is not one of: safetensors, dummy")
+        if not os.path.isdir(self.model):
+            raise ConfigError(f"model {self.model!r}: no such directory; zpp does not download models: "
+                              "give a local directory (config.json + safetensors + tokenizer)")
+        path = os.path.join(self.model, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"model {self.model!r}: no config.json in that directory")
+        try:
+            with open(path) as f:
+                cfg = json.load(f)
+        except ValueError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
 
@@ -125,13 +167,13 @@ class ParallelConfig:
             raise ConfigError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.nodes and self.world_size == 1:
+            raise ConfigError("--nodes needs more than one worker (--pipeline-parallel-size or "
+                              "--tensor-parallel-size > 1): a single stage runs on this host")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device {self.device!r} is not one of: cpu, cuda")
-        if self.device == "cuda" and not torch.cuda.is_available():
+        if self.device == "cuda" and resolve_device("auto") != "cuda":
             raise ConfigError("--device cuda: CUDA is not available on this machine")
-        if self.nodes and self.world_size == 1:
-            raise ConfigError("--nodes needs more than one rank: set --pipeline-parallel-size (or "
-                              "--tensor-parallel-size) above 1")
         if self.node_launcher not in ("ssh", "manual"):
             raise ConfigError(f"--node-launcher {self.node_launcher!r} is not one of: ssh, manual")
         if self.node_launcher == "manual" and not self.node_keys_file:
@@ -231,7 +273,7 @@ class EngineConfig:
         return pp + 1 if self.parallel.device == "cuda" else pp
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
         return parse_dtype(self.model.dtype, self.parallel.device)
 
     def validate(self) -> None:

@@ -6,15 +6,26 @@ prompt at once (continuous batching across them) and returns the finished output
 from __future__ import annotations
 
 import asyncio
-import atexit
 import threading
-from typing import Optional, Sequence, Union
+import time
+import weakref
+from typing import Any, Callable, Optional, Sequence, Union
 
-from zpp.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, parse_size
+import torch
+
+from zpp import config as _config
+from zpp.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, parse_size,
+                        resolve_device)
 from zpp.outputs import RequestOutput
 from zpp.sampling_params import SamplingParams
 
-Prompt = Union[str, list[int]]
+Prompt = Union[str, list[int], dict[str, Any]]
+"""A str, a list of token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}`` (vLLM's forms)."""
+
+if _config.torch_threads_at_import is None:  # see cpu_threads_per_worker
+    _config.torch_threads_at_import = torch.get_num_threads()
+
+_PROMPT_FORMS = "a str, a list of token ids, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
 
 
 class LLM:
@@ -28,7 +39,7 @@ class LLM:
         tensor_parallel_size: worker processes (GPUs) per stage, Megatron-LM tensor parallelism
             (LLaMA family only; must divide the attention and KV heads). Workers:
             ``pipeline_parallel_size * tensor_parallel_size``.
-        device: ``"cpu"`` or ``"cuda"``.
+        device: ``"auto"`` (CUDA when available, else CPU; as ``zpp serve``), ``"cpu"`` or ``"cuda"``.
         dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA), ``"float32"``, ``"bfloat16"``, ``"float16"``.
         Other keyword arguments map to the CLI flags of ``zpp serve`` (``max_model_len``,
         ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``num_kv_blocks``,
@@ -37,13 +48,16 @@ class LLM:
         ``gpu_memory_utilization``, ``enforce_eager``, ``nodes``: extra hosts for ``zpp-node``,
         ``distributed_host``, ``node_command``).
 
+    The workers stop on :meth:`shutdown`, at the end of a ``with LLM(...)`` block, when the object
+    is garbage collected (``del llm``) and at interpreter exit, whichever comes first.
+
     Raises:
         ConfigError: a bad setting (before any worker starts).
         WorkerDiedError: a worker failed while starting.
     """
 
     def __init__(self, model: Optional[str] = None, *, pipeline_parallel_size: int = 1,
-                 tensor_parallel_size: int = 1, device: str = "cpu", dtype: str = "auto",
+                 tensor_parallel_size: int = 1, device: str = "auto", dtype: str = "auto",
                  max_model_len: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, block_size: int = 16,
                  num_kv_blocks: Optional[int] = None, kv_cache_memory=None,
@@ -55,12 +69,13 @@ class LLM:
         if model is None:
             from zpp.demo import prepare_demo_model
             model = prepare_demo_model()
-        self.config = EngineConfig(
+        config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, tokenizer=tokenizer,
                               load_format=load_format, seed=seed),
             parallel=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size,
-                                    tensor_parallel_size=tensor_parallel_size, device=device, nodes=tuple(nodes),
-                                    distributed_host=distributed_host, node_command=node_command,
+                                    tensor_parallel_size=tensor_parallel_size, device=resolve_device(device),
+                                    nodes=tuple(nodes), distributed_host=distributed_host,
+                                    node_command=node_command,
                                     pp_layer_partition=tuple(pp_layer_partition) if pp_layer_partition else None),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory=parse_size(kv_cache_memory),
@@ -70,7 +85,7 @@ class LLM:
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       pipeline_depth=pipeline_depth),
             enforce_eager=enforce_eager)
-        self._start(self.config)
+        self._start(config)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLM":
@@ -82,55 +97,65 @@ class LLM:
     def _start(self, config: EngineConfig) -> None:
         from zpp.engine.async_engine import AsyncEngine, validate_startup
         self.config = config
-        self._closed = True
         validate_startup(config)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="zpp-engine-loop", daemon=True)
-        self._thread.start()
+        runtime = _Runtime()
         try:
-            self.engine = self._call(AsyncEngine.start(config))
+            self.engine = runtime.engine = runtime.call(AsyncEngine.start(config))
         except BaseException:
-            self._stop_loop()
+            runtime.close()
             raise
-        self._closed = False
-        atexit.register(self.shutdown)
+        self._runtime = runtime
+        # Holds no reference to self: runs on shutdown(), on garbage collection or at exit.
+        self._finalizer = weakref.finalize(self, runtime.close)
 
-    def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM was shut down (LLM.shutdown()): create a new LLM to generate")
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists), all batched together.
+                 use_tqdm: Union[bool, Callable[..., Any]] = True) -> list[RequestOutput]:
+        """Generate for every prompt, all batched together.
 
-        Returns one finished RequestOutput per prompt, in the order given.
+        Args:
+            prompts: one prompt or a list of them; a prompt is a str, a list of token ids,
+                ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}`` (vLLM's forms).
+            sampling_params: one for all prompts, or one per prompt (default: ``SamplingParams()``).
+            use_tqdm: show a progress bar on stderr (a callable: the tqdm class to use).
+
+        Returns one finished RequestOutput per prompt, in the order given. Ctrl-C aborts the
+        prompts still running and raises KeyboardInterrupt; the LLM stays usable.
 
         Raises:
+            TypeError: a prompt is none of the forms above.
             RequestError: a prompt breaks a limit (nothing is generated then).
             EngineDeadError: a worker died.
+            RuntimeError: the LLM was shut down.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        self._check_open()
+        prompts = _parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-        return self._call(self._generate_all(prompts, list(sampling_params), use_tqdm))
+        return self._runtime.call(self._generate_all(prompts, list(sampling_params), use_tqdm))
 
-    def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = False,
-             chat_template: Optional[str] = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None,
+             use_tqdm: Union[bool, Callable[..., Any]] = True, chat_template: Optional[str] = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to several
         (a list of such lists), formatted with the tokenizer's chat template (or ``chat_template``).
 
         Raises:
             ValueError: the model has no tokenizer or no chat template.
+            RuntimeError: the LLM was shut down.
         """
+        self._check_open()
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so chat() cannot format messages")
@@ -149,13 +174,21 @@ class LLM:
         bar = None
         if use_tqdm:
             from tqdm import tqdm
-            bar = tqdm(total=len(prompts), desc="Processed prompts")
+            bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=len(prompts), desc="Processed prompts",
+                                                               dynamic_ncols=True)
+        t0, tokens_in, tokens_out = time.perf_counter(), 0, 0
 
         async def one(p, sp):
+            nonlocal tokens_in, tokens_out
             final = None
             async for out in engine.generate(p, sp, stream=False):
                 final = out
             if bar is not None:
+                tokens_in += len(final.prompt_token_ids)
+                tokens_out += sum(len(c.token_ids) for c in final.outputs)
+                dt = max(time.perf_counter() - t0, 1e-9)
+                bar.set_postfix_str(f"est. speed input: {tokens_in / dt:.2f} toks/s, "
+                                    f"output: {tokens_out / dt:.2f} toks/s", refresh=False)
                 bar.update(1)
             return final
 
@@ -166,18 +199,11 @@ class LLM:
                 bar.close()
 
     def shutdown(self) -> None:
-        """Stop the workers and the engine loop. Idempotent; also runs at interpreter exit."""
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
-        try:
-            self._call(self.engine.shutdown())
-        finally:
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+        """Stop the workers and the engine loop. Idempotent; afterwards ``generate`` and ``chat``
+        raise RuntimeError. Also runs on garbage collection and at interpreter exit."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
 
     def __enter__(self):
         return self
@@ -185,8 +211,88 @@ class LLM:
     def __exit__(self, *exc):
         self.shutdown()
 
-    def __del__(self):
+
+class _Runtime:
+    """The private event loop (in a daemon thread) and the engine on it. Holds no reference to the
+    LLM, so that the LLM's finalizer can close it."""
+
+    def __init__(self):
+        self.engine = None
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="zpp-engine-loop", daemon=True)
+        self.thread.start()
+
+    def call(self, coro):
+        """Run ``coro`` on the loop and wait for it. On Ctrl-C, cancel it (its requests are
+        aborted), wait for that, and raise KeyboardInterrupt."""
+        done = threading.Event()
+
+        async def run():
+            try:
+                return await coro
+            finally:
+                done.set()
+
+        fut = asyncio.run_coroutine_threadsafe(run(), self.loop)
         try:
-            self.shutdown()
-        except Exception:
-            pass
+            return fut.result()
+        except KeyboardInterrupt:
+            fut.cancel()
+            done.wait(10)
+            raise KeyboardInterrupt from None
+
+    def close(self) -> None:
+        """Stop the engine (and its workers), cancel what is left on the loop, stop and close it."""
+        if threading.current_thread() is self.thread:  # collected on the loop thread itself
+            self.loop.create_task(self._close()).add_done_callback(lambda _: self.loop.stop())
+            return
+        if self.thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(timeout=60)
+            finally:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+    async def _close(self) -> None:
+        if self.engine is not None:
+            await self.engine.shutdown()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _parse_prompts(prompts) -> list[Union[str, list[int]]]:
+    """vLLM's prompt forms -> strings and token-id lists. Raises TypeError naming the bad prompt."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a prompt or a list of prompts ({_PROMPT_FORMS}), "
+                        f"got {type(prompts).__name__}")
+    return [_parse_prompt(p, i) for i, p in enumerate(prompts)]
+
+
+def _parse_prompt(p, i: int) -> Union[str, list[int]]:
+    if isinstance(p, dict):
+        extra = sorted(set(p) - {"prompt", "prompt_token_ids"})
+        if extra or not p:
+            raise TypeError(f"prompt {i}: unsupported key(s) {extra or 'none'}; zpp takes {_PROMPT_FORMS}")
+        if "prompt_token_ids" in p:
+            if _is_token_ids(p["prompt_token_ids"]):
+                return list(p["prompt_token_ids"])
+            raise TypeError(f"prompt {i}: 'prompt_token_ids' must be a list of ints")
+        if isinstance(p["prompt"], str):
+            return p["prompt"]
+        raise TypeError(f"prompt {i}: 'prompt' must be a str")
+    if isinstance(p, str):
+        return p
+    if _is_token_ids(p):
+        return list(p)
+    raise TypeError(f"prompt {i} is a {type(p).__name__} ({str(p)[:40]}): give {_PROMPT_FORMS}")
+
+
+def _is_token_ids(p) -> bool:
+    return isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)

@@ -35,7 +35,7 @@ def run(args) -> int:
             out = []
             for _ in range(iters):
                 t0 = time.perf_counter()
-                llm.generate(prompts, sp)
+                llm.generate(prompts, sp, use_tqdm=False)
                 out.append(time.perf_counter() - t0)
             return out
 

@@ -411,6 +411,10 @@ def validate_startup(config: EngineConfig) -> None:
     cls = resolve_model_class(hf, config.parallel.tensor_parallel_size)
     partition_layers(cls.num_layers_of(hf), config.parallel.pipeline_parallel_size,
                      config.parallel.pp_layer_partition)
+    model = config.model.model
+    if config.model.load_format == "safetensors" and not any(f.endswith(".safetensors") for f in os.listdir(model)):
+        raise ConfigError(f"model {model!r}: no *.safetensors weights in that directory "
+                          "(zpp reads safetensors only; --load-format dummy for random weights)")
     if config.parallel.device == "cuda":
         import torch
         n = torch.cuda.device_count()

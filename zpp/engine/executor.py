@@ -19,7 +19,7 @@ import time
 from multiprocessing.connection import wait as mp_wait
 from typing import Callable, Optional
 
-from zpp.config import EngineConfig
+from zpp.config import EngineConfig, cpu_threads_per_worker
 from zpp.models.partition import partition_layers
 from zpp.transport import messages as m
 from zpp.transport.channels import EngineSocket, local_ipc_address, tcp_address
@@ -126,7 +126,7 @@ class Executor:
         self._loop = asyncio.get_running_loop()
         self._monitor.start()
 
-        cpu_threads = max(1, (os.cpu_count() or 1) // max(1, len(local_ranks)))
+        cpu_threads = cpu_threads_per_worker(len(local_ranks))
         hello_timeout = 600 if cfg.parallel.node_launcher == "manual" else 120
         self.placement = await self._expect_all(m.Hello, timeout=hello_timeout, check=self._check_hello)
         self._log_placement()

@@ -1,0 +1,79 @@
+"""`zpp serve` start-up as a vLLM user meets it, through a subprocess: accurate help with defaults,
+vLLM's spellings accepted, and every start-up error one line ``zpp: error: ...`` naming the flag or
+file (a traceback only with ``--log-level debug``). Most cases fail before torch is imported, so
+those runs take well under a second."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def zpp(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zpp.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    (d / "badjson").mkdir()
+    (d / "badjson" / "config.json").write_text('{"architectures": [')
+    (d / "noweights").mkdir()
+    (d / "noweights" / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 49152, "max_position_embeddings": 256}))
+    (d / "noweights" / "pytorch_model.bin").write_bytes(b"")
+    return d
+
+
+def test_help_shows_defaults_and_is_accurate():
+    r = zpp("serve", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())  # argparse wraps lines
+    assert "TCP port to listen on (default: 8000)" in text
+    assert "(default: the number of stages; stages + 1 on CUDA)" in text
+    assert "most requests running at once (default: 256)" in text
+    assert "--model MODEL" in text and "--trust-remote-code" in text
+
+
+def _one_line_error(r: subprocess.CompletedProcess) -> str:
+    lines = [l for l in r.stderr.splitlines() if "WARNING" not in l]
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("zpp: error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--port", "99999"], "argument --port: 99999 is not a TCP port (0-65535)"),
+    (["{d}/badjson"], "badjson/config.json: not valid JSON"),
+    (["{d}/noweights"], "noweights': no *.safetensors weights in that directory"),
+    (["HuggingFaceTB/SmolLM2-135M-Instruct"], "zpp does not download models: give a local directory "
+                                              "(config.json + safetensors + tokenizer)"),
+    (["{d}/missing"], "missing': no such directory; zpp does not download models"),
+    (["{d}/noweights", "--device", "cpu", "--load-format", "dummy", "--nodes", "user@host"],
+     "--nodes needs more than one worker"),
+])
+def test_start_up_errors_are_one_line(dirs, args, expected):
+    r = zpp("serve", *[a.format(d=dirs) for a in args])
+    assert expected in _one_line_error(r)
+
+
+def test_model_flag_and_vllm_flags_accepted():
+    """vLLM's command line: ``--model`` (here a hub id, refused with the download message, which
+    shows the flag was read) and the flags zpp accepts with a one-line warning each."""
+    r = zpp("serve", "--model", "org/model", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats")
+    assert "model 'org/model': no such directory; zpp does not download models" in _one_line_error(r)
+    warnings = [l for l in r.stderr.splitlines() if "WARNING" in l]
+    assert len(warnings) == 3 and all("ignored" in w for w in warnings), r.stderr
+    assert "two models given" in _one_line_error(zpp("serve", "a", "--model", "b"))
+
+
+def test_traceback_only_with_log_level_debug(dirs):
+    r = zpp("serve", str(dirs / "badjson"), "--log-level", "debug")
+    assert r.returncode == 2
+    assert "Traceback" in r.stderr and r.stderr.strip().splitlines()[-1].startswith("zpp: error: ")

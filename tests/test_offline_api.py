@@ -1,0 +1,153 @@
+"""The offline ``LLM`` as a vLLM user meets it: prompt forms, a progress bar, ``device="auto"``,
+a clear error after ``shutdown()``, workers freed on ``del`` / garbage collection / interpreter
+exit, and a quiet Ctrl-C. A tiny random-weight LLaMA with the demo model's tokenizer keeps it fast."""
+from __future__ import annotations
+
+import gc
+import inspect
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from conftest import alive
+
+from zpp import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, demo_model) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    for f in os.listdir(demo_model):
+        if f.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(os.path.join(demo_model, f), d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    with LLM(tiny_model, kv_cache_memory="16MiB", max_model_len=256) as llm:
+        yield llm
+
+
+def _wait_gone(pids, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def test_vllm_prompt_forms(llm):
+    ids = llm.get_tokenizer().encode("The capital of France is")
+    forms = ["The capital of France is", ids, {"prompt": "The capital of France is"}, {"prompt_token_ids": ids}]
+    outs = llm.generate(forms, GREEDY, use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert outs[0].prompt == "The capital of France is" and outs[3].prompt_token_ids == ids
+    for single in forms:  # one prompt, not in a list
+        assert len(llm.generate(single, GREEDY, use_tqdm=False)) == 1
+
+
+@pytest.mark.parametrize("bad, message", [
+    (3.5, "prompts must be a prompt or a list of prompts"),
+    (["ok", None], "prompt 1 is a NoneType"),
+    ([{"prompt": "hi", "multi_modal_data": {}}], r"unsupported key\(s\) \['multi_modal_data'\]"),
+    ([{"prompt_token_ids": ["a"]}], "'prompt_token_ids' must be a list of ints"),
+    ([{"prompt": [1, 2]}], "'prompt' must be a str"),
+    ([[1, "a"]], "prompt 0 is a list"),
+])
+def test_other_prompt_forms_refused(llm, bad, message):
+    with pytest.raises(TypeError, match=message):
+        llm.generate(bad, GREEDY)
+
+
+def test_progress_bar_by_default(llm, capsys):
+    llm.generate(["a", "b"], GREEDY)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "2/2" in err and "toks/s" in err
+    llm.generate(["a"], GREEDY, use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
+
+
+def test_device_auto_by_default(llm):
+    assert inspect.signature(LLM).parameters["device"].default == "auto"
+    if not torch.cuda.is_available():  # CUDA machines: tests/test_gpu.py::test_llm_device_auto_is_cuda
+        assert llm.config.parallel.device == "cpu"
+
+
+def test_generate_after_shutdown_raises_at_once(tiny_model):
+    llm = LLM(tiny_model, kv_cache_memory="16MiB", max_model_len=256)
+    pids = [p.pid for p in llm.engine.executor.procs]
+    llm.shutdown()
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.chat([{"role": "user", "content": "Hi"}])
+    assert time.monotonic() - t < 1
+    llm.shutdown()  # idempotent
+    assert _wait_gone(pids) == []
+
+
+def test_del_frees_workers(tiny_model):
+    llm = LLM(tiny_model, kv_cache_memory="16MiB", max_model_len=256)
+    pids = [p.pid for p in llm.engine.executor.procs]
+    assert pids and all(alive(p) for p in pids)
+    del llm
+    gc.collect()
+    assert _wait_gone(pids) == []
+
+
+_SCRIPT = textwrap.dedent("""
+    import sys
+    from zpp import LLM, SamplingParams
+    llm = LLM(sys.argv[1], kv_cache_memory="16MiB")
+    print("PIDS", *[p.pid for p in llm.engine.executor.procs], flush=True)
+    long = SamplingParams(max_tokens=3000, ignore_eos=True)
+    try:
+        llm.generate(["Hello"] * 2, long, use_tqdm=False)
+    except KeyboardInterrupt:
+        out = llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+        print("AGAIN", len(out[0].outputs[0].token_ids), flush=True)
+    llm.generate(["Hello"] * 2, long, use_tqdm=False)  # interrupted again, not caught: the script ends
+""")
+
+
+def test_ctrl_c_is_quiet_and_exit_frees_workers(tiny_model, tmp_path):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) aborts generate() at once and
+    the LLM stays usable; uncaught, it ends the script with Python's KeyboardInterrupt report only,
+    and the interpreter's exit stops the workers (no shutdown() call)."""
+    script = tmp_path / "script.py"
+    script.write_text(_SCRIPT)
+    p = subprocess.Popen([sys.executable, str(script), tiny_model], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pids = [int(x) for x in p.stdout.readline().split()[1:]]
+        assert pids, p.stderr.read()
+        time.sleep(1.0)
+        os.killpg(p.pid, signal.SIGINT)
+        assert p.stdout.readline().split() == ["AGAIN", "2"]
+        time.sleep(1.0)
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    for noise in ("Event loop is closed", "Task was destroyed", "Exception ignored", "Error"):
+        assert noise not in err, err
+    assert err.strip().splitlines()[-1] == "KeyboardInterrupt", err
+    assert _wait_gone(pids, 5) == []
