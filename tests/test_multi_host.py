@@ -142,7 +142,7 @@ def test_stages_across_hosts_equal_pp1(two_hosts, demo_model, reference, monkeyp
 class _Server:
     """`zpp serve` in the head namespace with stages on the node."""
 
-    def __init__(self, h, model: str, *extra: str):
+    def __init__(self, h, model: str, *extra: str, wait: bool = True):
         self.h = h
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -153,6 +153,10 @@ class _Server:
                                    "--nodes", h.node_target, "--node-command", AGENT, "--kv-cache-memory", "64MiB",
                                    "--host", "127.0.0.1", "--port", str(self.port), *extra],
                                   env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_serving()
+
+    def wait_serving(self) -> None:
         deadline = time.monotonic() + 180
         while "zpp: serving" not in self.output():
             assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.output()}"
@@ -315,3 +319,40 @@ def test_loopback_refused_for_multi_host(demo_model):
     assert r.returncode == 2
     lines = [t for t in r.stderr.splitlines() if t.strip()]
     assert len(lines) == 1 and "loopback" in lines[0] and "--distributed-host" in lines[0], r.stderr
+
+
+def test_agent_started_by_hand_with_a_keys_file(two_hosts, demo_model, tmp_path):
+    """No SSH: the head waits (--node-launcher manual) and writes the run's keys to a 0600 file;
+    zpp-node started on the node with that file joins; a readable key file is refused."""
+    h = two_hosts
+    keys = tmp_path / "run.keys"
+    port = free_port()
+    s = _Server(h, demo_model, "--node-launcher", "manual", "--node-keys-file", str(keys),
+                "--distributed-host", h.head_ip, "--distributed-port", str(port), wait=False)
+    agent = None
+    try:
+        deadline = time.monotonic() + 120
+        while "waiting for" not in s.output():
+            assert s.proc.poll() is None and time.monotonic() < deadline, s.output()
+            time.sleep(0.2)
+        assert oct(os.stat(keys).st_mode & 0o777) == "0o600"
+        loose = tmp_path / "loose.keys"
+        loose.write_bytes(keys.read_bytes())
+        loose.chmod(0o644)
+        r = subprocess.run(["ip", "netns", "exec", h.node_ns, AGENT, "--engine", f"tcp://{h.head_ip}:{port}",
+                            "--ranks", "1", "--keys-file", str(loose)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "chmod 600" in r.stderr, r.stderr
+        agent = h.run_in_node([AGENT, "--engine", f"tcp://{h.head_ip}:{port}", "--ranks", "1",
+                               "--keys-file", str(keys)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+        s.wait_serving()
+        out = s.request({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+        assert out["choices"][0]["text"].strip()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(30) == 0
+        assert agent.wait(15) == 0, "the hand-started agent did not end with the run"
+        assert not _wait_empty(h, h.node_ns, 10)
+    finally:
+        s.stop()
+        if agent is not None and agent.poll() is None:
+            agent.kill()
