@@ -2,6 +2,8 @@
 # The two-GPU measurements of the README (run on a machine with 2 H200s):
 #   bash scripts/gpu_bench_x2.sh OUTDIR [RUN...]
 # RUN: tput-pp1 tput-pp2 tput-pp2-d3 tput-pp2-d4 tput-tp2 lat-pp1 lat-pp2 lat-tp2 (default: these),
+#      tput-pp2-sock / lat-pp2-sock (NCCL forced onto TCP sockets over loopback: what a cross-host
+#      link without RDMA costs),
 #      and on a Llama-3-70B shape (does not fit one GPU): tput70-pp2 tput70-tp2 lat70-pp2 lat70-tp2.
 # Throughput runs are traced (ZPP_TRACE) and followed by scripts/trace_report.py's summary;
 # the traces go into OUTDIR/traces.tgz. NVLink multicast stays off in every process.
@@ -37,6 +39,10 @@ for r in $RUNS; do
     tput-pp2-d3) tput pp2_depth3 $L3 $TPUT -pp 2 --pipeline-depth 3 ;;
     tput-pp2-d4) tput pp2_depth4 $L3 $TPUT -pp 2 --pipeline-depth 4 ;;
     tput-tp2) tput tp2 $L3 $TPUT -tp 2 ;;
+    tput-pp2-sock) NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo \
+                     tput pp2_nccl_sockets $L3 $TPUT -pp 2 ;;
+    lat-pp2-sock) NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo \
+                    lat pp2_nccl_sockets $L3 -pp 2 ;;
     lat-pp1) lat pp1 $L3 ;;
     lat-pp2) lat pp2 $L3 -pp 2 ;;
     lat-tp2) lat tp2 $L3 -tp 2 ;;
