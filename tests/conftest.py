@@ -168,7 +168,9 @@ def two_hosts():
         print(f"two_hosts: skipped: {reason}", file=sys.stderr)
         pytest.skip(reason)
     ensure_openssh()
-    env = {}  # zpp-node is not on the node's PATH: tests name it with --node-command
+    # zpp-node is not on the node's PATH: tests name it with --node-command. Both "hosts" share this
+    # machine's cores: one thread per worker (tests set the same on the head).
+    env = {"OMP_NUM_THREADS": "1"}
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     hosts = TwoHosts(remote_env=env)

@@ -89,6 +89,12 @@ STREAM_CLIENT = textwrap.dedent("""
 """)
 
 
+def _head_env(h) -> dict:
+    """The head's environment: the test's ssh, one CPU thread per worker (both "hosts" share this
+    machine's cores; the fixture sets the same on the node)."""
+    return dict(os.environ, ZPP_SSH=h.ssh_command, OMP_NUM_THREADS="1")
+
+
 def _result(proc: subprocess.Popen, timeout: float) -> dict:
     out, err = proc.communicate(timeout=timeout)
     for line in out.splitlines():
@@ -128,7 +134,7 @@ def reference(demo_model, tokenizer):
 def test_stages_across_hosts_equal_pp1(two_hosts, demo_model, reference, monkeypatch, pp, node_spec):
     h = two_hosts
     prompts, ref = reference
-    env = dict(os.environ, ZPP_SSH=h.ssh_command)
+    env = _head_env(h)
     proc = h.run_in_head([sys.executable, "-c", DRIVER, demo_model, str(pp), h.node_target + node_spec, AGENT,
                           json.dumps(prompts), str(MAX_TOKENS)], env=env, stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -148,7 +154,7 @@ class _Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = f"/tmp/zpp-multihost-{self.port}.log"
         self.log = open(self.log_path, "w+")
-        env = dict(os.environ, ZPP_SSH=h.ssh_command)
+        env = _head_env(h)
         self.proc = h.run_in_head([sys.executable, "-m", "zpp.cli", "serve", model, "--pipeline-parallel-size", "2",
                                    "--nodes", h.node_target, "--node-command", AGENT, "--kv-cache-memory", "64MiB",
                                    "--host", "127.0.0.1", "--port", str(self.port), *extra],
@@ -266,7 +272,7 @@ def test_peer_without_keys_is_refused_and_logged(two_hosts, demo_model):
 
 def _serve_fails(h, model: str, node: str, *extra: str, env_extra: dict | None = None) -> tuple[int, str, float]:
     """(exit status, stderr, seconds from the head's first SSH attempt to its exit)."""
-    env = {**os.environ, "ZPP_SSH": h.ssh_command, **(env_extra or {})}
+    env = {**_head_env(h), **(env_extra or {})}
     p = h.run_in_head([sys.executable, "-m", "zpp.cli", "serve", model, "--pipeline-parallel-size", "2",
                        "--nodes", node, "--node-command", AGENT, "--kv-cache-memory", "64MiB",
                        "--host", "127.0.0.1", "--port", str(free_port()), *extra],

@@ -142,7 +142,7 @@ class Executor:
                 block_size=cfg.cache.block_size, max_model_len=cfg.max_model_len,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.scheduler.max_num_seqs,
                 kv_cache_memory=cfg.cache.kv_cache_memory, gpu_memory_utilization=cfg.cache.gpu_memory_utilization,
-                num_threads=cpu_threads, seed=cfg.model.seed, enforce_eager=cfg.enforce_eager,
+                num_threads=cpu_threads if rank in local_ranks else 0, seed=cfg.model.seed, enforce_eager=cfg.enforce_eager,
                 pipeline_depth=cfg.pipeline_depth, eos_token_ids=sorted(self.eos_token_ids)))
         ready = await self._expect_all(m.WorkerReady, timeout=1800)
         fit = min(r.num_kv_blocks_fit for r in ready.values())

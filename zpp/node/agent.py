@@ -7,7 +7,8 @@ head writes that file with ``--node-keys-file``)::
 
     zpp-node --engine tcp://HEAD:PORT --ranks 2,3 --keys-file /etc/zpp/run.keys
 
-It starts one worker process per rank (``python -m zpp.workers.worker``, keys on its stdin) and
+It starts one worker process per rank (``python -m zpp.workers.worker``, keys on its stdin; on the
+CPU each gets ``OMP_NUM_THREADS`` = this host's cores ÷ its workers unless already set) and
 stays until the run ends: when the SSH session closes its stdin (the head went away), when a worker
 dies (it then stops the others and exits 1, saying which rank died and how), or on SIGTERM/SIGINT.
 Workers die with the agent too (``PR_SET_PDEATHSIG``) and exit when their connection to the head
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -56,10 +58,13 @@ def main(argv=None) -> int:
         return 2
     line = keys.for_workers().encode().decode()
     level = str(getattr(logging, args.log_level.upper()))
+    env = dict(os.environ)
+    # CPU workers share this host's cores (the head only knows its own); a user's setting wins.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, len(ranks)))))
     procs: dict[int, subprocess.Popen] = {}
     for r in ranks:
         proc = subprocess.Popen([sys.executable, "-m", "zpp.workers.worker", args.engine, str(r), level],
-                                stdin=subprocess.PIPE, text=True)
+                                stdin=subprocess.PIPE, text=True, env=env)
         proc.stdin.write(line)
         proc.stdin.close()
         procs[r] = proc

@@ -59,6 +59,7 @@ class InitWorker(msgspec.Struct, tag=True, array_like=True):
     kv_cache_memory: Optional[int]
     gpu_memory_utilization: float
     num_threads: int
+    """CPU threads for this worker; 0 = decide on the worker's own host (``OMP_NUM_THREADS``)."""
     seed: int
     enforce_eager: bool
     pipeline_depth: int

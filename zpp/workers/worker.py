@@ -101,7 +101,9 @@ def _setup(init, sock):
     from zpp.transport.tensor_parallel import init_tp_group
     from zpp.workers.model_runner import ModelRunner
 
-    torch.set_num_threads(max(1, init.num_threads))
+    from zpp.config import cpu_threads_per_worker
+    # 0: a worker on another host; its agent set OMP_NUM_THREADS for that host's cores and workers.
+    torch.set_num_threads(init.num_threads if init.num_threads > 0 else cpu_threads_per_worker(1))
     if init.device == "cuda":
         torch.cuda.set_device(init.device_index)
         device = torch.device("cuda", init.device_index)
