@@ -89,6 +89,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
     g.add_argument("--node-launcher", choices=["ssh", "manual"], default="ssh",
                    help="manual: do not ssh; log the zpp-node command for each node and wait for them "
                         "(needs --node-keys-file)")
+    g.add_argument("--worker-heartbeat-timeout", type=float, default=10.0,
+                   help="seconds without a worker's heartbeat before the engine fails (a stopped or hung process)")
+    g.add_argument("--stage-timeout", type=float, default=60.0,
+                   help="seconds a micro-batch may go without any stage finishing it before the engine fails "
+                        "(warning at half); raise it for big models on the CPU")
     g.add_argument("--node-keys-file", default=None,
                    help="multi-host: a 0600 file holding the run's control-plane keys for agents started by "
                         "hand (read if it exists, else written with fresh keys)")
@@ -149,7 +154,9 @@ def engine_config_from_args(args) -> EngineConfig:
                                 pp_layer_partition=parse_partition(args.pp_layer_partition),
                                 device=device, nodes=nodes, distributed_host=args.distributed_host,
                                 distributed_port=args.distributed_port, node_command=args.node_command,
-                                node_launcher=args.node_launcher, node_keys_file=args.node_keys_file),
+                                node_launcher=args.node_launcher, node_keys_file=args.node_keys_file,
+                                worker_heartbeat_timeout=args.worker_heartbeat_timeout,
+                                stage_timeout=args.stage_timeout),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory=parse_size(args.kv_cache_memory),
                           gpu_memory_utilization=args.gpu_memory_utilization,

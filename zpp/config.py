@@ -158,6 +158,14 @@ class ParallelConfig:
     node_launcher: str = "ssh"
     """``ssh``: the head starts ``zpp-node`` on each node; ``manual``: something else does (the head
     logs the command and waits), with the keys in ``node_keys_file``."""
+    worker_heartbeat_timeout: float = 10.0
+    """Seconds without a heartbeat from a worker (sent every second by a thread of its own) before
+    the engine fails: the worker process or its host is stopped or hung."""
+    stage_timeout: float = 60.0
+    """Seconds a micro-batch may be in flight with no stage finishing anything before the engine
+    fails (a warning at half). A healthy step of the default 2048-token budget takes a few seconds
+    even on the CPU with the demo model; raise it for big models on the CPU, whose longest
+    micro-batch (a full prefill chunk on the slowest stage) must stay below it."""
     node_keys_file: Optional[str] = None
     """Multi-host: a 0600 file with the run's control-plane keys, for agents not started over SSH.
     Read if it exists, else written with fresh keys."""
@@ -178,6 +186,10 @@ class ParallelConfig:
             raise ConfigError(f"--node-launcher {self.node_launcher!r} is not one of: ssh, manual")
         if self.node_launcher == "manual" and not self.node_keys_file:
             raise ConfigError("--node-launcher manual needs --node-keys-file (the agents read the run's keys there)")
+        if not self.worker_heartbeat_timeout > 0:
+            raise ConfigError(f"--worker-heartbeat-timeout must be > 0, got {self.worker_heartbeat_timeout}")
+        if not self.stage_timeout > 0:
+            raise ConfigError(f"--stage-timeout must be > 0, got {self.stage_timeout}")
         if not 0 <= self.distributed_port <= 65535:
             raise ConfigError(f"--distributed-port must be in [0, 65535], got {self.distributed_port}")
         if self.pp_layer_partition is not None and len(self.pp_layer_partition) != self.pipeline_parallel_size:

@@ -46,7 +46,7 @@ class LLM:
         ``kv_cache_memory``, ``enable_prefix_caching``, ``enable_chunked_prefill``,
         ``pp_layer_partition``, ``pipeline_depth``, ``load_format``, ``seed``, ``tokenizer``,
         ``gpu_memory_utilization``, ``enforce_eager``, ``nodes``: extra hosts for ``zpp-node``,
-        ``distributed_host``, ``node_command``).
+        ``distributed_host``, ``node_command``, ``worker_heartbeat_timeout``, ``stage_timeout``).
 
     The workers stop on :meth:`shutdown`, at the end of a ``with LLM(...)`` block, when the object
     is garbage collected (``del llm``) and at interpreter exit, whichever comes first.
@@ -65,7 +65,8 @@ class LLM:
                  enable_chunked_prefill: bool = True, pp_layer_partition: Optional[Sequence[int]] = None,
                  pipeline_depth: Optional[int] = None, load_format: str = "safetensors", seed: int = 0,
                  tokenizer: Optional[str] = None, enforce_eager: bool = False, nodes: Sequence[str] = (),
-                 distributed_host: Optional[str] = None, node_command: str = "zpp-node"):
+                 distributed_host: Optional[str] = None, node_command: str = "zpp-node",
+                 worker_heartbeat_timeout: float = 10.0, stage_timeout: float = 60.0):
         if model is None:
             from zpp.demo import prepare_demo_model
             model = prepare_demo_model()
@@ -75,7 +76,8 @@ class LLM:
             parallel=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size,
                                     tensor_parallel_size=tensor_parallel_size, device=resolve_device(device),
                                     nodes=tuple(nodes), distributed_host=distributed_host,
-                                    node_command=node_command,
+                                    node_command=node_command, worker_heartbeat_timeout=worker_heartbeat_timeout,
+                                    stage_timeout=stage_timeout,
                                     pp_layer_partition=tuple(pp_layer_partition) if pp_layer_partition else None),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory=parse_size(kv_cache_memory),

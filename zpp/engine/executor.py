@@ -56,6 +56,12 @@ class Executor:
         self._store = None  # the workers' rendezvous TCPStore (kept alive for the run)
         self.dist_store = ""
         self.placement: dict[int, m.Hello] = {}
+        # Stall watchdog state (see _watchdog).
+        self.heartbeats: dict[int, m.Heartbeat] = {}
+        self.last_heard: dict[int, float] = {}
+        self.inflight: dict[int, float] = {}  # batch id -> when it was sent
+        self.last_progress = time.monotonic()
+        self._watchdog_task: Optional[asyncio.Task] = None
         self.procs: list[mp.Process] = []
         self.results: asyncio.Queue = asyncio.Queue()
         self.stage_busy_s = [0.0] * self.pp
@@ -130,6 +136,9 @@ class Executor:
         hello_timeout = 600 if cfg.parallel.node_launcher == "manual" else 120
         self.placement = await self._expect_all(m.Hello, timeout=hello_timeout, check=self._check_hello)
         self._log_placement()
+        now = time.monotonic()
+        self.last_heard = {r: now for r in range(self.world)}
+        self._watchdog_task = asyncio.create_task(self._watchdog())
         for rank in range(self.world):
             pp_rank, tp_rank = divmod(rank, self.tp)
             a, b = self.layer_ranges[pp_rank]
@@ -200,6 +209,9 @@ class Executor:
                 rank, msg = await self.socket.recv(timeout_s=min(left, 0.5))
             except TimeoutError:
                 continue
+            if isinstance(msg, m.Heartbeat):
+                self._heard(msg)
+                continue
             if isinstance(msg, m.WorkerError):
                 raise WorkerDiedError(f"{self.describe_rank(rank)} failed during start-up: {msg.message}")
             if not isinstance(msg, kind):
@@ -215,6 +227,10 @@ class Executor:
         if self.dead:
             raise WorkerDiedError(self.dead)
         self.trace.mark("send", batch.batch_id)
+        now = time.monotonic()
+        if not self.inflight:  # the pipeline was idle: the stall clock starts now
+            self.last_progress = now
+        self.inflight[batch.batch_id] = now
         self.socket.send_bytes(range(self.world), m.encode(batch))
 
     async def next_result(self) -> m.StepResult:
@@ -233,7 +249,11 @@ class Executor:
                     self.trace.mark("result", msg.batch_id)
                     self.stage_busy_s[-1] = msg.busy_s
                     self.stage_batches[-1] += 1
+                    self.inflight.pop(msg.batch_id, None)
+                    self.last_progress = time.monotonic()
                     self.results.put_nowait(msg)
+                elif isinstance(msg, m.Heartbeat):
+                    self._heard(msg)
                 elif isinstance(msg, m.StageStats):
                     stage = rank // self.tp
                     self.stage_busy_s[stage] = msg.busy_s
@@ -249,6 +269,65 @@ class Executor:
             pass
         except Exception as e:  # malformed frame etc.
             self._fail(f"bad message from a worker: {e!r}")
+
+    # --- stall watchdog ---------------------------------------------------------------------------
+    def _heard(self, hb: m.Heartbeat) -> None:
+        now = time.monotonic()
+        old = self.heartbeats.get(hb.rank)
+        if old is not None and hb.last_done > old.last_done:
+            self.last_progress = now  # some stage finished a micro-batch
+        self.heartbeats[hb.rank] = hb
+        self.last_heard[hb.rank] = now
+
+    async def _watchdog(self, tick_s: float = 0.5) -> None:
+        """Fail the engine when a worker goes silent (no heartbeat for --worker-heartbeat-timeout:
+        stopped or hung process or host) or the pipeline makes no progress for --stage-timeout
+        while a micro-batch is in flight (a live worker stuck, e.g. in a wedged gloo/NCCL call);
+        warn once at half that limit. Either names the stage and host and what it waits for."""
+        par = self.config.parallel
+        last_tick = time.monotonic()
+        warned: set[int] = set()
+        while not self.dead and not self._stopping:
+            await asyncio.sleep(tick_s)
+            now = time.monotonic()
+            if now - last_tick > 4 * tick_s:
+                # This loop itself was held up: heartbeats queued meanwhile are not the workers' fault.
+                self.last_heard = {r: max(t, now) for r, t in self.last_heard.items()}
+                self.last_progress = max(self.last_progress, now)
+            last_tick = now
+            for rank, t in self.last_heard.items():
+                if now - t > par.worker_heartbeat_timeout:
+                    self._fail(f"{self.describe_rank(rank)} sent no heartbeat for {now - t:.0f} s "
+                               f"(--worker-heartbeat-timeout {par.worker_heartbeat_timeout:g}): its process is "
+                               f"stopped or hung")
+                    return
+            if not self.inflight:
+                continue
+            oldest = min(self.inflight)
+            stalled = now - self.last_progress
+            if stalled > par.stage_timeout:
+                self._fail(f"micro-batch {oldest} made no progress for {stalled:.0f} s (--stage-timeout "
+                           f"{par.stage_timeout:g}): {self._stuck_at(oldest)}")
+                return
+            if stalled > par.stage_timeout / 2 and oldest not in warned:
+                warned.add(oldest)
+                logger.warning("micro-batch %d has made no progress for %.0f s (the engine fails at "
+                               "--stage-timeout %g): %s", oldest, stalled, par.stage_timeout, self._stuck_at(oldest))
+
+    def _stuck_at(self, batch_id: int) -> str:
+        """The first stage that has not finished ``batch_id``, and what it is doing."""
+        for rank in range(self.world):
+            hb = self.heartbeats.get(rank)
+            if hb is not None and hb.last_done >= batch_id:
+                continue
+            if hb is None or hb.batch_id != batch_id:
+                doing = "has not started it (still on an earlier micro-batch, or its message is late)"
+            elif hb.waiting:
+                doing = f"has waited {hb.seconds:.0f} s for activations from stage {rank // self.tp - 1}"
+            else:
+                doing = f"has been computing it for {hb.seconds:.0f} s"
+            return f"{self.describe_rank(rank)} {doing}"
+        return "every stage finished it, but its result has not arrived"
 
     def _watch_procs(self) -> None:
         sentinels = {p.sentinel: p for p in self.procs}
@@ -282,6 +361,8 @@ class Executor:
         self._stopping = True
         if self._reader is not None:
             self._reader.cancel()
+        if self._watchdog_task is not None:
+            self._watchdog_task.cancel()
         payload = m.encode(m.Shutdown())
         for rank in range(self.world):
             try:

@@ -35,8 +35,9 @@ def tcp_address(host: str, port: int | str) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def identity(rank: int) -> bytes:
-    return f"rank{rank}".encode()
+def identity(rank: int, kind: str = "rank") -> bytes:
+    """A worker socket's ZeroMQ identity: ``rankN`` (its main socket) or ``hbN`` (heartbeats)."""
+    return f"{kind}{rank}".encode()
 
 
 class EngineSocket:
@@ -100,7 +101,7 @@ class EngineSocket:
             if not await self.sock.poll(int(timeout_s * 1000)):
                 raise TimeoutError("no message from any worker")
         ident, payload = await self.sock.recv_multipart()
-        rank = int(ident.decode().removeprefix("rank"))
+        rank = int(ident.decode().lstrip("rankhb"))
         return rank, m.from_worker_decoder.decode(payload)
 
     def close(self) -> None:
@@ -120,10 +121,10 @@ class EngineSocket:
 class WorkerSocket:
     """A worker's DEALER to the engine (blocking; the worker loop is synchronous)."""
 
-    def __init__(self, address: str, rank: int, keys: Optional[RunKeys] = None):
+    def __init__(self, address: str, rank: int, keys: Optional[RunKeys] = None, kind: str = "rank"):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, identity(rank))
+        self.sock.setsockopt(zmq.IDENTITY, identity(rank, kind))
         self.sock.setsockopt(zmq.LINGER, 2000)
         if keys is not None and keys.curve:
             self.sock.curve_serverkey = keys.server_public.encode()

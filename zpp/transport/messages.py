@@ -168,6 +168,22 @@ class StageStats(msgspec.Struct, tag=True, array_like=True):
     batches: int
 
 
+class Heartbeat(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Sent every second by a worker thread that does not wait on the compute stream or the
+    stage-to-stage link: silence means the process is stopped or hung as a whole; its content
+    says where a live worker is stuck."""
+
+    rank: int
+    last_done: int
+    """The last micro-batch this worker finished (-1: none yet)."""
+    batch_id: int
+    """The micro-batch it is on (-1: none)."""
+    waiting: bool
+    """Blocked on the previous stage's activations for ``batch_id``."""
+    seconds: float
+    """How long it has been in that state."""
+
+
 class WorkerError(msgspec.Struct, tag=True, array_like=True):
     rank: int
     message: str
@@ -175,7 +191,7 @@ class WorkerError(msgspec.Struct, tag=True, array_like=True):
 
 
 ToWorker = Union[InitWorker, InitKVCache, ExecuteBatch, Shutdown]
-FromWorker = Union[Hello, WorkerReady, CacheReady, StepResult, StageStats, WorkerError]
+FromWorker = Union[Hello, WorkerReady, CacheReady, StepResult, StageStats, Heartbeat, WorkerError]
 
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode

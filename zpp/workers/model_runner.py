@@ -47,6 +47,28 @@ class PendingResult:
                             busy_s=runner.busy_s)
 
 
+class Activity:
+    """What a worker is doing, for its heartbeat thread (``zpp.transport.messages.Heartbeat``).
+
+    ``state`` is one tuple (micro-batch id or -1, blocked on activations, since: monotonic s),
+    replaced whole so the other thread never sees a mix of two states.
+    """
+
+    def __init__(self):
+        self.state = (-1, False, time.monotonic())
+        self.last_done = -1
+
+    def start(self, batch_id: int) -> None:
+        self.state = (batch_id, False, time.monotonic())
+
+    def wait(self, waiting: bool) -> None:
+        self.state = (self.state[0], waiting, time.monotonic())
+
+    def done(self, batch_id: int) -> None:
+        self.last_done = batch_id
+        self.state = (-1, False, time.monotonic())
+
+
 class ModelRunner:
     """Holds a stage's model, its KV cache and the state of every request it has been sent."""
 
@@ -64,6 +86,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.busy_s = 0.0
         self.num_batches = 0
+        self.activity = Activity()
         # Query heads per KV head (the same on every TP rank: both counts are divided by tp_size).
         # GPT-2's config.json names its head count n_head.
         heads = int(model.cfg.get("num_attention_heads") or model.cfg.get("n_head") or 1)
@@ -140,6 +163,7 @@ class ModelRunner:
         rank 0 of the last stage), None elsewhere."""
         self._update_states(batch)
         self._batch_id = batch.batch_id
+        self.activity.start(batch.batch_id)
         if not batch.chunks:
             return m.StepResult(batch.batch_id, []) if self.stage.produces_results else None
         seqs = [self.seqs[c.req_id] for c in batch.chunks]
@@ -161,7 +185,7 @@ class ModelRunner:
 
         acts = None
         if not self.stage.is_first:  # time blocked on the previous stage is not busy time
-            acts = self.link.recv((self.model.num_acts, T, self.model.hidden_size), self.dtype)
+            acts = self._recv_acts((self.model.num_acts, T, self.model.hidden_size))
         t0 = self._begin()
         out = self.model(input_ids, positions, acts, self.kv_caches, meta)
         if not self.stage.is_last:
@@ -191,7 +215,7 @@ class ModelRunner:
             if self.stage.is_first else None
         acts = None
         if not self.stage.is_first:
-            acts = self.link.recv((self.model.num_acts, B, self.model.hidden_size), self.dtype)
+            acts = self._recv_acts((self.model.num_acts, B, self.model.hidden_size))
         t0 = self._begin()
         out = self.graphs.run(B, ids, pos, slots, bt, acts)
         if not self.stage.is_last:
@@ -221,6 +245,13 @@ class ModelRunner:
         return m.StepResult(batch.batch_id, sampled, busy_s=self.busy_s)
 
     # --- busy-time accounting -----------------------------------------------------------------
+    def _recv_acts(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """The previous stage's activations for the current micro-batch (blocking)."""
+        self.activity.wait(True)
+        acts = self.link.recv(shape, self.dtype)
+        self.activity.wait(False)
+        return acts
+
     def _begin(self):
         """Start timing a batch: a CUDA event on GPU (device time), a wall-clock stamp on CPU."""
         if self.device.type == "cuda":

@@ -74,7 +74,11 @@ def worker_main(engine_address: str, rank: int, keys, log_level: int = logging.I
         init = sock.recv(timeout_s=120)
         if not isinstance(init, m.InitWorker):
             raise RuntimeError(f"expected InitWorker, got {type(init).__name__}")
+        from zpp.workers.model_runner import Activity
+        activity = Activity()
+        _start_heartbeat(engine_address, rank, keys, activity)
         runner = _setup(init, sock)
+        runner.activity = activity
         _serve(runner, sock, init)
     except SystemExit:
         raise
@@ -88,6 +92,27 @@ def worker_main(engine_address: str, rank: int, keys, log_level: int = logging.I
         os._exit(1)
     sock.close()
     os._exit(0)
+
+
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+def _start_heartbeat(engine_address: str, rank: int, keys, activity) -> None:
+    """Send a Heartbeat every second from a thread of its own (own ZeroMQ socket): it keeps going
+    while the main thread computes or waits on the previous stage, and stops only when the whole
+    process does (SIGSTOP, a hung host), which is what the engine's watchdog looks for."""
+    from zpp.transport import messages as m
+    from zpp.transport.channels import WorkerSocket
+
+    def loop():
+        sock = WorkerSocket(engine_address, rank, keys, kind="hb")
+        while True:
+            batch_id, waiting, since = activity.state
+            sock.send(m.Heartbeat(rank=rank, last_done=activity.last_done, batch_id=batch_id, waiting=waiting,
+                                  seconds=time.monotonic() - since))
+            time.sleep(HEARTBEAT_INTERVAL_S)
+
+    threading.Thread(target=loop, name="zpp-heartbeat", daemon=True).start()
 
 
 def _setup(init, sock):
@@ -180,6 +205,7 @@ def _serve(runner, sock, init) -> None:
 
     last_stats = time.monotonic()
     reported = 0  # batches covered by the last StageStats
+    stall_at = _fault_stall_batch(init.rank)
     pending = None
 
     def send_stats() -> None:
@@ -201,8 +227,12 @@ def _serve(runner, sock, init) -> None:
             continue
         msg = sock.recv()
         if isinstance(msg, m.ExecuteBatch):
+            if stall_at is not None and msg.batch_id >= stall_at:
+                runner.activity.start(msg.batch_id)
+                _stall_forever(msg.batch_id)
             runner.trace.mark("msg", msg.batch_id)
             result = runner.execute(msg)
+            runner.activity.done(msg.batch_id)
             runner.trace.mark("launched", msg.batch_id)
             if pending is not None:
                 _send_result(sock, runner, pending.finish(runner))
@@ -227,6 +257,21 @@ def _serve(runner, sock, init) -> None:
             return
         else:
             raise RuntimeError(f"unexpected message {type(msg).__name__}")
+
+
+def _fault_stall_batch(rank: int):
+    """Fault injection for the watchdog tests: ``ZPP_FAULT_STALL=RANK:BATCH`` makes that rank's
+    main thread hang (alive, heartbeats still going) from micro-batch BATCH on, as a wedged
+    gloo/NCCL call would. None when unset or for another rank."""
+    spec = os.environ.get("ZPP_FAULT_STALL", "")
+    r, _, b = spec.partition(":")
+    return int(b) if r.isdigit() and b.isdigit() and int(r) == rank else None
+
+
+def _stall_forever(batch_id: int) -> None:
+    logger.warning("ZPP_FAULT_STALL: hanging before micro-batch %d", batch_id)
+    while True:
+        time.sleep(3600)
 
 
 def _send_result(sock, runner, result) -> None:
