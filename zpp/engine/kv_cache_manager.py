@@ -50,6 +50,10 @@ class KVCacheManager:
     def blocks_of(self, req: Request) -> list[int]:
         return self.req_blocks.get(req.req_id, [])
 
+    def has_slots(self, req: Request, num_tokens: int) -> bool:
+        """Whether the blocks ``req`` already holds have room for ``num_tokens`` tokens."""
+        return len(self.req_blocks.get(req.req_id, ())) * self.block_size >= num_tokens
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -45,6 +45,7 @@ class Request:
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
         self.arrival = time.monotonic() if arrival is None else arrival
+        self.order = 0  # position among requests of equal arrival (set by the scheduler)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_sent_tokens = 0
