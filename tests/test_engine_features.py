@@ -242,3 +242,75 @@ def test_preemption_forward_progress_pp2_case(demo_model):
         outs = llm._call(together())
         assert engine.kv.num_free_blocks == 6
     assert outs == alone
+
+
+def _prompt_logprob_runs(llm, p48: list[int], x25: list[int], other: list[int]) -> dict:
+    """The prefix-cache paths of shared/cases/prefix-cache-prompt-logprobs.md, in order: a first
+    request (fills the cache), the same again (full hit), a partial hit, hits ending at a block
+    boundary, then a preemption: ``other`` (older, long) forces the newest request out and back."""
+    plp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    runs = {}
+    for name, prompt in [("first", p48), ("full_hit", p48), ("partial_hit", p48[:40] + x25),
+                         ("boundary_32", p48[:32]), ("boundary_33", p48[:33])]:
+        runs[name] = llm.generate([prompt], plp)[0]
+    hits = llm.engine.kv.prefix_hits
+    runs["plain"] = llm.generate([p48], SamplingParams(temperature=0, max_tokens=1))[0]
+    runs["plain_hit_tokens"] = llm.engine.kv.prefix_hits - hits
+    engine = llm.engine
+    before = engine.scheduler.stats.num_preemptions
+
+    async def preempted():
+        async def one(p, sp):
+            out = None
+            async for out in engine.generate(p, sp, stream=False):
+                pass
+            return out
+
+        a = asyncio.create_task(one(other, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
+        await asyncio.sleep(0)  # ``other`` arrives first
+        b = asyncio.create_task(one(p48, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                        prompt_logprobs=1, logprobs=1)))
+        return await a, await b
+
+    runs["other"], runs["after_preemption"] = llm._call(preempted())
+    runs["preemptions"] = engine.scheduler.stats.num_preemptions - before
+    return runs
+
+
+def test_prompt_logprobs_never_from_prefix_cache(demo_model, tokenizer, monkeypatch):
+    """Prompt logprobs (and echo + logprobs, which the server maps to them) on every prefix-cache
+    path equal those with prefix caching off: a request that must score prompt positions does not
+    reuse cached blocks (cached blocks hold KV, not logits). Chunked prefill (budget 20) everywhere."""
+    p48 = _prompt(tokenizer, 1, 60)[:48]
+    x25 = _prompt(tokenizer, 11, 30)[:25]
+    other = _prompt(tokenizer, 17, 60)[:48]
+    assert len(p48) == 48 and len(x25) == 25 and len(other) == 48
+    kw = dict(pipeline_parallel_size=2, block_size=16, num_kv_blocks=6, max_num_batched_tokens=20)
+    with LLM(demo_model, **kw) as llm:
+        off = _prompt_logprob_runs(llm, p48, x25, other)
+    with LLM(demo_model, enable_prefix_caching=True, **kw) as llm:
+        on = _prompt_logprob_runs(llm, p48, x25, other)
+        # Were the rule broken, the request would fail, never answer null.
+        from zpp.engine.request import Request
+        monkeypatch.setattr(Request, "skip_prefix_cache", property(lambda self: False))
+        with pytest.raises(RuntimeError, match="prompt logprobs were not computed"):
+            llm.generate([p48], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+        monkeypatch.undo()
+        assert llm.generate([p48], SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids
+    assert on["plain_hit_tokens"] == 32, "the cache did not hold the prompt: the hits were not exercised"
+    assert on["preemptions"] > 0 and off["preemptions"] > 0, "the last request was not preempted"
+    for name in ("first", "full_hit", "partial_hit", "boundary_32", "boundary_33", "after_preemption"):
+        a, b = off[name], on[name]
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, name
+        assert b.prompt_logprobs[0] is None and len(b.prompt_logprobs) == len(b.prompt_token_ids), name
+        for j in range(1, len(b.prompt_token_ids)):
+            assert b.prompt_logprobs[j] is not None, f"{name}: position {j} is null"
+            assert b.prompt_logprobs[j].keys() == a.prompt_logprobs[j].keys(), (name, j)
+            for t, v in a.prompt_logprobs[j].items():
+                assert b.prompt_logprobs[j][t] == pytest.approx(v, abs=1e-4), (name, j)
+    assert on["other"].outputs[0].token_ids == off["other"].outputs[0].token_ids
+    # The same prompt scores the same whatever path it took.
+    for name in ("full_hit", "after_preemption"):
+        for j in range(1, 48):
+            t = p48[j]
+            assert on[name].prompt_logprobs[j][t] == pytest.approx(on["first"].prompt_logprobs[j][t], abs=1e-4)

@@ -68,8 +68,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest cached prefix of ``req``: (block ids, number of tokens). At least one token is
-        always left to compute so the last position's logits exist."""
-        if not self.enable_prefix_caching:
+        always left to compute so the last position's logits exist; none for a request that must
+        compute every prompt position (``req.skip_prefix_cache``)."""
+        if not self.enable_prefix_caching or req.skip_prefix_cache:
             return [], 0
         usable = (req.num_tokens - 1) // self.block_size
         self._update_hashes(req, usable)

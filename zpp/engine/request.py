@@ -59,6 +59,14 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def skip_prefix_cache(self) -> bool:
+        """True for a request that needs outputs computed over its prompt positions (prompt
+        logprobs; the server's echo + logprobs asks for them): it may not reuse prefix-cache blocks,
+        which hold KV, not the logits those outputs need (vLLM's rule). Its own full blocks are
+        still cached for later requests."""
+        return self.sampling.prompt_logprobs is not None
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
