@@ -314,3 +314,57 @@ def test_prompt_logprobs_never_from_prefix_cache(demo_model, tokenizer, monkeypa
         for j in range(1, 48):
             t = p48[j]
             assert on[name].prompt_logprobs[j][t] == pytest.approx(on["first"].prompt_logprobs[j][t], abs=1e-4)
+
+
+def test_finish_precedence_on_the_same_token(demo_model, tokenizer):
+    """Finish conditions met on one token: stop string, then stop token, then EOS, then length
+    (as vLLM); the same streamed and not, with ``stop_reason`` set."""
+    prompt = "Once upon a time"
+    with LLM(demo_model, pipeline_parallel_size=2, kv_cache_memory="32MiB") as llm:
+        engine = llm.engine
+
+        def both(p, sp):
+            """(final non-streamed output, final streamed output, concatenated streamed text)."""
+            async def streamed():
+                sent, final = "", None
+                async for out in engine.generate(p, sp):
+                    t = out.outputs[0].text
+                    assert t.startswith(sent), "streamed text taken back"
+                    sent, final = t, out
+                return final, sent
+            return (llm.generate([p], sp)[0],) + llm._call(streamed())
+
+        full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+        toks, text = full.token_ids, full.text
+        pieces = [tokenizer.decode(toks[:k]) for k in range(len(toks) + 1)]
+        assert all(text.startswith(p) for p in pieces)
+        # A stop string that is completed by token k (first seen there), for k = max_tokens.
+        k, stop = next((k, pieces[k][-4:]) for k in range(6, len(toks)) if len(pieces[k]) > len(pieces[k - 1])
+                       and text.find(pieces[k][-4:]) == len(pieces[k]) - 4)
+        for max_tokens in (k, k + 5):  # stop string on the length token / before it
+            sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop=[stop])
+            for o in both(prompt, sp)[:2]:
+                c = o.outputs[0]
+                assert (c.finish_reason, c.stop_reason) == ("stop", stop), max_tokens
+                assert c.token_ids == toks[:k] and c.text == pieces[k][:-4]
+            assert both(prompt, sp)[2] == pieces[k][:-4]
+        # A stop token on the length token: "stop", the token id; its text is not returned.
+        k = next(k for k in range(4, len(toks)) if toks[k - 1] not in toks[:k - 1])
+        sp = SamplingParams(temperature=0, max_tokens=k, ignore_eos=True, stop_token_ids=[toks[k - 1]])
+        for o in both(prompt, sp)[:2]:
+            c = o.outputs[0]
+            assert (c.finish_reason, c.stop_reason, c.token_ids) == ("stop", toks[k - 1], toks[:k])
+            assert c.text == pieces[k - 1]
+        # EOS on the length token: "stop"; an EOS that is also a stop token: the stop token's id.
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                             add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(chat, add_special_tokens=False)
+        ans = llm.generate([ids], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+        assert ans.finish_reason == "stop" and ans.stop_reason is None, "the answer did not end with EOS"
+        eos, n = ans.token_ids[-1], len(ans.token_ids)
+        for sp, reason in [(SamplingParams(temperature=0, max_tokens=n), None),
+                           (SamplingParams(temperature=0, max_tokens=n, stop_token_ids=[eos]), eos)]:
+            for o in both(ids, sp)[:2]:
+                c = o.outputs[0]
+                assert (c.finish_reason, c.stop_reason, c.token_ids, c.text) == ("stop", reason, ans.token_ids,
+                                                                                 ans.text)

@@ -218,3 +218,19 @@ def test_forward_progress_under_memory_pressure():
         # Preemptions stay bounded: fewer than the blocks the requests need in all.
         assert sched.stats.num_preemptions <= sum(kv.blocks_needed(r.num_prompt_tokens + r.max_tokens)
                                                   for r, _ in reqs), seed
+
+
+def test_check_stop_precedence():
+    """On one token: stop token, then EOS, then length (stop strings, checked on the text by the
+    engine, outrank all three)."""
+    def last(token, **kw):
+        r = Request("x", [1, 2], SamplingParams(max_tokens=3, **kw), 3, {7})
+        r.token_ids += [5, 6, token]  # the third output token reaches max_tokens
+        r.check_stop(max_model_len=100)
+        return r.status, r.stop_reason
+
+    assert last(9) == (RequestStatus.FINISHED_LENGTH, None)
+    assert last(7) == (RequestStatus.FINISHED_STOPPED, None)                       # EOS over length
+    assert last(7, ignore_eos=True) == (RequestStatus.FINISHED_LENGTH, None)
+    assert last(7, stop_token_ids=[7]) == (RequestStatus.FINISHED_STOPPED, 7)      # stop token over EOS
+    assert last(9, stop_token_ids=[9]) == (RequestStatus.FINISHED_STOPPED, 9)      # stop token over length

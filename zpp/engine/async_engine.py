@@ -368,8 +368,12 @@ class AsyncEngine:
                 # unless include_stop_str_in_output.
                 hide = req.status == RequestStatus.FINISHED_STOPPED and not req.sampling.include_stop_str_in_output
                 stop = seq.detok.add_tokens([] if hide else [sampled.token_id])
-                if stop is not None and not req.status.finished:
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                if stop is not None:
+                    # A stop string outranks a stop token, EOS or length met on the same token.
+                    if req.status.finished:
+                        req.status = RequestStatus.FINISHED_STOPPED
+                    else:
+                        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
                     req.stop_reason = stop
             if req.status.finished:
                 group.num_unfinished -= 1

@@ -78,17 +78,22 @@ class Request:
         self.token_ids.append(token_id)
 
     def check_stop(self, max_model_len: int) -> None:
-        """Set a finished status if the last token ends the sequence (EOS, stop token, length)."""
+        """Set a finished status if the last token ends the sequence.
+
+        Conditions met on the same token take this precedence: stop token (``stop_reason`` = its
+        id), EOS, then length (``max_tokens`` or ``max_model_len``). Stop strings, found later in
+        the detokenized text, outrank all three (the engine overrides the status then).
+        """
         n = self.num_output_tokens
         tok = self.token_ids[-1]
         p = self.sampling
         if n >= p.min_tokens:
-            if not p.ignore_eos and tok in self.eos_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                return
             if p.stop_token_ids and tok in p.stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = tok
+                return
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
                 return
         if n >= self.max_tokens or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
