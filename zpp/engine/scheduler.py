@@ -14,9 +14,9 @@ decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
     tokens); if every newer request is in flight, the request waits (keeps its blocks, runs no
     chunk) until their batches return, and newer requests may then use only slots they already
     hold; a request with no newer one running preempts itself (the newest yields);
-  - so the oldest running request is never preempted by another and runs at least once every
-    ``depth`` steps; the running requests are always the oldest ones (the waiting queue is FIFO
-    and its head blocks the rest);
+  - so the oldest running request is never preempted by another and waits at most for the
+    batches in flight before it runs again: some request always progresses, and every request
+    finishes (tests/test_scheduler.py checks a bound on steps over random loads);
   - a preempted request is readmitted only when blocks for its whole recompute (prompt and the
     tokens generated so far) are free, and takes them all at once, so the chunks of its recompute
     cannot be starved by requests admitted after it;
