@@ -253,7 +253,7 @@ class AsyncEngine:
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop, sampling.skip_special_tokens,
-                                               sampling.include_stop_str_in_output)
+                                               sampling.include_stop_str_in_output, sampling.min_tokens)
             seqs.append(_Seq(req, detok, CompletionOutput(index=i, logprobs=[] if sampling.logprobs is not None else None)))
         group = _Group(rid, text, ids, sampling, seqs, stream=stream)
         if sampling.prompt_logprobs is not None:
