@@ -100,3 +100,20 @@ def test_special_tokens(tokenizer):
     ids = tokenizer.encode("hi") + [tokenizer.eos_token_id]
     assert run(tokenizer, [], ids)[1] == "hi"
     assert run(tokenizer, [], ids, skip_special=False)[1] == "hi" + tokenizer.eos_token
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    """As vLLM: stop strings count only from token min_tokens + 1 on; one that ended inside the
+    first min_tokens tokens is not found later."""
+    ids = tokenizer.encode("a STOP b STOP c")
+    k = next(k for k in range(1, len(ids) + 1) if "STOP" in tokenizer.decode(ids[:k]))  # completes the first
+
+    def final(min_tokens):
+        d = IncrementalDetokenizer(tokenizer, [], ["STOP"], min_tokens=min_tokens)
+        for t in ids:
+            if d.add_tokens([t]) is not None:
+                break
+        return d.text, d.stop_reason
+
+    assert final(0) == final(k - 1) == ("a ", "STOP")
+    assert final(k) == ("a STOP b ", "STOP")

@@ -204,3 +204,167 @@ def test_llm_chat(demo_model, tokenizer):
     assert "Paris" in outs[0].outputs[0].text
     assert outs[1].prompt_token_ids == ref.prompt_token_ids
     assert outs[1].outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_preemption_forward_progress_pp2_case(demo_model):
+    """shared/cases/preemption-livelock-pp.md, scaled down (6 blocks, 58 tokens; the same stall
+    in the earlier scheduler): two requests start, two more join while the first two micro-batches
+    are in flight. Every request finishes with the tokens it gets alone, with few preemptions."""
+    prompts = [f"Story number {k}: Once upon a time" for k in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=58, ignore_eos=True)
+    with LLM(demo_model, pipeline_parallel_size=2, num_kv_blocks=6, block_size=16,
+             max_num_batched_tokens=32) as llm:
+        engine = llm.engine
+        alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
+        before = engine.scheduler.stats.num_preemptions
+
+        async def together():
+            async def one(p):
+                out = None
+                async for out in engine.generate(p, sp, stream=False):
+                    pass
+                return out.outputs[0].token_ids
+
+            tasks = [asyncio.create_task(one(p)) for p in prompts[:2]]
+            while len(engine.inflight) < 2:  # both first micro-batches in flight, none returned
+                await asyncio.sleep(0.001)
+            tasks += [asyncio.create_task(one(p)) for p in prompts[2:]]
+            try:
+                while not all(t.done() for t in tasks):
+                    # A livelock shows as preemptions piling up (the old policy: hundreds): fail, never hang.
+                    assert engine.scheduler.stats.num_preemptions - before <= 40, "requests keep preempting each other"
+                    await asyncio.sleep(0.05)
+                return [t.result() for t in tasks]
+            finally:
+                for t in tasks:
+                    t.cancel()
+
+        outs = llm._call(together())
+        assert engine.kv.num_free_blocks == 6
+    assert outs == alone
+
+
+def _prompt_logprob_runs(llm, p48: list[int], x25: list[int], other: list[int]) -> dict:
+    """The prefix-cache paths of shared/cases/prefix-cache-prompt-logprobs.md, in order: a first
+    request (fills the cache), the same again (full hit), a partial hit, hits ending at a block
+    boundary, then a preemption: ``other`` (older, long) forces the newest request out and back."""
+    plp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    runs = {}
+    for name, prompt in [("first", p48), ("full_hit", p48), ("partial_hit", p48[:40] + x25),
+                         ("boundary_32", p48[:32]), ("boundary_33", p48[:33])]:
+        runs[name] = llm.generate([prompt], plp)[0]
+    hits = llm.engine.kv.prefix_hits
+    runs["plain"] = llm.generate([p48], SamplingParams(temperature=0, max_tokens=1))[0]
+    runs["plain_hit_tokens"] = llm.engine.kv.prefix_hits - hits
+    engine = llm.engine
+    before = engine.scheduler.stats.num_preemptions
+
+    async def preempted():
+        async def one(p, sp):
+            out = None
+            async for out in engine.generate(p, sp, stream=False):
+                pass
+            return out
+
+        a = asyncio.create_task(one(other, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
+        await asyncio.sleep(0)  # ``other`` arrives first
+        b = asyncio.create_task(one(p48, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                        prompt_logprobs=1, logprobs=1)))
+        return await a, await b
+
+    runs["other"], runs["after_preemption"] = llm._call(preempted())
+    runs["preemptions"] = engine.scheduler.stats.num_preemptions - before
+    return runs
+
+
+def test_prompt_logprobs_never_from_prefix_cache(demo_model, tokenizer, monkeypatch):
+    """Prompt logprobs (and echo + logprobs, which the server maps to them) on every prefix-cache
+    path equal those with prefix caching off: a request that must score prompt positions does not
+    reuse cached blocks (cached blocks hold KV, not logits). Chunked prefill (budget 20) everywhere."""
+    p48 = _prompt(tokenizer, 1, 60)[:48]
+    x25 = _prompt(tokenizer, 11, 30)[:25]
+    other = _prompt(tokenizer, 17, 60)[:48]
+    assert len(p48) == 48 and len(x25) == 25 and len(other) == 48
+    kw = dict(pipeline_parallel_size=2, block_size=16, num_kv_blocks=6, max_num_batched_tokens=20)
+    with LLM(demo_model, **kw) as llm:
+        off = _prompt_logprob_runs(llm, p48, x25, other)
+    with LLM(demo_model, enable_prefix_caching=True, **kw) as llm:
+        on = _prompt_logprob_runs(llm, p48, x25, other)
+        # Were the rule broken, the request would fail, never answer null.
+        from zpp.engine.request import Request
+        monkeypatch.setattr(Request, "skip_prefix_cache", property(lambda self: False))
+        with pytest.raises(RuntimeError, match="prompt logprobs were not computed"):
+            llm.generate([p48], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+        monkeypatch.undo()
+        assert llm.generate([p48], SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids
+    assert on["plain_hit_tokens"] == 32, "the cache did not hold the prompt: the hits were not exercised"
+    assert on["preemptions"] > 0 and off["preemptions"] > 0, "the last request was not preempted"
+    for name in ("first", "full_hit", "partial_hit", "boundary_32", "boundary_33", "after_preemption"):
+        a, b = off[name], on[name]
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, name
+        assert b.prompt_logprobs[0] is None and len(b.prompt_logprobs) == len(b.prompt_token_ids), name
+        for j in range(1, len(b.prompt_token_ids)):
+            assert b.prompt_logprobs[j] is not None, f"{name}: position {j} is null"
+            assert b.prompt_logprobs[j].keys() == a.prompt_logprobs[j].keys(), (name, j)
+            for t, v in a.prompt_logprobs[j].items():
+                assert b.prompt_logprobs[j][t] == pytest.approx(v, abs=1e-4), (name, j)
+    assert on["other"].outputs[0].token_ids == off["other"].outputs[0].token_ids
+    # The same prompt scores the same whatever path it took.
+    for name in ("full_hit", "after_preemption"):
+        for j in range(1, 48):
+            t = p48[j]
+            assert on[name].prompt_logprobs[j][t] == pytest.approx(on["first"].prompt_logprobs[j][t], abs=1e-4)
+
+
+def test_finish_precedence_on_the_same_token(demo_model, tokenizer):
+    """Finish conditions met on one token: stop string, then stop token, then EOS, then length
+    (as vLLM); the same streamed and not, with ``stop_reason`` set."""
+    prompt = "Once upon a time"
+    with LLM(demo_model, pipeline_parallel_size=2, kv_cache_memory="32MiB") as llm:
+        engine = llm.engine
+
+        def both(p, sp):
+            """(final non-streamed output, final streamed output, concatenated streamed text)."""
+            async def streamed():
+                sent, final = "", None
+                async for out in engine.generate(p, sp):
+                    t = out.outputs[0].text
+                    assert t.startswith(sent), "streamed text taken back"
+                    sent, final = t, out
+                return final, sent
+            return (llm.generate([p], sp)[0],) + llm._call(streamed())
+
+        full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+        toks, text = full.token_ids, full.text
+        pieces = [tokenizer.decode(toks[:k]) for k in range(len(toks) + 1)]
+        assert all(text.startswith(p) for p in pieces)
+        # A stop string that is completed by token k (first seen there), for k = max_tokens.
+        k, stop = next((k, pieces[k][-4:]) for k in range(6, len(toks)) if len(pieces[k]) > len(pieces[k - 1])
+                       and text.find(pieces[k][-4:]) == len(pieces[k]) - 4)
+        for max_tokens in (k, k + 5):  # stop string on the length token / before it
+            sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop=[stop])
+            for o in both(prompt, sp)[:2]:
+                c = o.outputs[0]
+                assert (c.finish_reason, c.stop_reason) == ("stop", stop), max_tokens
+                assert c.token_ids == toks[:k] and c.text == pieces[k][:-4]
+            assert both(prompt, sp)[2] == pieces[k][:-4]
+        # A stop token on the length token: "stop", the token id; its text is not returned.
+        k = next(k for k in range(4, len(toks)) if toks[k - 1] not in toks[:k - 1])
+        sp = SamplingParams(temperature=0, max_tokens=k, ignore_eos=True, stop_token_ids=[toks[k - 1]])
+        for o in both(prompt, sp)[:2]:
+            c = o.outputs[0]
+            assert (c.finish_reason, c.stop_reason, c.token_ids) == ("stop", toks[k - 1], toks[:k])
+            assert c.text == pieces[k - 1]
+        # EOS on the length token: "stop"; an EOS that is also a stop token: the stop token's id.
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                             add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(chat, add_special_tokens=False)
+        ans = llm.generate([ids], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+        assert ans.finish_reason == "stop" and ans.stop_reason is None, "the answer did not end with EOS"
+        eos, n = ans.token_ids[-1], len(ans.token_ids)
+        for sp, reason in [(SamplingParams(temperature=0, max_tokens=n), None),
+                           (SamplingParams(temperature=0, max_tokens=n, stop_token_ids=[eos]), eos)]:
+            for o in both(ids, sp)[:2]:
+                c = o.outputs[0]
+                assert (c.finish_reason, c.stop_reason, c.token_ids, c.text) == ("stop", reason, ans.token_ids,
+                                                                                 ans.text)

@@ -218,6 +218,29 @@ def test_completion_stop_strings_and_tokens(server, tokenizer):
     run(go())
 
 
+def test_stop_string_on_the_length_token(server):
+    """A stop string completed by the token that reaches max_tokens ends the choice with "stop" and
+    the string (stop conditions before the length limit, as vLLM), streamed and not."""
+    async def go():
+        c = client(server)
+        kw = dict(model=MODEL, prompt="1, 2, 3, 4, 5,", temperature=0)
+        toks = (await c.completions.create(max_tokens=12, logprobs=0, **kw)).choices[0].logprobs.tokens
+        k = next(i for i in range(1, len(toks) + 1) if " 7" in "".join(toks[:i]))
+        text = "".join(toks[:k])
+        kw.update(max_tokens=k, stop=[" 7"])
+        whole = (await c.completions.create(**kw)).choices[0]
+        chunks = [ch.choices[0] async for ch in await c.completions.create(stream=True, **kw)]
+        return text, whole, chunks
+
+    text, whole, chunks = run(go())
+    assert whole.text == text[:text.index(" 7")]
+    assert (whole.finish_reason, whole.model_dump()["stop_reason"]) == ("stop", " 7")
+    assert "".join(ch.text for ch in chunks) == whole.text
+    last = chunks[-1]
+    assert (last.finish_reason, last.model_dump()["stop_reason"]) == ("stop", " 7")
+    assert all(ch.finish_reason is None for ch in chunks[:-1])
+
+
 # --- /v1/chat/completions ----------------------------------------------------------------------
 def test_chat_uses_template_without_double_bos(server, tokenizer):
     msgs = [{"role": "system", "content": "You are a geography teacher."},

@@ -83,3 +83,41 @@ def test_concurrent_requests_equal_alone(server):
         assert t[2] is not None and t[2] <= bodies[i]["max_tokens"]
         if t[1] == "length":
             assert t[2] == bodies[i]["max_tokens"]
+
+
+def test_prompt_logprobs_on_prefix_cache_hits(demo_model, tokenizer):
+    """shared/cases/prefix-cache-prompt-logprobs.md over HTTP with --enable-prefix-caching: a
+    repeated prompt (full hit), a shared 40-token start (partial hit) and echo + logprobs after
+    them score every prompt position, equal to the first (cold) request."""
+    words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
+    ids = tokenizer.encode(" ".join(words * 6))
+    p48, x25 = ids[:48], ids[60:85]
+    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--enable-prefix-caching",
+                       "--block-size", "16", "--num-kv-blocks", "64", "--log-level", "warning"])
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            async def post(body):
+                async with session.post(s.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    return (await r.json())["choices"][0]
+
+            def values(choice, prompt):
+                plp = choice["prompt_logprobs"]
+                assert len(plp) == len(prompt) and plp[0] is None
+                return [e[str(t)]["logprob"] for t, e in zip(prompt[1:], plp[1:])]
+
+            body = {"prompt": p48, "max_tokens": 1, "prompt_logprobs": 1, "temperature": 0}
+            cold = values(await post(body), p48)
+            hit = values(await post(body), p48)
+            partial = values(await post(body | {"prompt": p48[:40] + x25}), p48[:40] + x25)
+            echo = await post({"prompt": p48, "echo": True, "logprobs": 1, "max_tokens": 0})
+            return cold, hit, partial, echo["logprobs"]["token_logprobs"]
+
+    try:
+        cold, hit, partial, echo = asyncio.run(go())
+    finally:
+        s.stop()
+    assert hit == pytest.approx(cold, abs=1e-4)
+    assert partial[:39] == pytest.approx(cold[:39], abs=1e-4)
+    assert echo[0] is None and echo[1:] == pytest.approx(cold, abs=1e-4)

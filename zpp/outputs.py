@@ -17,7 +17,8 @@ class CompletionOutput:
         text: generated text (stop string excluded unless ``include_stop_str_in_output``).
         token_ids: generated token ids (the stop token included when one ended generation).
         finish_reason: ``"stop"`` (EOS, stop string or stop token), ``"length"``, ``"abort"`` or None
-            while running.
+            while running. When several conditions are met on the same token, the first of stop
+            string, stop token, EOS, length decides (streamed or not).
         stop_reason: the stop string or stop token id that ended it, else None.
         logprobs: per generated token, ``{token_id: logprob}`` (sampled token first), when asked.
         cumulative_logprob: sum of the sampled tokens' log-probabilities, when logprobs are asked.

@@ -71,6 +71,8 @@ class _Group:
     seqs: list[_Seq]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     prompt_logprobs: Optional[list] = None
+    prompt_logprobs_missing: int = 0
+    """Prompt positions (after the first) whose logprobs were asked for and are not in yet."""
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
@@ -251,11 +253,12 @@ class AsyncEngine:
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop, sampling.skip_special_tokens,
-                                               sampling.include_stop_str_in_output)
+                                               sampling.include_stop_str_in_output, sampling.min_tokens)
             seqs.append(_Seq(req, detok, CompletionOutput(index=i, logprobs=[] if sampling.logprobs is not None else None)))
         group = _Group(rid, text, ids, sampling, seqs, stream=stream)
         if sampling.prompt_logprobs is not None:
-            group.prompt_logprobs = [None] + [None] * (len(ids) - 1)
+            group.prompt_logprobs = [None] * len(ids)
+            group.prompt_logprobs_missing = len(ids) - 1
         self.groups[rid] = group
         if max_tokens == 0:
             for s in seqs:
@@ -337,9 +340,12 @@ class AsyncEngine:
             if entry is None:
                 continue
             group, seq = entry
-            if req.req_id in plp and group.prompt_logprobs is not None and seq.out.index == 0:
+            if req.req_id in plp and group.prompt_logprobs is not None:
+                # Any of the n sequences may deliver them (they share the prompt; whichever is
+                # scheduled first computes it); a recompute after preemption gives the same values.
                 p = plp[req.req_id]
                 for j, e in enumerate(p.entries):
+                    group.prompt_logprobs_missing -= group.prompt_logprobs[p.start + j] is None
                     group.prompt_logprobs[p.start + j] = _lp_dict(e)
             if sampled is None:
                 touched[group.request_id] = group
@@ -362,8 +368,12 @@ class AsyncEngine:
                 # unless include_stop_str_in_output.
                 hide = req.status == RequestStatus.FINISHED_STOPPED and not req.sampling.include_stop_str_in_output
                 stop = seq.detok.add_tokens([] if hide else [sampled.token_id])
-                if stop is not None and not req.status.finished:
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                if stop is not None:
+                    # A stop string outranks a stop token, EOS or length met on the same token.
+                    if req.status.finished:
+                        req.status = RequestStatus.FINISHED_STOPPED
+                    else:
+                        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
                     req.stop_reason = stop
             if req.status.finished:
                 group.num_unfinished -= 1
@@ -381,6 +391,15 @@ class AsyncEngine:
                 self._publish(group)
 
     def _publish(self, group: _Group) -> None:
+        if group.prompt_logprobs is not None and group.prompt_logprobs_missing \
+                and any(s.out.token_ids for s in group.seqs):
+            # A sampled token means the whole prompt was computed, so every prompt logprob must be
+            # in: never answer a value that was asked for with null.
+            group.queue.put_nowait(RuntimeError(
+                f"request {group.request_id}: {group.prompt_logprobs_missing} prompt logprobs were not "
+                "computed (an engine bug)"))
+            self.abort(group.request_id)
+            return
         finished = group.finished
         outs = [CompletionOutput(index=s.out.index, text=s.out.text, token_ids=list(s.out.token_ids),
                                  finish_reason=s.out.finish_reason, stop_reason=s.out.stop_reason,

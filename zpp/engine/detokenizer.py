@@ -25,14 +25,20 @@ class IncrementalDetokenizer:
         stop: stop strings (may be empty).
         skip_special_tokens: leave special tokens out of the text.
         include_stop_str_in_output: keep the matched stop string.
+        min_tokens: stop strings are looked for only once more than this many tokens were added
+            (as vLLM: the first ``min_tokens`` tokens are never cut; a stop string that ends
+            inside them does not count later either).
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: Optional[list[str]] = None,
-                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False):
+                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False,
+                 min_tokens: int = 0):
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
+        self.min_tokens = min_tokens
+        self.num_added = 0  # output tokens added so far
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         window = list(prompt_token_ids[-_PROMPT_WINDOW:])
         # A prompt cut mid-character would merge its partial bytes into the first output
@@ -52,6 +58,7 @@ class IncrementalDetokenizer:
         """Append generated tokens. Returns the stop string if one now appears in the text (the
         text is then truncated before it, or after it with ``include_stop_str_in_output``)."""
         self.ids.extend(token_ids)
+        self.num_added += len(token_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
         if new_text.endswith("\ufffd") or len(new_text) <= len(prefix_text):
@@ -61,7 +68,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         old_len = len(self.text)
         self.text += delta
-        if self.stop:
+        if self.stop and self.num_added > self.min_tokens:
             search_from = max(0, old_len - self.max_stop_len + 1)
             best = None
             for s in self.stop:

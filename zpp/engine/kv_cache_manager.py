@@ -50,6 +50,10 @@ class KVCacheManager:
     def blocks_of(self, req: Request) -> list[int]:
         return self.req_blocks.get(req.req_id, [])
 
+    def has_slots(self, req: Request, num_tokens: int) -> bool:
+        """Whether the blocks ``req`` already holds have room for ``num_tokens`` tokens."""
+        return len(self.req_blocks.get(req.req_id, ())) * self.block_size >= num_tokens
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -64,8 +68,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest cached prefix of ``req``: (block ids, number of tokens). At least one token is
-        always left to compute so the last position's logits exist."""
-        if not self.enable_prefix_caching:
+        always left to compute so the last position's logits exist; none for a request that must
+        compute every prompt position (``req.skip_prefix_cache``)."""
+        if not self.enable_prefix_caching or req.skip_prefix_cache:
             return [], 0
         usable = (req.num_tokens - 1) // self.block_size
         self._update_hashes(req, usable)

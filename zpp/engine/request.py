@@ -45,6 +45,7 @@ class Request:
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
         self.arrival = time.monotonic() if arrival is None else arrival
+        self.order = 0  # position among requests of equal arrival (set by the scheduler)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_sent_tokens = 0
@@ -58,6 +59,14 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def skip_prefix_cache(self) -> bool:
+        """True for a request that needs outputs computed over its prompt positions (prompt
+        logprobs; the server's echo + logprobs asks for them): it may not reuse prefix-cache blocks,
+        which hold KV, not the logits those outputs need (vLLM's rule). Its own full blocks are
+        still cached for later requests."""
+        return self.sampling.prompt_logprobs is not None
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
@@ -69,17 +78,22 @@ class Request:
         self.token_ids.append(token_id)
 
     def check_stop(self, max_model_len: int) -> None:
-        """Set a finished status if the last token ends the sequence (EOS, stop token, length)."""
+        """Set a finished status if the last token ends the sequence.
+
+        Conditions met on the same token take this precedence: stop token (``stop_reason`` = its
+        id), EOS, then length (``max_tokens`` or ``max_model_len``). Stop strings, found later in
+        the detokenized text, outrank all three (the engine overrides the status then).
+        """
         n = self.num_output_tokens
         tok = self.token_ids[-1]
         p = self.sampling
         if n >= p.min_tokens:
-            if not p.ignore_eos and tok in self.eos_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                return
             if p.stop_token_ids and tok in p.stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = tok
+                return
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
                 return
         if n >= self.max_tokens or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH

@@ -6,8 +6,20 @@ decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
 * a token budget (``max_num_batched_tokens``) per micro-batch; running requests first (decodes
   and unfinished chunked prefills, oldest first), then waiting ones (FIFO, preempted first);
 * chunked prefill: a prompt longer than the remaining budget is computed over several batches;
-* preemption by recompute when blocks run out: the newest running request that is not in flight
-  is freed and put back at the head of the queue; it resumes with the same tokens;
+* preemption by recompute when blocks run out, with a strict age priority so that there is always
+  forward progress (even with micro-batches in flight):
+
+  - a request may only take blocks from requests that arrived after it: the newest of those that
+    is not in flight is freed and put back at the head of the queue (it resumes with the same
+    tokens); if every newer request is in flight, the request waits (keeps its blocks, runs no
+    chunk) until their batches return, and newer requests may then use only slots they already
+    hold; a request with no newer one running preempts itself (the newest yields);
+  - so the oldest running request is never preempted by another and waits at most for the
+    batches in flight before it runs again: some request always progresses, and every request
+    finishes (tests/test_scheduler.py checks a bound on steps over random loads);
+  - a preempted request is readmitted only when blocks for its whole recompute (prompt and the
+    tokens generated so far) are free, and takes them all at once, so the chunks of its recompute
+    cannot be starved by requests admitted after it;
 * pipeline overlap: up to ``depth`` micro-batches in flight; a request is in at most one of them,
   and each batch takes about ``1/depth`` of the active requests so that the stages stay busy.
 """
@@ -38,6 +50,11 @@ class SchedulerStats:
     num_preemptions: int = 0
 
 
+def _priority(req: Request) -> tuple[float, int]:
+    """Scheduling priority: lower is older and goes first; newer requests are preempted first."""
+    return req.arrival, req.order
+
+
 class Scheduler:
     """Owns the waiting / running queues and the KV block manager."""
 
@@ -54,11 +71,13 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # to tell the workers with the next batch
         self._batch_ids = itertools.count()
+        self._order = itertools.count()  # tie-break for equal arrival times
         self.stats = SchedulerStats()
 
     # --- queue management ---------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.requests[req.req_id] = req
+        req.order = next(self._order)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -112,13 +131,14 @@ class Scheduler:
         # Back to the head of the queue, keeping arrival order among preempted requests.
         i = 0
         while i < len(self.waiting) and self.waiting[i].status == RequestStatus.PREEMPTED \
-                and self.waiting[i].arrival <= req.arrival:
+                and _priority(self.waiting[i]) <= _priority(req):
             i += 1
         self.waiting.insert(i, req)
 
     # --- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> Optional[ScheduledBatch]:
-        """Decide the next micro-batch, or None if no request can run now."""
+        """Decide the next micro-batch, or None if no request can run now (nothing fits, or every
+        runnable request is in flight or waits for blocks that in-flight requests hold)."""
         budget = self.max_num_batched_tokens
         active = min(len(self.running) + len(self.waiting), self.max_num_seqs)
         max_reqs = max(1, math.ceil(active / self.depth))
@@ -127,32 +147,30 @@ class Scheduler:
         cached_reqs: list[m.CachedRequest] = []
         reqs: list[Request] = []
         preempted = False
+        stalled = False  # an older request waits for blocks held by requests in flight
 
-        for req in sorted(self.running, key=lambda r: r.arrival):
+        for req in sorted(self.running, key=_priority):
             if budget <= 0 or len(reqs) >= max_reqs:
                 break
             if req.in_flight or req.status != RequestStatus.RUNNING:
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_blocks = None
-            while True:
-                new_blocks = self.kv.allocate_slots(req, req.num_computed_tokens + num_new)
-                if new_blocks is not None:
-                    break
-                victim = self._pick_victim(exclude=reqs)
-                if victim is None:
-                    break
-                preempted = True
-                self._preempt(victim)
-                if victim is req:
-                    break
-            if new_blocks is None or req.status == RequestStatus.PREEMPTED:
+            end = req.num_computed_tokens + num_new
+            if stalled:
+                # The blocks an older request waits for must go to it: use only slots already held.
+                if not self.kv.has_slots(req, end):
+                    continue
+                new_blocks = self.kv.allocate_slots(req, end)
+            else:
+                new_blocks, n_preempted, stalled = self._allocate_or_preempt(req, end, reqs)
+                preempted = preempted or n_preempted > 0
+            if new_blocks is None:
                 continue
             self._add_chunk(req, num_new, new_blocks, chunks, new_reqs, cached_reqs)
             reqs.append(req)
             budget -= num_new
 
-        while self.waiting and not preempted and budget > 0 and len(reqs) < max_reqs \
+        while self.waiting and not preempted and not stalled and budget > 0 and len(reqs) < max_reqs \
                 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             computed, num_cached = self.kv.get_computed_blocks(req)
@@ -160,7 +178,9 @@ class Scheduler:
             if num_new > budget and not self.chunked:
                 break
             num_new = min(num_new, budget)
-            new_blocks = self.kv.allocate_slots(req, num_cached + num_new, computed)
+            # A request resuming after preemption takes blocks for its whole recompute at once.
+            reserve = req.num_tokens if req.status == RequestStatus.PREEMPTED else num_cached + num_new
+            new_blocks = self.kv.allocate_slots(req, reserve, computed)
             if new_blocks is None:
                 break
             self.waiting.popleft()
@@ -181,9 +201,30 @@ class Scheduler:
         num_tokens = sum(c.num_tokens for c in chunks)
         return ScheduledBatch(batch, reqs, num_tokens)
 
-    def _pick_victim(self, exclude: list[Request]) -> Optional[Request]:
-        candidates = [r for r in self.running if not r.in_flight and r not in exclude]
-        return max(candidates, key=lambda r: r.arrival) if candidates else None
+    def _allocate_or_preempt(self, req: Request, num_tokens: int,
+                             scheduled: list[Request]) -> tuple[Optional[list[int]], int, bool]:
+        """Give running ``req`` slots for ``num_tokens`` tokens, preempting newer requests if needed.
+
+        Returns ``(new block ids or None, number of requests preempted, stalled)``: None when
+        ``req`` cannot run this step, either because it preempted itself (it was the newest) or
+        because the newer requests that hold the blocks are in flight (``stalled``: ``req`` keeps
+        its blocks and retries once their batches return).
+        """
+        n = 0
+        while True:
+            new_blocks = self.kv.allocate_slots(req, num_tokens)
+            if new_blocks is not None:
+                return new_blocks, n, False
+            newer = [r for r in self.running if _priority(r) > _priority(req) and r not in scheduled]
+            idle = [r for r in newer if not r.in_flight and r.status == RequestStatus.RUNNING]
+            if idle:
+                self._preempt(max(idle, key=_priority))
+                n += 1
+            elif newer:
+                return None, n, True
+            else:  # req is the newest running request: it yields
+                self._preempt(req)
+                return None, n + 1, False
 
     def _add_chunk(self, req: Request, num_new: int, new_blocks: list[int], chunks, new_reqs, cached_reqs) -> None:
         start = req.num_computed_tokens
