@@ -12,6 +12,7 @@ import os
 import socket
 import tempfile
 import threading
+import time
 import uuid
 from typing import Optional
 
@@ -118,10 +119,18 @@ class EngineSocket:
                 pass
 
 
+SHUTDOWN_GRACE_S = 3.0
+ENGINE_SILENCE_S = 15.0
+"""A remote worker whose engine connection has been silent this long treats it as dropped."""
+
+
 class WorkerSocket:
     """A worker's DEALER to the engine (blocking; the worker loop is synchronous)."""
 
-    def __init__(self, address: str, rank: int, keys: Optional[RunKeys] = None, kind: str = "rank"):
+    def __init__(self, address: str, rank: int, keys: Optional[RunKeys] = None, kind: str = "rank",
+                 exit_on_disconnect: bool = False):
+        """Connect to the engine at ``address``; with CURVE ``keys`` over TCP. ``exit_on_disconnect``:
+        see :meth:`_exit_on_disconnect`."""
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity(rank, kind))
@@ -130,12 +139,18 @@ class WorkerSocket:
             self.sock.curve_serverkey = keys.server_public.encode()
             self.sock.curve_publickey = keys.client_public.encode()
             self.sock.curve_secretkey = keys.client_secret.encode()
+        if exit_on_disconnect:
+            self._exit_on_disconnect()
         self.sock.connect(address)
 
-    def exit_on_disconnect(self) -> None:
+    def _exit_on_disconnect(self) -> None:
         """Exit this process (status 1) when the connection to the engine, once made, drops: the
         engine's host died or the network between them failed (workers on other hosts cannot rely
-        on their parent process for that)."""
+        on their parent process for that). ZMTP heartbeats (answered by the engine's ZeroMQ I/O
+        thread) turn a silent peer into a drop within ``ENGINE_SILENCE_S``. Set up before connecting,
+        so that no event is missed."""
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(ENGINE_SILENCE_S * 1000))
         monitor_address = f"inproc://zpp-worker-monitor-{uuid.uuid4().hex[:8]}"
         self.sock.monitor(monitor_address, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         mon = self.ctx.socket(zmq.PAIR)
@@ -151,6 +166,9 @@ class WorkerSocket:
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     connected = True
                 elif event == zmq.EVENT_DISCONNECTED and connected:
+                    # An orderly Shutdown may still sit unread in the queue: let the main thread
+                    # act on it (and exit 0) first.
+                    time.sleep(SHUTDOWN_GRACE_S)
                     logger.error("lost the connection to the engine; exiting")
                     os._exit(1)
 

@@ -65,9 +65,7 @@ def worker_main(engine_address: str, rank: int, keys, log_level: int = logging.I
         head = engine_address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
         address, ifname = bind_interface_for(head)
         interface = ifname or ""
-    sock = WorkerSocket(engine_address, rank, keys)
-    if address:
-        sock.exit_on_disconnect()
+    sock = WorkerSocket(engine_address, rank, keys, exit_on_disconnect=bool(address))
     try:
         sock.send(m.Hello(rank=rank, key=keys.key, pid=os.getpid(), hostname=socket.gethostname(),
                           address=address, interface=interface))
