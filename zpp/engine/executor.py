@@ -13,6 +13,7 @@ import logging
 import multiprocessing as mp
 import os
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -337,7 +338,11 @@ class Executor:
                 p = sentinels.pop(s)
                 p.join(1.0)  # the sentinel fires before the exit code is collected
                 if not self._stopping:
-                    msg = f"worker process {p.name} (pid {p.pid}) exited with code {p.exitcode}"
+                    rank = int(p.name.rsplit("-", 1)[1])
+                    code = p.exitcode
+                    how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 \
+                        and -code in signal.valid_signals() else f"exited with code {code}"
+                    msg = f"{self.describe_rank(rank)}: its worker process (pid {p.pid}) {how}"
                     self._loop.call_soon_threadsafe(self._fail, msg)
             if self.nodes is not None and not self._stopping:
                 err = self.nodes.poll()
