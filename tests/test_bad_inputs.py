@@ -110,7 +110,7 @@ CORPUS = [
     ("10MB-chunked", "POST", C, "chunked:" + "a" * 10_000_000, {}, 413, None),
     ("gzip-bomb-200MB", "POST", C, _gzip_bomb(200 << 20),
      {"Content-Encoding": "gzip"}, 413, None),
-    ("900KB-text-prompt", "POST", C, j({"prompt": "a" * 900_000}), {}, 400, "prompt"),
+    ("400KB-text-prompt", "POST", C, j({"prompt": "a" * 400_000}), {}, 400, "prompt"),
     ("300k-token-ids", "POST", C, j({"prompt": [1] * 300_000}), {}, 400, "prompt"),
     ("batch-token-list-too-long", "POST", C, j({"prompt": [[1, 2], [1] * 2000]}), {}, 400, "prompt"),
     ("20k-messages", "POST", H, j({"messages": [{"role": "user", "content": "x"}] * 20_000}), {}, 400,
