@@ -297,7 +297,7 @@ async def scrape(session, url: str) -> dict[str, float]:
 
 
 async def soak(args, server: Server) -> dict:
-    report: dict = {"rss_mib": {"after_start": server.rss_mib()}}
+    report: dict = {"rss_mib": {"after_start": server.rss_mib()}, "load_average_1m": {"start": os.getloadavg()[0]}}
     url = server.url
     async with aiohttp.ClientSession() as session:
         # Reference answers, one request at a time, nothing else running.
@@ -399,6 +399,7 @@ async def soak(args, server: Server) -> dict:
         "rss_trace_mib": rss_trace,
     })
     report["rss_mib"]["end"] = server.rss_mib()
+    report["load_average_1m"]["end"] = os.getloadavg()[0]  # other jobs on the machine slow everything
     start, end = report["rss_mib"]["after_reference"], report["rss_mib"]["end"]
     report["rss_growth_pct"] = {k: round(100 * (end[k] - start[k]) / start[k], 1) for k in start if k in end}
     return report
