@@ -360,7 +360,9 @@ class Executor:
             self.on_death(reason)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop every worker: Shutdown message, then SIGTERM, then SIGKILL. Idempotent."""
+        """Stop every worker: Shutdown message, then SIGTERM, then SIGKILL. Idempotent. After a
+        failure (``dead``) the workers get at most 1 s to act on the message: a stopped or hung one
+        never will, and the others may be blocked receiving from it."""
         if self._stopping:
             return
         self._stopping = True
@@ -368,6 +370,8 @@ class Executor:
             self._reader.cancel()
         if self._watchdog_task is not None:
             self._watchdog_task.cancel()
+        if self.dead:  # a worker died or went silent: the others may be stuck waiting on it
+            timeout_s = min(timeout_s, 1.0)
         payload = m.encode(m.Shutdown())
         for rank in range(self.world):
             try:
