@@ -144,6 +144,24 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def stage_pids(server: ServerProcess) -> dict[int, int]:
+    """stage -> worker pid (TP rank 0), from the placement lines of the server's log (needs the
+    default --log-level info)."""
+    import re
+    out = {}
+    for m in re.finditer(r"placement: rank \d+ = stage (\d+) on .*? pid (\d+)", server.output()):
+        out.setdefault(int(m.group(1)), int(m.group(2)))
+    return out
+
+
+def wait_gone(pids, timeout: float) -> list[int]:
+    """Wait up to ``timeout`` seconds for every pid to exit; return those still alive."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -8,17 +8,7 @@ import time
 
 import pytest
 
-from conftest import ServerProcess, alive, descendants
-
-
-def _wait_gone(pids, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        left = [p for p in pids if alive(p)]
-        if not left:
-            return []
-        time.sleep(0.2)
-    return [p for p in pids if alive(p)]
+from conftest import ServerProcess, descendants, wait_gone as _wait_gone
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

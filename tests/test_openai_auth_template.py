@@ -72,7 +72,8 @@ def template_file(tokenizer, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def server(bos_model, template_file):
     srv = ServerProcess([bos_model, "--served-model-name", "smol", "--api-key", KEY, "--chat-template",
-                         template_file, "--max-model-len", "512", "--num-kv-blocks", "64", "--log-level", "warning"])
+                         template_file, "--max-model-len", "512", "--num-kv-blocks", "64", "--log-level", "warning",
+                         "--trust-request-chat-template"])
     yield srv
     srv.stop()
 

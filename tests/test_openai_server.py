@@ -429,7 +429,7 @@ MALFORMED = [
     ("/v1/chat/completions", {"messages": FRANCE, "max_completion_tokens": -2}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": FRANCE, "max_completion_tokens": 10 ** 6}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": FRANCE, "chat_template_kwargs": 3}, 400, "chat_template_kwargs"),
-    ("/v1/chat/completions", {"messages": FRANCE, "chat_template": "{% for %}"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": FRANCE, "chat_template": "{% for %}"}, 400, "chat_template"),
     ("/v1/chat/completions", {"messages": FRANCE, "model": "nope"}, 404, "model"),
     ("/v1/chat/completions", {"messages": FRANCE, "response_format": {"type": "json_object"}}, 400,
      "response_format"),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -21,15 +20,7 @@ import urllib.request
 
 import pytest
 
-from conftest import ServerProcess, alive, descendants
-
-
-def _stage_pids(server: ServerProcess) -> dict[int, int]:
-    """stage -> worker pid, from the placement lines of the server's log."""
-    out = {}
-    for m in re.finditer(r"placement: rank \d+ = stage (\d+) on .*? pid (\d+)", server.output()):
-        out[int(m.group(1))] = int(m.group(2))
-    return out
+from conftest import ServerProcess, descendants, stage_pids as _stage_pids, wait_gone as _wait_gone
 
 
 class _Stream:
@@ -78,13 +69,6 @@ def _health_codes(url: str, seconds: float) -> list[int]:
             break
         time.sleep(0.05)
     return codes
-
-
-def _wait_gone(pids, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if alive(p)]
 
 
 @pytest.mark.parametrize("pp,stage", [(2, 1), (3, 1)], ids=["pp2-stop-last", "pp3-stop-middle"])

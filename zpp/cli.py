@@ -176,8 +176,20 @@ def cmd_serve(args) -> int:
     from zpp.engine.async_engine import validate_startup
     from zpp.server.openai_server import serve
     validate_startup(config)
+    options = _server_options(args)
     _check_port_free(args.host, args.port)
-    return asyncio.run(serve(config, args.host, args.port, args.api_key, args.chat_template))
+    return asyncio.run(serve(config, args.host, args.port, args.api_key, args.chat_template, **options))
+
+
+def _server_options(args) -> dict:
+    """The HTTP server's request limits from the flags. Raises ConfigError."""
+    body = parse_size(args.max_request_body_bytes, "--max-request-body-bytes")
+    if body is None or body < 1024:
+        raise ConfigError(f"--max-request-body-bytes {args.max_request_body_bytes!r}: must be at least 1KiB")
+    if args.max_stop_sequences < 0:
+        raise ConfigError(f"--max-stop-sequences {args.max_stop_sequences}: must be >= 0")
+    return {"max_request_body_bytes": body, "max_stop_sequences": args.max_stop_sequences,
+            "trust_request_chat_template": args.trust_request_chat_template}
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -212,6 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-log-stats", action="store_true", help="zpp logs no periodic stats")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--chat-template", default=None, help="Jinja chat template file (overrides the tokenizer's)")
+    g = p.add_argument_group("request limits")
+    g.add_argument("--max-request-body-bytes", default="8MiB", metavar="SIZE",
+                   help="largest request body, after any Content-Encoding is undone (e.g. 8MiB, the default); "
+                        "larger ones get HTTP 413")
+    g.add_argument("--max-stop-sequences", type=int, default=64, metavar="N",
+                   help="most entries `stop` and `stop_token_ids` may each hold (default 64); more get HTTP 400")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a `chat_template` in requests (by default they get HTTP 400: a template is a "
+                        "program the server would run)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("prepare-demo-model",

@@ -70,7 +70,7 @@ def cpu_threads_per_worker(num_local_workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, num_local_workers))
 
 
-def parse_size(value: str | int | float | None) -> Optional[int]:
+def parse_size(value: str | int | float | None, flag: str = "--kv-cache-memory") -> Optional[int]:
     """Parse a byte size such as ``512MiB``, ``2GiB``, ``1.5G`` or ``1000000`` into bytes."""
     if value is None or isinstance(value, (int, float)):
         return None if value is None else int(value)
@@ -81,7 +81,7 @@ def parse_size(value: str | int | float | None) -> Optional[int]:
             return int(float(s[:-1]) * mult[s[-1]])
         return int(float(s))
     except ValueError:
-        raise ConfigError(f"--kv-cache-memory {value!r} is not a size (examples: 512MiB, 2GiB)") from None
+        raise ConfigError(f"{flag} {value!r} is not a size (examples: 512MiB, 2GiB)") from None
 
 
 @dataclass(frozen=True)

@@ -191,13 +191,13 @@ class AsyncEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty: at least 1 token is needed", "prompt")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
-        if n >= self.max_model_len:
+        if n >= self.max_model_len:  # before the scan below: a hostile prompt can hold millions of ids
             raise RequestError(
                 f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
                 f"(the prompt must leave room for at least 1 generated token)", "prompt")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
         max_tokens = sampling.max_tokens if sampling.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
             raise RequestError(

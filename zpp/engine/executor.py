@@ -13,6 +13,7 @@ import logging
 import multiprocessing as mp
 import os
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -337,7 +338,11 @@ class Executor:
                 p = sentinels.pop(s)
                 p.join(1.0)  # the sentinel fires before the exit code is collected
                 if not self._stopping:
-                    msg = f"worker process {p.name} (pid {p.pid}) exited with code {p.exitcode}"
+                    rank = int(p.name.rsplit("-", 1)[1])
+                    code = p.exitcode
+                    how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 \
+                        and -code in signal.valid_signals() else f"exited with code {code}"
+                    msg = f"{self.describe_rank(rank)}: its worker process (pid {p.pid}) {how}"
                     self._loop.call_soon_threadsafe(self._fail, msg)
             if self.nodes is not None and not self._stopping:
                 err = self.nodes.poll()
@@ -355,7 +360,9 @@ class Executor:
             self.on_death(reason)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop every worker: Shutdown message, then SIGTERM, then SIGKILL. Idempotent."""
+        """Stop every worker: Shutdown message, then SIGTERM, then SIGKILL. Idempotent. After a
+        failure (``dead``) the workers get at most 1 s to act on the message: a stopped or hung one
+        never will, and the others may be blocked receiving from it."""
         if self._stopping:
             return
         self._stopping = True
@@ -363,6 +370,8 @@ class Executor:
             self._reader.cancel()
         if self._watchdog_task is not None:
             self._watchdog_task.cancel()
+        if self.dead:  # a worker died or went silent: the others may be stuck waiting on it
+            timeout_s = min(timeout_s, 1.0)
         payload = m.encode(m.Shutdown())
         for rank in range(self.world):
             try:

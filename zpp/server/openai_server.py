@@ -31,6 +31,8 @@ from zpp.server.protocol import (ChatCompletionRequest, CompletionRequest, Proto
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20  # --max-request-body-bytes
+DEFAULT_MAX_STOP_SEQUENCES = 64  # --max-stop-sequences
 _CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -173,22 +175,34 @@ class OpenAIServer:
         served_model_name: the only model name requests may use (unknown names get 404).
         api_key: when set, every ``/v1/*`` request needs ``Authorization: Bearer <api_key>`` (401).
         chat_template: a Jinja chat template used instead of the tokenizer's.
+        max_request_body_bytes: larger bodies (after any Content-Encoding is undone) get HTTP 413.
+        max_stop_sequences: the most entries ``stop`` and ``stop_token_ids`` may each hold (400).
+        trust_request_chat_template: accept a ``chat_template`` in the request (vLLM's flag of that
+            name; off by default: a template is a program, and one with nested loops would hold the
+            event loop, and with it every stream and the engine, for as long as it runs).
     """
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: Optional[str] = None,
-                 chat_template: Optional[str] = None):
+                 chat_template: Optional[str] = None,
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+                 max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES,
+                 trust_request_chat_template: bool = False):
         self.engine = engine
         self.model_name = served_model_name
         self.api_key = api_key
         self.chat_template = chat_template
+        self.max_request_body_bytes = max_request_body_bytes
+        self.max_stop_sequences = max_stop_sequences
+        self.trust_request_chat_template = trust_request_chat_template
         self.tokenizer = engine.tokenizer
         self.tokens = TokenStrings(engine.tokenizer)
+        self.max_prompt_chars = _max_prompt_chars(engine.tokenizer, engine.max_model_len)
         from zpp.server.metrics import Metrics
         self.metrics = Metrics(engine)
         engine.metrics = self.metrics
 
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=64 << 20)
+        app = web.Application(middlewares=[self._middleware], client_max_size=self.max_request_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -248,7 +262,35 @@ class OpenAIServer:
                                 "model", 404, "invalid_request_error", "model_not_found")
 
     async def _read(self, request: web.Request, kind):
-        return decode_request(await request.read(), kind)
+        """The request body decoded into ``kind``. Raises ProtocolError (413 past
+        --max-request-body-bytes: told from Content-Length before reading when it is sent; a
+        chunked or compressed body is cut off as soon as it passes the limit)."""
+        limit = self.max_request_body_bytes
+        too_large = ProtocolError(f"the request body is larger than this server accepts ({limit} bytes; "
+                                  "see --max-request-body-bytes)", None, 413)
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+        req = decode_request(body, kind)
+        self._check_stop_limits(req)
+        return req
+
+    def _check_stop_limits(self, req) -> None:
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(req, name)
+            if isinstance(value, list) and len(value) > self.max_stop_sequences:
+                raise ProtocolError(f"{name} has {len(value)} entries; this server accepts at most "
+                                    f"{self.max_stop_sequences} (--max-stop-sequences)", name)
+
+    def _check_prompt_chars(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing, a text that cannot fit in max_model_len tokens whatever it
+        says: tokenizing megabytes would take seconds for a certain 400."""
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise ProtocolError(f"the prompt has {len(text)} characters: more than max_model_len "
+                                f"({self.engine.max_model_len}) tokens of this tokenizer can hold", param)
 
     def _check_stop_token_ids(self, sampling: SamplingParams) -> None:
         bad = [t for t in sampling.stop_token_ids or () if t >= self.engine.vocab_size]
@@ -294,8 +336,12 @@ class OpenAIServer:
     # --- /v1/completions ----------------------------------------------------------------------
     def _tokenize_prompts(self, prompt) -> list[tuple[Optional[str], list[int]]]:
         """OpenAI's four prompt forms -> [(text or None, token ids)]. Raises ProtocolError."""
+        prompts = _normalize_prompt(prompt)
+        for p in prompts:
+            if isinstance(p, str):
+                self._check_prompt_chars(p, "prompt")
         try:
-            return [self.engine.tokenize_prompt(p) for p in _normalize_prompt(prompt)]
+            return [self.engine.tokenize_prompt(p) for p in prompts]
         except RequestError as e:
             raise ProtocolError(str(e), e.param) from None
 
@@ -454,6 +500,10 @@ class OpenAIServer:
                                 "by this server (no constrained decoding)", "response_format")
         if req.tools and req.tool_choice != "none":
             raise ProtocolError("tools / tool calls are not supported by this server", "tools")
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            raise ProtocolError("a chat_template in the request is refused: this server uses its own "
+                                "(start it with --trust-request-chat-template to allow request templates)",
+                                "chat_template")
         template = req.chat_template or self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise ProtocolError("this model has no chat template, so /v1/chat/completions cannot format "
@@ -485,6 +535,10 @@ class OpenAIServer:
                 continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
         except Exception as e:  # template errors are the request's fault (e.g. role order)
             raise ProtocolError(f"the chat template failed on these messages: {e}", "messages") from None
+        if not isinstance(text, str):  # chat_template_kwargs such as return_dict / tokenize
+            raise ProtocolError("chat_template_kwargs must not change what the template returns",
+                                "chat_template_kwargs")
+        self._check_prompt_chars(text, "messages")
         return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
     def _prompt_logprobs(self, ids: list[int], lps) -> list:
@@ -517,7 +571,8 @@ class OpenAIServer:
                                       rename={"max_tokens": "max_completion_tokens" if use_mct else "max_tokens",
                                               "logprobs": "top_logprobs"})
         self._check_stop_token_ids(sampling)
-        prompt_ids = await _off_loop_if_large(self._chat_prompt, req, _text_size(req.messages))
+        prompt_ids = await _off_loop_if_large(self._chat_prompt, req,
+                                              _text_size(req.messages) + 100 * len(req.messages))
         try:
             self.engine.validate(prompt_ids, sampling)
         except RequestError as e:
@@ -605,6 +660,23 @@ async def _off_loop_if_large(fn, arg, size: int):
     return await asyncio.get_running_loop().run_in_executor(None, fn, arg)
 
 
+def _max_prompt_chars(tokenizer, max_model_len: int) -> Optional[int]:
+    """Characters above which a text cannot fit in ``max_model_len`` tokens: no token covers more
+    characters than its longest vocabulary entry is long (a byte-level BPE entry has one character
+    per byte, a SentencePiece one one per character), so a text needs at least
+    ``len(text) / longest`` tokens. Doubled, for normalizers that shorten text. None without a
+    tokenizer."""
+    if tokenizer is None:
+        return None
+    try:
+        pieces = list(tokenizer.get_vocab())
+        pieces += [str(getattr(t, "content", t)) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]
+        longest = max(map(len, pieces))
+    except Exception:  # an unusual tokenizer: no shortcut, tokenize everything
+        return None
+    return 2 * max_model_len * max(longest, 1)
+
+
 def _normalize_prompt(prompt) -> list:
     """OpenAI's four prompt forms -> a list of prompts (str or token-id list). Raises ProtocolError."""
     if prompt is None:
@@ -644,10 +716,11 @@ def load_chat_template(path: Optional[str]) -> Optional[str]:
 
 # --- running the server ---------------------------------------------------------------------------
 async def serve(config, host: str, port: int, api_key: Optional[str] = None,
-                chat_template: Optional[str] = None) -> int:
+                chat_template: Optional[str] = None, **server_options) -> int:
     """Start the engine and the HTTP server; run until SIGINT/SIGTERM or engine death.
 
-    ``chat_template`` is a file path (read before any worker starts).
+    ``chat_template`` is a file path (read before any worker starts); ``server_options`` go to
+    :class:`OpenAIServer` (request limits, ``trust_request_chat_template``).
 
     On the first SIGINT/SIGTERM, requests in progress are ended at once (streams get an error event
     and ``[DONE]``, others HTTP 503) and the server stops within seconds; a second signal stops it
@@ -670,7 +743,7 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    server = OpenAIServer(engine, config.model.name, api_key, template)
+    server = OpenAIServer(engine, config.model.name, api_key, template, **server_options)
     runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     status = 0
     try:

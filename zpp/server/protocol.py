@@ -2,8 +2,11 @@
 
 Decoding a body with :func:`decode_request` checks every field's type and the ranges that can be
 checked without the model (an integer must fit in 64 bits, ``n`` is at most 128, ...); a
-ValidationError's path (``$.temperature``) names the parameter for the 400 response. Unknown
-fields are ignored, as OpenAI-compatible servers usually do.
+ValidationError's path (``$.temperature``) names the parameter for the 400 response. An unknown
+top-level field is refused with a 400 naming it, as OpenAI does ("Unrecognized request argument"):
+silently ignoring, say, ``guided_json`` would hand back unconstrained text. Inside ``messages`` and
+``stream_options`` unknown keys are ignored (clients replay assistant messages with ``refusal``,
+``tool_calls``, ...).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: Optional[str] = None
     max_tokens: Optional[Int64] = None
     temperature: Optional[float] = None
@@ -98,6 +101,7 @@ class ProtocolError(ValueError):
 
 
 _PATH_RE = re.compile(r"at `\$\.([A-Za-z_]+)")
+_UNKNOWN_RE = re.compile(r"^Object contains unknown field `(.*)`$", re.DOTALL)  # top level only
 
 
 def decode_request(body: bytes, kind: type):
@@ -110,10 +114,16 @@ def decode_request(body: bytes, kind: type):
     try:
         req = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
+        unknown = _UNKNOWN_RE.search(str(e))
+        if unknown:
+            raise ProtocolError(f"unrecognized request argument supplied: {unknown.group(1)[:100]!r}",
+                                unknown.group(1)[:100]) from None
         m = _PATH_RE.search(str(e))
         raise ProtocolError(f"invalid request: {e}", m.group(1) if m else None) from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ProtocolError("the body is nested too deeply") from None
     if req.stream_options is not None and not req.stream:
         raise ProtocolError("stream_options is only allowed with stream: true", "stream_options")
     return req

@@ -1,0 +1,273 @@
+"""A corpus of malformed and hostile requests against one live ``zpp serve``: every one gets a 4xx
+in OpenAI's error shape within a second, and afterwards the server answers a greedy request
+exactly as it did before the corpus, with nothing left running.
+
+What the corpus covers: broken JSON and encodings, NaN/inf, bodies past --max-request-body-bytes
+(plain, chunked, gzip bomb), deep nesting, texts and token lists far past max_model_len, wrong types
+in every field, out-of-range values, token ids outside the vocabulary, empty prompts and messages,
+wrong roles, stop lists past --max-stop-sequences, unknown fields, unsupported features, request
+chat templates (refused without --trust-request-chat-template) and wrong routes.
+
+(Legitimate but unusual values — a negative seed inside 64 bits, top_k of 10**12, temperature 1e300 —
+are valid requests, as in vLLM; they are not in this corpus. Seeds outside 64 bits are.)
+"""
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import time
+
+import aiohttp
+import pytest
+
+from conftest import ServerProcess
+
+C, H = "/v1/completions", "/v1/chat/completions"
+FR = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_MODEL_LEN, BODY_LIMIT = 1024, 1 << 20
+GREEDY = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(demo_model):
+    srv = ServerProcess([demo_model, "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "32",
+                         "--max-request-body-bytes", "1MiB", "--max-stop-sequences", "16",
+                         "--log-level", "warning"])
+    srv.reference = _post_json(srv, C, GREEDY)  # before any bad request
+    assert srv.reference[0] == 200, srv.reference
+    yield srv
+    srv.stop()
+
+
+def _post_json(server, path, body) -> tuple[int, dict]:
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(server.url + path, json=body) as r:
+                return r.status, await r.json()
+    return asyncio.run(go())
+
+
+def _chunks(data: bytes, size: int = 1 << 16):
+    async def gen():
+        for i in range(0, len(data), size):
+            yield data[i:i + size]
+    return gen()
+
+
+def _nested(depth: int, inner: bytes = b"1") -> bytes:
+    return b'{"a":' * depth + inner + b"}" * depth
+
+
+def _gzip_bomb(total: int) -> bytes:
+    """A gzip body that inflates to ``total`` bytes of a JSON prompt (a few hundred KB on the wire)."""
+    z = gzip.zlib.compressobj(9, gzip.zlib.DEFLATED, 31)
+    chunk = b"a" * (1 << 20)
+    parts = [z.compress(b'{"prompt": "')] + [z.compress(chunk) for _ in range(total >> 20)]
+    return b"".join(parts + [z.compress(b'"}'), z.flush()])
+
+
+def j(obj) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def chat(**kw) -> bytes:
+    return j({"messages": FR, "max_tokens": 2, **kw})
+
+
+def comp(**kw) -> bytes:
+    return j({"prompt": "hi", "max_tokens": 2, **kw})
+
+
+# (id, method, path, body bytes, extra headers, expected status, expected param or None)
+CORPUS = [
+    # --- not JSON, not an object, bad encodings ---------------------------------------------------
+    ("empty-body", "POST", C, b"", {}, 400, None),
+    ("truncated-json", "POST", C, b'{"prompt": "hi", "max_tok', {}, 400, None),
+    ("truncated-chat", "POST", H, b'{"messages": [{"role": "user", "content": "hi"}', {}, 400, None),
+    ("json-null", "POST", C, b"null", {}, 400, None),
+    ("json-array", "POST", H, b"[1, 2, 3]", {}, 400, None),
+    ("json-string", "POST", C, b'"prompt"', {}, 400, None),
+    ("trailing-garbage", "POST", C, b'{"prompt": "hi"} {"prompt": "again"}', {}, 400, None),
+    ("nan-literal", "POST", C, b'{"prompt": "hi", "temperature": NaN}', {}, 400, None),
+    ("infinity-literal", "POST", H, b'{"messages": [], "top_p": Infinity}', {}, 400, None),
+    ("inf-by-overflow", "POST", C, b'{"prompt": "hi", "temperature": 1e999}', {}, 400, "temperature"),
+    ("minus-inf-penalty", "POST", C, b'{"prompt": "hi", "presence_penalty": -1e999}', {}, 400,
+     "presence_penalty"),
+    ("inf-chat-frequency", "POST", H, b'{"messages": [], "frequency_penalty": 1e400}', {}, 400,
+     "frequency_penalty"),
+    ("invalid-utf8-prompt", "POST", C, b'{"prompt": "\xff\xfe\xfa"}', {}, 400, None),
+    ("invalid-utf8-chat", "POST", H, b'{"messages": [{"role": "user", "content": "caf\xc3"}]}', {}, 400, None),
+    ("lone-surrogate", "POST", C, b'{"prompt": "x\\ud800y"}', {}, 400, None),
+    ("utf16-body", "POST", C, '{"prompt": "hi"}'.encode("utf-16"), {}, 400, None),
+    ("deep-array-body", "POST", C, b"[" * 200_000 + b"]" * 200_000, {}, 400, None),
+    ("deep-template-kwargs", "POST", H, b'{"messages": [], "chat_template_kwargs": ' + _nested(100_000) + b"}",
+     {}, 400, None),
+    ("deep-message-content", "POST", H, b'{"messages": [{"role": "user", "content": [' + _nested(100_000)
+     + b"]}]}", {}, 400, None),
+    # --- size -------------------------------------------------------------------------------------
+    ("10MB-body", "POST", C, j({"prompt": "a" * 10_000_000}), {}, 413, None),
+    ("10MB-chunked", "POST", C, "chunked:" + "a" * 10_000_000, {}, 413, None),
+    ("gzip-bomb-200MB", "POST", C, _gzip_bomb(200 << 20),
+     {"Content-Encoding": "gzip"}, 413, None),
+    ("400KB-text-prompt", "POST", C, j({"prompt": "a" * 400_000}), {}, 400, "prompt"),
+    ("300k-token-ids", "POST", C, j({"prompt": [1] * 300_000}), {}, 400, "prompt"),
+    ("batch-token-list-too-long", "POST", C, j({"prompt": [[1, 2], [1] * 2000]}), {}, 400, "prompt"),
+    ("20k-messages", "POST", H, j({"messages": [{"role": "user", "content": "x"}] * 20_000}), {}, 400,
+     "messages"),
+    # --- wrong types ------------------------------------------------------------------------------
+    ("prompt-int", "POST", C, j({"prompt": 123}), {}, 400, "prompt"),
+    ("prompt-object", "POST", C, j({"prompt": {"text": "hi"}}), {}, 400, "prompt"),
+    ("prompt-floats", "POST", C, j({"prompt": [1.5, 2.5]}), {}, 400, "prompt"),
+    ("prompt-bools", "POST", C, j({"prompt": [True, False]}), {}, 400, "prompt"),
+    ("prompt-mixed-lists", "POST", C, j({"prompt": [[1, "a"]]}), {}, 400, "prompt"),
+    ("prompt-missing", "POST", C, j({"max_tokens": 2}), {}, 400, "prompt"),
+    ("max-tokens-string", "POST", C, comp(max_tokens="10"), {}, 400, "max_tokens"),
+    ("max-tokens-float", "POST", C, comp(max_tokens=1.5), {}, 400, "max_tokens"),
+    ("temperature-string", "POST", H, chat(temperature="hot"), {}, 400, "temperature"),
+    ("n-string", "POST", C, comp(n="2"), {}, 400, "n"),
+    ("stream-string", "POST", C, comp(stream="yes"), {}, 400, "stream"),
+    ("stop-int", "POST", C, comp(stop=5), {}, 400, "stop"),
+    ("stop-list-of-ints", "POST", H, chat(stop=[1, 2]), {}, 400, "stop"),
+    ("seed-string", "POST", C, comp(seed="42"), {}, 400, "seed"),
+    ("echo-string", "POST", C, comp(echo="true"), {}, 400, "echo"),
+    ("logprobs-bool-completions", "POST", C, comp(logprobs=True), {}, 400, "logprobs"),
+    ("logprobs-int-chat", "POST", H, chat(logprobs=5), {}, 400, "logprobs"),
+    ("messages-string", "POST", H, j({"messages": "hi"}), {}, 400, "messages"),
+    ("message-without-role", "POST", H, j({"messages": [{"content": "hi"}]}), {}, 400, "messages"),
+    ("role-int", "POST", H, j({"messages": [{"role": 1, "content": "hi"}]}), {}, 400, "messages"),
+    ("content-int", "POST", H, j({"messages": [{"role": "user", "content": 5}]}), {}, 400, "messages"),
+    ("message-as-pair", "POST", H, j({"messages": [["user", "hi"]]}), {}, 400, "messages"),
+    ("content-image-part", "POST", H, j({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}), {}, 400, "messages"),
+    ("model-int", "POST", C, comp(model=5), {}, 400, "model"),
+    ("stream-options-string", "POST", C, comp(stream=True, stream_options="yes"), {}, 400, "stream_options"),
+    ("stream-options-without-stream", "POST", C, comp(stream_options={"include_usage": True}), {}, 400,
+     "stream_options"),
+    ("stop-token-ids-strings", "POST", C, comp(stop_token_ids=["a"]), {}, 400, "stop_token_ids"),
+    # --- out of range -----------------------------------------------------------------------------
+    ("n-zero", "POST", C, comp(n=0), {}, 400, "n"),
+    ("n-negative", "POST", H, chat(n=-1), {}, 400, "n"),
+    ("n-million", "POST", C, comp(n=10 ** 6), {}, 400, "n"),
+    ("n-2**64", "POST", C, comp(n=2 ** 64), {}, 400, "n"),
+    ("logprobs-21", "POST", C, comp(logprobs=21), {}, 400, "logprobs"),
+    ("logprobs-million", "POST", C, comp(logprobs=10 ** 6), {}, 400, "logprobs"),
+    ("logprobs-negative", "POST", C, comp(logprobs=-1), {}, 400, "logprobs"),
+    ("top-logprobs-21", "POST", H, chat(logprobs=True, top_logprobs=21), {}, 400, "top_logprobs"),
+    ("top-logprobs-without-logprobs", "POST", H, chat(top_logprobs=2), {}, 400, "top_logprobs"),
+    ("prompt-logprobs-huge", "POST", C, comp(prompt_logprobs=10 ** 9), {}, 400, "prompt_logprobs"),
+    ("max-tokens-billion", "POST", C, comp(max_tokens=10 ** 9), {}, 400, "max_tokens"),
+    ("max-tokens-2**64", "POST", C, comp(max_tokens=2 ** 64), {}, 400, "max_tokens"),
+    ("max-tokens-negative", "POST", C, comp(max_tokens=-1), {}, 400, "max_tokens"),
+    ("max-completion-tokens-huge", "POST", H, chat(max_completion_tokens=10 ** 6), {}, 400,
+     "max_completion_tokens"),
+    ("max-tokens-past-kv-cache", "POST", C, comp(max_tokens=900), {}, 400, "max_tokens"),
+    ("min-tokens-over-max", "POST", C, comp(min_tokens=5), {}, 400, "min_tokens"),
+    ("temperature-negative", "POST", C, comp(temperature=-0.5), {}, 400, "temperature"),
+    ("top-p-zero", "POST", C, comp(top_p=0), {}, 400, "top_p"),
+    ("top-p-1.5", "POST", H, chat(top_p=1.5), {}, 400, "top_p"),
+    ("min-p-2", "POST", C, comp(min_p=2), {}, 400, "min_p"),
+    ("top-k-negative", "POST", C, comp(top_k=-5), {}, 400, "top_k"),
+    ("presence-penalty-3", "POST", C, comp(presence_penalty=3), {}, 400, "presence_penalty"),
+    ("repetition-penalty-zero", "POST", C, comp(repetition_penalty=0), {}, 400, "repetition_penalty"),
+    ("seed-below-int64", "POST", C, comp(seed=-2 ** 63 - 1), {}, 400, "seed"),
+    ("seed-negative-float", "POST", C, comp(seed=-1e30), {}, 400, "seed"),
+    ("seed-2**64", "POST", H, chat(seed=2 ** 64), {}, 400, "seed"),
+    # --- token ids --------------------------------------------------------------------------------
+    ("token-id-vocab-size", "POST", C, j({"prompt": [49152]}), {}, 400, "prompt"),
+    ("token-id-negative", "POST", C, j({"prompt": [-1]}), {}, 400, "prompt"),
+    ("token-id-in-batch", "POST", C, j({"prompt": [[1, 2], [999_999]]}), {}, 400, "prompt"),
+    ("token-id-2**70", "POST", C, j({"prompt": [2 ** 70]}), {}, 400, "prompt"),
+    ("stop-token-id-vocab-size", "POST", C, comp(stop_token_ids=[49152]), {}, 400, "stop_token_ids"),
+    ("stop-token-id-negative", "POST", C, comp(stop_token_ids=[-1]), {}, 400, "stop_token_ids"),
+    # --- empty ------------------------------------------------------------------------------------
+    ("prompt-empty-string", "POST", C, j({"prompt": ""}), {}, 400, "prompt"),
+    ("prompt-empty-list", "POST", C, j({"prompt": []}), {}, 400, "prompt"),
+    ("prompt-empty-token-list", "POST", C, j({"prompt": [[]]}), {}, 400, "prompt"),
+    ("messages-empty", "POST", H, j({"messages": []}), {}, 400, "messages"),
+    ("chat-empty-object", "POST", H, b"{}", {}, 400, "messages"),
+    ("user-content-null", "POST", H, j({"messages": [{"role": "user", "content": None}]}), {}, 400, "messages"),
+    # --- roles ------------------------------------------------------------------------------------
+    ("role-wizard", "POST", H, j({"messages": [{"role": "wizard", "content": "hi"}]}), {}, 400, "messages"),
+    ("role-empty", "POST", H, j({"messages": [{"role": "", "content": "hi"}]}), {}, 400, "messages"),
+    ("role-trailing-space", "POST", H, j({"messages": [{"role": "user ", "content": "hi"}]}), {}, 400,
+     "messages"),
+    # --- stop lists -------------------------------------------------------------------------------
+    ("stop-1000-strings", "POST", C, comp(stop=[f"s{i}" for i in range(1000)]), {}, 400, "stop"),
+    ("stop-1000-strings-chat", "POST", H, chat(stop=[f"s{i}" for i in range(1000)]), {}, 400, "stop"),
+    ("stop-token-ids-1000", "POST", C, comp(stop_token_ids=list(range(1000))), {}, 400, "stop_token_ids"),
+    ("stop-empty-string", "POST", C, comp(stop=[""]), {}, 400, "stop"),
+    # --- unknown fields and unsupported features --------------------------------------------------
+    ("unknown-field", "POST", C, comp(foo=1), {}, 400, "foo"),
+    ("unknown-guided-json", "POST", H, chat(guided_json={"type": "object"}), {}, 400, "guided_json"),
+    ("unknown-functions", "POST", H, chat(functions=[{"name": "f"}]), {}, 400, "functions"),
+    ("suffix", "POST", C, comp(suffix="!"), {}, 400, "suffix"),
+    ("best-of", "POST", C, comp(best_of=3), {}, 400, "best_of"),
+    ("logit-bias", "POST", C, comp(logit_bias={"1": 5}), {}, 400, "logit_bias"),
+    ("response-format-json", "POST", H, chat(response_format={"type": "json_object"}), {}, 400,
+     "response_format"),
+    ("tools", "POST", H, chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400, "tools"),
+    # --- templates --------------------------------------------------------------------------------
+    ("request-template-nested-loops", "POST", H, chat(chat_template="{% for i in range(100000) %}{% for j in "
+                                                      "range(100000) %}x{% endfor %}{% endfor %}"), {}, 400,
+     "chat_template"),
+    ("template-kwargs-tokenize", "POST", H, chat(chat_template_kwargs={"tokenize": True}), {}, 400, "messages"),
+    ("template-kwargs-int", "POST", H, chat(chat_template_kwargs=3), {}, 400, "chat_template_kwargs"),
+    ("continue-and-generation-prompt", "POST", H, chat(continue_final_message=True), {}, 400,
+     "continue_final_message"),
+    # --- routes and models ------------------------------------------------------------------------
+    ("unknown-model", "POST", C, comp(model="gpt-4o"), {}, 404, "model"),
+    ("post-models", "POST", "/v1/models", b"{}", {}, 405, None),
+    ("get-completions", "GET", C, b"", {}, 405, None),
+    ("unknown-route", "POST", "/v1/nope", b"{}", {}, 404, None),
+    ("dot-dot-route", "GET", "/v1/models/../../etc/passwd", b"", {}, 404, None),
+]
+
+
+def test_corpus_is_large_and_ids_unique():
+    ids = [c[0] for c in CORPUS]
+    assert len(ids) >= 50 and len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("name,method,path,body,headers,status,param", CORPUS, ids=[c[0] for c in CORPUS])
+def test_bad_request_gets_4xx_in_openai_shape_within_a_second(server, name, method, path, body, headers,
+                                                               status, param):
+    async def go():
+        data = _chunks(body.removeprefix("chunked:").encode()) if isinstance(body, str) else body
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession() as s:
+            async with s.request(method, server.url + path, data=data, skip_auto_headers=["Content-Type"],
+                                 headers={"Content-Type": "application/json", **headers},
+                                 timeout=aiohttp.ClientTimeout(total=10)) as r:
+                raw = await r.read()
+                return r.status, raw, time.monotonic() - t0
+
+    got, raw, elapsed = asyncio.run(go())
+    assert got == status, (got, raw[:300])
+    err = json.loads(raw)["error"]
+    assert set(err) == {"message", "type", "param", "code"}, raw[:300]
+    assert isinstance(err["message"], str) and err["message"] and len(err["message"]) < 2000
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+    assert elapsed < 1.0, f"{elapsed:.2f} s"
+
+
+def test_server_unharmed_after_corpus(server):
+    """Runs after the corpus (file order): same greedy answer as before it, healthy, nothing left
+    running or holding KV blocks."""
+    status, body = _post_json(server, C, GREEDY)
+    assert status == 200
+    assert body["choices"][0]["text"] == server.reference[1]["choices"][0]["text"]
+    assert body["usage"] == server.reference[1]["usage"]
+
+    async def scrape():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(server.url + "/health") as r:
+                assert r.status == 200
+            async with s.get(server.url + "/metrics") as r:
+                return await r.text()
+    metrics = asyncio.run(scrape())
+    for line in ("zpp:num_requests_running 0.0", "zpp:num_requests_waiting 0.0", "zpp:kv_cache_usage_perc 0.0"):
+        assert line in metrics.splitlines(), line
+    assert server.proc.poll() is None
