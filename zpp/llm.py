@@ -114,6 +114,12 @@ class LLM:
         if not self._finalizer.alive:
             raise RuntimeError("this LLM was shut down (LLM.shutdown()): create a new LLM to generate")
 
+    def _call(self, coro):
+        """Run a coroutine on the engine's loop and wait for it (tests drive the engine this way).
+        Raises RuntimeError after shutdown()."""
+        self._check_open()
+        return self._runtime.call(coro)
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
