@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Union
 
 from zpp.config import ConfigError, EngineConfig
+from zpp.engine.core_messages import EngineStats
 from zpp.engine.detokenizer import IncrementalDetokenizer
 from zpp.engine.executor import Executor, WorkerDiedError
 from zpp.engine.kv_cache_manager import KVCacheManager
@@ -150,6 +151,13 @@ class AsyncEngine:
             except (asyncio.CancelledError, Exception):
                 pass
         self.executor.shutdown()
+
+    def stats(self) -> EngineStats:
+        """The scheduler's, KV cache's and stages' counters now (see :class:`EngineStats`)."""
+        kv, sch = self.kv, self.scheduler
+        return EngineStats(sch.num_running, sch.num_waiting, kv.usage, kv.num_free_blocks, kv.num_blocks,
+                           sch.stats.num_preemptions, kv.prefix_queries, kv.prefix_hits,
+                           list(self.executor.stage_busy_s))
 
     @property
     def is_healthy(self) -> bool:

@@ -21,27 +21,27 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 
 
 class _EngineCollector:
-    """Gauges and counters the engine already keeps, read when /metrics is scraped."""
+    """Gauges and counters the engine core keeps (``engine.stats()``), read when /metrics is scraped."""
 
     def __init__(self, engine):
         self.engine = engine
 
     def collect(self):
-        e = self.engine
+        s = self.engine.stats()
         yield GaugeMetricFamily("zpp:num_requests_running", "Sequences in the running queue (a request with n "
-                                "completions counts n)", value=e.scheduler.num_running)
+                                "completions counts n)", value=s.num_running)
         yield GaugeMetricFamily("zpp:num_requests_waiting", "Sequences waiting to be scheduled",
-                                value=e.scheduler.num_waiting)
+                                value=s.num_waiting)
         yield GaugeMetricFamily("zpp:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)",
-                                value=e.kv.usage)
-        yield GaugeMetricFamily("zpp:num_free_kv_blocks", "Free KV-cache blocks", value=e.kv.num_free_blocks)
+                                value=s.kv_cache_usage)
+        yield GaugeMetricFamily("zpp:num_free_kv_blocks", "Free KV-cache blocks", value=s.num_free_kv_blocks)
         yield CounterMetricFamily("zpp:num_preemptions", "Sequences preempted (recomputed later) so far",
-                                  value=e.scheduler.stats.num_preemptions)
+                                  value=s.num_preemptions)
         yield CounterMetricFamily("zpp:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                                  value=e.kv.prefix_hits)
+                                  value=s.prefix_cache_hits)
         busy = CounterMetricFamily("zpp:stage_busy_seconds", "Seconds each pipeline stage spent computing",
                                    labels=["stage"])
-        for i, b in enumerate(e.executor.stage_busy_s):
+        for i, b in enumerate(s.stage_busy_s):
             busy.add_metric([str(i)], b)
         yield busy
 
