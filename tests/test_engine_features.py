@@ -226,7 +226,7 @@ def test_preemption_forward_progress_pp2_case(demo_model):
                 return out.outputs[0].token_ids
 
             tasks = [asyncio.create_task(one(p)) for p in prompts[:2]]
-            while len(engine.inflight) < 2:  # both first micro-batches in flight, none returned
+            while len(engine.core.inflight) < 2:  # both first micro-batches in flight, none returned
                 await asyncio.sleep(0.001)
             tasks += [asyncio.create_task(one(p)) for p in prompts[2:]]
             try:

@@ -59,13 +59,13 @@ def _run_zpp(config, prompts, args):
         llm.generate(prompts[: min(len(prompts), 4)], SamplingParams(temperature=0.0, max_tokens=4,
                                                                      ignore_eos=True))  # warm-up
         engine: AsyncEngine = llm.engine
-        busy0 = list(engine.executor.stage_busy_s)
+        busy0 = list(engine.stats().stage_busy_s)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=True)
         elapsed = time.perf_counter() - t0
         # Non-last stages report their busy time once a second while busy and after 250 ms idle.
         time.sleep(0.6 if config.parallel.pipeline_parallel_size > 1 else 0)
-        busy = [(b - a) / elapsed for a, b in zip(busy0, engine.executor.stage_busy_s)]
+        busy = [(b - a) / elapsed for a, b in zip(busy0, engine.stats().stage_busy_s)]
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         return elapsed, out_tokens, [min(1.0, b) for b in busy]
     finally:

@@ -16,6 +16,7 @@ from typing import Optional, Union
 import msgspec
 
 from zpp.sampling_params import SamplingParams
+from zpp.transport.messages import PromptLogprobsOutput, TokenLogprobs
 
 
 class EngineStats(msgspec.Struct, array_like=True):
@@ -42,3 +43,91 @@ class EngineStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     stage_busy_s: list[float] = []
+
+
+class CoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One sequence for the core to run (the front end fans a request with ``n`` > 1 out into n).
+
+    Attributes:
+        req_id: unique among live sequences.
+        prompt_token_ids: the prompt, already validated against the vocabulary and the limits.
+        sampling: the sequence's sampling parameters (its own seed when ``n`` > 1).
+        max_tokens: tokens to generate at most (resolved by the front end, >= 1).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+
+
+class AddRequests(msgspec.Struct, tag=True, array_like=True):
+    requests: list[CoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    """Stop these sequences (client gone, stop string hit in the front end); unknown ids are ignored."""
+
+    req_ids: list[str]
+
+
+class ShutdownCore(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class FrontHello(msgspec.Struct, tag=True, array_like=True):
+    """A front end's first message on the core socket (the core answers CoreReady when it is)."""
+
+    index: int
+
+
+class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one step added to one sequence.
+
+    Attributes:
+        req_id: the sequence.
+        token_id: the token sampled this step, or -1 when the step only computed a prefill chunk.
+        logprobs: its log-probabilities, when the request asked for them.
+        finish_reason: ``"stop"`` (EOS or a stop token) or ``"length"`` when this token ended it.
+        stop_reason: the stop token id that ended it.
+        prompt_logprobs: prompt-position logprobs this step computed (their first position is
+            ``prompt_logprobs.start``).
+    """
+
+    req_id: str
+    token_id: int = -1
+    logprobs: Optional[TokenLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int] = None
+    prompt_logprobs: Optional[PromptLogprobsOutput] = None
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Every sequence delta of one applied micro-batch (one message per step, not per request),
+    and the core's stats after it."""
+
+    deltas: list[SeqDelta]
+    stats: EngineStats
+
+
+class CoreReady(msgspec.Struct, tag=True, array_like=True):
+    num_kv_blocks: int
+    block_size: int
+    pipeline_depth: int
+
+
+class CoreFailed(msgspec.Struct, tag=True, array_like=True):
+    """The core could not start. ``kind``: ``"config"`` (ConfigError) or ``"worker"`` (WorkerDiedError)."""
+
+    kind: str
+    message: str
+
+
+class CoreDead(msgspec.Struct, tag=True, array_like=True):
+    """A worker died or the core loop failed; the core exits after sending this."""
+
+    reason: str
+
+
+ToCore = Union[AddRequests, AbortRequests, ShutdownCore, FrontHello]
+FromCore = Union[StepOutputs, CoreReady, CoreFailed, CoreDead]

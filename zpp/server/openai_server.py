@@ -731,13 +731,13 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
         ConfigError: the chat template file cannot be read, or the engine configuration is bad.
     """
     template = load_chat_template(chat_template)
-    engine = await AsyncEngine.start(config)
+    engine = await AsyncEngine.start(config, in_process=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     def on_signal() -> None:
         if stop.is_set():  # a second signal: stop the workers and leave now
             logger.warning("second signal: exiting now")
-            engine.executor.shutdown(timeout_s=1.0)
+            engine.kill()
             os._exit(1)
         stop.set()
 

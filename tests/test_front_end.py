@@ -1,0 +1,122 @@
+"""The front end without workers: input checks (zpp/engine/inputs.py) and the output processor
+(zpp/engine/output_processor.py) fed hand-made core deltas, with the real SmolLM2 tokenizer."""
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from zpp.engine import core_messages as cm
+from zpp.engine.inputs import InputProcessor, RequestError
+from zpp.engine.output_processor import OutputProcessor
+from zpp.sampling_params import SamplingParams
+from zpp.transport.messages import PromptLogprobsOutput, TokenLogprobs
+
+
+def test_validate_resolves_max_tokens_and_names_the_field():
+    ip = InputProcessor(None, vocab_size=100, max_model_len=64, num_kv_blocks=3, block_size=16)
+    with pytest.raises(RequestError, match="needs 4 KV blocks"):  # the default fills max_model_len
+        ip.validate([1, 2, 3], SamplingParams(max_tokens=None))
+    ip.num_kv_blocks = 10
+    assert ip.validate([1, 2, 3], SamplingParams(max_tokens=None)) == 61
+    assert ip.validate([1, 2, 3], SamplingParams(max_tokens=5)) == 5
+    cases = [([], SamplingParams(), "prompt", "empty"),
+             ([1] * 64, SamplingParams(), "prompt", "max_model_len is 64"),
+             ([1, 100], SamplingParams(), "prompt", "outside the vocabulary"),
+             ([1, 2], SamplingParams(max_tokens=63), "max_tokens", "exceeds max_model_len 64")]
+    for ids, sp, param, words in cases:
+        with pytest.raises(RequestError, match=words) as e:
+            ip.validate(ids, sp)
+        assert e.value.param == param
+    ip.num_kv_blocks = 2
+    with pytest.raises(RequestError, match="needs 3 KV blocks") as e:
+        ip.validate([1] * 20, SamplingParams(max_tokens=20))
+    assert e.value.param == "max_tokens"
+    with pytest.raises(RequestError, match="no tokenizer"):
+        ip.tokenize_prompt("hello")
+
+
+def _processor(tokenizer):
+    aborted: list[str] = []
+    return OutputProcessor(tokenizer, aborted.extend), aborted
+
+
+def _step(*deltas) -> cm.StepOutputs:
+    # Through msgpack and back, as the deltas travel from the core process.
+    enc = msgspec.msgpack.encode(cm.StepOutputs(list(deltas), cm.EngineStats()))
+    return msgspec.msgpack.Decoder(cm.FromCore).decode(enc)
+
+
+def _drain(group):
+    items = []
+    while not group.queue.empty():
+        items.append(group.queue.get_nowait())
+    return items
+
+
+def test_deltas_become_cumulative_outputs_and_a_stop_string_aborts_in_core(tokenizer):
+    async def run():
+        op, aborted = _processor(tokenizer)
+        prompt = tokenizer.encode("Say hi")
+        sp = SamplingParams(max_tokens=20, stop=["END"])
+        g = op.new_group("r", "Say hi", prompt, sp, ["r"], stream=True)
+        op.add(g)
+        words = tokenizer.encode(" hello world END more")
+        outs = []
+        for t in words:
+            op.process(_step(cm.SeqDelta("r", t)))
+            outs += _drain(g)
+            if outs and outs[-1].finished:
+                break
+        final = outs[-1]
+        assert final.finished and final.outputs[0].finish_reason == "stop"
+        assert final.outputs[0].stop_reason == "END"
+        assert final.outputs[0].text == " hello world "
+        assert aborted == ["r"], "the core must be told to stop the sequence"
+        texts = [o.outputs[0].text for o in outs]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "text taken back"
+        # A delta the core computed before the abort reached it is dropped.
+        op.process(_step(cm.SeqDelta("r", words[0])))
+        assert _drain(g) == [] and "r" not in op.groups
+    asyncio.run(run())
+
+
+def test_eos_text_hidden_n_fanout_logprobs_and_prompt_logprobs(tokenizer):
+    async def run():
+        op, aborted = _processor(tokenizer)
+        prompt = tokenizer.encode("a b c")
+        sp = SamplingParams(max_tokens=3, n=2, logprobs=1, prompt_logprobs=0)
+        g = op.new_group("q", None, prompt, sp, ["q#0", "q#1"], stream=False)
+        op.add(g)
+        lp = lambda t, v: TokenLogprobs(t, v, 1, [t], [v])  # noqa: E731
+        plp = PromptLogprobsOutput("q#1", 1, [lp(t, -0.5) for t in prompt[1:]])
+        eos = tokenizer.eos_token_id
+        hi = tokenizer.encode(" hi")[0]
+        op.process(_step(cm.SeqDelta("q#0", prompt_logprobs=None), cm.SeqDelta("q#1", hi, lp(hi, -1.0), prompt_logprobs=plp)))
+        op.process(_step(cm.SeqDelta("q#1", eos, lp(eos, -0.25), finish_reason="stop")))
+        assert _drain(g) == [], "stream=False publishes only the final output"
+        op.process(_step(cm.SeqDelta("q#0", hi, lp(hi, -2.0)), ))
+        op.process(_step(cm.SeqDelta("q#0", hi, lp(hi, -2.0), finish_reason="length")))
+        [final] = _drain(g)
+        a, b = final.outputs
+        assert a.token_ids == [hi, hi] and a.finish_reason == "length" and a.cumulative_logprob == -4.0
+        assert b.token_ids == [hi, eos] and b.finish_reason == "stop" and b.text == " hi", "EOS adds no text"
+        assert b.logprobs == [{hi: -1.0}, {eos: -0.25}]
+        assert final.prompt_logprobs == [None] + [{t: -0.5} for t in prompt[1:]]
+        assert aborted == []
+    asyncio.run(run())
+
+
+def test_abort_returns_only_live_sequences_and_end_all_reaches_streams(tokenizer):
+    async def run():
+        op, _ = _processor(tokenizer)
+        g = op.new_group("x", None, [1, 2], SamplingParams(max_tokens=4, n=2), ["x#0", "x#1"], stream=True)
+        op.add(g)
+        op.process(_step(cm.SeqDelta("x#0", 5, finish_reason="length")))
+        assert op.abort("x") == ["x#1"]
+        g2 = op.new_group("y", None, [1, 2], SamplingParams(max_tokens=4), ["y"], stream=True)
+        op.add(g2)
+        op.end_all(RuntimeError("gone"))
+        assert isinstance(_drain(g2)[-1], RuntimeError)
+    asyncio.run(run())

@@ -1,0 +1,305 @@
+"""The engine core in its own process (``zpp serve``), and the front end's client for it.
+
+The front end spawns one core process; the core binds a ZeroMQ ROUTER on an ipc address and
+each front end connects a DEALER (several front ends may share one core). Every message is a
+msgspec-tagged struct from :mod:`zpp.engine.core_messages`, msgpack-encoded; nothing is pickled.
+
+Lifecycle:
+
+- start-up: front -> FrontHello; core -> CoreReady once its workers are up, or CoreFailed
+  (ConfigError / WorkerDiedError text) and exit 1.
+- a worker dies: core -> CoreDead(reason), the core stops its workers and exits 1; a core that
+  dies without a word is seen through its process sentinel. Either way the front end fails its
+  requests, ``/health`` answers 503 and ``zpp serve`` exits non-zero.
+- the front end dies (even SIGKILL): the core gets SIGKILL from the kernel (PR_SET_PDEATHSIG, as
+  the workers do from the core), so nothing is left behind.
+- stop: front -> ShutdownCore; the core stops its workers and exits 0. The core ignores SIGINT
+  (a terminal's Ctrl-C reaches the whole process group; the front end decides) and treats
+  SIGTERM as ShutdownCore.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import signal
+from typing import Optional
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from zpp.config import ConfigError, EngineConfig
+from zpp.engine import core_messages as cm
+from zpp.engine.executor import WorkerDiedError, _main_module_hidden
+from zpp.transport.channels import local_ipc_address
+
+logger = logging.getLogger(__name__)
+
+_encoder = msgspec.msgpack.Encoder()
+_to_core = msgspec.msgpack.Decoder(cm.ToCore)
+_from_core = msgspec.msgpack.Decoder(cm.FromCore)
+
+
+# --- the core process --------------------------------------------------------------------------
+def core_main(config_bytes: bytes, address: str, eos_token_ids: list[int], log_level: int) -> None:
+    """Entry point of the engine-core process. Exits 0 after ShutdownCore, 1 on a failure."""
+    from zpp.workers.worker import watch_parent
+    watch_parent()
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+    try:
+        status = asyncio.run(_CoreServer(config, address, set(eos_token_ids)).run())
+    except Exception:
+        logger.exception("engine core failed")
+        status = 1
+    logging.shutdown()
+    os._exit(status)
+
+
+class _CoreServer:
+    def __init__(self, config: EngineConfig, address: str, eos_token_ids: set[int]):
+        self.config = config
+        self.address = address
+        self.eos_token_ids = eos_token_ids
+        self.fronts: list[bytes] = []
+        self.owner: dict[str, bytes] = {}  # sequence id -> front end (only with several front ends)
+        self.core = None
+        self.ready: Optional[cm.CoreReady | cm.CoreFailed] = None
+        self.stop = asyncio.Event()
+        self.status = 0
+
+    async def run(self) -> int:
+        ctx = zmq.asyncio.Context()
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.bind(self.address)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.stop.set)
+        reader = asyncio.create_task(self._read())
+        try:
+            from zpp.engine.core import EngineCore
+            try:
+                self.core = await EngineCore.start(self.config, self.eos_token_ids, self._emit, self._on_dead)
+                self.ready = cm.CoreReady(self.core.kv.num_blocks, self.config.cache.block_size, self.core.depth)
+            except ConfigError as e:
+                self.ready, self.status = cm.CoreFailed("config", str(e)), 1
+            except WorkerDiedError as e:
+                self.ready, self.status = cm.CoreFailed("worker", str(e)), 1
+            self._broadcast(self.ready)
+            if isinstance(self.ready, cm.CoreFailed):
+                await self._linger_for_front()
+                return self.status
+            await self.stop.wait()
+            return self.status
+        finally:
+            reader.cancel()
+            if self.core is not None:
+                await self.core.shutdown()
+            await asyncio.sleep(0.05)  # let queued messages (CoreDead) leave
+            self.sock.close(linger=1000)
+            ctx.term()
+
+    async def _linger_for_front(self) -> None:
+        """After a failed start, give the front end a moment to connect and read CoreFailed."""
+        for _ in range(50):
+            if self.fronts:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.2)
+
+    async def _read(self) -> None:
+        while True:
+            ident, payload = await self.sock.recv_multipart()
+            msg = _to_core.decode(payload)
+            if isinstance(msg, cm.AddRequests):
+                if self.core is None or self.core.dead:
+                    continue
+                if len(self.fronts) > 1:
+                    for r in msg.requests:
+                        self.owner[r.req_id] = ident
+                self.core.add_requests(msg.requests)
+            elif isinstance(msg, cm.AbortRequests):
+                if self.core is not None:
+                    self.core.abort(msg.req_ids)
+                    for rid in msg.req_ids:
+                        self.owner.pop(rid, None)
+                    if not self.core.inflight:  # idle: the gauges changed with no step to carry them
+                        self._broadcast(cm.StepOutputs([], self.core.stats()))
+            elif isinstance(msg, cm.FrontHello):
+                if ident not in self.fronts:
+                    self.fronts.append(ident)
+                if self.ready is not None:
+                    self.sock.send_multipart([ident, _encoder.encode(self.ready)])
+            elif isinstance(msg, cm.ShutdownCore):
+                self.stop.set()
+
+    def _broadcast(self, msg) -> None:
+        payload = _encoder.encode(msg)
+        for ident in self.fronts:
+            self.sock.send_multipart([ident, payload])
+
+    def _emit(self, step: cm.StepOutputs) -> None:
+        if len(self.fronts) <= 1:
+            self._broadcast(step)
+            return
+        by_front: dict[bytes, list[cm.SeqDelta]] = {f: [] for f in self.fronts}
+        for d in step.deltas:
+            f = self.owner.get(d.req_id)
+            if f is not None:
+                by_front[f].append(d)
+                if d.finish_reason is not None:
+                    self.owner.pop(d.req_id, None)
+        for f, deltas in by_front.items():
+            self.sock.send_multipart([f, _encoder.encode(cm.StepOutputs(deltas, step.stats))])
+
+    def _on_dead(self, reason: str) -> None:
+        logger.error("engine core: %s", reason)
+        self._broadcast(cm.CoreDead(reason))
+        self.status = 1
+        self.stop.set()
+
+
+# --- the front end's side ----------------------------------------------------------------------
+class CoreProcessClient:
+    """Spawns the core process (or joins one at ``address``) and talks to it.
+
+    ``start`` raises ConfigError / WorkerDiedError with the core's one-line reason when the core
+    cannot start. After start: ``add``/``abort`` send without waiting; ``on_step`` gets every
+    StepOutputs and ``on_dead`` the reason once if the core or a worker dies.
+    """
+
+    def __init__(self, address: Optional[str] = None, index: int = 0):
+        self.address = address
+        self.index = index
+        self.proc: Optional[mp.Process] = None
+        self._stats = cm.EngineStats()
+        self._stopping = False
+        self._dead = False
+        self._reader: Optional[asyncio.Task] = None
+        self._on_exit_during_start: Optional[asyncio.Future] = None
+
+    async def start(self, config: EngineConfig, eos_token_ids: set[int], on_step, on_dead) -> None:
+        self.on_step, self.on_dead = on_step, on_dead
+        loop = asyncio.get_running_loop()
+        if self.address is None:
+            self.address = local_ipc_address()
+            ctx = mp.get_context("spawn")
+            level = logging.getLogger("zpp").getEffectiveLevel()
+            with _main_module_hidden():
+                # Not a daemon: the core starts the worker processes itself.
+                self.proc = ctx.Process(target=core_main, name="zpp-engine-core",
+                                        args=(msgspec.msgpack.encode(config), self.address,
+                                              sorted(eos_token_ids), level))
+                self.proc.start()
+            loop.add_reader(self.proc.sentinel, self._core_exited)
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.connect(self.address)
+        self._send(cm.FrontHello(self.index))
+        first = asyncio.ensure_future(self.sock.recv())
+        exited = loop.create_future()
+        self._on_exit_during_start = exited
+        done, _ = await asyncio.wait([first, exited], return_when=asyncio.FIRST_COMPLETED)
+        self._on_exit_during_start = None
+        if first not in done:
+            first.cancel()
+            self._close()
+            raise WorkerDiedError(f"the engine core process exited during start-up (exit code "
+                                  f"{self.proc.exitcode}); see the log above")
+        msg = _from_core.decode(first.result())
+        if isinstance(msg, cm.CoreFailed):
+            self._stopping = True
+            self._join(5.0)
+            self._close()
+            raise (ConfigError if msg.kind == "config" else WorkerDiedError)(msg.message)
+        assert isinstance(msg, cm.CoreReady), msg
+        self.num_kv_blocks, self.block_size, self.pipeline_depth = msg.num_kv_blocks, msg.block_size, msg.pipeline_depth
+        self._reader = asyncio.create_task(self._read())
+
+    def _send(self, msg) -> None:
+        self.sock.send(_encoder.encode(msg))  # HWM 0: never blocks; the future is already done
+
+    def add(self, reqs: list[cm.CoreRequest]) -> None:
+        self._send(cm.AddRequests(reqs))
+
+    def abort(self, req_ids: list[str]) -> None:
+        self._send(cm.AbortRequests(req_ids))
+
+    def stats(self) -> cm.EngineStats:
+        return self._stats
+
+    async def _read(self) -> None:
+        decode = _from_core.decode
+        while True:
+            msg = decode(await self.sock.recv())
+            if isinstance(msg, cm.StepOutputs):
+                self._stats = msg.stats
+                try:
+                    self.on_step(msg)
+                except Exception:  # a front-end bug must not silence the core's stream
+                    logger.exception("processing the engine core's outputs failed")
+            elif isinstance(msg, cm.CoreDead):
+                self._die(msg.reason)
+
+    def _die(self, reason: str) -> None:
+        if not self._dead and not self._stopping:
+            self._dead = True
+            self.on_dead(reason)
+
+    def _core_exited(self) -> None:
+        loop = asyncio.get_event_loop()
+        loop.remove_reader(self.proc.sentinel)
+        self.proc.join(0)
+        if self._on_exit_during_start is not None and not self._on_exit_during_start.done():
+            self._on_exit_during_start.set_result(None)
+            return
+        # A CoreDead message sent just before exiting may still be in the socket: let it win.
+        loop.call_later(0.2, self._die, f"the engine core process exited (exit code {self.proc.exitcode})")
+
+    def _join(self, timeout: float) -> None:
+        if self.proc is None:
+            return
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(3.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(1.0)
+
+    def _close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    async def shutdown(self) -> None:
+        """Ask the core to stop its workers and exit; wait (then SIGTERM, SIGKILL). Idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self.proc is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+            except Exception:
+                pass
+        try:
+            self._send(cm.ShutdownCore())
+        except zmq.ZMQError:
+            pass
+        await asyncio.get_running_loop().run_in_executor(None, self._join, 15.0)
+        self._close()
+
+    def kill(self) -> None:
+        """Stop the core now (SIGTERM: it still stops its workers)."""
+        self._stopping = True
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.terminate()

@@ -1,0 +1,214 @@
+"""Front-end output processing: the core's per-step deltas -> each request's outputs.
+
+For every :class:`~zpp.engine.core_messages.SeqDelta`: append the token and its logprobs, run the
+incremental detokenizer and the stop strings (a hit ends the sequence here and aborts it in the
+core), collect prompt logprobs, and publish a :class:`~zpp.outputs.RequestOutput` to the
+request's stream. Metrics observers see every request through the ``on_*`` hooks. No engine
+state is read: everything arrives in the deltas.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from zpp.engine.core_messages import StepOutputs
+from zpp.engine.detokenizer import IncrementalDetokenizer
+from zpp.outputs import CompletionOutput, RequestOutput
+from zpp.sampling_params import SamplingParams
+
+
+@dataclass
+class _Seq:
+    req_id: str
+    detok: Optional[IncrementalDetokenizer]
+    out: CompletionOutput
+    cum_logprob: float = 0.0
+
+
+@dataclass
+class _Group:
+    """A user request: one prompt, ``n`` sequences, one output stream."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    seqs: list[_Seq]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prompt_logprobs: Optional[list] = None
+    prompt_logprobs_missing: int = 0
+    """Prompt positions (after the first) whose logprobs were asked for and are not in yet."""
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    stream: bool = True
+    """Publish every step (False: only the final output, for offline use)."""
+    num_unfinished: int = 0
+
+    def __post_init__(self):
+        self.num_unfinished = len(self.seqs)
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+
+class OutputProcessor:
+    """Per-request output state in the front end.
+
+    Args:
+        tokenizer: HF tokenizer, or None (outputs then have no text and stop strings never match).
+        abort_in_core: called with sequence ids the core must stop (stop strings, failed requests).
+    """
+
+    def __init__(self, tokenizer, abort_in_core: Callable[[list[str]], None]):
+        self.tokenizer = tokenizer
+        self.abort_in_core = abort_in_core
+        self.groups: dict[str, _Group] = {}
+        self.seq_to_group: dict[str, tuple[_Group, _Seq]] = {}
+        self.metrics = None  # optional observer with on_* hooks (server/metrics.py)
+
+    def new_group(self, request_id: str, prompt: Optional[str], ids: list[int], sampling: SamplingParams,
+                  seq_ids: list[str], stream: bool) -> _Group:
+        seqs = []
+        for i, sid in enumerate(seq_ids):
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop, sampling.skip_special_tokens,
+                                               sampling.include_stop_str_in_output, sampling.min_tokens)
+            out = CompletionOutput(index=i, logprobs=[] if sampling.logprobs is not None else None)
+            seqs.append(_Seq(sid, detok, out))
+        group = _Group(request_id, prompt, ids, sampling, seqs, stream=stream)
+        if sampling.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(ids)
+            group.prompt_logprobs_missing = len(ids) - 1
+        return group
+
+    def add(self, group: _Group) -> None:
+        """Track a request whose sequences the core runs."""
+        self.groups[group.request_id] = group
+        for s in group.seqs:
+            self.seq_to_group[s.req_id] = (group, s)
+        if self.metrics:
+            self.metrics.on_request_added(group)
+
+    def finish_empty(self, group: _Group) -> None:
+        """A request with ``max_tokens == 0``: finished at once with no output."""
+        for s in group.seqs:
+            s.out.finish_reason = "length"
+        group.num_unfinished = 0
+        self.groups[group.request_id] = group
+        self._publish(group)
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a request; return the ids of its sequences the core still runs."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return []
+        live = []
+        for s in group.seqs:
+            self.seq_to_group.pop(s.req_id, None)
+            if s.out.finish_reason is None:
+                s.out.finish_reason = "abort"
+                live.append(s.req_id)
+        if self.metrics:
+            self.metrics.on_request_finished(group, aborted=True)
+        return live
+
+    def end_all(self, error: Exception) -> None:
+        """Hand ``error`` to every request's stream (its ``generate`` raises it)."""
+        for g in list(self.groups.values()):
+            g.queue.put_nowait(error)
+
+    def process(self, step: StepOutputs) -> None:
+        """Apply one step's deltas and publish the requests they touched."""
+        now = time.monotonic()
+        touched: dict[str, _Group] = {}
+        stopped: list[str] = []
+        for d in step.deltas:
+            entry = self.seq_to_group.get(d.req_id)
+            if entry is None:
+                continue  # aborted or already finished by a stop string
+            group, seq = entry
+            touched[group.request_id] = group
+            p = d.prompt_logprobs
+            if p is not None and group.prompt_logprobs is not None:
+                # Any of the n sequences may deliver them (they share the prompt; whichever is
+                # scheduled first computes it); a recompute after preemption gives the same values.
+                for j, e in enumerate(p.entries):
+                    group.prompt_logprobs_missing -= group.prompt_logprobs[p.start + j] is None
+                    group.prompt_logprobs[p.start + j] = _lp_dict(e)
+            if d.token_id < 0:
+                continue
+            if group.first_token_time is None:
+                group.first_token_time = now
+                if self.metrics:
+                    self.metrics.on_first_token(group, now)
+            elif self.metrics:
+                self.metrics.on_token(group, now)
+            group.last_token_time = now
+            out = seq.out
+            out.token_ids.append(d.token_id)
+            if out.logprobs is not None and d.logprobs is not None:
+                out.logprobs.append(_lp_dict(d.logprobs))
+                seq.cum_logprob += d.logprobs.logprob
+                out.cumulative_logprob = seq.cum_logprob
+            finish, stop_reason = d.finish_reason, d.stop_reason
+            if seq.detok is not None:
+                # As in vLLM, a token that stopped the sequence (EOS, stop_token_ids) adds no text
+                # unless include_stop_str_in_output.
+                hide = finish == "stop" and not group.sampling.include_stop_str_in_output
+                stop = seq.detok.add_tokens([] if hide else [d.token_id])
+                if stop is not None:
+                    # A stop string outranks a stop token, EOS or length met on the same token.
+                    if finish is None:
+                        stopped.append(seq.req_id)
+                    finish, stop_reason = "stop", stop
+            if finish is not None:
+                group.num_unfinished -= 1
+                out.finish_reason, out.stop_reason = finish, stop_reason
+                self.seq_to_group.pop(seq.req_id, None)
+                if seq.detok is not None:
+                    seq.detok.flush()
+            if seq.detok is not None:
+                out.text = seq.detok.stream_text(finish is not None)
+        if stopped:
+            self.abort_in_core(stopped)
+        for group in touched.values():
+            if group.stream or group.num_unfinished == 0:
+                self._publish(group)
+
+    def _publish(self, group: _Group) -> None:
+        if group.prompt_logprobs is not None and group.prompt_logprobs_missing \
+                and any(s.out.token_ids for s in group.seqs):
+            # A sampled token means the whole prompt was computed, so every prompt logprob must be
+            # in: never answer a value that was asked for with null.
+            group.queue.put_nowait(RuntimeError(
+                f"request {group.request_id}: {group.prompt_logprobs_missing} prompt logprobs were not "
+                "computed (an engine bug)"))
+            live = self.abort(group.request_id)
+            if live:
+                self.abort_in_core(live)
+            return
+        finished = group.finished
+        outs = [CompletionOutput(index=s.out.index, text=s.out.text, token_ids=list(s.out.token_ids),
+                                 finish_reason=s.out.finish_reason, stop_reason=s.out.stop_reason,
+                                 logprobs=list(s.out.logprobs) if s.out.logprobs is not None else None,
+                                 cumulative_logprob=s.out.cumulative_logprob) for s in group.seqs]
+        group.queue.put_nowait(RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
+                                             finished, list(group.prompt_logprobs) if group.prompt_logprobs else None))
+        if finished:
+            self.groups.pop(group.request_id, None)
+            for s in group.seqs:
+                self.seq_to_group.pop(s.req_id, None)
+            if self.metrics:
+                self.metrics.on_request_finished(group, aborted=False)
+
+
+def _lp_dict(lp) -> dict[int, float]:
+    d = {lp.token_id: lp.logprob}
+    for t, v in zip(lp.top_ids, lp.top_logprobs):
+        d.setdefault(t, v)
+    return d
