@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from conftest import ServerProcess
+from conftest import ServerProcess, parse_metrics
 
 MODEL = "SmolLM2-135M-Instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -40,17 +40,11 @@ def client(server, **kw) -> AsyncOpenAI:
 
 
 async def scrape(server) -> dict[str, float]:
-    """The /metrics samples as {'name{labels}': value}."""
+    """The /metrics samples as {'name{labels}': value} (without the model_name label)."""
     async with aiohttp.ClientSession() as s:
         async with s.get(server.url + "/metrics") as r:
             assert r.status == 200
-            text = await r.text()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
+            return parse_metrics(await r.text())
 
 
 def non_ascii(text: str) -> int:
@@ -618,3 +612,4 @@ def test_prompt_logprobs_in_responses(server, tokenizer):
             assert data["prompt_logprobs"][0] is None
             assert len(data["prompt_logprobs"]) == data["usage"]["prompt_tokens"]
     run(go())
+

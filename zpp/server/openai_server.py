@@ -25,6 +25,7 @@ from zpp.config import ConfigError
 from zpp.engine.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestError
 from zpp.outputs import CompletionOutput, RequestOutput
 from zpp.sampling_params import SamplingParams, SamplingParamsError
+from zpp.server.metrics import DEFAULT_LOG_STATS_INTERVAL_S, Metrics, StatsLogger
 from zpp.server.protocol import (ChatCompletionRequest, CompletionRequest, ProtocolError, decode_request,
                                  error_body, new_id, now, to_sampling_params)
 
@@ -180,13 +181,14 @@ class OpenAIServer:
         trust_request_chat_template: accept a ``chat_template`` in the request (vLLM's flag of that
             name; off by default: a template is a program, and one with nested loops would hold the
             event loop, and with it every stream and the engine, for as long as it runs).
+        log_requests: log one INFO line per finished request (off: ``--disable-log-requests``).
     """
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: Optional[str] = None,
                  chat_template: Optional[str] = None,
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                  max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, log_requests: bool = True):
         self.engine = engine
         self.model_name = served_model_name
         self.api_key = api_key
@@ -197,8 +199,7 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.tokens = TokenStrings(engine.tokenizer)
         self.max_prompt_chars = _max_prompt_chars(engine.tokenizer, engine.max_model_len)
-        from zpp.server.metrics import Metrics
-        self.metrics = Metrics(engine)
+        self.metrics = Metrics(engine, served_model_name, log_requests=log_requests)
         engine.metrics = self.metrics
 
     def build_app(self) -> web.Application:
@@ -716,11 +717,14 @@ def load_chat_template(path: Optional[str]) -> Optional[str]:
 
 # --- running the server ---------------------------------------------------------------------------
 async def serve(config, host: str, port: int, api_key: Optional[str] = None,
-                chat_template: Optional[str] = None, **server_options) -> int:
+                chat_template: Optional[str] = None,
+                log_stats_interval: Optional[float] = DEFAULT_LOG_STATS_INTERVAL_S, **server_options) -> int:
     """Start the engine and the HTTP server; run until SIGINT/SIGTERM or engine death.
 
-    ``chat_template`` is a file path (read before any worker starts); ``server_options`` go to
-    :class:`OpenAIServer` (request limits, ``trust_request_chat_template``).
+    ``chat_template`` is a file path (read before any worker starts); ``log_stats_interval`` the
+    seconds between stats log lines while busy (None: no stats lines, ``--disable-log-stats``);
+    ``server_options`` go to :class:`OpenAIServer` (request limits, ``trust_request_chat_template``,
+    ``log_requests``).
 
     On the first SIGINT/SIGTERM, requests in progress are ended at once (streams get an error event
     and ``[DONE]``, others HTTP 503) and the server stops within seconds; a second signal stops it
@@ -746,6 +750,7 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
     server = OpenAIServer(engine, config.model.name, api_key, template, **server_options)
     runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     status = 0
+    stats_task = None
     try:
         await runner.setup()
         site = web.TCPSite(runner, host, port)
@@ -754,6 +759,9 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
                     config.model.name, host, port, config.parallel.pipeline_parallel_size,
                     config.parallel.tensor_parallel_size)
         print(f"zpp: serving {config.model.name} on http://{host}:{port}", flush=True)
+        if log_stats_interval:
+            stats = StatsLogger(engine, server.metrics, log_stats_interval, config.cache.enable_prefix_caching)
+            stats_task = asyncio.create_task(stats.run())
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
@@ -766,6 +774,8 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
                 break
     finally:
         logger.info("shutting down")
+        if stats_task is not None:
+            stats_task.cancel()
         engine.abort_all()
         await asyncio.sleep(0.1)  # let the handlers write their error events
         await runner.cleanup()
