@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # One command: set up, convert the packaged SmolLM2 model (once) and serve it with 2 pipeline stages
 # (on the GPU when there are 2 or more, else on the CPU). Extra arguments go to `zpp serve`.
+# The "Try: curl ..." hint is printed once the server answers /health.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-. .venv/bin/activate
+if [ -z "${ZPP_DEMO_SKIP_SETUP:-}" ]; then  # set by tests: use the python and zpp on PATH as they are
+  bash scripts/setup.sh
+  . .venv/bin/activate
+fi
 MODEL_DIR="$(zpp prepare-demo-model --log-level warning | tail -n 1)"
 DEVICE=cpu
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)" 2>/dev/null; then DEVICE=cuda; fi
 PORT="${PORT:-8000}"
-cat <<MSG
-Serving $MODEL_DIR with --pipeline-parallel-size 2 on $DEVICE, port $PORT. Try:
+echo "Starting zpp serve on $MODEL_DIR with --pipeline-parallel-size 2 on $DEVICE, port $PORT (loading the model)..."
+HINT="Ready. Try:
   curl -s localhost:$PORT/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{"messages":[{"role":"user","content":"What is the capital of France?"}],"temperature":0}'
-Stop with Ctrl-C.
-MSG
+    -d '{\"messages\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}],\"temperature\":0}'
+Stop with Ctrl-C."
+# After the exec below this shell's pid ($$) is the server's: the watcher prints the hint once that
+# server answers /health, and gives up quietly if it exits first. (Started from a subshell so that
+# it is not the server's child.)
+( python -m zpp.demo --when-healthy "http://127.0.0.1:$PORT/health" --pid $$ --message "$HINT" & )
 exec zpp serve "$MODEL_DIR" --pipeline-parallel-size 2 --device "$DEVICE" --port "$PORT" "$@"

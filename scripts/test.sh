@@ -13,4 +13,5 @@ if [ "$(id -u)" = 0 ] && [ ! -x /usr/sbin/sshd ]; then
   python -c "import sys; sys.path.insert(0, 'tests'); from two_hosts import ensure_openssh; ensure_openssh()" \
     || echo "test.sh: openssh-server install failed; the two-hosts tests will report it" >&2
 fi
-exec python -m pytest -q "$@"
+# -v: one line per test as it finishes (name, outcome, % done); the 15 slowest at the end.
+exec python -m pytest -v --durations=15 "$@"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -123,6 +124,23 @@ class ServerProcess:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait(5)
         self.log.close()
+
+
+_MODEL_NAME_LABEL = re.compile(r'model_name="(?:[^"\\]|\\.)*",?')
+
+
+def parse_metrics(text: str, keep_model_name: bool = False) -> dict[str, float]:
+    """A Prometheus text exposition as ``{'name{labels}': value}``. Every zpp series carries a
+    ``model_name`` label; unless ``keep_model_name``, it is dropped from the keys (one model per
+    server), so ``zpp:request_success_total{finished_reason="stop"}`` and ``zpp:num_requests_running``."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            if not keep_model_name:
+                key = _MODEL_NAME_LABEL.sub("", key).replace(",}", "}").replace("{}", "")
+            out[key] = float(value)
+    return out
 
 
 def descendants(pid: int) -> list[int]:

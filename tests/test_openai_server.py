@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from conftest import ServerProcess
+from conftest import ServerProcess, parse_metrics
 
 MODEL = "SmolLM2-135M-Instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -40,17 +40,11 @@ def client(server, **kw) -> AsyncOpenAI:
 
 
 async def scrape(server) -> dict[str, float]:
-    """The /metrics samples as {'name{labels}': value}."""
+    """The /metrics samples as {'name{labels}': value} (without the model_name label)."""
     async with aiohttp.ClientSession() as s:
         async with s.get(server.url + "/metrics") as r:
             assert r.status == 200
-            text = await r.text()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
+            return parse_metrics(await r.text())
 
 
 def non_ascii(text: str) -> int:
@@ -618,3 +612,109 @@ def test_prompt_logprobs_in_responses(server, tokenizer):
             assert data["prompt_logprobs"][0] is None
             assert len(data["prompt_logprobs"]) == data["usage"]["prompt_tokens"]
     run(go())
+
+
+# --- /tokenize, /detokenize, /ping (vLLM's); unknown fields ------------------------------------
+async def _post(s: aiohttp.ClientSession, server, path: str, body) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with s.post(server.url + path, data=data, headers={"Content-Type": "application/json"}) as r:
+        return r.status, await r.json()
+
+
+def test_tokenize_and_detokenize(server, tokenizer):
+    """vLLM's shapes; the ids are those the completion and chat endpoints run."""
+    text = "The capital of France is"
+    ids = tokenizer.encode(text)
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            status, tok = await _post(s, server, "/tokenize", {"model": MODEL, "prompt": text})
+            assert status == 200
+            assert tok == {"count": len(ids), "max_model_len": 1024, "tokens": ids, "token_strs": None}
+            _, comp = await _post(s, server, "/v1/completions", {"prompt": text, "max_tokens": 1})
+            assert comp["usage"]["prompt_tokens"] == tok["count"]
+            _, strs = await _post(s, server, "/tokenize", {"prompt": text, "return_token_strs": True})
+            assert strs["tokens"] == ids and strs["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+
+            status, chat_tok = await _post(s, server, "/tokenize", {"model": MODEL, "messages": FRANCE})
+            assert status == 200 and chat_tok["count"] == len(chat_tok["tokens"])
+            rendered = tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=False)
+            assert chat_tok["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
+            _, chat = await _post(s, server, "/v1/chat/completions", {"messages": FRANCE, "max_tokens": 1})
+            assert chat["usage"]["prompt_tokens"] == chat_tok["count"]
+            _, no_gen = await _post(s, server, "/tokenize", {"messages": FRANCE, "add_generation_prompt": False})
+            assert no_gen["count"] < chat_tok["count"]
+
+            status, detok = await _post(s, server, "/detokenize", {"model": MODEL, "tokens": ids})
+            assert status == 200 and detok == {"prompt": text}
+            _, detok = await _post(s, server, "/detokenize", {"tokens": chat_tok["tokens"]})
+            assert detok == {"prompt": rendered}
+            _, detok = await _post(s, server, "/detokenize", {"tokens": []})
+            assert detok == {"prompt": ""}
+    run(go())
+
+
+TOKENIZE_BAD = [
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "messages": FRANCE}, 400, "messages"),
+    ("/tokenize", {"messages": []}, 400, "messages"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("/tokenize", {"messages": FRANCE, "chat_template": "{{ 1 }}"}, 400, "chat_template"),
+    ("/tokenize", {"model": "no-such-model", "prompt": "x"}, 404, "model"),
+    ("/tokenize", {"prompt": "x", "bogus": 1}, 400, "bogus"),
+    ("/tokenize", b"not json", 400, None),
+    ("/detokenize", {}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("/detokenize", {"tokens": [1, 2, 10 ** 9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [1], "model": "no-such-model"}, 404, "model"),
+    ("/detokenize", [1, 2], 400, None),
+]
+
+
+def test_tokenize_detokenize_bad_input_gets_openai_errors(server):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            for path, body, status, param in TOKENIZE_BAD:
+                got_status, got = await _post(s, server, path, body)
+                assert got_status == status, (path, body, got)
+                assert set(got["error"]) == {"message", "type", "param", "code"}, got
+                assert got["error"]["param"] == param, (path, body, got)
+            status, _ = await _post(s, server, "/tokenize", {"prompt": "still fine"})
+            assert status == 200
+    run(go())
+
+
+def test_ping(server):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(server.url + "/ping") as r:
+                assert r.status == 200
+            async with s.post(server.url + "/ping") as r:
+                assert r.status == 200
+    run(go())
+
+
+def test_unknown_fields_refused_and_logged_once_per_name(server):
+    """Still a 400 naming the field (OpenAI's behaviour); the server logs a warning the first time
+    it sees each unknown field name, all of a body's unknown fields (as vLLM logs them)."""
+    first, second = f"zpp_test_{time.monotonic_ns()}", f"zpp_test_other_{time.monotonic_ns()}"
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            for path, body in [("/v1/completions", {"prompt": "hi", first: 1}),
+                               ("/v1/completions", {"prompt": "hi", first: 2}),
+                               ("/v1/chat/completions", {"messages": FRANCE, first: True, second: None}),
+                               ("/tokenize", {"prompt": "hi", second: 1})]:
+                status, got = await _post(s, server, path, body)
+                assert status == 400, got
+                assert got["error"]["param"] == (first if first in body else second), got
+    run(go())
+    deadline = time.monotonic() + 5
+    while second not in server.output() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    lines = [l for l in server.output().splitlines() if "unrecognized request field" in l]
+    assert sum(first in l for l in lines) == 1 and sum(second in l for l in lines) == 1, lines
+    assert all("WARNING" in l for l in lines if first in l or second in l)

@@ -18,8 +18,6 @@ logger = logging.getLogger("zpp.cli")
 _NO_EFFECT_FLAGS = {
     "trust_remote_code": "--trust-remote-code: zpp runs no code from model directories (its own model "
                          "classes only); ignored",
-    "disable_log_requests": "--disable-log-requests: zpp logs no per-request lines; ignored",
-    "disable_log_stats": "--disable-log-stats: zpp logs no periodic stats; ignored",
 }
 
 
@@ -178,7 +176,9 @@ def cmd_serve(args) -> int:
     validate_startup(config)
     options = _server_options(args)
     _check_port_free(args.host, args.port)
-    return asyncio.run(serve(config, args.host, args.port, args.api_key, args.chat_template, **options))
+    return asyncio.run(serve(config, args.host, args.port, args.api_key, args.chat_template,
+                             log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+                             **options))
 
 
 def _server_options(args) -> dict:
@@ -188,8 +188,11 @@ def _server_options(args) -> dict:
         raise ConfigError(f"--max-request-body-bytes {args.max_request_body_bytes!r}: must be at least 1KiB")
     if args.max_stop_sequences < 0:
         raise ConfigError(f"--max-stop-sequences {args.max_stop_sequences}: must be >= 0")
+    if not args.log_stats_interval > 0:
+        raise ConfigError(f"--log-stats-interval {args.log_stats_interval}: must be > 0 seconds")
     return {"max_request_body_bytes": body, "max_stop_sequences": args.max_stop_sequences,
-            "trust_request_chat_template": args.trust_request_chat_template}
+            "trust_request_chat_template": args.trust_request_chat_template,
+            "log_requests": not args.disable_log_requests}
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -218,10 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=_port, default=8000, help="TCP port to listen on")
+    g = p.add_argument_group("logging")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="no INFO line per finished request (id, prompt and output tokens, finish reason, time)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no INFO stats line every 10 s while busy (throughput, queue, KV cache, stage busy)")
+    # Seconds between stats lines; hidden (tests shorten it).
+    g.add_argument("--log-stats-interval", type=float, default=10.0, help=argparse.SUPPRESS)
     g = p.add_argument_group("accepted for vLLM compatibility (no effect in zpp; a warning says so)")
     g.add_argument("--trust-remote-code", action="store_true", help="zpp runs only its own model code")
-    g.add_argument("--disable-log-requests", action="store_true", help="zpp logs no per-request lines")
-    g.add_argument("--disable-log-stats", action="store_true", help="zpp logs no periodic stats")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--chat-template", default=None, help="Jinja chat template file (overrides the tokenizer's)")
     g = p.add_argument_group("request limits")

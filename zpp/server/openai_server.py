@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP server on aiohttp: /v1/completions, /v1/chat/completions, /v1/models,
-/health, /version, /metrics.
+/health, /ping, /version, /metrics, and vLLM's /tokenize and /detokenize.
 
 Bad requests get HTTP 4xx in OpenAI's error shape and never reach the engine. A client that goes
 away aborts its requests: the runner is built with ``handler_cancellation=True``, so aiohttp
@@ -25,14 +25,16 @@ from zpp.config import ConfigError
 from zpp.engine.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestError
 from zpp.outputs import CompletionOutput, RequestOutput
 from zpp.sampling_params import SamplingParams, SamplingParamsError
-from zpp.server.protocol import (ChatCompletionRequest, CompletionRequest, ProtocolError, decode_request,
-                                 error_body, new_id, now, to_sampling_params)
+from zpp.server.metrics import DEFAULT_LOG_STATS_INTERVAL_S, Metrics, StatsLogger
+from zpp.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ProtocolError,
+                                 TokenizeRequest, decode_request, error_body, new_id, now, to_sampling_params)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20  # --max-request-body-bytes
 DEFAULT_MAX_STOP_SEQUENCES = 64  # --max-stop-sequences
+MAX_WARNED_FIELDS = 256  # distinct unknown field names logged; later new names are not
 _CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -180,13 +182,14 @@ class OpenAIServer:
         trust_request_chat_template: accept a ``chat_template`` in the request (vLLM's flag of that
             name; off by default: a template is a program, and one with nested loops would hold the
             event loop, and with it every stream and the engine, for as long as it runs).
+        log_requests: log one INFO line per finished request (off: ``--disable-log-requests``).
     """
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: Optional[str] = None,
                  chat_template: Optional[str] = None,
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                  max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, log_requests: bool = True):
         self.engine = engine
         self.model_name = served_model_name
         self.api_key = api_key
@@ -197,9 +200,9 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.tokens = TokenStrings(engine.tokenizer)
         self.max_prompt_chars = _max_prompt_chars(engine.tokenizer, engine.max_model_len)
-        from zpp.server.metrics import Metrics
-        self.metrics = Metrics(engine)
+        self.metrics = Metrics(engine, served_model_name, log_requests=log_requests)
         engine.metrics = self.metrics
+        self._warned_fields: set[str] = set()
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=self.max_request_body_bytes)
@@ -208,6 +211,10 @@ class OpenAIServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/ping", self.health)  # vLLM's (SageMaker's) liveness route
+        app.router.add_post("/ping", self.health)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics.handler)
         return app
@@ -255,6 +262,50 @@ class OpenAIServer:
     async def version(self, request: web.Request) -> web.Response:
         return _json({"version": zpp.__version__})
 
+    # --- /tokenize, /detokenize (vLLM's) ----------------------------------------------------------
+    def _need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise ProtocolError(f"this model has no tokenizer, so {what} is unavailable")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """``{"prompt": str}`` or ``{"messages": [...], ...}`` -> ``{"count", "max_model_len",
+        "tokens", "token_strs"}``: the token ids ``/v1/completions`` or ``/v1/chat/completions``
+        would run (``token_strs`` with ``return_token_strs: true``)."""
+        req: TokenizeRequest = await self._read(request, TokenizeRequest)
+        self._check_model(req.model)
+        self._need_tokenizer("/tokenize")
+        if req.prompt is not None and req.messages is not None:
+            raise ProtocolError("give either prompt or messages, not both", "messages")
+        if req.messages is not None:
+            chat = ChatCompletionRequest(
+                messages=req.messages, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                add_special_tokens=bool(req.add_special_tokens), chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs)
+            ids = await _off_loop_if_large(self._chat_prompt, chat, _text_size(req.messages) + 100 * len(req.messages))
+        elif req.prompt is not None:
+            self._check_prompt_chars(req.prompt, "prompt")
+            special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = await _off_loop_if_large(lambda p: self.tokenizer.encode(p, add_special_tokens=special),
+                                           req.prompt, len(req.prompt))
+        else:
+            raise ProtocolError("prompt (a string) or messages is required", "prompt")
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return _json({"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids,
+                      "token_strs": strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """``{"tokens": [ids]}`` -> ``{"prompt": text}``; ids outside the vocabulary get 400."""
+        req: DetokenizeRequest = await self._read(request, DetokenizeRequest)
+        self._check_model(req.model)
+        self._need_tokenizer("/detokenize")
+        bad = [t for t in req.tokens if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise ProtocolError(f"token id {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})",
+                                "tokens")
+        text = await _off_loop_if_large(self.tokenizer.decode, req.tokens, len(req.tokens))
+        return _json({"prompt": text})
+
     # --- helpers ------------------------------------------------------------------------------
     def _check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.model_name:
@@ -274,13 +325,27 @@ class OpenAIServer:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise too_large from None
-        req = decode_request(body, kind)
+        try:
+            req = decode_request(body, kind)
+        except ProtocolError as e:
+            self._warn_unknown_fields(request.path, e.unknown_fields)
+            raise
         self._check_stop_limits(req)
         return req
 
+    def _warn_unknown_fields(self, path: str, names) -> None:
+        """Log a warning the first time each unknown request field name is seen (as vLLM logs
+        ignored fields; here the request still gets its 400). At most MAX_WARNED_FIELDS names."""
+        for name in names:
+            if name in self._warned_fields or len(self._warned_fields) >= MAX_WARNED_FIELDS:
+                continue
+            self._warned_fields.add(name)
+            logger.warning("%s: unrecognized request field %r: refused with HTTP 400 (logged once per field "
+                           "name)", path, name)
+
     def _check_stop_limits(self, req) -> None:
         for name in ("stop", "stop_token_ids"):
-            value = getattr(req, name)
+            value = getattr(req, name, None)
             if isinstance(value, list) and len(value) > self.max_stop_sequences:
                 raise ProtocolError(f"{name} has {len(value)} entries; this server accepts at most "
                                     f"{self.max_stop_sequences} (--max-stop-sequences)", name)
@@ -716,11 +781,14 @@ def load_chat_template(path: Optional[str]) -> Optional[str]:
 
 # --- running the server ---------------------------------------------------------------------------
 async def serve(config, host: str, port: int, api_key: Optional[str] = None,
-                chat_template: Optional[str] = None, **server_options) -> int:
+                chat_template: Optional[str] = None,
+                log_stats_interval: Optional[float] = DEFAULT_LOG_STATS_INTERVAL_S, **server_options) -> int:
     """Start the engine and the HTTP server; run until SIGINT/SIGTERM or engine death.
 
-    ``chat_template`` is a file path (read before any worker starts); ``server_options`` go to
-    :class:`OpenAIServer` (request limits, ``trust_request_chat_template``).
+    ``chat_template`` is a file path (read before any worker starts); ``log_stats_interval`` the
+    seconds between stats log lines while busy (None: no stats lines, ``--disable-log-stats``);
+    ``server_options`` go to :class:`OpenAIServer` (request limits, ``trust_request_chat_template``,
+    ``log_requests``).
 
     On the first SIGINT/SIGTERM, requests in progress are ended at once (streams get an error event
     and ``[DONE]``, others HTTP 503) and the server stops within seconds; a second signal stops it
@@ -746,6 +814,7 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
     server = OpenAIServer(engine, config.model.name, api_key, template, **server_options)
     runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     status = 0
+    stats_task = None
     try:
         await runner.setup()
         site = web.TCPSite(runner, host, port)
@@ -754,6 +823,9 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
                     config.model.name, host, port, config.parallel.pipeline_parallel_size,
                     config.parallel.tensor_parallel_size)
         print(f"zpp: serving {config.model.name} on http://{host}:{port}", flush=True)
+        if log_stats_interval:
+            stats = StatsLogger(engine, server.metrics, log_stats_interval, config.cache.enable_prefix_caching)
+            stats_task = asyncio.create_task(stats.run())
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
@@ -766,6 +838,8 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
                 break
     finally:
         logger.info("shutting down")
+        if stats_task is not None:
+            stats_task.cancel()
         engine.abort_all()
         await asyncio.sleep(0.1)  # let the handlers write their error events
         await runner.cleanup()

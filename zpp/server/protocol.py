@@ -91,40 +91,85 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tool_choice: Union[None, str, dict[str, Any]] = None
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /tokenize`` (vLLM's): either ``prompt`` (a string, tokenized as ``/v1/completions``
+    does) or ``messages`` (rendered with the chat template as ``/v1/chat/completions`` does).
+    ``add_special_tokens`` defaults to true for a prompt and false for messages, as in vLLM."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model: Optional[str] = None
+    tokens: list[Int64]
+
+
 class ProtocolError(ValueError):
-    """A malformed request; becomes HTTP ``status`` with OpenAI's error body."""
+    """A malformed request; becomes HTTP ``status`` with OpenAI's error body. ``unknown_fields``
+    lists the top-level fields the request type does not know (the server logs them)."""
 
     def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
-                 err_type: str = "invalid_request_error", code: Optional[str] = None):
+                 err_type: str = "invalid_request_error", code: Optional[str] = None,
+                 unknown_fields: tuple[str, ...] = ()):
         super().__init__(message)
         self.param, self.status, self.err_type, self.code = param, status, err_type, code
+        self.unknown_fields = unknown_fields
 
 
 _PATH_RE = re.compile(r"at `\$\.([A-Za-z_]+)")
 _UNKNOWN_RE = re.compile(r"^Object contains unknown field `(.*)`$", re.DOTALL)  # top level only
+_MISSING_RE = re.compile(r"^Object missing required field `([A-Za-z_]+)`$")  # top level only
+MAX_FIELD_NAME = 100  # characters of an unknown field's name kept in messages and logs
+
+
+def _unknown_fields(body: bytes, kind: type) -> tuple[str, ...]:
+    """Every top-level key of ``body`` that ``kind`` does not know (msgspec names only the first)."""
+    try:
+        obj = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return ()
+    if not isinstance(obj, dict):
+        return ()
+    known = {f.encode_name for f in msgspec.structs.fields(kind)}
+    return tuple(k[:MAX_FIELD_NAME] for k in obj if k not in known)
 
 
 def decode_request(body: bytes, kind: type):
-    """Parse and type-check a JSON body into ``kind`` (CompletionRequest or ChatCompletionRequest).
+    """Parse and type-check a JSON body into ``kind`` (a request struct of this module).
 
     Raises:
         ProtocolError: the body is not JSON, not an object, or a field has the wrong type or is
-            out of range (``param`` names the top-level field).
+            out of range (``param`` names the top-level field); an unknown top-level field
+            (``unknown_fields`` lists them all).
     """
     try:
         req = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         unknown = _UNKNOWN_RE.search(str(e))
         if unknown:
-            raise ProtocolError(f"unrecognized request argument supplied: {unknown.group(1)[:100]!r}",
-                                unknown.group(1)[:100]) from None
+            name = unknown.group(1)[:MAX_FIELD_NAME]
+            raise ProtocolError(f"unrecognized request argument supplied: {name!r}", name,
+                                unknown_fields=_unknown_fields(body, kind) or (name,)) from None
+        missing = _MISSING_RE.search(str(e))
+        if missing:
+            raise ProtocolError(f"invalid request: {e}", missing.group(1)) from None
         m = _PATH_RE.search(str(e))
         raise ProtocolError(f"invalid request: {e}", m.group(1) if m else None) from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"the body is not valid JSON: {e}") from None
     except RecursionError:
         raise ProtocolError("the body is nested too deeply") from None
-    if req.stream_options is not None and not req.stream:
+    if getattr(req, "stream_options", None) is not None and not req.stream:
         raise ProtocolError("stream_options is only allowed with stream: true", "stream_options")
     return req
 
