@@ -26,9 +26,11 @@ decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
   - a preempted request is readmitted only when blocks for its whole recompute (prompt and the
     tokens generated so far) are free, and takes them all at once, so the chunks of its recompute
     cannot be starved by requests admitted after it;
-* pipeline overlap: up to ``depth`` micro-batches in flight; a request is in at most one of them,
-  and each batch takes about ``1/depth`` of the decodes and of the prefill work on offer so
-  that the stages stay busy.
+* pipeline overlap: up to ``depth`` micro-batches in flight, each taking about ``1/depth`` of the
+  decodes and of the prefill work on offer so that the stages stay busy. A decoding request is in
+  at most one of them (it needs the token the previous one samples); consecutive prefill chunks
+  of one prompt may be in several (stages run batches in the order sent, so each chunk finds the
+  KV of the ones before it): a long prompt alone still keeps every stage busy.
 """
 from __future__ import annotations
 
@@ -155,18 +157,19 @@ class Scheduler:
         """
         budget = self.max_num_batched_tokens
         running = sorted(self.running, key=_priority)
-        ready = [r for r in running if not r.in_flight and r.status == RequestStatus.RUNNING]
+        ready = [r for r in running if r.status == RequestStatus.RUNNING
+                 and (not r.in_flight or self._can_pipeline(r))]
         # Decodes: one token each, about 1/depth of all decoding requests per micro-batch.
         n_decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
         max_decodes = math.ceil(n_decoding / self.depth)
         plan: dict[str, int] = {}
         for r in ready:
-            if r.num_tokens - r.num_computed_tokens == 1 and len(plan) < min(max_decodes, budget):
+            if not r.in_flight and r.num_tokens - r.num_computed_tokens == 1 and len(plan) < min(max_decodes, budget):
                 plan[r.req_id] = 1
         # Prefills: running requests with a prompt (or recompute) left, then waiting requests.
         room = self.max_num_seqs - len(self.running)
         waiting = list(itertools.islice(self.waiting, max(0, room)))
-        cands = [r for r in ready if r.num_tokens - r.num_computed_tokens > 1] + waiting
+        cands = [r for r in ready if r.in_flight or r.num_tokens - r.num_computed_tokens > 1] + waiting
         plan.update(self._plan_prefills(cands, budget - len(plan)))
 
         chunks: list[m.ScheduledChunk] = []
@@ -179,10 +182,12 @@ class Scheduler:
 
         for req in ready:
             num_new = plan.get(req.req_id, 0)
-            if num_new == 0 or req.in_flight or req.status != RequestStatus.RUNNING:
+            if num_new == 0 or req.status != RequestStatus.RUNNING:
                 continue  # not planned, or preempted by an older request just now
-            end = req.num_computed_tokens + num_new
-            if stalled:
+            end = req.num_scheduled_tokens + num_new
+            if req.in_flight:  # a next prefill chunk: only free blocks (it is never preempted now)
+                new_blocks = self.kv.allocate_slots(req, end) if not stalled or self.kv.has_slots(req, end) else None
+            elif stalled:
                 # The blocks an older request waits for must go to it: use only slots already held.
                 if not self.kv.has_slots(req, end):
                     continue
@@ -221,8 +226,9 @@ class Scheduler:
         batch = m.ExecuteBatch(batch_id=next(self._batch_ids), chunks=chunks, new_reqs=new_reqs,
                                cached_reqs=cached_reqs, finished_req_ids=self._finished_ids)
         self._finished_ids = []
-        for r in reqs:
-            r.in_flight = True
+        for r, c in zip(reqs, chunks):
+            r.in_flight += 1
+            r.num_in_flight_tokens += c.num_tokens
         self._num_in_flight += 1
         num_tokens = sum(c.num_tokens for c in chunks)
         return ScheduledBatch(batch, reqs, num_tokens)
@@ -248,7 +254,7 @@ class Scheduler:
         """
         if not cands or budget <= 0:
             return {}
-        need = {r.req_id: r.num_tokens - r.num_computed_tokens for r in cands}
+        need = {r.req_id: r.num_tokens - r.num_scheduled_tokens for r in cands}
         k = max(1, self.depth - self._num_in_flight)
         limit = min(budget, max(-(-sum(need.values()) // k), max(need.values())))
         oldest = min(cands, key=_priority)
@@ -299,8 +305,18 @@ class Scheduler:
                 self._preempt(req)
                 return None, n + 1, False
 
+    def _can_pipeline(self, req: Request) -> bool:
+        """Whether ``req``, in flight, may have its next prefill chunk in this micro-batch too.
+
+        Stages run micro-batches in the order sent, so a chunk finds in the KV cache of every stage
+        the chunks sent before it, whether or not they have come back: a long prompt's chunks can
+        follow each other down the pipeline, keeping every stage busy, instead of one chunk going
+        through the stages alone. Only prompt tokens (or a recompute) qualify, never a decode,
+        which needs the token its previous batch samples."""
+        return self.chunked and req.num_scheduled_tokens < req.num_tokens
+
     def _add_chunk(self, req: Request, num_new: int, new_blocks: list[int], chunks, new_reqs, cached_reqs) -> None:
-        start = req.num_computed_tokens
+        start = req.num_scheduled_tokens
         sample = start + num_new == req.num_tokens
         want_plp = req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens
         if not req.sent_to_workers:
@@ -322,9 +338,11 @@ class Scheduler:
         sampled = {s.req_id: s for s in result.sampled}
         out = []
         for req, chunk in zip(sched.reqs, sched.batch.chunks):
-            req.in_flight = False
-            if req.status.finished:  # aborted while in flight: free now that no batch writes its blocks
-                self._release(req)
+            req.in_flight -= 1
+            req.num_in_flight_tokens -= chunk.num_tokens
+            if req.status.finished:  # aborted while in flight: free once no batch writes its blocks
+                if not req.in_flight:
+                    self._release(req)
                 continue
             req.num_computed_tokens += chunk.num_tokens
             self.kv.cache_full_blocks(req)
