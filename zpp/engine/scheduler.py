@@ -239,18 +239,20 @@ class Scheduler:
 
         * The micro-batch takes about ``1/k`` of the prefill work on offer, ``k`` being the
           micro-batches still to be scheduled before this one returns (so that a burst of prompts
-          is spread over the pipeline), but at least the largest single remainder (one request's
-          chunks cannot run side by side, so holding part of it back gains nothing): ``limit``.
+          is spread over the pipeline), but at least the largest single remainder (holding back
+          part of one prompt only delays it): ``limit``.
         * The oldest candidate is guaranteed ``min(its remainder, limit / 2)``.
-        * Others whose whole remainder fits in the rest go next, smallest first: a short prompt
-          that arrives during a long prompt's prefill is computed in the next micro-batch
-          instead of waiting for every chunk of the long one.
-        * The oldest then takes what remains of the budget; any other candidates take what
-          remains of ``limit``, oldest first (a partial chunk when prefill is chunked).
+        * The others share the rest of ``limit``, smallest remainder first (whole, or a partial
+          chunk when prefill is chunked): a short prompt that arrives during a long prompt's
+          prefill is computed in the next micro-batch or two instead of after every chunk of the
+          long one.
+        * The oldest then takes what remains of the budget; if it needed less than its share,
+          the others take what remains of ``limit``, oldest first.
 
-        So a long prefill keeps at least half of the prefill budget while short prompts keep
-        arriving, and a short prompt waits for at most one micro-batch per stage of pipeline depth.
-        Without chunked prefill a candidate gets its whole remainder or nothing.
+        So the oldest prompt keeps at least half of the prefill budget however many short prompts
+        arrive (and once it is done the next oldest does: every prompt finishes), and the newer
+        ones are served shortest first. Without chunked prefill a candidate gets its whole
+        remainder or nothing.
         """
         if not cands or budget <= 0:
             return {}
@@ -259,25 +261,24 @@ class Scheduler:
         limit = min(budget, max(-(-sum(need.values()) // k), max(need.values())))
         oldest = min(cands, key=_priority)
         n_old = need[oldest.req_id]
-        fits = lambda n, room: n if n <= room else (room if self.chunked and room > 0 else 0)
         reserve = min(n_old, -(-limit // 2)) if self.chunked else (n_old if n_old <= budget else 0)
         plan: dict[str, int] = {}
         used = 0
+
+        def give(r: Request, room: int) -> None:
+            nonlocal used
+            left = need[r.req_id] - plan.get(r.req_id, 0)
+            take = left if left <= room else (room if self.chunked and room > 0 else 0)
+            if take > 0:
+                plan[r.req_id] = plan.get(r.req_id, 0) + take
+                used += take
+
         others = [r for r in cands if r is not oldest]
         for r in sorted(others, key=lambda r: (need[r.req_id], _priority(r))):
-            n = need[r.req_id]
-            if n <= limit - reserve - used:
-                plan[r.req_id] = n
-                used += n
-        take = fits(n_old, budget - used)
-        if take:
-            plan[oldest.req_id] = take
-            used += take
-        for r in sorted((r for r in others if r.req_id not in plan), key=_priority):
-            take = fits(need[r.req_id], limit - used)
-            if take:
-                plan[r.req_id] = take
-                used += take
+            give(r, limit - reserve - used)
+        give(oldest, budget - used)
+        for r in sorted(others, key=_priority):
+            give(r, limit - used)
         return plan
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int,
