@@ -89,6 +89,10 @@ class Stream:
             marks[0] = before[-1]
         return max(b - a for a, b in zip(marks, marks[1:]))
 
+    def gap_times(self, t0: float) -> list[float]:
+        """Token arrival times relative to ``t0`` (seconds)."""
+        return [round(t - t0, 3) for t in self.times]
+
 
 async def scenario(base: str, args, rng: random.Random, vocab: int) -> dict:
     import aiohttp
@@ -133,6 +137,8 @@ async def scenario(base: str, args, rng: random.Random, vocab: int) -> dict:
         "long_prefill_window_s": round(t1 - t0, 3),
         "stream_tokens_during_prefill": [sum(1 for t in s.times if t0 < t <= t1) for s in streams],
         "max_gap_s_whole_run": round(max(s.max_gap(t0, t_end) for s in streams), 3),
+        "short_sent_s": round(short.sent - t0, 3),
+        "stream_token_times_s": [s.gap_times(t0) for s in streams] if args.save_times else None,
         "loadavg_start": [round(x, 2) for x in load_start],
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
     }
@@ -173,6 +179,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup-timeout", type=float, default=120.0)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--save-times", action="store_true", help="keep every stream's token times in the report")
     args = p.parse_args()
 
     model = args.model

@@ -121,25 +121,24 @@ def _attention_groups(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]
 
     Padding every sequence to the batch's longest query and longest context costs
     ``B x max(q_len) x max(seq_len)``: a batch of decodes next to one long prefill chunk (the mix the
-    scheduler makes on purpose) would compute each decode as if it were that chunk. So decodes form
-    one group (their query length is 1 and only the context is padded), and prefill chunks are
-    grouped, costliest first, while the padded cost (query x key pairs) stays within 1.5 times the
-    real one plus 64k pairs (many equal or small prompts still run as one call; the call overhead
-    is worth a few such pairs)."""
-    decodes = [i for i, q in enumerate(q_lens) if q == 1]
-    prefills = sorted((i for i, q in enumerate(q_lens) if q > 1), key=lambda i: -q_lens[i] * seq_lens[i])
-    groups = [decodes] if decodes else []
-    cur: list[int] = []
-    for i in prefills:
-        trial = cur + [i]
-        padded = len(trial) * max(q_lens[k] for k in trial) * max(seq_lens[k] for k in trial)
-        if cur and padded > 1.5 * sum(q_lens[k] * seq_lens[k] for k in trial) + 65536:
-            groups.append(cur)
-            trial = [i]
-        cur = trial
-    if cur:
-        groups.append(cur)
-    return [sorted(g) for g in groups]
+    scheduler makes on purpose) would compute each decode as if it were that chunk, and short
+    decodes next to one at context 6000 would each gather 6000 positions. So decodes and prefill
+    chunks are grouped apart, each costliest first, while the padded cost (query x key pairs)
+    stays within 1.5 times the real one plus 2048 pairs (many equal or small sequences still run
+    as one call; a call's overhead, tens of microseconds, is worth about that many pairs)."""
+    groups: list[list[int]] = []
+    for members in ([i for i, q in enumerate(q_lens) if q == 1], [i for i, q in enumerate(q_lens) if q > 1]):
+        cur: list[int] = []
+        for i in sorted(members, key=lambda i: -q_lens[i] * seq_lens[i]):
+            trial = cur + [i]
+            padded = len(trial) * max(q_lens[k] for k in trial) * max(seq_lens[k] for k in trial)
+            if cur and padded > 1.5 * sum(q_lens[k] * seq_lens[k] for k in trial) + 2048:
+                groups.append(sorted(cur))
+                trial = [i]
+            cur = trial
+        if cur:
+            groups.append(sorted(cur))
+    return groups
 
 
 def _build_triton_metadata(starts, q_lens, block_tables, block_size, device, group) -> AttentionMetadata:
