@@ -109,8 +109,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
     g = p.add_argument_group("scheduler and KV cache")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one micro-batch (default: 2048 with chunked prefill, else "
-                        "max(--max-model-len, 2048))")
+                   help="token budget of one micro-batch, decodes first (default with chunked prefill: "
+                        "2048 on CUDA, 64 on CPU; without: max(--max-model-len, 2048))")
     g.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_true", default=True,
                    help="split long prompts over several steps so decodes keep going")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",

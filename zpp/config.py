@@ -163,9 +163,10 @@ class ParallelConfig:
     the engine fails: the worker process or its host is stopped or hung."""
     stage_timeout: float = 60.0
     """Seconds a micro-batch may be in flight with no stage finishing anything before the engine
-    fails (a warning at half). A healthy step of the default 2048-token budget takes a few seconds
-    even on the CPU with the demo model; raise it for big models on the CPU, whose longest
-    micro-batch (a full prefill chunk on the slowest stage) must stay below it."""
+    fails (a warning at half). A healthy step of the default token budget takes well under a
+    second on the CPU with the demo model (a few seconds with ``--max-num-batched-tokens 2048``);
+    raise it for big models on the CPU, whose longest micro-batch (a full prefill chunk on the
+    slowest stage) must stay below it."""
     node_keys_file: Optional[str] = None
     """Multi-host: a 0600 file with the run's control-plane keys, for agents not started over SSH.
     Read if it exists, else written with fresh keys."""
@@ -226,6 +227,22 @@ class CacheConfig:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
+CPU_MAX_NUM_BATCHED_TOKENS = 64
+"""CPU default token budget per micro-batch (with chunked prefill).
+
+Measured on the 2-core development VM with the demo SmolLM2-135M at PP=2 (one core per stage):
+at context 6000 a prompt token costs one stage about 7-10 ms (attention over the context costs
+twice the matmuls there) and a micro-batch of 4 decodes about 50-90 ms (reading the stage's
+weights), so a chunk of 60 tokens keeps a stage-step near 0.5 s and a stream's gap near 1 s
+(``scripts/cpu_chunk_cost.py``; ``scripts/bench_long_prompt.py``: 8 streams, a 6000-token prompt and
+a short request, README "A long prompt next to running streams"). 2048 let one chunk run 10-20 s
+per stage. The price is prefill throughput: every micro-batch reads the weights once, so bursts
+of prompts take more steps (``zpp bench throughput`` 32 x 64/32 at PP=2: README)."""
+
+CUDA_MAX_NUM_BATCHED_TOKENS = 2048
+"""CUDA default token budget per micro-batch (with chunked prefill), vLLM's online-serving value."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous-batching scheduler limits."""
@@ -233,7 +250,12 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     """Most requests in one micro-batch."""
     max_num_batched_tokens: Optional[int] = None
-    """Token budget of one micro-batch; default 2048 with chunked prefill, else max_model_len."""
+    """Token budget of one micro-batch: the running requests' decodes take it first, prompt chunks
+    the rest. Default with chunked prefill: 2048 on CUDA (vLLM's online-serving default; a chunk
+    of that size takes milliseconds there) and ``CPU_MAX_NUM_BATCHED_TOKENS`` on CPU, where a
+    prompt token costs milliseconds: a running stream waits about two stage-steps of a micro-batch
+    between tokens at PP=2, so the budget bounds those gaps (see that constant). Without chunked
+    prefill: ``max(max_model_len, 2048)``."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps so decodes keep going."""
     pipeline_depth: Optional[int] = None
@@ -271,7 +293,9 @@ class EngineConfig:
         s = self.scheduler
         if s.max_num_batched_tokens is not None:
             return s.max_num_batched_tokens
-        return 2048 if s.enable_chunked_prefill else max(self.max_model_len, 2048)
+        if not s.enable_chunked_prefill:
+            return max(self.max_model_len, 2048)
+        return CUDA_MAX_NUM_BATCHED_TOKENS if self.parallel.device == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS
 
     @property
     def pipeline_depth(self) -> int:
