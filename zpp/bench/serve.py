@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
                    help="requests per second (Poisson arrivals); inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-at", type=float, default=None, metavar="UNIX_TIME",
+                   help="wait until this wall-clock time (after the set-up request) before sending the "
+                        "measured requests, so that several client processes start together")
     p.add_argument("--output-json", default=None, help="write the results (and per-request data) here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -115,45 +118,68 @@ def sharegpt_requests(path: str, num: int, tokenizer, fixed_output_len: Optional
 
 
 async def _one(session, url: str, headers: dict, model: str, req: BenchRequest, result: _Result) -> None:
+    """Stream one request. The body is read as it arrives (``iter_any``) and split into lines here:
+    all the SSE events of one network read get that read's time, and the per-line ``readline`` of
+    aiohttp, which took most of the client's time at tens of thousands of tokens per second, is
+    not used (scripts/bench_client_capacity.py measures how many tokens/s one process takes in)."""
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     result.prompt_len = req.prompt_len
     chunks = 0
     t0 = time.perf_counter()
     last = t0
+    itl = result.itl
     try:
         async with session.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
+            pending = b""
+            done = False
+            async for data in resp.content.iter_any():
+                t = time.perf_counter()
+                lines = (pending + data).split(b"\n")
+                pending = lines.pop()  # an incomplete line waits for the next read
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        done = True
+                        break
+                    msg = _decode(payload)
+                    if "error" in msg:
+                        result.error = str(msg["error"].get("message"))[:200]
+                        return
+                    if msg.get("usage"):
+                        result.output_tokens = msg["usage"]["completion_tokens"]
+                        result.prompt_len = msg["usage"]["prompt_tokens"]
+                    if msg.get("choices"):
+                        if chunks == 0:
+                            result.ttft = t - t0
+                        else:
+                            itl.append(t - last)
+                        last = t
+                        chunks += 1
+                if done:
                     break
-                msg = json.loads(data)
-                if "error" in msg:
-                    result.error = str(msg["error"].get("message"))[:200]
-                    return
-                if msg.get("usage"):
-                    result.output_tokens = msg["usage"]["completion_tokens"]
-                    result.prompt_len = msg["usage"]["prompt_tokens"]
-                if msg.get("choices"):
-                    t = time.perf_counter()
-                    if chunks == 0:
-                        result.ttft = t - t0
-                    else:
-                        result.itl.append(t - last)
-                    last = t
-                    chunks += 1
         result.latency = time.perf_counter() - t0
         if result.output_tokens == 0:  # a server that sends no usage: one chunk per token
             result.output_tokens = chunks
         result.ok = True
     except Exception as e:  # noqa: BLE001 - reported per request
         result.error = repr(e)
+
+
+def _decode(payload: bytes) -> dict:
+    """JSON of one SSE event (msgspec when installed: several times faster than ``json``)."""
+    return _json_decode(payload)
+
+
+try:
+    from msgspec.json import decode as _json_decode
+except ImportError:  # pragma: no cover - msgspec is a zpp dependency
+    _json_decode = json.loads
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -236,8 +262,11 @@ async def _main(args) -> dict:
             if bar is not None:
                 bar.update(1)
 
+        if args.start_at is not None:
+            await asyncio.sleep(max(0.0, args.start_at - time.time()))
         rng = random.Random(args.seed + 1)
         tasks = []
+        wall_start = time.time()
         t0 = time.perf_counter()
         for i, req in enumerate(reqs):
             tasks.append(asyncio.create_task(go(i, req)))
@@ -245,12 +274,14 @@ async def _main(args) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        wall_end = time.time()
         if bar is not None:
             bar.close()
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "base_url": args.base_url,
            "model": model, "dataset": args.dataset, "num_prompts": len(reqs),
            "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
-           "max_concurrency": args.max_concurrency, "command": " ".join(sys.argv)}
+           "max_concurrency": args.max_concurrency, "command": " ".join(sys.argv),
+           "start_time": wall_start, "end_time": wall_end}
     res.update(summarize(results, duration))
     res["errors"] = [r.error for r in results if not r.ok][:10]
     res["per_request"] = {"input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
