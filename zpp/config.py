@@ -227,17 +227,24 @@ class CacheConfig:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
-CPU_MAX_NUM_BATCHED_TOKENS = 64
-"""CPU default token budget per micro-batch (with chunked prefill).
+CPU_SERVE_MAX_NUM_BATCHED_TOKENS = 32
+"""CPU default token budget per micro-batch for ``zpp serve`` (with chunked prefill).
 
-Measured on the 2-core development VM with the demo SmolLM2-135M at PP=2 (one core per stage):
-at context 6000 a prompt token costs one stage about 7-10 ms (attention over the context costs
-twice the matmuls there) and a micro-batch of 4 decodes about 50-90 ms (reading the stage's
-weights), so a chunk of 60 tokens keeps a stage-step near 0.5 s and a stream's gap near 1 s
-(``scripts/cpu_chunk_cost.py``; ``scripts/bench_long_prompt.py``: 8 streams, a 6000-token prompt and
-a short request, README "A long prompt next to running streams"). 2048 let one chunk run 10-20 s
-per stage. The price is prefill throughput: every micro-batch reads the weights once, so bursts
-of prompts take more steps (``zpp bench throughput`` 32 x 64/32 at PP=2: README)."""
+Measured on the 2-core development VM with the demo SmolLM2-135M at PP=2 (one core per stage,
+README "A long prompt next to running streams"): at context 6000 a prompt token costs a stage
+about 7 ms alone and 11 ms with both stages running, because attention over the context costs
+more than the matmuls there, and a micro-batch pays about 0.1-0.15 s on top (reading the stage's
+weights and gathering the context's KV); a running stream waits about two such stage-steps
+between tokens. 32 tokens keep that near 0.6 s on a quiet machine (1 s with both cores
+contended); 64 gave 1.0-1.7 s, and the old 2048 let one chunk run 10-20 s per stage. The price:
+every micro-batch reads the weights once, so a burst of prompts takes more steps (``zpp bench
+serve`` 32 x 64/32 at PP=2: about half the output tok/s of 2048, README), and at most
+``budget x depth`` streams decode per round. Raise it (``--max-num-batched-tokens 2048``) when
+throughput matters more than inter-token gaps."""
+
+CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
+"""CPU default token budget for the offline ``LLM`` and ``zpp bench throughput|latency``: nobody
+waits between tokens, so large steps, which read the weights less often, win."""
 
 CUDA_MAX_NUM_BATCHED_TOKENS = 2048
 """CUDA default token budget per micro-batch (with chunked prefill), vLLM's online-serving value."""
@@ -252,12 +259,18 @@ class SchedulerConfig:
     max_num_batched_tokens: Optional[int] = None
     """Token budget of one micro-batch: the running requests' decodes take it first, prompt chunks
     the rest. Default with chunked prefill: 2048 on CUDA (vLLM's online-serving default; a chunk
-    of that size takes milliseconds there) and ``CPU_MAX_NUM_BATCHED_TOKENS`` on CPU, where a
-    prompt token costs milliseconds: a running stream waits about two stage-steps of a micro-batch
-    between tokens at PP=2, so the budget bounds those gaps (see that constant). Without chunked
-    prefill: ``max(max_model_len, 2048)``."""
+    of that size takes milliseconds there); on CPU ``CPU_SERVE_MAX_NUM_BATCHED_TOKENS`` when
+    ``streaming`` (``zpp serve``), where a prompt token costs milliseconds and a running stream
+    waits about two stage-steps of a micro-batch between tokens at PP=2, so the budget bounds
+    those gaps, else ``CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS`` (see those constants). Without
+    chunked prefill: ``max(max_model_len, 2048)``."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps so decodes keep going."""
+    streaming: bool = True
+    """Clients wait on each token (``zpp serve``). The offline ``LLM`` and ``zpp bench
+    throughput|latency`` set False: nobody watches the gaps between tokens, and on CPU the default
+    token budget is then the larger one (vLLM likewise defaults its offline ``LLM`` to a larger
+    budget than its server)."""
     pipeline_depth: Optional[int] = None
     """Micro-batches in flight at once; default = pipeline_parallel_size."""
 
@@ -295,7 +308,9 @@ class EngineConfig:
             return s.max_num_batched_tokens
         if not s.enable_chunked_prefill:
             return max(self.max_model_len, 2048)
-        return CUDA_MAX_NUM_BATCHED_TOKENS if self.parallel.device == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS
+        if self.parallel.device == "cuda":
+            return CUDA_MAX_NUM_BATCHED_TOKENS
+        return CPU_SERVE_MAX_NUM_BATCHED_TOKENS if s.streaming else CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS
 
     @property
     def pipeline_depth(self) -> int:
