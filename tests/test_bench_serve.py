@@ -1,11 +1,17 @@
-"""``zpp bench serve``'s stream reader without a model: a server that cuts SSE lines across
-network writes, packs several events into one write and ends lines with CRLF."""
+"""``zpp bench serve`` without a model: the stream reader against a server that cuts SSE lines
+across network writes, packs several events into one write and ends lines with CRLF; vLLM's flag
+names (``--help``, one-line errors for what zpp cannot do, ``--save-result``'s file name). A real
+run with vLLM's flags against ``zpp serve`` is in test_openai_server.py."""
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+import subprocess
+import sys
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from zpp.bench.serve import BenchRequest, _one, _Result
@@ -47,3 +53,47 @@ def test_stream_reader_handles_split_and_packed_events():
     assert res.ok, res.error
     assert res.output_tokens == 5 and res.prompt_len == 3
     assert len(res.itl) == 4 and res.ttft > 0 and res.latency >= res.ttft
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zpp.cli", "bench", "serve", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_help_lists_vllm_flag_names():
+    r = _bench("--help")
+    assert r.returncode == 0, r.stderr
+    for flag in ("--dataset-name", "--dataset-path", "--save-result", "--result-dir", "--result-filename",
+                 "--random-input-len", "--random-output-len", "--num-prompts", "--request-rate",
+                 "--max-concurrency", "--base-url", "--host", "--port", "--endpoint", "--backend", "--seed",
+                 "--percentile-metrics", "--metric-percentiles", "--ignore-eos", "--label", "--disable-tqdm"):
+        assert flag in r.stdout, flag
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--dataset-name", "sonnet"], "--dataset-name sonnet: not supported (zpp does: random, sharegpt"),
+    (["--dataset-name", "sharegpt"], "--dataset-name sharegpt needs --dataset-path FILE"),
+    (["--endpoint", "/v1/chat/completions"], "--endpoint /v1/chat/completions: not supported"),
+    (["--backend", "tgi"], "--backend tgi: not supported"),
+    (["--metric-percentiles", "99,x"], "--metric-percentiles 99,x: comma-separated numbers"),
+    (["--percentile-metrics", "ttft,foo"], "--percentile-metrics ttft,foo: choose from ttft,tpot,itl,e2el"),
+])
+def test_what_zpp_cannot_do_is_a_one_line_error(args, expected):
+    """Refused before any connection (port 9 has no server): exit 2 and one line naming the flag."""
+    r = _bench("--port", "9", *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zpp bench serve: error: ") and expected in lines[0], r.stderr
+
+
+def test_result_path_as_vllm_names_it():
+    from argparse import Namespace
+
+    from zpp.bench.serve import result_path
+    a = Namespace(result_filename=None, result_dir=None, max_concurrency=None, label=None, backend="vllm",
+                  request_rate=float("inf"))
+    assert re.fullmatch(r"vllm-infqps-m-\d{8}-\d{6}\.json", result_path(a, "org/m"))
+    a.max_concurrency, a.label, a.request_rate, a.result_dir = 4, "zpp", 2.0, "out"
+    assert re.fullmatch(r"out/zpp-2\.0qps-concurrency4-m-\d{8}-\d{6}\.json", result_path(a, "m"))
+    a.result_filename = "r.json"
+    assert result_path(a, "m") == "out/r.json"
