@@ -163,10 +163,11 @@ class ParallelConfig:
     the engine fails: the worker process or its host is stopped or hung."""
     stage_timeout: float = 60.0
     """Seconds a micro-batch may be in flight with no stage finishing anything before the engine
-    fails (a warning at half). A healthy step of the default token budget takes well under a
-    second on the CPU with the demo model (a few seconds with ``--max-num-batched-tokens 2048``);
-    raise it for big models on the CPU, whose longest micro-batch (a full prefill chunk on the
-    slowest stage) must stay below it."""
+    fails (a warning at half). On the CPU with the demo model a step of ``zpp serve``'s default
+    budget (32 tokens) takes under a second; a 2048-token step (the offline default) takes seconds,
+    more at long contexts (about 10 ms per prompt token at context 6000, README); raise it for big
+    models on the CPU, whose longest micro-batch (a full prefill chunk on the slowest stage) must
+    stay below it."""
     node_keys_file: Optional[str] = None
     """Multi-host: a 0600 file with the run's control-plane keys, for agents not started over SSH.
     Read if it exists, else written with fresh keys."""
@@ -230,17 +231,15 @@ class CacheConfig:
 CPU_SERVE_MAX_NUM_BATCHED_TOKENS = 32
 """CPU default token budget per micro-batch for ``zpp serve`` (with chunked prefill).
 
-Measured on the 2-core development VM with the demo SmolLM2-135M at PP=2 (one core per stage,
-README "A long prompt next to running streams"): at context 6000 a prompt token costs a stage
-about 7 ms alone and 11 ms with both stages running, because attention over the context costs
-more than the matmuls there, and a micro-batch pays about 0.1-0.15 s on top (reading the stage's
-weights and gathering the context's KV); a running stream waits about two such stage-steps
-between tokens. 32 tokens keep that near 0.6 s on a quiet machine (1 s with both cores
-contended); 64 gave 1.0-1.7 s, and the old 2048 let one chunk run 10-20 s per stage. The price:
-every micro-batch reads the weights once, so a burst of prompts takes more steps (``zpp bench
-serve`` 32 x 64/32 at PP=2: about half the output tok/s of 2048, README), and at most
-``budget x depth`` streams decode per round. Raise it (``--max-num-batched-tokens 2048``) when
-throughput matters more than inter-token gaps."""
+At PP=2 a running stream waits about two stage-steps between tokens, so the budget bounds those
+gaps. Measured on the 2-core development VM with the demo SmolLM2-135M (README "A long prompt next
+to running streams", ``scripts/cpu_chunk_cost.py``): one stage computing 4 decodes and a chunk at
+context 6000 took 0.40 / 0.46 / 0.53 / 1.26 s for chunks of 16 / 32 / 64 / 128 tokens. Below 32
+the step hardly shrinks (a fixed cost per step over the long context dominates) while the
+prefill slows down; above 64 it grows about 10 ms per token. The price of a small budget: every
+micro-batch reads the weights once, so a burst of prompts takes more steps, and at most ``budget``
+requests decode per micro-batch. Raise it (``--max-num-batched-tokens 2048``) when throughput
+matters more than inter-token gaps."""
 
 CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
 """CPU default token budget for the offline ``LLM`` and ``zpp bench throughput|latency``: nobody
