@@ -30,3 +30,23 @@ def test_cpu_threads_default_user_torch_and_omp(monkeypatch):
 def test_device_auto():
     assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_device("cpu") == "cpu"
+
+
+def test_default_token_budget_per_device_and_use(demo_model):
+    """CPU: the small serving budget for `zpp serve`, 2048 for offline use; CUDA: 2048; an explicit
+    value always wins; without chunked prefill the whole model length."""
+    from zpp.config import (CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS, CPU_SERVE_MAX_NUM_BATCHED_TOKENS,
+                            CUDA_MAX_NUM_BATCHED_TOKENS, EngineConfig, ModelConfig, ParallelConfig,
+                            SchedulerConfig)
+
+    def budget(device="cpu", **kw):
+        cfg = EngineConfig(model=ModelConfig(model=demo_model),
+                           parallel=ParallelConfig.__new__(ParallelConfig), scheduler=SchedulerConfig(**kw))
+        object.__setattr__(cfg.parallel, "device", device)
+        return cfg.max_num_batched_tokens
+
+    assert budget() == CPU_SERVE_MAX_NUM_BATCHED_TOKENS < CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS
+    assert budget(streaming=False) == CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS == 2048
+    assert budget("cuda") == budget("cuda", streaming=False) == CUDA_MAX_NUM_BATCHED_TOKENS == 2048
+    assert budget(max_num_batched_tokens=100) == 100
+    assert budget(enable_chunked_prefill=False) == 8192

@@ -594,6 +594,36 @@ def test_bench_serve_random_and_sharegpt(server, tmp_path, capsys):
     assert res["completed"] == 3 and res["total_output_tokens"] == 9 and res["max_concurrency"] == 2
 
 
+def test_bench_serve_with_vllm_flags_saves_result(server, tmp_path):
+    """A ``vllm bench serve`` command line, run as a subprocess against this server: the result
+    file goes to --result-dir/--result-filename, or by default to vLLM's file name pattern."""
+    import glob
+    import subprocess
+    import sys
+    common = ["--backend", "vllm", "--host", "127.0.0.1", "--port", str(server.port), "--endpoint", "/v1/completions",
+              "--model", MODEL, "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "4",
+              "--num-prompts", "4", "--request-rate", "inf", "--max-concurrency", "2", "--seed", "1",
+              "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+              "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path / "results")]
+    bench = lambda *a: subprocess.run([sys.executable, "-m", "zpp.cli", "bench", "serve", *common, *a],
+                                      capture_output=True, text=True, timeout=300)
+    r = bench("--result-filename", "run.json")
+    assert r.returncode == 0, r.stderr
+    assert "P90 ITL (ms)" in r.stdout and "P50 TTFT (ms)" in r.stdout
+    res = json.loads((tmp_path / "results" / "run.json").read_text())
+    assert res["completed"] == 4 and res["failed"] == 0 and res["max_concurrency"] == 2
+    assert res["total_input_tokens"] == 4 * 16 and res["total_output_tokens"] == 4 * 4
+    assert res["backend"] == "vllm" and res["model_id"] == MODEL and res["duration"] > 0
+    for k in ("ttft", "tpot", "itl", "e2el"):  # vLLM's flat keys
+        for stat in ("mean", "median", "std", "p50", "p90", "p99"):
+            assert f"{stat}_{k}_ms" in res, (stat, k)
+        assert res[f"p50_{k}_ms"] <= res[f"p90_{k}_ms"] <= res[f"p99_{k}_ms"]
+    r = bench()
+    assert r.returncode == 0, r.stderr
+    saved = glob.glob(str(tmp_path / "results" / f"vllm-infqps-concurrency2-{MODEL}-*.json"))
+    assert len(saved) == 1 and json.loads(open(saved[0]).read())["completed"] == 4
+
+
 def test_prompt_logprobs_in_responses(server, tokenizer):
     """vLLM's ``prompt_logprobs``: one entry per prompt token (None first) holding the prompt token."""
     async def go():

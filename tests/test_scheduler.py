@@ -24,12 +24,14 @@ class SimWorkers:
     def __init__(self, kv: KVCacheManager):
         self.kv = kv
         self.state: dict[str, tuple[list[int], list[int]]] = {}
+        self.computed: dict[str, int] = {}  # positions with KV, once known (not after a prefix hit)
 
     def run(self, batch: m.ExecuteBatch) -> m.StepResult:
         for rid in batch.finished_req_ids:
             self.state.pop(rid, None)
         for r in batch.new_reqs:
             self.state[r.req_id] = (list(r.token_ids), list(r.block_ids))
+            self.computed.pop(r.req_id, None)
         for c in batch.cached_reqs:
             toks, blocks = self.state[c.req_id]
             toks.extend(c.new_token_ids)
@@ -39,6 +41,8 @@ class SimWorkers:
             toks, blocks = self.state[c.req_id]
             assert c.start + c.num_tokens <= len(toks)
             assert len(blocks) * self.kv.block_size >= c.start + c.num_tokens, "KV slots missing"
+            assert self.computed.get(c.req_id, c.start) == c.start, "a chunk does not follow the last one"
+            self.computed[c.req_id] = c.start + c.num_tokens
             if c.sample:
                 assert c.start + c.num_tokens == len(toks)
                 sampled.append(m.SampledOutput(c.req_id, fake_token(toks)))
@@ -68,9 +72,12 @@ def drive(sched: Scheduler, workers: SimWorkers, depth: int, max_steps: int = 10
             b = sched.schedule()
             if b is None:
                 break
-            # a request is in at most one in-flight batch
-            ids = [r.req_id for b2 in inflight for r in b2.reqs]
-            assert not set(ids) & {r.req_id for r in b.reqs}
+            # a request is in several in-flight batches only for consecutive prefill chunks, of
+            # which only the last may sample (a decode waits for its previous token)
+            ends = {c.req_id: (c.start + c.num_tokens, c.sample) for b2 in inflight for c in b2.batch.chunks}
+            for c in b.batch.chunks:
+                if c.req_id in ends:
+                    assert c.start == ends[c.req_id][0] and not ends[c.req_id][1], (c, ends[c.req_id])
             assert b.num_tokens <= sched.max_num_batched_tokens
             inflight.append(b)
         assert inflight, "livelock: work left but nothing schedulable"
@@ -234,3 +241,114 @@ def test_check_stop_precedence():
     assert last(7, ignore_eos=True) == (RequestStatus.FINISHED_LENGTH, None)
     assert last(7, stop_token_ids=[7]) == (RequestStatus.FINISHED_STOPPED, 7)      # stop token over EOS
     assert last(9, stop_token_ids=[9]) == (RequestStatus.FINISHED_STOPPED, 9)      # stop token over length
+
+
+def _policy_run(shorts_every: int, depth: int, short_len: int = 20):
+    """8 streams decode; a 1200-token prompt arrives, then short prompts (one after 5 batches, and
+    three every ``shorts_every`` batches). Checks every micro-batch as it is scheduled and returns
+    (per request: the batches after which it got tokens, the long prompt's chunks, steps)."""
+    budget, bs = 64, 16
+    kv = KVCacheManager(600, bs)
+    sched = Scheduler(kv, max_num_seqs=64, max_num_batched_tokens=budget, max_model_len=2048, depth=depth)
+    workers = SimWorkers(kv)
+    rng = random.Random(7)
+    toks = lambda n: [rng.randrange(10, 1000) for _ in range(n)]
+    sp = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    streams = [Request(f"s{i}", toks(8), sp(500), 500, set(), arrival=float(i)) for i in range(8)]
+    for r in streams:
+        sched.add_request(r)
+    inflight: list = []
+    token_steps: dict[str, list[int]] = {}
+    step = 0
+
+    def one_step():
+        """Fill the pipeline (checking each new batch), apply the oldest batch."""
+        nonlocal step
+        while len(inflight) < depth:
+            decoding = [r for r in sched.running if r.num_tokens - r.num_computed_tokens == 1]
+            ready = {r.req_id for r in decoding if not r.in_flight}
+            b = sched.schedule()
+            if b is None:
+                break
+            chunks = b.batch.chunks
+            dec = [c for c in chunks if c.req_id in ready]
+            assert b.num_tokens <= budget
+            # decodes first: the batch's share of the ready decodes is in, listed first, and the
+            # prefill chunks take only what the decodes leave of the budget
+            assert len(dec) >= min(len(ready), -(-len(decoding) // depth)), (len(dec), ready, decoding)
+            assert chunks[:len(dec)] == dec
+            assert sum(c.num_tokens for c in chunks[len(dec):]) <= budget - len(dec)
+            inflight.append(b)
+        b = inflight.pop(0)
+        for r, s in sched.update(b, workers.run(b.batch)):
+            if s is not None:
+                token_steps.setdefault(r.req_id, []).append(step)
+        sched.release_finished(list(b.reqs))
+        step += 1
+        return b
+
+    while any(len(r.output_token_ids) < 3 for r in streams):
+        one_step()
+    long = Request("long", toks(1200), sp(2), 2, set(), arrival=100.0)
+    sched.add_request(long)
+    t_long = step
+    shorts = {}
+    long_chunks = []  # (chunk tokens, decodes in its batch, other prefill tokens in its batch)
+    while "long" not in token_steps:
+        if step == t_long + 5 or (shorts_every and step > t_long and step % shorts_every == 0):
+            for j in range(1 if step == t_long + 5 else 3):
+                n_out = 30 if step == t_long + 5 else 2
+                r = Request(f"short{step}.{j}", toks(short_len), sp(n_out), n_out, set(), arrival=100.0 + step)
+                sched.add_request(r)
+                shorts[r.req_id] = (step, r)
+        b = one_step()
+        for c in b.batch.chunks:
+            if c.req_id == "long":
+                n_dec = sum(1 for c2 in b.batch.chunks if c2.req_id.startswith("s") and c2.num_tokens == 1
+                            and c2.start >= 8)
+                long_chunks.append((c.num_tokens, n_dec, b.num_tokens - c.num_tokens - n_dec))
+    assert sum(n for n, _, _ in long_chunks) == 1200
+    assert long.output_token_ids == expected_output(long.prompt_token_ids, 1)
+    return token_steps, shorts, long_chunks, t_long, budget, depth
+
+
+@pytest.mark.parametrize("short_len", [20, 50])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_chunked_prefill_decodes_first_and_short_prompt_not_starved(depth, short_len):
+    """vLLM's chunked-prefill policy plus fairness between prefills (issue 12, item 7): while a
+    long prompt is prefilled in chunks, every micro-batch takes its share of the running decodes
+    first and the chunk only what remains of the budget, so each stream gets a token every
+    ``depth`` batches (also a stream newer than the long prompt); the long prompt's chunks are
+    pipelined (one enters each micro-batch); a short prompt sent meanwhile gets its first token
+    from the next micro-batches, not after the long prompt's last chunk."""
+    token_steps, shorts, long_chunks, t_long, budget, depth = _policy_run(0, depth, short_len)
+    t_done = token_steps["long"][0]
+    assert t_done - t_long > 20  # 1200 tokens at < 64 per batch
+    # its chunks follow each other down the pipeline: one per batch, not one per depth batches
+    assert t_done - t_long <= len(long_chunks) + depth, (t_done - t_long, len(long_chunks))
+    for i in range(8):
+        during = [s for s in token_steps[f"s{i}"] if t_long <= s <= t_done]
+        assert max(b - a for a, b in zip(during, during[1:])) <= depth, (i, during)
+    (sent, short), = shorts.values()
+    # its prefill ran in the next batches (in two chunks when it needs more than half the room)
+    assert token_steps[short.req_id][0] - sent <= depth + 1 + (short_len > 30), (token_steps[short.req_id], sent)
+    # and then it decodes like the other streams, although it is newer than the long prompt (its
+    # first decode may wait for a micro-batch with room among the decodes: at most 2 x depth)
+    during = [s for s in token_steps[short.req_id] if s <= t_done]
+    gaps = [b - a for a, b in zip(during, during[1:])]
+    assert len(during) >= 4 and gaps[0] <= 2 * depth and max(gaps[1:]) <= depth, during
+    # the long prompt's chunks took all that the decodes (and the short prompt) left
+    for n, n_dec, other in long_chunks[:-1]:
+        assert n == budget - n_dec - other, long_chunks
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_chunked_prefill_long_prompt_keeps_half_while_short_prompts_arrive(depth):
+    """Short prompts arriving faster than they can be served do not starve a long prefill: each
+    of its chunks gets at least half of what the decodes leave."""
+    token_steps, shorts, long_chunks, t_long, budget, depth = _policy_run(1, depth)
+    assert len(shorts) > 10
+    for n, n_dec, other in long_chunks[:-1]:
+        assert n >= (budget - n_dec) // 2, long_chunks
+    assert any(other for _, _, other in long_chunks)  # short prompts did share its batches
+    assert sum(1 for rid in shorts if rid in token_steps) > 10  # and shorts were served meanwhile

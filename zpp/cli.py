@@ -107,8 +107,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
     g = p.add_argument_group("scheduler and KV cache")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one micro-batch (default: 2048 with chunked prefill, else "
-                        "max(--max-model-len, 2048))")
+                   help="token budget of one micro-batch, decodes first (default with chunked prefill: "
+                        "2048 on CUDA; on CPU 32 for `zpp serve`, 2048 for `zpp bench throughput|latency`; "
+                        "without: max(--max-model-len, 2048))")
     g.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_true", default=True,
                    help="split long prompts over several steps so decodes keep going")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
@@ -128,7 +129,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
                    help="debug also prints the traceback of a start-up error")
 
 
-def engine_config_from_args(args) -> EngineConfig:
+def engine_config_from_args(args, streaming: bool = True) -> EngineConfig:
     """Build and validate the EngineConfig. Raises ConfigError with a one-line message."""
     model, flag = args.model, getattr(args, "model_flag", None)
     if model and flag and model != flag:
@@ -161,7 +162,7 @@ def engine_config_from_args(args) -> EngineConfig:
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
-                                  pipeline_depth=args.pipeline_depth),
+                                  pipeline_depth=args.pipeline_depth, streaming=streaming),
         enforce_eager=args.enforce_eager)
 
 

@@ -163,9 +163,11 @@ class ParallelConfig:
     the engine fails: the worker process or its host is stopped or hung."""
     stage_timeout: float = 60.0
     """Seconds a micro-batch may be in flight with no stage finishing anything before the engine
-    fails (a warning at half). A healthy step of the default 2048-token budget takes a few seconds
-    even on the CPU with the demo model; raise it for big models on the CPU, whose longest
-    micro-batch (a full prefill chunk on the slowest stage) must stay below it."""
+    fails (a warning at half). On the CPU with the demo model a step of ``zpp serve``'s default
+    budget (32 tokens) takes under a second; a 2048-token step (the offline default) takes seconds,
+    more at long contexts (about 10 ms per prompt token at context 6000, README); raise it for big
+    models on the CPU, whose longest micro-batch (a full prefill chunk on the slowest stage) must
+    stay below it."""
     node_keys_file: Optional[str] = None
     """Multi-host: a 0600 file with the run's control-plane keys, for agents not started over SSH.
     Read if it exists, else written with fresh keys."""
@@ -226,6 +228,27 @@ class CacheConfig:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
+CPU_SERVE_MAX_NUM_BATCHED_TOKENS = 32
+"""CPU default token budget per micro-batch for ``zpp serve`` (with chunked prefill).
+
+At PP=2 a running stream waits about two stage-steps between tokens, so the budget bounds those
+gaps. Measured on the 2-core development VM with the demo SmolLM2-135M (README "A long prompt next
+to running streams", ``scripts/cpu_chunk_cost.py``): one stage computing 4 decodes and a chunk at
+context 6000 took 0.40 / 0.46 / 0.53 / 1.26 s for chunks of 16 / 32 / 64 / 128 tokens. Below 32
+the step hardly shrinks (a fixed cost per step over the long context dominates) while the
+prefill slows down; above 64 it grows about 10 ms per token. The price of a small budget: every
+micro-batch reads the weights once, so a burst of prompts takes more steps, and at most ``budget``
+requests decode per micro-batch. Raise it (``--max-num-batched-tokens 2048``) when throughput
+matters more than inter-token gaps."""
+
+CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
+"""CPU default token budget for the offline ``LLM`` and ``zpp bench throughput|latency``: nobody
+waits between tokens, so large steps, which read the weights less often, win."""
+
+CUDA_MAX_NUM_BATCHED_TOKENS = 2048
+"""CUDA default token budget per micro-batch (with chunked prefill), vLLM's online-serving value."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous-batching scheduler limits."""
@@ -233,9 +256,20 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     """Most requests in one micro-batch."""
     max_num_batched_tokens: Optional[int] = None
-    """Token budget of one micro-batch; default 2048 with chunked prefill, else max_model_len."""
+    """Token budget of one micro-batch: the running requests' decodes take it first, prompt chunks
+    the rest. Default with chunked prefill: 2048 on CUDA (vLLM's online-serving default; a chunk
+    of that size takes milliseconds there); on CPU ``CPU_SERVE_MAX_NUM_BATCHED_TOKENS`` when
+    ``streaming`` (``zpp serve``), where a prompt token costs milliseconds and a running stream
+    waits about two stage-steps of a micro-batch between tokens at PP=2, so the budget bounds
+    those gaps, else ``CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS`` (see those constants). Without
+    chunked prefill: ``max(max_model_len, 2048)``."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps so decodes keep going."""
+    streaming: bool = True
+    """Clients wait on each token (``zpp serve``). The offline ``LLM`` and ``zpp bench
+    throughput|latency`` set False: nobody watches the gaps between tokens, and on CPU the default
+    token budget is then the larger one (vLLM likewise defaults its offline ``LLM`` to a larger
+    budget than its server)."""
     pipeline_depth: Optional[int] = None
     """Micro-batches in flight at once; default = pipeline_parallel_size."""
 
@@ -271,7 +305,11 @@ class EngineConfig:
         s = self.scheduler
         if s.max_num_batched_tokens is not None:
             return s.max_num_batched_tokens
-        return 2048 if s.enable_chunked_prefill else max(self.max_model_len, 2048)
+        if not s.enable_chunked_prefill:
+            return max(self.max_model_len, 2048)
+        if self.parallel.device == "cuda":
+            return CUDA_MAX_NUM_BATCHED_TOKENS
+        return CPU_SERVE_MAX_NUM_BATCHED_TOKENS if s.streaming else CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS
 
     @property
     def pipeline_depth(self) -> int:

@@ -85,7 +85,7 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
-                                      pipeline_depth=pipeline_depth),
+                                      pipeline_depth=pipeline_depth, streaming=False),
             enforce_eager=enforce_eager)
         self._start(config)
 

@@ -40,6 +40,7 @@ def run_fields(config) -> dict:
             "dtype": str(config.torch_dtype).removeprefix("torch."),
             "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
             "tensor_parallel_size": config.parallel.tensor_parallel_size,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
             "date": datetime.date.today().isoformat()}
 
 

@@ -25,7 +25,7 @@ def run(args) -> int:
     from zpp import LLM, SamplingParams
     from zpp.bench import print_table, random_prompts, run_fields, write_json
     from zpp.cli import engine_config_from_args
-    config = engine_config_from_args(args)
+    config = engine_config_from_args(args, streaming=False)
     vocab = int(config.model.hf_config["vocab_size"])
     prompts = random_prompts(args.batch_size, args.input_len, vocab, args.seed)
     llm = LLM.from_config(config)

@@ -11,6 +11,14 @@ most ``--max-concurrency`` in flight.
 Definitions (as in vLLM): TTFT = time to the first streamed chunk; ITL = time between
 consecutive chunks; TPOT = (latency - TTFT) / (output tokens - 1) per request; E2EL = request
 latency.
+
+``vllm bench serve`` command lines work as they are where zpp can do what they ask: its flag
+names (``--dataset-name random|sharegpt``, ``--dataset-path``, ``--host``/``--port``,
+``--endpoint``, ``--backend openai|vllm``, ``--percentile-metrics``, ``--metric-percentiles``,
+``--save-result``, ``--result-dir``, ``--result-filename``, ``--label``, ``--disable-tqdm``,
+``--ignore-eos``) are accepted and the saved JSON also has vLLM's flat keys (``mean_ttft_ms``,
+``p99_itl_ms``, ``duration`` ...). What zpp cannot do (other datasets, chat or other backends)
+is refused with a one-line error.
 """
 from __future__ import annotations
 
@@ -26,29 +34,111 @@ from typing import Optional
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="load-test a running server (streaming /v1/completions)")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (without /v1)")
-    p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--dataset", default="random", help="'random' or a ShareGPT-format JSON file")
-    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
-    p.add_argument("--random-input-len", type=int, default=1024, help="random dataset: prompt tokens")
-    p.add_argument("--random-output-len", type=int, default=128, help="random dataset: tokens to generate")
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
+    p = sub.add_parser("serve", help="load-test a running server (streaming /v1/completions)",
+                       description="Load-test a running OpenAI-compatible server. vLLM's `vllm bench serve` "
+                                   "flag names are accepted (those zpp can honour).")
+    g = p.add_argument_group("server")
+    g.add_argument("--base-url", default=None,
+                   help="server address without the endpoint (default: http://HOST:PORT)")
+    g.add_argument("--host", default="127.0.0.1", help="server host when --base-url is not given")
+    g.add_argument("--port", type=int, default=8000, help="server port when --base-url is not given")
+    g.add_argument("--endpoint", default="/v1/completions",
+                   help="completions path under the base URL (chat endpoints are not supported)")
+    g.add_argument("--backend", default="openai",
+                   help="vLLM's request format: 'openai' or 'vllm' (both stream /v1/completions); "
+                        "other backends are not supported")
+    g.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    g = p.add_argument_group("requests")
+    g.add_argument("--dataset-name", default=None,
+                   help="'random' (the default) or 'sharegpt' (with --dataset-path); vLLM's other "
+                        "datasets are not supported")
+    g.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file for --dataset-name sharegpt")
+    g.add_argument("--dataset", default=None,
+                   help="zpp's older spelling: 'random' or a ShareGPT-format JSON file")
+    g.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    g.add_argument("--random-input-len", type=int, default=1024, help="random dataset: prompt tokens")
+    g.add_argument("--random-output-len", type=int, default=128, help="random dataset: tokens to generate")
+    g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="random dataset: lengths drawn uniformly from [len * (1 - r), len * (1 + r)]")
-    p.add_argument("--sharegpt-output-len", type=int, default=None,
+    g.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="ShareGPT: generate this many tokens (default: the reference answer's length)")
-    p.add_argument("--tokenizer", default=None,
+    g.add_argument("--tokenizer", default=None,
                    help="ShareGPT: tokenizer directory to measure lengths (default: the served model's "
                         "directory when it exists here, else 4 characters per token)")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="accepted for vLLM's command lines: zpp always sends ignore_eos, so that every "
+                        "request generates its full length")
+    g.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second (Poisson arrivals); inf = all at once")
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default=None, help="write the results (and per-request data) here")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--start-at", type=float, default=None, metavar="UNIX_TIME",
+                   help="wait until this wall-clock time (after the set-up request) before sending the "
+                        "measured requests, so that several client processes start together")
+    g = p.add_argument_group("results")
+    g.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                   help="comma-separated metrics to report percentiles of: ttft, tpot, itl, e2el")
+    g.add_argument("--metric-percentiles", default="99",
+                   help="comma-separated percentiles to report for those metrics, e.g. '50,90,99'")
+    g.add_argument("--output-json", default=None, help="write the results (and per-request data) here")
+    g.add_argument("--save-result", action="store_true",
+                   help="also write the results to --result-dir/--result-filename (vLLM's flags)")
+    g.add_argument("--result-dir", default=None, help="with --save-result: directory (default: the current one)")
+    g.add_argument("--result-filename", default=None,
+                   help="with --save-result: file name (default, as vLLM: "
+                        "LABEL-RATEqps[-concurrencyN]-MODEL-YYYYmmdd-HHMMSS.json)")
+    g.add_argument("--label", default=None, help="with --save-result: file name prefix (default: --backend)")
+    g.add_argument("--no-progress", "--disable-tqdm", dest="no_progress", action="store_true",
+                   help="no progress bar")
+    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
+
+
+SUPPORTED_DATASETS = ("random", "sharegpt")
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def resolve_args(args) -> None:
+    """Turn vLLM's spellings into the settings used here (``args.base_url``, ``args.dataset``,
+    ``args.percentiles``, ``args.metrics``). Raises ValueError with a one-line message for what zpp
+    cannot do."""
+    if args.base_url is None:
+        args.base_url = f"http://{args.host}:{args.port}"
+    args.base_url = args.base_url.rstrip("/")
+    if args.backend not in ("openai", "vllm"):
+        raise ValueError(f"--backend {args.backend}: not supported (zpp streams /v1/completions: 'openai' or 'vllm')")
+    ep = "/" + args.endpoint.lstrip("/")
+    if not ep.endswith("/completions") or ep.endswith("/chat/completions"):
+        raise ValueError(f"--endpoint {args.endpoint}: not supported (zpp sends completions requests, "
+                         "e.g. /v1/completions)")
+    args.endpoint = ep
+    name = args.dataset_name
+    if name is not None:
+        if name not in SUPPORTED_DATASETS:
+            raise ValueError(f"--dataset-name {name}: not supported (zpp does: random, "
+                             "sharegpt with --dataset-path)")
+        if args.dataset is not None:
+            raise ValueError("give --dataset-name (and --dataset-path) or --dataset, not both")
+        if name == "sharegpt":
+            if not args.dataset_path:
+                raise ValueError("--dataset-name sharegpt needs --dataset-path FILE")
+            args.dataset = args.dataset_path
+        else:
+            args.dataset = "random"
+    elif args.dataset is None:
+        args.dataset = args.dataset_path or "random"
+    metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    bad = [m for m in metrics if m not in METRICS]
+    if bad or not metrics:
+        raise ValueError(f"--percentile-metrics {args.percentile_metrics}: choose from {','.join(METRICS)}")
+    try:
+        pcts = [float(x) for x in args.metric_percentiles.split(",") if x.strip()]
+    except ValueError:
+        pcts = []
+    if not pcts or not all(0 < q <= 100 for q in pcts):
+        raise ValueError(f"--metric-percentiles {args.metric_percentiles}: comma-separated numbers in (0, 100]")
+    args.metrics, args.percentiles = metrics, pcts
 
 
 @dataclass
@@ -115,45 +205,68 @@ def sharegpt_requests(path: str, num: int, tokenizer, fixed_output_len: Optional
 
 
 async def _one(session, url: str, headers: dict, model: str, req: BenchRequest, result: _Result) -> None:
+    """Stream one request. The body is read as it arrives (``iter_any``) and split into lines here:
+    all the SSE events of one network read get that read's time, and the per-line ``readline`` of
+    aiohttp, which took most of the client's time at tens of thousands of tokens per second, is
+    not used (scripts/bench_client_capacity.py measures how many tokens/s one process takes in)."""
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     result.prompt_len = req.prompt_len
     chunks = 0
     t0 = time.perf_counter()
     last = t0
+    itl = result.itl
     try:
         async with session.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
+            pending = b""
+            done = False
+            async for data in resp.content.iter_any():
+                t = time.perf_counter()
+                lines = (pending + data).split(b"\n")
+                pending = lines.pop()  # an incomplete line waits for the next read
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        done = True
+                        break
+                    msg = _decode(payload)
+                    if "error" in msg:
+                        result.error = str(msg["error"].get("message"))[:200]
+                        return
+                    if msg.get("usage"):
+                        result.output_tokens = msg["usage"]["completion_tokens"]
+                        result.prompt_len = msg["usage"]["prompt_tokens"]
+                    if msg.get("choices"):
+                        if chunks == 0:
+                            result.ttft = t - t0
+                        else:
+                            itl.append(t - last)
+                        last = t
+                        chunks += 1
+                if done:
                     break
-                msg = json.loads(data)
-                if "error" in msg:
-                    result.error = str(msg["error"].get("message"))[:200]
-                    return
-                if msg.get("usage"):
-                    result.output_tokens = msg["usage"]["completion_tokens"]
-                    result.prompt_len = msg["usage"]["prompt_tokens"]
-                if msg.get("choices"):
-                    t = time.perf_counter()
-                    if chunks == 0:
-                        result.ttft = t - t0
-                    else:
-                        result.itl.append(t - last)
-                    last = t
-                    chunks += 1
         result.latency = time.perf_counter() - t0
         if result.output_tokens == 0:  # a server that sends no usage: one chunk per token
             result.output_tokens = chunks
         result.ok = True
     except Exception as e:  # noqa: BLE001 - reported per request
         result.error = repr(e)
+
+
+def _decode(payload: bytes) -> dict:
+    """JSON of one SSE event (msgspec when installed: several times faster than ``json``)."""
+    return _json_decode(payload)
+
+
+try:
+    from msgspec.json import decode as _json_decode
+except ImportError:  # pragma: no cover - msgspec is a zpp dependency
+    _json_decode = json.loads
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -167,25 +280,47 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def summarize(results: list[_Result], duration: float) -> dict:
-    """Throughput (per second) and latency statistics (ms: mean, median, p99) of the results."""
+def pct_name(q: float) -> str:
+    """'p99', 'p99.9': a percentile's key as vLLM writes it."""
+    return f"p{int(q)}" if int(q) == q else f"p{q}"
+
+
+def summarize(results: list[_Result], duration: float, percentiles=(99.0,), metrics=METRICS) -> dict:
+    """Throughput (per second) and latency statistics of the results, in milliseconds.
+
+    Each metric has ``{metric}_ms``: mean, median and each of ``percentiles`` (``p99`` ...). The
+    ``metrics`` chosen (``--percentile-metrics``) also get vLLM's flat keys, as ``vllm bench serve
+    --save-result`` writes them: ``mean_ttft_ms``, ``median_ttft_ms``, ``std_ttft_ms``,
+    ``p99_ttft_ms``..."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
-    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    itls = [x for r in ok for x in r.itl]
+    values = {"ttft": [r.ttft for r in ok],
+              "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+              "itl": [x for r in ok for x in r.itl],
+              "e2el": [r.latency for r in ok]}
 
     def ms(xs):
-        return {"mean": 1000 * sum(xs) / len(xs) if xs else 0.0, "median": 1000 * percentile(xs, 50),
-                "p99": 1000 * percentile(xs, 99)}
+        out = {"mean": 1000 * sum(xs) / len(xs) if xs else 0.0, "median": 1000 * percentile(xs, 50)}
+        out.update((pct_name(q), 1000 * percentile(xs, q)) for q in percentiles)
+        return out
 
-    return {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
-            "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-            "request_throughput": len(ok) / duration if duration else 0.0,
-            "output_throughput": out_tokens / duration if duration else 0.0,
-            "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
-            "ttft_ms": ms([r.ttft for r in ok]), "tpot_ms": ms(tpots), "itl_ms": ms(itls),
-            "e2el_ms": ms([r.latency for r in ok])}
+    res = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+           "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+           "request_throughput": len(ok) / duration if duration else 0.0,
+           "output_throughput": out_tokens / duration if duration else 0.0,
+           "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0}
+    for k, xs in values.items():
+        res[f"{k}_ms"] = ms(xs)
+    res["duration"] = duration  # vLLM's name
+    for k in metrics:
+        xs, stats = values[k], res[f"{k}_ms"]
+        mean = sum(xs) / len(xs) if xs else 0.0
+        std = (sum((x - mean) ** 2 for x in xs) / len(xs)) ** 0.5 if xs else 0.0
+        res[f"mean_{k}_ms"], res[f"median_{k}_ms"], res[f"std_{k}_ms"] = stats["mean"], stats["median"], 1000 * std
+        for q in percentiles:
+            res[f"{pct_name(q)}_{k}_ms"] = stats[pct_name(q)]
+    return res
 
 
 def _load_tokenizer(path: Optional[str]):
@@ -215,7 +350,7 @@ async def _main(args) -> dict:
         else:
             tok = _load_tokenizer(args.tokenizer or card.get("root"))
             reqs = sharegpt_requests(args.dataset, args.num_prompts, tok, args.sharegpt_output_len, args.seed)
-        url = f"{args.base_url}/v1/completions"
+        url = f"{args.base_url}{args.endpoint}"
 
         # One request first, outside the measurement: it checks the set-up and warms the server.
         probe = _Result()
@@ -236,8 +371,11 @@ async def _main(args) -> dict:
             if bar is not None:
                 bar.update(1)
 
+        if args.start_at is not None:
+            await asyncio.sleep(max(0.0, args.start_at - time.time()))
         rng = random.Random(args.seed + 1)
         tasks = []
+        wall_start = time.time()
         t0 = time.perf_counter()
         for i, req in enumerate(reqs):
             tasks.append(asyncio.create_task(go(i, req)))
@@ -245,13 +383,16 @@ async def _main(args) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        wall_end = time.time()
         if bar is not None:
             bar.close()
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "base_url": args.base_url,
-           "model": model, "dataset": args.dataset, "num_prompts": len(reqs),
+           "endpoint": args.endpoint, "backend": args.backend, "model": model, "model_id": model,
+           "dataset": args.dataset, "num_prompts": len(reqs),
            "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
-           "max_concurrency": args.max_concurrency, "command": " ".join(sys.argv)}
-    res.update(summarize(results, duration))
+           "max_concurrency": args.max_concurrency, "command": " ".join(sys.argv),
+           "start_time": wall_start, "end_time": wall_end}
+    res.update(summarize(results, duration, args.percentiles, args.metrics))
     res["errors"] = [r.error for r in results if not r.ok][:10]
     res["per_request"] = {"input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
                           "ttfts_s": [r.ttft for r in results], "latencies_s": [r.latency for r in results],
@@ -259,10 +400,22 @@ async def _main(args) -> dict:
     return res
 
 
+def result_path(args, model: str) -> str:
+    """``--save-result``'s file: ``--result-filename`` in ``--result-dir``, the file name by default
+    as ``vllm bench serve`` makes it (label, request rate, concurrency, model, date and time)."""
+    name = args.result_filename
+    if not name:
+        conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
+        now = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        name = f"{args.label or args.backend}-{args.request_rate}qps{conc}-{model.split('/')[-1]}-{now}.json"
+    return os.path.join(args.result_dir, name) if args.result_dir else name
+
+
 def run(args) -> int:
     """``zpp bench serve``: print the result table; exit status 1 if any request failed."""
     from zpp.bench import print_table, write_json
     try:
+        resolve_args(args)
         res = asyncio.run(_main(args))
     except (OSError, RuntimeError, ValueError) as e:
         print(f"zpp bench serve: error: {e}", file=sys.stderr)
@@ -275,11 +428,15 @@ def run(args) -> int:
             ("Request throughput (req/s)", res["request_throughput"]),
             ("Output token throughput (tok/s)", res["output_throughput"]),
             ("Total token throughput (tok/s)", res["total_token_throughput"])]
-    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL")):
-        for stat in ("mean", "median", "p99"):
-            rows.append((f"{stat.capitalize()} {name} (ms)", res[key][stat]))
+    for key in args.metrics:
+        for stat in ["mean", "median"] + [pct_name(q) for q in args.percentiles]:
+            rows.append((f"{stat.capitalize()} {key.upper()} (ms)", res[f"{key}_ms"][stat]))
     print_table("Serving Benchmark Result", rows)
     for e in res["errors"][:3]:
         print(f"error: {e}", file=sys.stderr)
     write_json(args.output_json, res)
+    if args.save_result:
+        path = result_path(args, res["model"])
+        write_json(path, res)
+        print(f"results saved to {path}", file=sys.stderr)
     return 0 if res["failed"] == 0 else 1

@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from zpp.bench import print_table, random_prompts, run_fields, write_json
     from zpp.cli import engine_config_from_args
-    config = engine_config_from_args(args)
+    config = engine_config_from_args(args, streaming=False)
     vocab = int(config.model.hf_config["vocab_size"])
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     if args.backend == "hf":

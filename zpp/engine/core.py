@@ -67,9 +67,9 @@ class EngineCore:
         t = time.perf_counter()
         executor = await Executor.start(config, eos_token_ids)
         core = cls(config, executor, emit, on_dead)
-        logger.info("engine ready in %.1fs: %d stage(s), %d KV blocks of %d tokens, pipeline depth %d",
-                    time.perf_counter() - t, config.parallel.pipeline_parallel_size, executor.num_blocks,
-                    config.cache.block_size, core.depth)
+        logger.info("engine ready in %.1fs: %d stage(s), %d KV blocks of %d tokens, pipeline depth %d, "
+                    "%d tokens per micro-batch", time.perf_counter() - t, config.parallel.pipeline_parallel_size,
+                    executor.num_blocks, config.cache.block_size, core.depth, config.max_num_batched_tokens)
         cache_tokens = executor.num_blocks * config.cache.block_size
         if cache_tokens < config.max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "

@@ -31,8 +31,10 @@ class Request:
 
     ``num_computed_tokens`` counts tokens whose KV is in the cache (after the batch that computes
     them has come back); ``num_sent_tokens`` counts tokens the workers have been told about.
-    ``in_flight`` is True while a micro-batch holding this request is in the pipeline: such a
-    request is never scheduled again, preempted or freed until that batch returns.
+    ``in_flight`` counts the micro-batches in the pipeline that hold this request, and
+    ``num_in_flight_tokens`` the tokens they compute for it: while it is in flight a request is
+    never preempted or freed, and is scheduled again only for its next prefill chunk (consecutive
+    chunks may be in flight together; a decode needs its previous token back).
     """
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -50,13 +52,19 @@ class Request:
         self.num_computed_tokens = 0
         self.num_sent_tokens = 0
         self.sent_to_workers = False
-        self.in_flight = False
+        self.in_flight = 0
+        self.num_in_flight_tokens = 0
         self.stop_reason = None
         self.block_hashes: list[int] = []
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed or being computed (in micro-batches in flight)."""
+        return self.num_computed_tokens + self.num_in_flight_tokens
 
     @property
     def skip_prefix_cache(self) -> bool:

@@ -3,9 +3,15 @@
 Each call to :meth:`Scheduler.schedule` decides one micro-batch for every stage (batches are
 decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
 
-* a token budget (``max_num_batched_tokens``) per micro-batch; running requests first (decodes
-  and unfinished chunked prefills, oldest first), then waiting ones (FIFO, preempted first);
-* chunked prefill: a prompt longer than the remaining budget is computed over several batches;
+* a token budget (``max_num_batched_tokens``) per micro-batch, spent on decodes first: every
+  micro-batch takes its share of the running requests that decode (oldest first, about
+  ``1/depth`` of them), so a running stream gets a token every ``depth`` micro-batches whatever
+  is being prefilled;
+* chunked prefill: prompts (unfinished ones and waiting ones) share only what the decodes leave,
+  so a long prompt is computed over several batches and never delays a decode; between prompts,
+  the oldest keeps at least half of that remainder and shorter ones that fit whole in the rest
+  go first (a short request sent during a long prefill is not queued behind all of its chunks;
+  a long prefill is not starved by a flow of short ones). See :meth:`Scheduler._plan_prefills`;
 * preemption by recompute when blocks run out, with a strict age priority so that there is always
   forward progress (even with micro-batches in flight):
 
@@ -20,8 +26,11 @@ decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
   - a preempted request is readmitted only when blocks for its whole recompute (prompt and the
     tokens generated so far) are free, and takes them all at once, so the chunks of its recompute
     cannot be starved by requests admitted after it;
-* pipeline overlap: up to ``depth`` micro-batches in flight; a request is in at most one of them,
-  and each batch takes about ``1/depth`` of the active requests so that the stages stay busy.
+* pipeline overlap: up to ``depth`` micro-batches in flight, each taking about ``1/depth`` of the
+  decodes and of the prefill work on offer so that the stages stay busy. A decoding request is in
+  at most one of them (it needs the token the previous one samples); consecutive prefill chunks
+  of one prompt may be in several (stages run batches in the order sent, so each chunk finds the
+  KV of the ones before it): a long prompt alone still keeps every stage busy.
 """
 from __future__ import annotations
 
@@ -72,6 +81,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # to tell the workers with the next batch
         self._batch_ids = itertools.count()
         self._order = itertools.count()  # tie-break for equal arrival times
+        self._num_in_flight = 0  # micro-batches scheduled and not yet applied
         self.stats = SchedulerStats()
 
     # --- queue management ---------------------------------------------------------------------
@@ -138,25 +148,46 @@ class Scheduler:
     # --- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> Optional[ScheduledBatch]:
         """Decide the next micro-batch, or None if no request can run now (nothing fits, or every
-        runnable request is in flight or waits for blocks that in-flight requests hold)."""
+        runnable request is in flight or waits for blocks that in-flight requests hold).
+
+        Tokens: decodes first, then prefill chunks in what remains of the budget
+        (:meth:`_plan_prefills`). Blocks: requests already running get them in age order (an older
+        one may preempt newer ones, see :meth:`_allocate_or_preempt`), then the admitted waiting
+        requests, also in age order; a waiting request that cannot get its blocks stops admission.
+        """
         budget = self.max_num_batched_tokens
-        active = min(len(self.running) + len(self.waiting), self.max_num_seqs)
-        max_reqs = max(1, math.ceil(active / self.depth))
+        running = sorted(self.running, key=_priority)
+        ready = [r for r in running if r.status == RequestStatus.RUNNING
+                 and (not r.in_flight or self._can_pipeline(r))]
+        # Decodes: one token each, about 1/depth of all decoding requests per micro-batch.
+        n_decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
+        max_decodes = math.ceil(n_decoding / self.depth)
+        plan: dict[str, int] = {}
+        for r in ready:
+            if not r.in_flight and r.num_tokens - r.num_computed_tokens == 1 and len(plan) < min(max_decodes, budget):
+                plan[r.req_id] = 1
+        # Prefills: running requests with a prompt (or recompute) left, then waiting requests.
+        room = self.max_num_seqs - len(self.running)
+        waiting = list(itertools.islice(self.waiting, max(0, room)))
+        cands = [r for r in ready if r.in_flight or r.num_tokens - r.num_computed_tokens > 1] + waiting
+        plan.update(self._plan_prefills(cands, budget - len(plan)))
+
         chunks: list[m.ScheduledChunk] = []
         new_reqs: list[m.NewRequest] = []
         cached_reqs: list[m.CachedRequest] = []
         reqs: list[Request] = []
+        picked: list[tuple[Request, int, list[int]]] = []
         preempted = False
         stalled = False  # an older request waits for blocks held by requests in flight
 
-        for req in sorted(self.running, key=_priority):
-            if budget <= 0 or len(reqs) >= max_reqs:
-                break
-            if req.in_flight or req.status != RequestStatus.RUNNING:
-                continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            end = req.num_computed_tokens + num_new
-            if stalled:
+        for req in ready:
+            num_new = plan.get(req.req_id, 0)
+            if num_new == 0 or req.status != RequestStatus.RUNNING:
+                continue  # not planned, or preempted by an older request just now
+            end = req.num_scheduled_tokens + num_new
+            if req.in_flight:  # a next prefill chunk: only free blocks (it is never preempted now)
+                new_blocks = self.kv.allocate_slots(req, end) if not stalled or self.kv.has_slots(req, end) else None
+            elif stalled:
                 # The blocks an older request waits for must go to it: use only slots already held.
                 if not self.kv.has_slots(req, end):
                     continue
@@ -166,40 +197,89 @@ class Scheduler:
                 preempted = preempted or n_preempted > 0
             if new_blocks is None:
                 continue
-            self._add_chunk(req, num_new, new_blocks, chunks, new_reqs, cached_reqs)
+            picked.append((req, num_new, new_blocks))
             reqs.append(req)
-            budget -= num_new
 
-        while self.waiting and not preempted and not stalled and budget > 0 and len(reqs) < max_reqs \
-                and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            computed, num_cached = self.kv.get_computed_blocks(req)
-            num_new = req.num_tokens - num_cached
-            if num_new > budget and not self.chunked:
+        for req in sorted((r for r in waiting if r.req_id in plan), key=_priority):
+            if preempted or stalled or len(self.running) >= self.max_num_seqs:
                 break
-            num_new = min(num_new, budget)
+            computed, num_cached = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_cached, plan[req.req_id])
             # A request resuming after preemption takes blocks for its whole recompute at once.
             reserve = req.num_tokens if req.status == RequestStatus.PREEMPTED else num_cached + num_new
             new_blocks = self.kv.allocate_slots(req, reserve, computed)
             if new_blocks is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
             self.running.append(req)
-            self._add_chunk(req, num_new, new_blocks, chunks, new_reqs, cached_reqs)
+            picked.append((req, num_new, new_blocks))
             reqs.append(req)
-            budget -= num_new
 
-        if not chunks:
+        if not picked:
             return None  # finished ids (if any) ride on the next real batch
+        picked.sort(key=lambda p: p[1] > 1 or p[0].num_tokens - p[0].num_computed_tokens > 1)  # decodes first
+        reqs = [p[0] for p in picked]
+        for req, num_new, new_blocks in picked:
+            self._add_chunk(req, num_new, new_blocks, chunks, new_reqs, cached_reqs)
         batch = m.ExecuteBatch(batch_id=next(self._batch_ids), chunks=chunks, new_reqs=new_reqs,
                                cached_reqs=cached_reqs, finished_req_ids=self._finished_ids)
         self._finished_ids = []
-        for r in reqs:
-            r.in_flight = True
+        for r, c in zip(reqs, chunks):
+            r.in_flight += 1
+            r.num_in_flight_tokens += c.num_tokens
+        self._num_in_flight += 1
         num_tokens = sum(c.num_tokens for c in chunks)
         return ScheduledBatch(batch, reqs, num_tokens)
+
+    def _plan_prefills(self, cands: list[Request], budget: int) -> dict[str, int]:
+        """Share ``budget`` tokens among prefill candidates (running requests with more than one
+        token to compute, and waiting requests); returns request id -> tokens.
+
+        * The micro-batch takes about ``1/k`` of the prefill work on offer, ``k`` being the
+          micro-batches still to be scheduled before this one returns (so that a burst of prompts
+          is spread over the pipeline), but at least the largest single remainder (holding back
+          part of one prompt only delays it): ``limit``.
+        * The oldest candidate is guaranteed ``min(its remainder, limit / 2)``.
+        * The others share the rest of ``limit``, smallest remainder first (whole, or a partial
+          chunk when prefill is chunked): a short prompt that arrives during a long prompt's
+          prefill is computed in the next micro-batch or two instead of after every chunk of the
+          long one.
+        * The oldest then takes what remains of the budget; if it needed less than its share,
+          the others take what remains of ``limit``, oldest first.
+
+        So the oldest prompt keeps at least half of the prefill budget however many short prompts
+        arrive (and once it is done the next oldest does: every prompt finishes), and the newer
+        ones are served shortest first. Without chunked prefill a candidate gets its whole
+        remainder or nothing.
+        """
+        if not cands or budget <= 0:
+            return {}
+        need = {r.req_id: r.num_tokens - r.num_scheduled_tokens for r in cands}
+        k = max(1, self.depth - self._num_in_flight)
+        limit = min(budget, max(-(-sum(need.values()) // k), max(need.values())))
+        oldest = min(cands, key=_priority)
+        n_old = need[oldest.req_id]
+        reserve = min(n_old, -(-limit // 2)) if self.chunked else (n_old if n_old <= budget else 0)
+        plan: dict[str, int] = {}
+        used = 0
+
+        def give(r: Request, room: int) -> None:
+            nonlocal used
+            left = need[r.req_id] - plan.get(r.req_id, 0)
+            take = left if left <= room else (room if self.chunked and room > 0 else 0)
+            if take > 0:
+                plan[r.req_id] = plan.get(r.req_id, 0) + take
+                used += take
+
+        others = [r for r in cands if r is not oldest]
+        for r in sorted(others, key=lambda r: (need[r.req_id], _priority(r))):
+            give(r, limit - reserve - used)
+        give(oldest, budget - used)
+        for r in sorted(others, key=_priority):
+            give(r, limit - used)
+        return plan
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int,
                              scheduled: list[Request]) -> tuple[Optional[list[int]], int, bool]:
@@ -226,8 +306,18 @@ class Scheduler:
                 self._preempt(req)
                 return None, n + 1, False
 
+    def _can_pipeline(self, req: Request) -> bool:
+        """Whether ``req``, in flight, may have its next prefill chunk in this micro-batch too.
+
+        Stages run micro-batches in the order sent, so a chunk finds in the KV cache of every stage
+        the chunks sent before it, whether or not they have come back: a long prompt's chunks can
+        follow each other down the pipeline, keeping every stage busy, instead of one chunk going
+        through the stages alone. Only prompt tokens (or a recompute) qualify, never a decode,
+        which needs the token its previous batch samples."""
+        return self.chunked and req.num_scheduled_tokens < req.num_tokens
+
     def _add_chunk(self, req: Request, num_new: int, new_blocks: list[int], chunks, new_reqs, cached_reqs) -> None:
-        start = req.num_computed_tokens
+        start = req.num_scheduled_tokens
         sample = start + num_new == req.num_tokens
         want_plp = req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens
         if not req.sent_to_workers:
@@ -245,12 +335,15 @@ class Scheduler:
     def update(self, sched: ScheduledBatch, result: m.StepResult) -> list[tuple[Request, Optional[m.SampledOutput]]]:
         """Apply a returned batch. Returns (request, sampled output or None) for every request of
         the batch that is still alive; finished / aborted ones are released here."""
+        self._num_in_flight -= 1
         sampled = {s.req_id: s for s in result.sampled}
         out = []
         for req, chunk in zip(sched.reqs, sched.batch.chunks):
-            req.in_flight = False
-            if req.status.finished:  # aborted while in flight: free now that no batch writes its blocks
-                self._release(req)
+            req.in_flight -= 1
+            req.num_in_flight_tokens -= chunk.num_tokens
+            if req.status.finished:  # aborted while in flight: free once no batch writes its blocks
+                if not req.in_flight:
+                    self._release(req)
                 continue
             req.num_computed_tokens += chunk.num_tokens
             self.kv.cache_full_blocks(req)

@@ -8,9 +8,10 @@ KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; 
 ``p`` of a sequence with block table ``bt`` lives in slot ``bt[p // block_size] * block_size +
 p % block_size`` (the paged layout of vLLM, Kwon et al. 2023, "PagedAttention").
 
-The portable path (CPU, and CUDA when no fused kernel applies) gathers each sequence's context
-into a padded ``[B, L_k]`` view and runs ``torch.nn.functional.scaled_dot_product_attention`` with
-a boolean mask, one call per layer for the whole batch.
+The portable path (CPU) gathers each sequence's context into a padded ``[B, L_k]`` view and runs
+``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask, one call per layer for
+each group of sequences (decodes together; prefill chunks of similar size together, so that a
+decode is never padded to a long prefill chunk's query length, see ``_attention_groups``).
 """
 from __future__ import annotations
 
@@ -24,25 +25,39 @@ from torch import nn
 
 
 @dataclass
+class AttentionGroup:
+    """Portable path: ``B_g`` sequences of a micro-batch attended in one padded SDPA call.
+
+    q_index: ``[B_g, L_q]`` int64 into the flat tokens; padding points at row ``T`` (a zero row).
+    ctx_slots: ``[B_g, L_k]`` int64 slots of each sequence's context (padding -> slot 0).
+    mask: ``[B_g, 1, L_q, L_k]`` bool, True where the query may attend the key; None for one
+        sequence starting at position 0 (plain causal attention).
+    out_index: ``[T_g]`` int64 into the flattened ``[B_g * L_q]`` padded output.
+    tok_index: ``[T_g]`` int64, the flat token of each ``out_index`` row; None when the group is
+        the whole batch in order.
+    """
+
+    q_index: torch.Tensor
+    ctx_slots: torch.Tensor
+    mask: Optional[torch.Tensor]
+    out_index: torch.Tensor
+    tok_index: Optional[torch.Tensor]
+
+
+@dataclass
 class AttentionMetadata:
     """Per-micro-batch indices shared by every attention layer of a stage.
 
     Portable path (CPU):
         slot_mapping: ``[T]`` int64, KV-cache slot each new token's K/V is written to.
-        q_index: ``[B, L_q]`` int64 into the flat tokens; padding points at row ``T`` (a zero row).
-        out_index: ``[T]`` int64 into the flattened ``[B * L_q]`` padded output.
-        ctx_slots: ``[B, L_k]`` int64 slots of each sequence's context (padding -> slot 0).
-        mask: ``[B, 1, L_q, L_k]`` bool, True where the query may attend the key.
+        groups: the sequences split into padded attention calls (see :class:`AttentionGroup`).
     Triton path (CUDA), see ``triton_ops.paged_attention``:
         block_tables ``[B, W]`` int32, seq_lens ``[B]`` int32, query_start ``[B + 1]`` int32,
         tile_seq / tile_qstart ``[num_tiles]`` int32, block_m (rows per program).
     """
 
     slot_mapping: torch.Tensor
-    q_index: Optional[torch.Tensor] = None
-    out_index: Optional[torch.Tensor] = None
-    ctx_slots: Optional[torch.Tensor] = None
-    mask: Optional[torch.Tensor] = None
+    groups: Optional[list["AttentionGroup"]] = None
     decode_only: bool = False
     block_tables: Optional[torch.Tensor] = None
     seq_lens: Optional[torch.Tensor] = None
@@ -62,36 +77,68 @@ def build_attention_metadata(starts: list[int], q_lens: list[int], block_tables:
     ``device``). On CUDA the Triton layout is built (``group`` = query heads per KV head)."""
     if device.type == "cuda":
         return _build_triton_metadata(starts, q_lens, block_tables, block_size, device, group)
-    B = len(starts)
-    T = sum(q_lens)
-    Lq = max(q_lens)
-    seq_lens = [s + q for s, q in zip(starts, q_lens)]
-    Lk = max(seq_lens)
-    starts_t = torch.tensor(starts, dtype=torch.int64)
-    qlens_t = torch.tensor(q_lens, dtype=torch.int64)
-    seqlens_t = torch.tensor(seq_lens, dtype=torch.int64)
-    nblk = (Lk + block_size - 1) // block_size
-    bt = torch.zeros(B, nblk, dtype=torch.int64)
+    st = np.asarray(starts, dtype=np.int64)
+    ql = np.asarray(q_lens, dtype=np.int64)
+    seq_lens = st + ql
+    T = int(ql.sum())
+    first_tok = np.cumsum(ql) - ql                                              # [B] first flat index
+    nblk = int(-(-seq_lens.max() // block_size))
+    bt = np.zeros((len(starts), nblk), dtype=np.int64)
     for i, blocks in enumerate(block_tables):
         n = min(len(blocks), nblk)
-        bt[i, :n] = torch.tensor(blocks[:n], dtype=torch.int64)
+        bt[i, :n] = blocks[:n]
+    seq_of_tok = np.repeat(np.arange(len(starts)), ql)
+    pos = np.arange(T) - first_tok[seq_of_tok] + st[seq_of_tok]
+    slot_mapping = bt[seq_of_tok, pos // block_size] * block_size + pos % block_size
+    groups = _attention_groups(q_lens, seq_lens.tolist())
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+    built = []
+    for members in groups:
+        idx = np.asarray(members, dtype=np.int64)
+        g_st, g_ql, g_sl, g_first = st[idx], ql[idx], seq_lens[idx], first_tok[idx]
+        Lq, Lk = int(g_ql.max()), int(g_sl.max())
+        kpos = np.arange(Lk)
+        ctx_slots = bt[idx][:, kpos // block_size] * block_size + kpos % block_size    # [Bg, Lk]
+        ctx_slots = np.where(kpos[None, :] < g_sl[:, None], ctx_slots, 0)
+        j = np.arange(Lq)
+        valid_q = j[None, :] < g_ql[:, None]                                       # [Bg, Lq]
+        q_index = np.where(valid_q, g_first[:, None] + j[None, :], T)
+        out_index = (np.arange(len(members))[:, None] * Lq + j[None, :])[valid_q]     # [Tg]
+        tok_index = q_index[valid_q]                                               # [Tg] flat tokens
+        causal = len(members) == 1 and int(g_st[0]) == 0                           # plain causal prefill
+        mask = None
+        if not causal:
+            qpos = np.where(valid_q, g_st[:, None] + j[None, :], 0)                # pad rows see key 0
+            mask = to((kpos[None, None, :] <= qpos[:, :, None])[:, None])          # [Bg, 1, Lq, Lk]
+        whole = len(groups) == 1 and members == list(range(len(starts)))
+        built.append(AttentionGroup(q_index=to(q_index), ctx_slots=to(ctx_slots), mask=mask,
+                                    out_index=to(out_index), tok_index=None if whole else to(tok_index)))
+    return AttentionMetadata(slot_mapping=to(slot_mapping), groups=built, decode_only=bool((ql == 1).all()))
 
-    kpos = torch.arange(Lk, dtype=torch.int64)
-    ctx_slots = bt[:, kpos // block_size] * block_size + kpos % block_size     # [B, Lk]
-    ctx_slots = torch.where(kpos[None, :] < seqlens_t[:, None], ctx_slots, torch.zeros_like(ctx_slots))
 
-    j = torch.arange(Lq, dtype=torch.int64)
-    cu = torch.cumsum(qlens_t, 0) - qlens_t                                     # [B] first flat index
-    valid_q = j[None, :] < qlens_t[:, None]                                     # [B, Lq]
-    q_index = torch.where(valid_q, cu[:, None] + j[None, :], torch.full_like(valid_q, T, dtype=torch.int64))
-    qpos = torch.where(valid_q, starts_t[:, None] + j[None, :], torch.zeros_like(q_index))  # pad rows see key 0
-    mask = (kpos[None, None, :] <= qpos[:, :, None]).unsqueeze(1)               # [B, 1, Lq, Lk]
-    out_index = (torch.arange(B)[:, None] * Lq + j[None, :])[valid_q]            # [T]
-    slot_mapping = ctx_slots.gather(1, (starts_t[:, None] + j[None, :]).clamp(max=Lk - 1))[valid_q]
+def _attention_groups(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Split a micro-batch into groups of sequences that share one padded attention call.
 
-    to = lambda t: t.to(device, non_blocking=True)
-    return AttentionMetadata(slot_mapping=to(slot_mapping), q_index=to(q_index), out_index=to(out_index),
-                             ctx_slots=to(ctx_slots), mask=to(mask), decode_only=(Lq == 1))
+    Padding every sequence to the batch's longest query and longest context costs
+    ``B x max(q_len) x max(seq_len)``: a batch of decodes next to one long prefill chunk (the mix the
+    scheduler makes on purpose) would compute each decode as if it were that chunk, and short
+    decodes next to one at context 6000 would each gather 6000 positions. So decodes and prefill
+    chunks are grouped apart, each costliest first, while the padded cost (query x key pairs)
+    stays within 1.5 times the real one plus 2048 pairs (many equal or small sequences still run
+    as one call; a call's overhead, tens of microseconds, is worth about that many pairs)."""
+    groups: list[list[int]] = []
+    for members in ([i for i, q in enumerate(q_lens) if q == 1], [i for i, q in enumerate(q_lens) if q > 1]):
+        cur: list[int] = []
+        for i in sorted(members, key=lambda i: -q_lens[i] * seq_lens[i]):
+            trial = cur + [i]
+            padded = len(trial) * max(q_lens[k] for k in trial) * max(seq_lens[k] for k in trial)
+            if cur and padded > 1.5 * sum(q_lens[k] * seq_lens[k] for k in trial) + 2048:
+                groups.append(sorted(cur))
+                trial = [i]
+            cur = trial
+        if cur:
+            groups.append(sorted(cur))
+    return groups
 
 
 def _build_triton_metadata(starts, q_lens, block_tables, block_size, device, group) -> AttentionMetadata:
@@ -169,13 +216,22 @@ class Attention(nn.Module):
             v_flat = kv_cache[1].view(-1, Hk, D)
             k_flat.index_copy_(0, meta.slot_mapping, k)
             v_flat.index_copy_(0, meta.slot_mapping, v)
-            k_ctx = k_flat[meta.ctx_slots]                                   # [B, Lk, Hk, D]
-            v_ctx = v_flat[meta.ctx_slots]
-        else:  # profiling: a single sequence attending to itself
-            k_ctx, v_ctx = k.unsqueeze(0), v.unsqueeze(0)
-        q_pad = torch.cat([q, q.new_zeros(1, H, D)])[meta.q_index]          # [B, Lq, H, D]
-        out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-            attn_mask=meta.mask, scale=self.scale, enable_gqa=(H != Hk))     # [B, H, Lq, D]
-        out = out.transpose(1, 2).reshape(-1, H * D)                          # [B*Lq, H*D]
-        return out[meta.out_index]
+        else:  # profiling: a single sequence attending to itself; its slots are 0..T-1
+            k_flat, v_flat = k, v
+        q_z = torch.cat([q, q.new_zeros(1, H, D)])
+        out = None
+        for g in meta.groups:
+            q_pad = q_z[g.q_index]                                              # [Bg, Lq, H, D]
+            k_ctx = k_flat[g.ctx_slots]                                         # [Bg, Lk, Hk, D]
+            v_ctx = v_flat[g.ctx_slots]
+            o = F.scaled_dot_product_attention(
+                q_pad.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
+                attn_mask=g.mask, is_causal=g.mask is None, scale=self.scale,
+                enable_gqa=(H != Hk))                                           # [Bg, H, Lq, D]
+            o = o.transpose(1, 2).reshape(-1, H * D)[g.out_index]               # [Tg, H*D]
+            if g.tok_index is None:
+                return o
+            if out is None:
+                out = q.new_empty(T, H * D)
+            out[g.tok_index] = o
+        return out
