@@ -11,7 +11,9 @@ OUT="${1:-benchmarks/results}"
 PP="${2:-1}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-M=scripts/configs/llama3-8b
+# The Llama-3-8B shape with the demo (SmolLM2) tokenizer, vocabulary 49,152, so that the server
+# tokenizes and detokenizes as in real use: ZPP_BENCH_MODEL=DIR (config.json + tokenizer files).
+M="${ZPP_BENCH_MODEL:-scripts/configs/llama3-8b}"
 ENG="--load-format dummy --device cuda -pp $PP --max-num-seqs 1024 --max-num-batched-tokens 8192"
 TAG="h200_pp${PP}"
 [ "$PP" -gt 1 ] && TAG="h200x${PP}_pp${PP}"
@@ -27,13 +29,13 @@ SRV=$!
 for i in $(seq 1 300); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 1; done
 URL=http://127.0.0.1:$PORT
 echo "### serve: one client, 1000 prompts"
-python -m zpp.cli bench serve --base-url $URL --num-prompts 1000 --input-len 256 --output-len 256 \
+python -m zpp.cli bench serve --base-url $URL --num-prompts 1000 --random-input-len 256 --random-output-len 256 \
   --request-rate inf --output-json "$OUT/${TAG}_serve_1client.json" 2>&1 | tail -12
 echo "### serve: two clients, 500 prompts each"
 T0=$(python -c "import time; print(time.time() + 3)")
 CL=""
 for c in 0 1; do
-  python -m zpp.cli bench serve --base-url $URL --num-prompts 500 --input-len 256 --output-len 256 \
+  python -m zpp.cli bench serve --base-url $URL --num-prompts 500 --random-input-len 256 --random-output-len 256 \
     --request-rate inf --seed $((c + 1)) --start-at $T0 --output-json "$OUT/${TAG}_serve_2clients_$c.json" \
     > "$OUT/${TAG}_serve_2clients_$c.log" 2>&1 &
   CL="$CL $!"
@@ -41,7 +43,7 @@ done
 wait $CL
 tail -12 "$OUT/${TAG}_serve_2clients_0.log"; tail -12 "$OUT/${TAG}_serve_2clients_1.log"
 echo "### serve: concurrency 1 (HTTP TPOT)"
-python -m zpp.cli bench serve --base-url $URL --num-prompts 16 --input-len 128 --output-len 128 \
+python -m zpp.cli bench serve --base-url $URL --num-prompts 16 --random-input-len 128 --random-output-len 128 \
   --max-concurrency 1 --output-json "$OUT/${TAG}_serve_concurrency1.json" 2>&1 | tail -12
 kill -INT $SRV; wait $SRV
 python - "$OUT" "$TAG" <<'PY'

@@ -324,7 +324,9 @@ def summarize(results: list[_Result], duration: float, percentiles=(99.0,), metr
 
 
 def _load_tokenizer(path: Optional[str]):
-    if not path or not os.path.isdir(path):
+    """The HF tokenizer in ``path``, or None when the directory holds none (random token ids then)."""
+    if not path or not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                          "tokenizer.model", "vocab.json")):
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
