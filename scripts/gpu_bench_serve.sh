@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # zpp serve against the offline engine, same machine, same call (issue #12's acceptance):
-#   bash scripts/gpu_bench_serve.sh OUTDIR [PP]
+#   bash scripts/gpu_bench_serve.sh OUTDIR [PP]     (ZPP_API_SERVER_COUNTS="1 4": the server settings to run)
 # Llama-3-8B shape, random bf16 weights. Runs, in order:
 #   1. zpp bench throughput            1000 x 256/256 (offline engine, in-process core)
 #   2. zpp serve + one zpp bench serve  1000 x 256/256, --request-rate inf
@@ -23,44 +23,48 @@ python -m zpp.cli bench throughput --model $M $ENG --num-prompts 1000 --input-le
 echo "### offline: zpp bench latency"
 python -m zpp.cli bench latency --model $M $ENG --batch-size 1 --input-len 128 --output-len 128 \
   --output-json "$OUT/${TAG}_offline_latency.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -6
+for API in ${ZPP_API_SERVER_COUNTS:-1 4}; do
+echo "##### zpp serve --api-server-count $API"
 PORT=18777
-python -m zpp.cli serve $M $ENG --port $PORT --disable-log-requests > "$OUT/${TAG}_serve.log" 2>&1 &
+python -m zpp.cli serve $M $ENG --port $PORT --disable-log-requests --api-server-count $API \
+  > "$OUT/${TAG}_api${API}_serve.log" 2>&1 &
 SRV=$!
 for i in $(seq 1 300); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 1; done
 URL=http://127.0.0.1:$PORT
 echo "### serve: one client, 1000 prompts"
 python -m zpp.cli bench serve --base-url $URL --num-prompts 1000 --random-input-len 256 --random-output-len 256 \
-  --request-rate inf --output-json "$OUT/${TAG}_serve_1client.json" 2>&1 | tail -12
-echo "### serve: two clients, 500 prompts each"
+  --request-rate inf --output-json "$OUT/${TAG}_api${API}_serve_1client.json" 2>&1 | grep -E "throughput|TPOT|TTFT"
+NCL=${ZPP_CLIENTS:-4}
+echo "### serve: $NCL client processes, 1000/$NCL prompts each"
 T0=$(python -c "import time; print(time.time() + 3)")
 CL=""
-for c in 0 1; do
-  python -m zpp.cli bench serve --base-url $URL --num-prompts 500 --random-input-len 256 --random-output-len 256 \
-    --request-rate inf --seed $((c + 1)) --start-at $T0 --output-json "$OUT/${TAG}_serve_2clients_$c.json" \
-    > "$OUT/${TAG}_serve_2clients_$c.log" 2>&1 &
+for c in $(seq 0 $((NCL - 1))); do
+  python -m zpp.cli bench serve --base-url $URL --num-prompts $((1000 / NCL)) --random-input-len 256 --random-output-len 256 \
+    --request-rate inf --seed $((c + 1)) --start-at $T0 --output-json "$OUT/${TAG}_api${API}_serve_2clients_$c.json" \
+    > "$OUT/${TAG}_api${API}_serve_2clients_$c.log" 2>&1 &
   CL="$CL $!"
 done
 wait $CL
-tail -12 "$OUT/${TAG}_serve_2clients_0.log"; tail -12 "$OUT/${TAG}_serve_2clients_1.log"
+grep -h "Output token throughput\|Mean TPOT" "$OUT/${TAG}_api${API}"_serve_2clients_*.log
 echo "### serve: concurrency 1 (HTTP TPOT)"
 python -m zpp.cli bench serve --base-url $URL --num-prompts 16 --random-input-len 128 --random-output-len 128 \
-  --max-concurrency 1 --output-json "$OUT/${TAG}_serve_concurrency1.json" 2>&1 | tail -12
+  --max-concurrency 1 --output-json "$OUT/${TAG}_api${API}_serve_concurrency1.json" 2>&1 | grep -E "TPOT"
 kill -INT $SRV; wait $SRV
-python - "$OUT" "$TAG" <<'PY'
+done
+for API in ${ZPP_API_SERVER_COUNTS:-1 4}; do
+python - "$OUT" "$TAG" "$API" <<'PY'
 import json, sys
-out, tag = sys.argv[1:]
+out, tag, api = sys.argv[1:]
 ld = lambda n: json.load(open(f"{out}/{tag}_{n}.json"))
-off = ld("offline_throughput"); one = ld("serve_1client"); c = [ld(f"serve_2clients_{i}") for i in (0, 1)]
-lat = ld("offline_latency"); c1 = ld("serve_concurrency1")
-def tok(d):
-    for k in ("output_throughput", "output_tokens_per_s", "output_tok_s"):
-        if k in d: return d[k]
-    raise KeyError(list(d))
-t_off, t_one = tok(off), tok(one)
-t_two = sum(x["total_output_tokens"] for x in c) / (max(x["end_time"] for x in c) - min(x["start_time"] for x in c)) \
-    if all("start_time" in x for x in c) else sum(tok(x) for x in c)
-print(json.dumps({"offline_out_tok_s": t_off, "serve_1client_out_tok_s": t_one, "serve_2clients_out_tok_s": t_two,
-                  "serve_vs_offline": t_one / t_off, "two_vs_one_client": t_two / t_one,
-                  "offline_latency": {k: v for k, v in lat.items() if "tpot" in k.lower() or "latency" in k.lower()},
-                  "serve_c1": {k: v for k, v in c1.items() if "tpot" in k.lower()}}, indent=1))
+off, lat = ld("offline_throughput"), ld("offline_latency")
+one, c1 = ld(f"api{api}_serve_1client"), ld(f"api{api}_serve_concurrency1")
+import glob
+c = [json.load(open(f)) for f in sorted(glob.glob(f"{out}/{tag}_api{api}_serve_2clients_*.json"))]
+t_two = sum(x["total_output_tokens"] for x in c) / (max(x["end_time"] for x in c) - min(x["start_time"] for x in c))
+print(json.dumps({"api_server_count": int(api), "offline_out_tok_s": off["output_tokens_per_s"],
+                  "serve_1client_out_tok_s": one["output_throughput"], "num_clients": len(c), "serve_nclients_out_tok_s": t_two,
+                  "serve_vs_offline": one["output_throughput"] / off["output_tokens_per_s"],
+                  "serve_nclients_vs_offline": t_two / off["output_tokens_per_s"],
+                  "offline_tpot_ms": lat["tpot_ms"], "serve_concurrency1_tpot_ms": c1["median_tpot_ms"]}))
 PY
+done

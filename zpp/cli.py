@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import traceback
 
@@ -172,6 +173,14 @@ def _setup_logging(level: str) -> None:
 
 def cmd_serve(args) -> int:
     config = engine_config_from_args(args)  # before the heavy imports: a bad flag fails at once
+    if args.api_server_count < 1:
+        raise ConfigError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.api_server_count > 1:  # before prometheus-client is imported: every front end's counters summed
+        import atexit
+        import shutil
+        import tempfile
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = d = tempfile.mkdtemp(prefix="zpp-metrics-")
+        atexit.register(shutil.rmtree, d, True)
     from zpp.engine.async_engine import validate_startup
     from zpp.server.openai_server import serve
     validate_startup(config)
@@ -179,7 +188,7 @@ def cmd_serve(args) -> int:
     _check_port_free(args.host, args.port)
     return asyncio.run(serve(config, args.host, args.port, args.api_key, args.chat_template,
                              log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
-                             **options))
+                             api_server_count=args.api_server_count, **options))
 
 
 def _server_options(args) -> dict:
@@ -225,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("logging")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="no INFO line per finished request (id, prompt and output tokens, finish reason, time)")
+    g.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP front-end processes (tokenization, detokenization, streaming) sharing the port "
+                        "(SO_REUSEPORT) and one engine core; more serve more concurrent streams")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="no INFO stats line every 10 s while busy (throughput, queue, KV cache, stage busy)")
     # Seconds between stats lines; hidden (tests shorten it).

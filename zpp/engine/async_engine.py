@@ -91,11 +91,15 @@ class AsyncEngine:
 
     # --- lifecycle ----------------------------------------------------------------------------
     @classmethod
-    async def start(cls, config: EngineConfig, in_process: bool = True) -> "AsyncEngine":
+    async def start(cls, config: EngineConfig, in_process: bool = True, core_address: Optional[str] = None,
+                    front_end_index: int = 0) -> "AsyncEngine":
         """Validate the configuration, start the engine core and its workers.
 
         Args:
             in_process: run the core on this event loop (True) or in its own process (False).
+            core_address: join the core process already serving at this ZeroMQ address (another
+                front end of ``--api-server-count``) instead of starting one.
+            front_end_index: this front end's number among those sharing the core.
 
         Raises:
             ConfigError: bad configuration (before any worker starts or weight loads).
@@ -108,7 +112,7 @@ class AsyncEngine:
             client = _InProcessCore()
         else:
             from zpp.engine.core_proc import CoreProcessClient
-            client = CoreProcessClient()
+            client = CoreProcessClient(core_address, front_end_index)
         engine = cls(config, tokenizer, eos, client)
         await client.start(config, eos, engine._on_step, engine._on_core_dead)
         engine.inputs = InputProcessor(tokenizer, engine.vocab_size, engine.max_model_len,

@@ -54,6 +54,8 @@ class EngineCore:
         self._wake_pending = False
         self._loop_task: Optional[asyncio.Task] = None
         self.dead: Optional[str] = None
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
         executor.on_death = self._die
 
     @classmethod
@@ -96,6 +98,7 @@ class EngineCore:
                 continue
             self.scheduler.add_request(Request(r.req_id, r.prompt_token_ids, r.sampling, r.max_tokens,
                                                self.eos_token_ids))
+            self.num_prompt_tokens += len(r.prompt_token_ids)
         self._wake()
 
     def abort(self, req_ids: list[str]) -> None:
@@ -109,7 +112,7 @@ class EngineCore:
         kv, sch = self.kv, self.scheduler
         return EngineStats(sch.num_running, sch.num_waiting, kv.usage, kv.num_free_blocks, kv.num_blocks,
                            sch.stats.num_preemptions, kv.prefix_queries, kv.prefix_hits,
-                           list(self.executor.stage_busy_s))
+                           list(self.executor.stage_busy_s), self.num_prompt_tokens, self.num_generation_tokens)
 
     # --- the loop -----------------------------------------------------------------------------
     def _die(self, reason: str) -> None:
@@ -169,6 +172,7 @@ class EngineCore:
                     deltas.append(SeqDelta(req.req_id, prompt_logprobs=p))
                 continue
             d = SeqDelta(req.req_id, sampled.token_id, sampled.logprobs, prompt_logprobs=p)
+            self.num_generation_tokens += 1
             if req.status.finished:
                 d.finish_reason = req.status.finish_reason
                 d.stop_reason = req.stop_reason

@@ -32,6 +32,8 @@ class EngineStats(msgspec.Struct, array_like=True):
         prefix_cache_queries: prompt tokens looked up in the prefix cache so far.
         prefix_cache_hits: of those, tokens served from the cache.
         stage_busy_s: per pipeline stage, seconds spent computing so far.
+        num_prompt_tokens: prompt tokens of the sequences admitted so far (every front end's).
+        num_generation_tokens: tokens sampled so far.
     """
 
     num_running: int = 0
@@ -43,6 +45,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     stage_busy_s: list[float] = []
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
 
 
 class CoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -65,7 +65,7 @@ class _CoreServer:
         self.address = address
         self.eos_token_ids = eos_token_ids
         self.fronts: list[bytes] = []
-        self.owner: dict[str, bytes] = {}  # sequence id -> front end (only with several front ends)
+        self.owner: dict[str, bytes] = {}  # live sequence id -> the front end that sent it
         self.core = None
         self.ready: Optional[cm.CoreReady | cm.CoreFailed] = None
         self.stop = asyncio.Event()
@@ -119,9 +119,8 @@ class _CoreServer:
             if isinstance(msg, cm.AddRequests):
                 if self.core is None or self.core.dead:
                     continue
-                if len(self.fronts) > 1:
-                    for r in msg.requests:
-                        self.owner[r.req_id] = ident
+                for r in msg.requests:
+                    self.owner[r.req_id] = ident
                 self.core.add_requests(msg.requests)
             elif isinstance(msg, cm.AbortRequests):
                 if self.core is not None:
@@ -145,6 +144,9 @@ class _CoreServer:
 
     def _emit(self, step: cm.StepOutputs) -> None:
         if len(self.fronts) <= 1:
+            for d in step.deltas:
+                if d.finish_reason is not None:
+                    self.owner.pop(d.req_id, None)
             self._broadcast(step)
             return
         by_front: dict[bytes, list[cm.SeqDelta]] = {f: [] for f in self.fronts}
@@ -291,11 +293,12 @@ class CoreProcessClient:
                 asyncio.get_running_loop().remove_reader(self.proc.sentinel)
             except Exception:
                 pass
-        try:
-            self._send(cm.ShutdownCore())
-        except zmq.ZMQError:
-            pass
-        await asyncio.get_running_loop().run_in_executor(None, self._join, 15.0)
+        if self.proc is not None:  # only the front end that started the core stops it
+            try:
+                self._send(cm.ShutdownCore())
+            except zmq.ZMQError:
+                pass
+            await asyncio.get_running_loop().run_in_executor(None, self._join, 15.0)
         self._close()
 
     def kill(self) -> None:
