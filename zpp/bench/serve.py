@@ -336,7 +336,10 @@ async def _main(args) -> dict:
     import aiohttp
     from tqdm import tqdm
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+    # No connection limit: aiohttp's default of 100 would cap the load at 100 requests in flight
+    # whatever --max-concurrency says (it measured 7.0k tok/s where 4 processes got 12.3k).
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=connector) as session:
         async with session.get(f"{args.base_url}/v1/models", headers=headers) as r:
             if r.status != 200:
                 raise RuntimeError(f"GET {args.base_url}/v1/models: HTTP {r.status}: {(await r.text())[:200]}")
