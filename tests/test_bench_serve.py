@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from zpp.bench.serve import BenchRequest, _one, _Result
+from zpp.bench.serve import BenchRequest, _one, _Result, _session
 
 
 def test_stream_reader_handles_split_and_packed_events():
@@ -53,6 +53,51 @@ def test_stream_reader_handles_split_and_packed_events():
     assert res.ok, res.error
     assert res.output_tokens == 5 and res.prompt_len == 3
     assert len(res.itl) == 4 and res.ttft > 0 and res.latency >= res.ttft
+
+
+def test_no_connection_pool_limit():
+    """150 streams open at once through the bench's session: aiohttp's default pool (100
+    connections) would hold back the last 50 until others end, and the server would never see 150."""
+    n = 150
+
+    async def go():
+        seen = {"now": 0, "max": 0}
+        all_in = asyncio.Event()
+
+        async def completions(request):
+            seen["now"] += 1
+            seen["max"] = max(seen["max"], seen["now"])
+            if seen["now"] >= n:
+                all_in.set()
+            try:
+                await asyncio.wait_for(all_in.wait(), 10)
+            except asyncio.TimeoutError:
+                pass
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"choices": [{"index": 0, "text": "x"}]}\n\ndata: [DONE]\n\n')
+            seen["now"] -= 1
+            return resp
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with _session(n) as s:
+                results = [_Result() for _ in range(n)]
+                await asyncio.gather(*(_one(s, f"http://127.0.0.1:{port}/v1/completions", {}, "m",
+                                            BenchRequest([1], 1, 1), r) for r in results))
+            return seen["max"], results
+        finally:
+            await runner.cleanup()
+
+    most, results = asyncio.run(go())
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+    assert most == n
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:

@@ -332,11 +332,30 @@ def _load_tokenizer(path: Optional[str]):
     return AutoTokenizer.from_pretrained(path)
 
 
+def _session(num_requests: int):
+    """The client session. Its connection pool has no limit: aiohttp's default of 100 connections
+    would hold back every request past the 100th in flight without saying so (``--max-concurrency``
+    is the limit, when one is wanted). The open-file limit is raised, where it is lower, to let one
+    connection per request be open at once."""
+    import aiohttp
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        need = num_requests + 256
+        if soft != resource.RLIM_INFINITY and soft < need:
+            resource.setrlimit(resource.RLIMIT_NOFILE,
+                               (need if hard == resource.RLIM_INFINITY else min(need, hard), hard))
+    except (ImportError, ValueError, OSError):  # pragma: no cover - not Unix, or not allowed
+        pass
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                 connector=aiohttp.TCPConnector(limit=0))
+
+
 async def _main(args) -> dict:
     import aiohttp
     from tqdm import tqdm
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+    async with _session(args.num_prompts) as session:
         async with session.get(f"{args.base_url}/v1/models", headers=headers) as r:
             if r.status != 200:
                 raise RuntimeError(f"GET {args.base_url}/v1/models: HTTP {r.status}: {(await r.text())[:200]}")
