@@ -6,7 +6,11 @@ Requests come from a random dataset (token-id prompts of ``--random-input-len`` 
 asking for ``--random-output-len`` tokens with ``ignore_eos``) or from a ShareGPT-format JSON
 file (``[{"conversations": [{"value": prompt}, {"value": reference answer}, ...]}, ...]``). They
 are sent at ``--request-rate`` per second (Poisson arrivals; ``inf`` sends all at once), with at
-most ``--max-concurrency`` in flight.
+most ``--max-concurrency`` in flight. With ``--num-client-processes N`` > 1 the prompts (made once,
+as for one process) are dealt round-robin to N child processes (``python -m zpp.bench.serve``),
+each with rate / N and its share of the concurrency, started at one wall-clock time; their
+per-request results are merged into one run (duration = last end - first start), so that the
+load generator is not one Python process's speed at parsing streamed events.
 
 Definitions (as in vLLM): TTFT = time to the first streamed chunk; ITL = time between
 consecutive chunks; TPOT = (latency - TTFT) / (output tokens - 1) per request; E2EL = request
@@ -23,6 +27,7 @@ is refused with a one-line error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -76,6 +81,12 @@ def add_parser(sub) -> None:
     g.add_argument("--start-at", type=float, default=None, metavar="UNIX_TIME",
                    help="wait until this wall-clock time (after the set-up request) before sending the "
                         "measured requests, so that several client processes start together")
+    g.add_argument("--num-client-processes", type=int, default=None, metavar="N",
+                   help="send the requests from N processes (prompts dealt round-robin, each process "
+                        "with --request-rate / N and its share of --max-concurrency, started together) "
+                        "and report them as one run. Default: min(4, CPUs // 2) for --request-rate inf "
+                        "with 256 prompts or more, else 1 (one process, no children). Capped at "
+                        "--num-prompts and --max-concurrency")
     g = p.add_argument_group("results")
     g.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
                    help="comma-separated metrics to report percentiles of: ttft, tpot, itl, e2el")
@@ -139,6 +150,23 @@ def resolve_args(args) -> None:
     if not pcts or not all(0 < q <= 100 for q in pcts):
         raise ValueError(f"--metric-percentiles {args.metric_percentiles}: comma-separated numbers in (0, 100]")
     args.metrics, args.percentiles = metrics, pcts
+    n = getattr(args, "num_client_processes", None)
+    if n is None:
+        n = default_client_processes(args.request_rate, args.num_prompts, os.cpu_count())
+    elif n < 1:
+        raise ValueError(f"--num-client-processes {n}: must be 1 or more")
+    args.num_client_processes = max(1, min(n, args.num_prompts, args.max_concurrency or n))
+
+
+def default_client_processes(request_rate: float, num_prompts: int, cpu_count: Optional[int]) -> int:
+    """``--num-client-processes`` when not given: one process unless every request is sent at once
+    (``--request-rate inf``) and there are 256 or more of them, then ``min(4, CPUs // 2)``: a
+    process parses tens of thousands of streamed events per second, and several of them keep a fast
+    server from being measured against one Python process's speed, while leaving cores to a server
+    on the same machine."""
+    if request_rate == float("inf") and num_prompts >= 256:
+        return max(1, min(4, (cpu_count or 1) // 2))
+    return 1
 
 
 @dataclass
@@ -332,14 +360,29 @@ def _load_tokenizer(path: Optional[str]):
     return AutoTokenizer.from_pretrained(path)
 
 
-async def _main(args) -> dict:
+def _session(num_requests: int):
+    """The client session. Its connection pool has no limit: aiohttp's default of 100 connections
+    would hold back every request past the 100th in flight without saying so (``--max-concurrency``
+    is the limit, when one is wanted). The open-file limit is raised, where it is lower, to let one
+    connection per request be open at once."""
     import aiohttp
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        need = num_requests + 256
+        if soft != resource.RLIM_INFINITY and soft < need:
+            resource.setrlimit(resource.RLIMIT_NOFILE,
+                               (need if hard == resource.RLIM_INFINITY else min(need, hard), hard))
+    except (ImportError, ValueError, OSError):  # pragma: no cover - not Unix, or not allowed
+        pass
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                 connector=aiohttp.TCPConnector(limit=0))
+
+
+async def _main(args) -> dict:
     from tqdm import tqdm
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    # No connection limit: aiohttp's default of 100 would cap the load at 100 requests in flight
-    # whatever --max-concurrency says (it measured 7.0k tok/s where 4 processes got 12.3k).
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=connector) as session:
+    async with _session(args.num_prompts) as session:
         async with session.get(f"{args.base_url}/v1/models", headers=headers) as r:
             if r.status != 200:
                 raise RuntimeError(f"GET {args.base_url}/v1/models: HTTP {r.status}: {(await r.text())[:200]}")
@@ -363,39 +406,22 @@ async def _main(args) -> dict:
         if not probe.ok:
             raise RuntimeError(f"the initial test request failed: {probe.error}")
 
-        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        n = getattr(args, "num_client_processes", 1)
         bar = None if args.no_progress else tqdm(total=len(reqs), desc="requests", file=sys.stderr)
-        results = [_Result() for _ in reqs]
-
-        async def go(i: int, req: BenchRequest) -> None:
-            if sem is not None:
-                async with sem:
-                    await _one(session, url, headers, model, req, results[i])
-            else:
-                await _one(session, url, headers, model, req, results[i])
-            if bar is not None:
-                bar.update(1)
-
-        if args.start_at is not None:
-            await asyncio.sleep(max(0.0, args.start_at - time.time()))
-        rng = random.Random(args.seed + 1)
-        tasks = []
-        wall_start = time.time()
-        t0 = time.perf_counter()
-        for i, req in enumerate(reqs):
-            tasks.append(asyncio.create_task(go(i, req)))
-            if args.request_rate != float("inf") and i < len(reqs) - 1:
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
-        wall_end = time.time()
+        on_done = None if bar is None else (lambda: bar.update(1))
+        if n == 1:
+            results, duration, wall_start, wall_end = await _measure(
+                session, url, headers, model, reqs, args.request_rate, args.max_concurrency, args.seed + 1,
+                args.start_at, on_done)
+        else:
+            results, duration, wall_start, wall_end = await _run_clients(args, url, headers, model, reqs, n, on_done)
         if bar is not None:
             bar.close()
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "base_url": args.base_url,
            "endpoint": args.endpoint, "backend": args.backend, "model": model, "model_id": model,
            "dataset": args.dataset, "num_prompts": len(reqs),
            "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
-           "max_concurrency": args.max_concurrency, "command": " ".join(sys.argv),
+           "max_concurrency": args.max_concurrency, "num_client_processes": n, "command": " ".join(sys.argv),
            "start_time": wall_start, "end_time": wall_end}
     res.update(summarize(results, duration, args.percentiles, args.metrics))
     res["errors"] = [r.error for r in results if not r.ok][:10]
@@ -403,6 +429,169 @@ async def _main(args) -> dict:
                           "ttfts_s": [r.ttft for r in results], "latencies_s": [r.latency for r in results],
                           "itls_s": [r.itl for r in results]}
     return res
+
+
+async def _measure(session, url: str, headers: dict, model: str, reqs: list[BenchRequest], request_rate: float,
+                   max_concurrency: Optional[int], arrival_seed: int, start_at: Optional[float],
+                   on_done=None) -> tuple[list[_Result], float, float, float]:
+    """The measured run of one process: wait until ``start_at`` (wall clock) when given, then send
+    ``reqs`` at ``request_rate`` (Poisson arrivals drawn from ``arrival_seed``; inf = all at once)
+    with at most ``max_concurrency`` in flight. Returns the results (in ``reqs``' order), the
+    duration (s) and the wall-clock start and end."""
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    results = [_Result() for _ in reqs]
+
+    async def go(i: int, req: BenchRequest) -> None:
+        if sem is not None:
+            async with sem:
+                await _one(session, url, headers, model, req, results[i])
+        else:
+            await _one(session, url, headers, model, req, results[i])
+        if on_done is not None:
+            on_done()
+
+    if start_at is not None:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+    rng = random.Random(arrival_seed)
+    tasks = []
+    wall_start = time.time()
+    t0 = time.perf_counter()
+    for i, req in enumerate(reqs):
+        tasks.append(asyncio.create_task(go(i, req)))
+        if request_rate != float("inf") and i < len(reqs) - 1:
+            await asyncio.sleep(rng.expovariate(request_rate))
+    await asyncio.gather(*tasks)
+    duration = time.perf_counter() - t0
+    wall_end = time.time()
+    return results, duration, wall_start, wall_end
+
+
+# --- several client processes ----------------------------------------------------------------------
+def client_shares(request_rate: float, max_concurrency: Optional[int], n: int) -> list[tuple[float, Optional[int]]]:
+    """Each of ``n`` client processes' (request rate, max concurrency): the rate divided by ``n``
+    (the union of ``n`` Poisson streams of rate r/n is one of rate r); the concurrency split so
+    that the shares add up to it (the first ``C % n`` processes, which also get the longer
+    round-robin parts, one more). ``n`` is at most ``max_concurrency``, so every share is >= 1."""
+    rate = request_rate if request_rate == float("inf") else request_rate / n
+    if max_concurrency is None:
+        return [(rate, None)] * n
+    return [(rate, max_concurrency // n + (1 if k < max_concurrency % n else 0)) for k in range(n)]
+
+
+def merge_client_results(parts: list[dict], num_requests: int) -> tuple[list[_Result], float, float, float]:
+    """One run out of the client processes' results. ``parts[k]`` is process k's
+    ``{"results": [_Result fields, ...], "start_time": wall s, "end_time": wall s}``; it sent
+    requests k, k + n, k + 2n, ... (round-robin). Returns the results in the requests' order, the
+    duration (the last end minus the first start, over all processes) and that start and end."""
+    n = len(parts)
+    results: list[Optional[_Result]] = [None] * num_requests
+    for k, part in enumerate(parts):
+        idx = range(k, num_requests, n)
+        if len(part["results"]) != len(idx):
+            raise RuntimeError(f"client process {k}: {len(part['results'])} results for {len(idx)} requests")
+        for i, r in zip(idx, part["results"]):
+            results[i] = _Result(**r)
+    start = min(p["start_time"] for p in parts)
+    end = max(p["end_time"] for p in parts)
+    return results, end - start, start, end
+
+
+def _package_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+async def _run_clients(args, url: str, headers: dict, model: str, reqs: list[BenchRequest], n: int,
+                       on_done=None) -> tuple[list[_Result], float, float, float]:
+    """The measured run from ``n`` child processes (``python -m zpp.bench.serve JOB.json``). Each
+    gets its round-robin part of ``reqs`` and its share of the rate and concurrency in a JSON file,
+    says ``ready`` on stdout once set up, gets the common start time (wall clock) on stdin, prints
+    one line per finished request and writes its results to a JSON file; they are merged here."""
+    import tempfile
+    shares = client_shares(args.request_rate, args.max_concurrency, n)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([_package_root()] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    procs: list[asyncio.subprocess.Process] = []
+    with tempfile.TemporaryDirectory(prefix="zpp-bench-serve-") as tmp:
+        try:
+            for k in range(n):
+                rate, conc = shares[k]
+                job = {"url": url, "headers": headers, "model": model,
+                       "requests": [[r.prompt, r.prompt_len, r.output_len] for r in reqs[k::n]],
+                       "request_rate": None if rate == float("inf") else rate, "max_concurrency": conc,
+                       "arrival_seed": args.seed + 1 + k, "result_path": os.path.join(tmp, f"result{k}.json")}
+                path = os.path.join(tmp, f"job{k}.json")
+                with open(path, "w") as f:
+                    json.dump(job, f)
+                procs.append(await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "zpp.bench.serve", path, stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE, env=env))
+            for k, p in enumerate(procs):
+                if (await p.stdout.readline()).strip() != b"ready":
+                    raise RuntimeError(f"client process {k} exited with {await p.wait()} before it was ready")
+            # Every process is set up: all start at the same wall-clock time (or --start-at, if later).
+            start_at = max(args.start_at or 0.0, time.time() + 0.2)
+            for p in procs:
+                p.stdin.write(f"{start_at!r}\n".encode())
+                await p.stdin.drain()
+                p.stdin.close()
+
+            async def follow(k: int, p) -> dict:
+                async for _ in p.stdout:
+                    if on_done is not None:
+                        on_done()
+                rc = await p.wait()
+                if rc != 0:
+                    raise RuntimeError(f"client process {k} exited with {rc}")
+                with open(os.path.join(tmp, f"result{k}.json")) as f:
+                    return json.load(f)
+
+            parts = await asyncio.gather(*(follow(k, p) for k, p in enumerate(procs)))
+        finally:
+            for p in procs:
+                if p.returncode is None:
+                    p.kill()
+                    await p.wait()
+    return merge_client_results(list(parts), len(reqs))
+
+
+def _die_with_parent() -> None:
+    """A client process ends with the bench (even a SIGKILLed one: PR_SET_PDEATHSIG on Linux) and
+    leaves Ctrl-C to it (the bench kills its children)."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # pragma: no cover
+            pass
+
+
+def _client_main(job_path: str) -> int:
+    """One client process of ``--num-client-processes`` (see ``_run_clients``)."""
+    _die_with_parent()
+    with open(job_path) as f:
+        job = json.load(f)
+    reqs = [BenchRequest(p, plen, olen) for p, plen, olen in job["requests"]]
+    rate = float("inf") if job["request_rate"] is None else job["request_rate"]
+    import importlib
+    importlib.import_module("aiohttp")  # imported before saying ready, not after the start time
+    print("ready", flush=True)
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 1  # the bench went away
+
+    async def go():
+        async with _session(len(reqs)) as session:
+            return await _measure(session, job["url"], job["headers"], job["model"], reqs, rate,
+                                  job["max_concurrency"], job["arrival_seed"], float(line),
+                                  lambda: print(".", flush=True))
+
+    results, _, wall_start, wall_end = asyncio.run(go())
+    with open(job["result_path"], "w") as f:
+        json.dump({"results": [dataclasses.asdict(r) for r in results], "start_time": wall_start,
+                   "end_time": wall_end}, f)
+    return 0
 
 
 def result_path(args, model: str) -> str:
@@ -427,7 +616,7 @@ def run(args) -> int:
         return 2
     rows = [("Successful requests", res["completed"]), ("Failed requests", res["failed"]),
             ("Maximum request concurrency", res["max_concurrency"] or "unlimited"),
-            ("Request rate (req/s)", res["request_rate"]),
+            ("Request rate (req/s)", res["request_rate"]), ("Client processes", res["num_client_processes"]),
             ("Benchmark duration (s)", res["duration_s"]), ("Total input tokens", res["total_input_tokens"]),
             ("Total generated tokens", res["total_output_tokens"]),
             ("Request throughput (req/s)", res["request_throughput"]),
@@ -445,3 +634,7 @@ def run(args) -> int:
         write_json(path, res)
         print(f"results saved to {path}", file=sys.stderr)
     return 0 if res["failed"] == 0 else 1
+
+
+if __name__ == "__main__":  # a client process of --num-client-processes
+    sys.exit(_client_main(sys.argv[1]))

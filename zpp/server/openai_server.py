@@ -853,7 +853,7 @@ async def _run_front_end(engine: AsyncEngine, config, host: str, port: int, api_
     stats_task = None
     try:
         await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
+        site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=4096)  # 1000 clients at once
         await site.start()
         if owner:
             logger.info("serving %s on http://%s:%d (pipeline-parallel-size %d, tensor-parallel-size %d, "
