@@ -70,6 +70,7 @@ class _CoreServer:
         self.ready: Optional[cm.CoreReady | cm.CoreFailed] = None
         self.stop = asyncio.Event()
         self.status = 0
+        self._stats_pending = False
 
     async def run(self) -> int:
         ctx = zmq.asyncio.Context()
@@ -122,13 +123,13 @@ class _CoreServer:
                 for r in msg.requests:
                     self.owner[r.req_id] = ident
                 self.core.add_requests(msg.requests)
+                self._push_stats_soon()
             elif isinstance(msg, cm.AbortRequests):
                 if self.core is not None:
                     self.core.abort(msg.req_ids)
                     for rid in msg.req_ids:
                         self.owner.pop(rid, None)
-                    if not self.core.inflight:  # idle: the gauges changed with no step to carry them
-                        self._broadcast(cm.StepOutputs([], self.core.stats()))
+                    self._push_stats_soon()
             elif isinstance(msg, cm.FrontHello):
                 if ident not in self.fronts:
                     self.fronts.append(ident)
@@ -136,6 +137,18 @@ class _CoreServer:
                     self.sock.send_multipart([ident, _encoder.encode(self.ready)])
             elif isinstance(msg, cm.ShutdownCore):
                 self.stop.set()
+
+    def _push_stats_soon(self) -> None:
+        """The gauges changed with no step to carry them (requests queued or aborted): send them
+        within 5 ms, once for a burst of messages."""
+        if not self._stats_pending:
+            self._stats_pending = True
+            asyncio.get_running_loop().call_later(0.005, self._push_stats)
+
+    def _push_stats(self) -> None:
+        self._stats_pending = False
+        if self.core is not None and not self.core.dead:
+            self._broadcast(cm.StepOutputs([], self.core.stats()))
 
     def _broadcast(self, msg) -> None:
         payload = _encoder.encode(msg)
