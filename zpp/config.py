@@ -171,6 +171,10 @@ class ParallelConfig:
     node_keys_file: Optional[str] = None
     """Multi-host: a 0600 file with the run's control-plane keys, for agents not started over SSH.
     Read if it exists, else written with fresh keys."""
+    share_gpu: bool = field(default_factory=lambda: os.environ.get("ZPP_SHARE_GPU") == "1")
+    """Testing mode (``ZPP_SHARE_GPU=1`` where the configuration is made): every stage on GPU 0,
+    activations over gloo through host memory, so pipeline stages can be tested on one GPU (NCCL
+    refuses two ranks on one GPU). Decided once here and sent to every worker with the config."""
 
     def __post_init__(self):
         if self.pipeline_parallel_size < 1:

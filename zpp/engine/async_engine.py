@@ -258,10 +258,9 @@ def validate_startup(config: EngineConfig) -> None:
     if config.parallel.device == "cuda":
         import torch
         n = torch.cuda.device_count()
-        from zpp.transport.p2p import shared_gpu
-        if shared_gpu() and config.parallel.tensor_parallel_size > 1:
+        if config.parallel.share_gpu and config.parallel.tensor_parallel_size > 1:
             raise ConfigError("--tensor-parallel-size > 1 needs one GPU per rank (NCCL); ZPP_SHARE_GPU=1 is for PP only")
-        if not config.parallel.nodes and config.parallel.world_size > n and not shared_gpu():
+        if not config.parallel.nodes and config.parallel.world_size > n and not config.parallel.share_gpu:
             raise ConfigError(f"--pipeline-parallel-size x --tensor-parallel-size = {config.parallel.world_size} "
                               f"GPUs needed, but this host has {n}")
 

@@ -87,7 +87,7 @@ class _CoreServer:
             try:
                 self.core = await EngineCore.start(self.config, self.eos_token_ids, self._emit, self._on_dead)
                 self.ready = cm.CoreReady(self.core.kv.num_blocks, self.config.cache.block_size, self.core.depth)
-            except ConfigError as e:
+            except (ConfigError, ValueError) as e:  # e.g. --num-kv-blocks that does not fit
                 self.ready, self.status = cm.CoreFailed("config", str(e)), 1
             except WorkerDiedError as e:
                 self.ready, self.status = cm.CoreFailed("worker", str(e)), 1

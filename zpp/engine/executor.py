@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -25,7 +26,7 @@ from zpp.models.partition import partition_layers
 from zpp.transport import messages as m
 from zpp.transport.channels import EngineSocket, local_ipc_address, tcp_address
 from zpp.trace import Trace
-from zpp.transport.p2p import serve_rendezvous_store, shared_gpu
+from zpp.transport.p2p import serve_rendezvous_store
 from zpp.transport.security import RunKeys, keys_for_run
 
 logger = logging.getLogger(__name__)
@@ -140,20 +141,16 @@ class Executor:
         now = time.monotonic()
         self.last_heard = {r: now for r in range(self.world)}
         self._watchdog_task = asyncio.create_task(self._watchdog())
+        worker_config = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, model=os.path.abspath(cfg.model.model)))
         for rank in range(self.world):
             pp_rank, tp_rank = divmod(rank, self.tp)
             a, b = self.layer_ranges[pp_rank]
             self.socket.send(rank, m.InitWorker(
-                rank=rank, pp_rank=pp_rank, tp_rank=tp_rank, pp_size=self.pp, tp_size=self.tp,
-                model=os.path.abspath(cfg.model.model), load_format=cfg.model.load_format,
-                dtype=cfg.model.dtype, device=cfg.parallel.device,
-                device_index=self._device_index(rank), layer_start=a, layer_end=b,
-                num_layers=_num_layers(cfg), dist_store=self.dist_store,
-                block_size=cfg.cache.block_size, max_model_len=cfg.max_model_len,
-                max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.scheduler.max_num_seqs,
-                kv_cache_memory=cfg.cache.kv_cache_memory, gpu_memory_utilization=cfg.cache.gpu_memory_utilization,
-                num_threads=cpu_threads if rank in local_ranks else 0, seed=cfg.model.seed, enforce_eager=cfg.enforce_eager,
-                pipeline_depth=cfg.pipeline_depth, eos_token_ids=sorted(self.eos_token_ids)))
+                rank=rank, pp_rank=pp_rank, tp_rank=tp_rank, device_index=self._device_index(rank),
+                layer_start=a, layer_end=b, num_layers=_num_layers(cfg), dist_store=self.dist_store,
+                num_threads=cpu_threads if rank in local_ranks else 0,
+                eos_token_ids=sorted(self.eos_token_ids), config=worker_config))
         ready = await self._expect_all(m.WorkerReady, timeout=1800)
         fit = min(r.num_kv_blocks_fit for r in ready.values())
         num_blocks = cfg.cache.num_kv_blocks if cfg.cache.num_kv_blocks is not None else fit
@@ -168,7 +165,7 @@ class Executor:
         self._reader = asyncio.create_task(self._read_loop())
 
     def _device_index(self, rank: int) -> int:
-        if self.config.parallel.device != "cuda" or shared_gpu():
+        if self.config.parallel.device != "cuda" or self.config.parallel.share_gpu:
             return 0
         if self.nodes is not None:
             return self.nodes.local_index(rank)

@@ -22,6 +22,7 @@ from typing import Optional, Union
 
 import msgspec
 
+from zpp.config import EngineConfig
 from zpp.sampling_params import SamplingParams
 
 
@@ -37,33 +38,23 @@ class Hello(msgspec.Struct, tag=True, array_like=True):
 
 
 class InitWorker(msgspec.Struct, tag=True, array_like=True):
+    """A worker's configuration: the engine's whole config plus what is this rank's own."""
+
     rank: int
     pp_rank: int
     tp_rank: int
-    pp_size: int
-    tp_size: int
-    model: str
-    load_format: str
-    dtype: str
-    device: str
     device_index: int
     layer_start: int
     layer_end: int
     num_layers: int
     dist_store: str
     """``host:port`` of the rendezvous TCPStore the engine hosts (empty when the world is 1)."""
-    block_size: int
-    max_model_len: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    kv_cache_memory: Optional[int]
-    gpu_memory_utilization: float
     num_threads: int
     """CPU threads for this worker; 0 = decide on the worker's own host (``OMP_NUM_THREADS``)."""
-    seed: int
-    enforce_eager: bool
-    pipeline_depth: int
     eos_token_ids: list[int]
+    config: EngineConfig
+    """With the model path made absolute by the engine (the same path must hold the model on
+    every host)."""
 
 
 class WorkerReady(msgspec.Struct, tag=True, array_like=True):

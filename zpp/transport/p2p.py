@@ -12,7 +12,6 @@ Invariants (learnt from other engines' bugs):
 """
 from __future__ import annotations
 
-import os
 import socket
 from collections import deque
 from datetime import timedelta
@@ -23,12 +22,6 @@ import torch.distributed as dist
 
 DIST_TIMEOUT = timedelta(minutes=30)
 """Of every process group (world, stage pairs, TP): a stage may wait long for a huge prefill."""
-
-
-def shared_gpu() -> bool:
-    """Testing mode (``ZPP_SHARE_GPU=1``): every stage on GPU 0, activations over gloo through host
-    memory, so pipeline stages can be tested on a one-GPU machine (NCCL refuses two ranks on one GPU)."""
-    return os.environ.get("ZPP_SHARE_GPU") == "1"
 
 
 def serve_rendezvous_store(host: str) -> tuple[dist.TCPStore, str]:
@@ -49,10 +42,11 @@ def serve_rendezvous_store(host: str) -> tuple[dist.TCPStore, str]:
     return store, f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
 
 
-def init_process_group(store_address: str, rank: int, world_size: int, device: str) -> None:
+def init_process_group(store_address: str, rank: int, world_size: int, device: str, share_gpu: bool = False) -> None:
     """Join the workers' process group (not the engine: it never touches tensors; it only hosts
-    the rendezvous store at ``store_address``, ``host:port``)."""
-    backend = "nccl" if device == "cuda" and not shared_gpu() else "gloo"
+    the rendezvous store at ``store_address``, ``host:port``). ``share_gpu``: every stage on one
+    GPU (``ParallelConfig.share_gpu``), so gloo through host memory instead of NCCL."""
+    backend = "nccl" if device == "cuda" and not share_gpu else "gloo"
     kwargs = {}
     if backend == "nccl":
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
@@ -62,7 +56,8 @@ def init_process_group(store_address: str, rank: int, world_size: int, device: s
                             timeout=DIST_TIMEOUT, **kwargs)
 
 
-def make_stage_link(rank: int, pp_rank: int, pp_size: int, tp_size: int, device: torch.device) -> "StageLink":
+def make_stage_link(rank: int, pp_rank: int, pp_size: int, tp_size: int, device: torch.device,
+                    share_gpu: bool = False) -> "StageLink":
     """This worker's StageLink, over one two-rank process group per neighbour pair.
 
     Global ranks are ``pp_rank * tp_size + tp_rank``; TP rank ``t`` of stage ``s`` talks to TP rank
@@ -78,7 +73,7 @@ def make_stage_link(rank: int, pp_rank: int, pp_size: int, tp_size: int, device:
                 groups[b if rank == a else a] = g
     prev_rank = rank - tp_size if pp_rank > 0 else None
     next_rank = rank + tp_size if pp_rank < pp_size - 1 else None
-    return StageLink(prev_rank, next_rank, device, groups=groups)
+    return StageLink(prev_rank, next_rank, device, groups=groups, via_host=share_gpu)
 
 
 class StageLink:
@@ -89,14 +84,14 @@ class StageLink:
     """
 
     def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], device: torch.device,
-                 max_pending: int = 8, groups: Optional[dict] = None):
+                 max_pending: int = 8, groups: Optional[dict] = None, via_host: bool = False):
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self._groups = groups or {}  # peer rank -> its pair's process group (None: the world)
         self.device = device
         self._pending: deque[tuple[dist.Work, torch.Tensor]] = deque()
         self._max_pending = max_pending
-        self._via_host = device.type == "cuda" and shared_gpu()
+        self._via_host = device.type == "cuda" and via_host  # one GPU for all stages (gloo)
 
     def send(self, tensor: torch.Tensor) -> None:
         """Start sending ``tensor`` to the next stage; the tensor is kept alive until sent."""

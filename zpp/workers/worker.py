@@ -125,51 +125,56 @@ def _setup(init, sock):
     from zpp.workers.model_runner import ModelRunner
 
     from zpp.config import cpu_threads_per_worker
+    cfg_all = init.config
+    pp_size, tp_size = cfg_all.parallel.pipeline_parallel_size, cfg_all.parallel.tensor_parallel_size
+    device_kind, model_dir = cfg_all.parallel.device, cfg_all.model.model
+    block_size, max_model_len = cfg_all.cache.block_size, cfg_all.max_model_len
+    seed, enforce_eager = cfg_all.model.seed, cfg_all.enforce_eager
     # 0: a worker on another host; its agent set OMP_NUM_THREADS for that host's cores and workers.
     torch.set_num_threads(init.num_threads if init.num_threads > 0 else cpu_threads_per_worker(1))
-    if init.device == "cuda":
+    if device_kind == "cuda":
         torch.cuda.set_device(init.device_index)
         device = torch.device("cuda", init.device_index)
     else:
         device = torch.device("cpu")
-    dtype = parse_dtype(init.dtype, init.device)
-    if init.pp_size * init.tp_size > 1:
-        init_process_group(init.dist_store, init.rank, init.pp_size * init.tp_size, init.device)
-        init_tp_group(init.rank, init.pp_size, init.tp_size)
-    with open(os.path.join(init.model, "config.json")) as f:
+    dtype = parse_dtype(cfg_all.model.dtype, device_kind)
+    if pp_size * tp_size > 1:
+        init_process_group(init.dist_store, init.rank, pp_size * tp_size, device_kind, cfg_all.parallel.share_gpu)
+        init_tp_group(init.rank, pp_size, tp_size)
+    with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
-    stage = StageInfo(init.pp_rank, init.pp_size, init.layer_start, init.layer_end, init.tp_rank, init.tp_size)
+    stage = StageInfo(init.pp_rank, pp_size, init.layer_start, init.layer_end, init.tp_rank, tp_size)
     t = time.perf_counter()
-    model = load_stage_model(init.model, cfg, stage, dtype, device, init.max_model_len,
-                             init.load_format, init.seed)
+    model = load_stage_model(model_dir, cfg, stage, dtype, device, max_model_len,
+                             cfg_all.model.load_format, seed)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    logger.info("stage %d/%d%s: layers [%d, %d) loaded in %.1fs (%.1f MiB)", init.pp_rank, init.pp_size,
-                f" TP rank {init.tp_rank}/{init.tp_size}" if init.tp_size > 1 else "",
+    logger.info("stage %d/%d%s: layers [%d, %d) loaded in %.1fs (%.1f MiB)", init.pp_rank, pp_size,
+                f" TP rank {init.tp_rank}/{tp_size}" if tp_size > 1 else "",
                 init.layer_start, init.layer_end, time.perf_counter() - t, weight_bytes / 2**20)
     # Each TP rank exchanges activations (whole on every TP rank) with the same TP rank of the
     # neighbouring stages.
-    link = make_stage_link(init.rank, init.pp_rank, init.pp_size, init.tp_size, device) if init.pp_size > 1 else None
-    runner = ModelRunner(model, device, dtype, init.block_size, link, set(init.eos_token_ids), init.seed,
+    link = make_stage_link(init.rank, init.pp_rank, pp_size, tp_size, device, cfg_all.parallel.share_gpu) if pp_size > 1 else None
+    runner = ModelRunner(model, device, dtype, block_size, link, set(init.eos_token_ids), seed,
                          trace_name=f"rank{init.rank}-stage{init.pp_rank}")
-    if runner.trace.enabled and init.device == "cuda":
+    if runner.trace.enabled and device_kind == "cuda":
         runner.trace.cuda_clock()
 
     per_block = runner.kv_bytes_per_block()
-    if init.device == "cuda":
+    if device_kind == "cuda":
         fit = _cuda_kv_blocks(init, runner, device, per_block)
     else:
-        mem = init.kv_cache_memory if init.kv_cache_memory is not None else 1 << 30
+        mem = cfg_all.cache.kv_cache_memory if cfg_all.cache.kv_cache_memory is not None else 1 << 30
         fit = int(mem // per_block)
     sock.send(m.WorkerReady(rank=init.rank, num_kv_blocks_fit=max(0, fit), weight_bytes=weight_bytes))
     msg = sock.recv(timeout_s=600)
     if not isinstance(msg, m.InitKVCache):
         raise RuntimeError(f"expected InitKVCache, got {type(msg).__name__}")
     runner.init_kv_cache(msg.num_blocks)
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", msg.num_blocks, init.block_size,
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", msg.num_blocks, block_size,
                 msg.num_blocks * per_block / 2**20)
-    if init.device == "cuda" and not init.enforce_eager:
+    if device_kind == "cuda" and not enforce_eager:
         if model.supports_cuda_graphs:
-            runner.capture_graphs(init.max_model_len, init.max_num_seqs)
+            runner.capture_graphs(max_model_len, cfg_all.scheduler.max_num_seqs)
         else:
             logger.info("%s runs eagerly (no CUDA graphs)", type(model).__name__)
     sock.send(m.CacheReady(rank=init.rank))
@@ -182,13 +187,16 @@ def _cuda_kv_blocks(init, runner, device, per_block: int) -> int:
     (weights, activations, logits and sampler buffers), minus memory other processes hold and a
     margin for CUDA graphs."""
     import torch
-    if init.kv_cache_memory is not None:
-        return init.kv_cache_memory // per_block
-    peak = runner.profile_peak_memory(init.max_num_batched_tokens, min(init.max_num_seqs, init.max_num_batched_tokens))
+    cfg_all = init.config
+    enforce_eager = cfg_all.enforce_eager
+    if cfg_all.cache.kv_cache_memory is not None:
+        return cfg_all.cache.kv_cache_memory // per_block
+    tokens = cfg_all.max_num_batched_tokens
+    peak = runner.profile_peak_memory(tokens, min(cfg_all.scheduler.max_num_seqs, tokens))
     free, total = torch.cuda.mem_get_info(device)
     others = total - free - torch.cuda.memory_reserved(device)  # other processes / CUDA context
-    graphs_margin = 0 if init.enforce_eager else 512 << 20
-    budget = total * init.gpu_memory_utilization - peak - others - graphs_margin
+    graphs_margin = 0 if enforce_eager else 512 << 20
+    budget = total * cfg_all.cache.gpu_memory_utilization - peak - others - graphs_margin
     logger.info("memory profile: peak %.2f GiB, others %.2f GiB, KV budget %.2f GiB", peak / 2**30,
                 others / 2**30, budget / 2**30)
     return int(max(0, budget) // per_block)
