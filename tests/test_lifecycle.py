@@ -24,30 +24,38 @@ def test_signal_stops_everything(demo_model, sig):
         s.stop()
 
 
+def _open_long_stream(url: str):
+    """Start a 1500-token streamed completion in a thread; return (thread, its non-empty lines)
+    once the first event has arrived."""
+    import json
+    import threading
+    import urllib.request
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 1500, "stream": True,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    lines: list[str] = []
+    first = threading.Event()
+
+    def read():
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for raw in r:
+                if raw.strip():
+                    lines.append(raw.decode().strip())
+                    first.set()
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    assert first.wait(60), "no streamed event"
+    return t, lines
+
+
 def test_signal_ends_open_streams_promptly(demo_model):
     """SIGINT while a long stream is open: the stream ends with an error event and [DONE], and the
     server and its workers are gone within seconds (not after the request would have finished)."""
     import json
-    import threading
-    import urllib.request
     s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB"])
     try:
         kids = descendants(s.proc.pid)
-        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 1500, "stream": True,
-                           "ignore_eos": True}).encode()
-        req = urllib.request.Request(s.url + "/v1/completions", body, {"Content-Type": "application/json"})
-        lines: list[str] = []
-        first = threading.Event()
-
-        def read():
-            with urllib.request.urlopen(req, timeout=120) as r:
-                for raw in r:
-                    if raw.strip():
-                        lines.append(raw.decode().strip())
-                        first.set()
-        t = threading.Thread(target=read, daemon=True)
-        t.start()
-        assert first.wait(60), "no streamed event"
+        t, lines = _open_long_stream(s.url)
         t0 = time.monotonic()
         os.kill(s.proc.pid, signal.SIGINT)
         assert s.proc.wait(20) == 0
@@ -127,7 +135,6 @@ def test_engine_core_runs_apart_and_its_death_fails_the_server(demo_model):
     core. SIGKILL of the core: the open stream gets an error event, /health answers 503 and the
     server exits non-zero; no worker is left."""
     import json
-    import threading
     import urllib.error
     import urllib.request
     s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB"])
@@ -137,21 +144,7 @@ def test_engine_core_runs_apart_and_its_death_fails_the_server(demo_model):
         core = cores[0]
         workers = _children(core)
         assert len(workers) >= 2, "the stage workers run under the engine core"
-        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 1500, "stream": True,
-                           "ignore_eos": True}).encode()
-        req = urllib.request.Request(s.url + "/v1/completions", body, {"Content-Type": "application/json"})
-        lines: list[str] = []
-        first = threading.Event()
-
-        def read():
-            with urllib.request.urlopen(req, timeout=120) as r:
-                for raw in r:
-                    if raw.strip():
-                        lines.append(raw.decode().strip())
-                        first.set()
-        t = threading.Thread(target=read, daemon=True)
-        t.start()
-        assert first.wait(60), "no streamed event"
+        t, lines = _open_long_stream(s.url)
         os.kill(core, signal.SIGKILL)
         t.join(20)
         assert lines[-1] == "data: [DONE]"
