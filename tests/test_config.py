@@ -39,14 +39,26 @@ def test_default_token_budget_per_device_and_use(demo_model):
                             CUDA_MAX_NUM_BATCHED_TOKENS, EngineConfig, ModelConfig, ParallelConfig,
                             SchedulerConfig)
 
-    def budget(device="cpu", **kw):
+    def config(device, kw):
         cfg = EngineConfig(model=ModelConfig(model=demo_model),
                            parallel=ParallelConfig.__new__(ParallelConfig), scheduler=SchedulerConfig(**kw))
         object.__setattr__(cfg.parallel, "device", device)
-        return cfg.max_num_batched_tokens
+        return cfg
+
+    def budget(device="cpu", **kw):
+        return config(device, kw).max_num_batched_tokens
 
     assert budget() == CPU_SERVE_MAX_NUM_BATCHED_TOKENS < CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS
     assert budget(streaming=False) == CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS == 2048
     assert budget("cuda") == budget("cuda", streaming=False) == CUDA_MAX_NUM_BATCHED_TOKENS == 2048
     assert budget(max_num_batched_tokens=100) == 100
     assert budget(enable_chunked_prefill=False) == 8192
+
+    def pairs(device="cpu", **kw):
+        return config(device, kw).prefill_attention_budget
+
+    from zpp.config import CPU_SERVE_PREFILL_ATTENTION_BUDGET
+    assert pairs() == CPU_SERVE_PREFILL_ATTENTION_BUDGET == 65536
+    assert pairs(streaming=False) is None and pairs("cuda") is None
+    assert pairs(enable_chunked_prefill=False) is None
+    assert pairs(prefill_attention_budget=0) is None and pairs("cuda", prefill_attention_budget=5) == 5

@@ -352,3 +352,63 @@ def test_chunked_prefill_long_prompt_keeps_half_while_short_prompts_arrive(depth
         assert n >= (budget - n_dec) // 2, long_chunks
     assert any(other for _, _, other in long_chunks)  # short prompts did share its batches
     assert sum(1 for rid in shorts if rid in token_steps) > 10  # and shorts were served meanwhile
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_attention_budget_shrinks_chunks_at_long_context_only(depth):
+    """``prefill_attention_budget`` (issue 12, item 7): a prompt chunk's query-key pairs stay within
+    the budget, so chunks keep the whole token budget at short contexts and shrink as the context
+    grows; decodes are never cut; the long prompt still finishes with the right output; with a
+    budget smaller than one token's pairs the oldest prompt still gets a token per batch; with no
+    stream decoding, a prompt alone keeps full chunks."""
+    from zpp.engine.scheduler import _tokens_within_pairs
+    for start in (0, 1, 7, 100, 2047, 6000):
+        for pairs in (0, 1, 5, 1000, 65536):
+            c = _tokens_within_pairs(start, pairs)
+            assert c * start + c * (c + 1) // 2 <= pairs < (c + 1) * start + (c + 1) * (c + 2) // 2
+    alone = Scheduler(KVCacheManager(200, 16), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=2048,
+                      depth=depth, prefill_attention_budget=10)
+    lone = Request("lone", list(range(10, 910)), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), 1,
+                   set(), arrival=0.0)
+    alone.add_request(lone)
+    assert drive(alone, SimWorkers(alone.kv), depth) <= -(-900 // 32) + depth
+    assert lone.output_token_ids == expected_output(lone.prompt_token_ids, 1)
+    for budget_pairs, floor_only in ((32 * 256, False), (10, True)):
+        bs = 16
+        kv = KVCacheManager(200, bs)
+        sched = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=32, max_model_len=2048, depth=depth,
+                          prefill_attention_budget=budget_pairs)
+        sp = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        streams = [Request(f"s{i}", list(range(10 + i, 18 + i)), sp(400), 400, set(), arrival=float(i))
+                   for i in range(4)]
+        long = Request("long", [(7 * i) % 900 + 10 for i in range(900 if not floor_only else 60)], sp(2), 2,
+                       set(), arrival=10.0)
+        for r in streams + [long]:
+            sched.add_request(r)
+        workers = SimWorkers(kv)
+        inflight, chunks = [], []
+        while not long.status.finished:
+            while len(inflight) < depth:
+                b = sched.schedule()
+                if b is None:
+                    break
+                n_dec = sum(1 for c in b.batch.chunks if c.num_tokens == 1 and c.req_id != "long")
+                for c in b.batch.chunks:
+                    if c.req_id == "long" and not c.sample or (c.req_id == "long" and c.start < len(long.prompt_token_ids)):
+                        chunks.append((c.start, c.num_tokens, n_dec))
+                inflight.append(b)
+            b = inflight.pop(0)
+            sched.release_finished([r for r, _ in sched.update(b, workers.run(b.batch))])
+        assert long.output_token_ids == expected_output(long.prompt_token_ids, 2)
+        assert sum(n for _, n, _ in chunks) == len(long.prompt_token_ids)
+        for start, n, n_dec in chunks:
+            assert n == 1 or not n_dec or n * start + n * (n + 1) // 2 <= budget_pairs, (start, n)
+        # the streams kept decoding next to it (about a token every depth batches, after their prefill)
+        assert all(len(r.output_token_ids) >= len(chunks) // depth - 8 for r in streams), \
+            ([len(r.output_token_ids) for r in streams], len(chunks))
+        if floor_only:
+            assert all(n == 1 for s, n, _ in chunks if s >= 10), chunks  # one token per batch, never zero
+            continue
+        # full token budget (32 minus the decodes) while the context is short; small chunks late
+        assert max(n for s, n, _ in chunks if s < 200) >= 32 - 4
+        assert max(n for s, n, _ in chunks if s > 800) <= 10

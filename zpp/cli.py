@@ -111,6 +111,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
                    help="token budget of one micro-batch, decodes first (default with chunked prefill: "
                         "2048 on CUDA; on CPU 32 for `zpp serve`, 2048 for `zpp bench throughput|latency`; "
                         "without: max(--max-model-len, 2048))")
+    g.add_argument("--prefill-attention-budget", type=int, default=None, metavar="PAIRS",
+                   help="most query-key pairs the prompt chunks of one micro-batch attend, so a chunk "
+                        "shrinks at long contexts (default: 65536 for `zpp serve` on CPU, else no limit; "
+                        "0 = no limit)")
     g.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_true", default=True,
                    help="split long prompts over several steps so decodes keep going")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
@@ -163,7 +167,8 @@ def engine_config_from_args(args, streaming: bool = True) -> EngineConfig:
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
-                                  pipeline_depth=args.pipeline_depth, streaming=streaming),
+                                  pipeline_depth=args.pipeline_depth, streaming=streaming,
+                                  prefill_attention_budget=args.prefill_attention_budget),
         enforce_eager=args.enforce_eager)
 
 

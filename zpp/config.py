@@ -245,6 +245,19 @@ micro-batch reads the weights once, so a burst of prompts takes more steps, and 
 requests decode per micro-batch. Raise it (``--max-num-batched-tokens 2048``) when throughput
 matters more than inter-token gaps."""
 
+CPU_SERVE_PREFILL_ATTENTION_BUDGET = 32 * 2048
+"""CPU default attention budget per micro-batch for ``zpp serve``, in query-key pairs of prompt
+chunks (a chunk of ``C`` tokens at positions ``[s, s + C)`` attends ``C * s + C * (C + 1) / 2``
+pairs).
+
+The token budget alone does not bound a step at long contexts: a prompt token at context 6000
+costs about 4 times its share of the linear layers on the CPU (measured, ``scripts/cpu_chunk_cost.py``:
+one stage, chunk of 16 at context 6000: 12.8 ms per token of attention, 3.5 ms of the rest). With
+this budget a chunk keeps the full 32 tokens up to context 2048 and shrinks past it (about 11
+tokens at context 6000), so a stage-step near a long prompt stays under ~0.3 s and a stream at
+PP=2 keeps its tokens coming within a second (README "A long prompt next to running streams").
+Decodes are never cut by it (it bounds prompt chunks only)."""
+
 CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
 """CPU default token budget for the offline ``LLM`` and ``zpp bench throughput|latency``: nobody
 waits between tokens, so large steps, which read the weights less often, win."""
@@ -276,6 +289,11 @@ class SchedulerConfig:
     budget than its server)."""
     pipeline_depth: Optional[int] = None
     """Micro-batches in flight at once; default = pipeline_parallel_size."""
+    prefill_attention_budget: Optional[int] = None
+    """Most query-key pairs the prompt chunks of one micro-batch may attend (0 = no limit). The
+    oldest prompt always gets at least one token, so every prompt progresses. Default: on CPU
+    with ``streaming`` and chunked prefill ``CPU_SERVE_PREFILL_ATTENTION_BUDGET``, else no limit
+    (on CUDA the attention kernel reads a long context in microseconds)."""
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -284,6 +302,8 @@ class SchedulerConfig:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.pipeline_depth is not None and self.pipeline_depth < 1:
             raise ConfigError(f"--pipeline-depth must be >= 1, got {self.pipeline_depth}")
+        if self.prefill_attention_budget is not None and self.prefill_attention_budget < 0:
+            raise ConfigError(f"--prefill-attention-budget must be >= 0, got {self.prefill_attention_budget}")
 
 
 @dataclass(frozen=True)
@@ -314,6 +334,17 @@ class EngineConfig:
         if self.parallel.device == "cuda":
             return CUDA_MAX_NUM_BATCHED_TOKENS
         return CPU_SERVE_MAX_NUM_BATCHED_TOKENS if s.streaming else CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS
+
+    @property
+    def prefill_attention_budget(self) -> Optional[int]:
+        """Query-key pairs of prompt chunks per micro-batch, or None for no limit (see
+        ``SchedulerConfig.prefill_attention_budget``)."""
+        s = self.scheduler
+        if s.prefill_attention_budget is not None:
+            return s.prefill_attention_budget or None
+        if self.parallel.device != "cuda" and s.streaming and s.enable_chunked_prefill:
+            return CPU_SERVE_PREFILL_ATTENTION_BUDGET
+        return None
 
     @property
     def pipeline_depth(self) -> int:

@@ -49,7 +49,8 @@ class EngineCore:
         self.kv = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.depth = config.pipeline_depth
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.scheduler.enable_chunked_prefill, self.depth)
+                                   self.max_model_len, config.scheduler.enable_chunked_prefill, self.depth,
+                                   config.prefill_attention_budget)
         self.inflight: deque[ScheduledBatch] = deque()
         self._wake_pending = False
         self._loop_task: Optional[asyncio.Task] = None

@@ -8,7 +8,9 @@ decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
   ``1/depth`` of them), so a running stream gets a token every ``depth`` micro-batches whatever
   is being prefilled;
 * chunked prefill: prompts (unfinished ones and waiting ones) share only what the decodes leave,
-  so a long prompt is computed over several batches and never delays a decode; between prompts,
+  so a long prompt is computed over several batches and never delays a decode; an optional
+  attention budget (query-key pairs of prompt chunks) shrinks chunks at long contexts, where a
+  token's attention costs more than the rest of its step on the CPU; between prompts,
   the oldest keeps at least half of that remainder and shorter ones that fit whole in the rest
   go first (a short request sent during a long prefill is not queued behind all of its chunks;
   a long prefill is not starved by a flow of short ones). See :meth:`Scheduler._plan_prefills`;
@@ -59,6 +61,18 @@ class SchedulerStats:
     num_preemptions: int = 0
 
 
+def _tokens_within_pairs(start: int, pairs: int) -> int:
+    """Largest chunk ``C`` from position ``start`` with ``C * start + C * (C + 1) / 2 <= pairs``
+    (its causal attention's query-key pairs)."""
+    b = start + 0.5
+    c = int(math.sqrt(b * b + 2 * pairs) - b)
+    while c > 0 and c * start + c * (c + 1) // 2 > pairs:
+        c -= 1
+    while (c + 1) * start + (c + 1) * (c + 2) // 2 <= pairs:
+        c += 1
+    return c
+
+
 def _priority(req: Request) -> tuple[float, int]:
     """Scheduling priority: lower is older and goes first; newer requests are preempted first."""
     return req.arrival, req.order
@@ -68,8 +82,10 @@ class Scheduler:
     """Owns the waiting / running queues and the KV block manager."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True, depth: int = 1):
+                 max_model_len: int, enable_chunked_prefill: bool = True, depth: int = 1,
+                 prefill_attention_budget: Optional[int] = None):
         self.kv = kv
+        self.prefill_attention_budget = prefill_attention_budget
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -170,7 +186,7 @@ class Scheduler:
         room = self.max_num_seqs - len(self.running)
         waiting = list(itertools.islice(self.waiting, max(0, room)))
         cands = [r for r in ready if r.in_flight or r.num_tokens - r.num_computed_tokens > 1] + waiting
-        plan.update(self._plan_prefills(cands, budget - len(plan)))
+        plan.update(self._plan_prefills(cands, budget - len(plan), streams_waiting=n_decoding > 0))
 
         chunks: list[m.ScheduledChunk] = []
         new_reqs: list[m.NewRequest] = []
@@ -233,7 +249,7 @@ class Scheduler:
         num_tokens = sum(c.num_tokens for c in chunks)
         return ScheduledBatch(batch, reqs, num_tokens)
 
-    def _plan_prefills(self, cands: list[Request], budget: int) -> dict[str, int]:
+    def _plan_prefills(self, cands: list[Request], budget: int, streams_waiting: bool = True) -> dict[str, int]:
         """Share ``budget`` tokens among prefill candidates (running requests with more than one
         token to compute, and waiting requests); returns request id -> tokens.
 
@@ -253,6 +269,12 @@ class Scheduler:
         arrive (and once it is done the next oldest does: every prompt finishes), and the newer
         ones are served shortest first. Without chunked prefill a candidate gets its whole
         remainder or nothing.
+
+        With an attention budget (``prefill_attention_budget``, query-key pairs) and requests
+        decoding (``streams_waiting``: someone waits for this step's tokens), every chunk is also
+        cut to the pairs left: a chunk of ``C`` tokens from position ``s`` costs
+        ``C * s + C * (C + 1) / 2`` pairs. The oldest candidate always gets at least one token.
+        With nothing decoding the budget does not apply: a prompt alone is computed in full chunks.
         """
         if not cands or budget <= 0:
             return {}
@@ -264,14 +286,26 @@ class Scheduler:
         reserve = min(n_old, -(-limit // 2)) if self.chunked else (n_old if n_old <= budget else 0)
         plan: dict[str, int] = {}
         used = 0
+        pairs_left = None
+        if self.chunked and streams_waiting and self.prefill_attention_budget:
+            pairs_left = self.prefill_attention_budget
 
         def give(r: Request, room: int) -> None:
-            nonlocal used
-            left = need[r.req_id] - plan.get(r.req_id, 0)
+            nonlocal used, pairs_left
+            have = plan.get(r.req_id, 0)
+            left = need[r.req_id] - have
+            start = r.num_scheduled_tokens + have
+            if pairs_left is not None:
+                fit = _tokens_within_pairs(start, pairs_left)
+                if r is oldest and not have:
+                    fit = max(fit, 1)  # progress whatever the budget
+                room = min(room, fit)
             take = left if left <= room else (room if self.chunked and room > 0 else 0)
             if take > 0:
-                plan[r.req_id] = plan.get(r.req_id, 0) + take
+                plan[r.req_id] = have + take
                 used += take
+                if pairs_left is not None:
+                    pairs_left = max(0, pairs_left - (take * start + take * (take + 1) // 2))
 
         others = [r for r in cands if r is not oldest]
         for r in sorted(others, key=lambda r: (need[r.req_id], _priority(r))):

@@ -29,7 +29,10 @@ class AttentionGroup:
     """Portable path: ``B_g`` sequences of a micro-batch attended in one padded SDPA call.
 
     q_index: ``[B_g, L_q]`` int64 into the flat tokens; padding points at row ``T`` (a zero row).
-    ctx_slots: ``[B_g, L_k]`` int64 slots of each sequence's context (padding -> slot 0).
+    ctx_blocks: ``[B_g, W]`` int64 KV-cache blocks of each sequence's context, ``W = ceil(L_k /
+        block_size)`` (padding -> block 0, masked). Gathering whole blocks moves ``block_size``
+        contiguous positions per index (about 3x faster on CPU than one slot per position).
+    num_keys: ``L_k``, the group's longest context; keys past it are sliced off after the gather.
     mask: ``[B_g, 1, L_q, L_k]`` bool, True where the query may attend the key; None for one
         sequence starting at position 0 (plain causal attention).
     out_index: ``[T_g]`` int64 into the flattened ``[B_g * L_q]`` padded output.
@@ -38,7 +41,8 @@ class AttentionGroup:
     """
 
     q_index: torch.Tensor
-    ctx_slots: torch.Tensor
+    ctx_blocks: torch.Tensor
+    num_keys: int
     mask: Optional[torch.Tensor]
     out_index: torch.Tensor
     tok_index: Optional[torch.Tensor]
@@ -98,8 +102,9 @@ def build_attention_metadata(starts: list[int], q_lens: list[int], block_tables:
         g_st, g_ql, g_sl, g_first = st[idx], ql[idx], seq_lens[idx], first_tok[idx]
         Lq, Lk = int(g_ql.max()), int(g_sl.max())
         kpos = np.arange(Lk)
-        ctx_slots = bt[idx][:, kpos // block_size] * block_size + kpos % block_size    # [Bg, Lk]
-        ctx_slots = np.where(kpos[None, :] < g_sl[:, None], ctx_slots, 0)
+        W = -(-Lk // block_size)
+        nb = -(-g_sl // block_size)                                                # [Bg] blocks used
+        ctx_blocks = np.where(np.arange(W)[None, :] < nb[:, None], bt[idx][:, :W], 0)  # [Bg, W]
         j = np.arange(Lq)
         valid_q = j[None, :] < g_ql[:, None]                                       # [Bg, Lq]
         q_index = np.where(valid_q, g_first[:, None] + j[None, :], T)
@@ -111,7 +116,7 @@ def build_attention_metadata(starts: list[int], q_lens: list[int], block_tables:
             qpos = np.where(valid_q, g_st[:, None] + j[None, :], 0)                # pad rows see key 0
             mask = to((kpos[None, None, :] <= qpos[:, :, None])[:, None])          # [Bg, 1, Lq, Lk]
         whole = len(groups) == 1 and members == list(range(len(starts)))
-        built.append(AttentionGroup(q_index=to(q_index), ctx_slots=to(ctx_slots), mask=mask,
+        built.append(AttentionGroup(q_index=to(q_index), ctx_blocks=to(ctx_blocks), num_keys=Lk, mask=mask,
                                     out_index=to(out_index), tok_index=None if whole else to(tok_index)))
     return AttentionMetadata(slot_mapping=to(slot_mapping), groups=built, decode_only=bool((ql == 1).all()))
 
@@ -212,18 +217,22 @@ class Attention(nn.Module):
         if rotary is not None:
             q, k = rotary(positions, q, k)
         if kv_cache is not None:
-            k_flat = kv_cache[0].view(-1, Hk, D)
-            v_flat = kv_cache[1].view(-1, Hk, D)
-            k_flat.index_copy_(0, meta.slot_mapping, k)
-            v_flat.index_copy_(0, meta.slot_mapping, v)
-        else:  # profiling: a single sequence attending to itself; its slots are 0..T-1
-            k_flat, v_flat = k, v
+            k_cache, v_cache = kv_cache[0], kv_cache[1]                         # [N, bs, Hk, D]
+            k_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v)
+        else:  # profiling: a single sequence attending to itself
+            k_cache = v_cache = None
         q_z = torch.cat([q, q.new_zeros(1, H, D)])
         out = None
         for g in meta.groups:
             q_pad = q_z[g.q_index]                                              # [Bg, Lq, H, D]
-            k_ctx = k_flat[g.ctx_slots]                                         # [Bg, Lk, Hk, D]
-            v_ctx = v_flat[g.ctx_slots]
+            if k_cache is None:
+                k_ctx, v_ctx = k.unsqueeze(0), v.unsqueeze(0)
+            else:
+                Bg = g.ctx_blocks.shape[0]
+                blocks = g.ctx_blocks.view(-1)
+                k_ctx = k_cache.index_select(0, blocks).view(Bg, -1, Hk, D)[:, :g.num_keys]  # [Bg, Lk, Hk, D]
+                v_ctx = v_cache.index_select(0, blocks).view(Bg, -1, Hk, D)[:, :g.num_keys]
             o = F.scaled_dot_product_attention(
                 q_pad.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
                 attn_mask=g.mask, is_causal=g.mask is None, scale=self.scale,
