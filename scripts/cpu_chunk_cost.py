@@ -29,6 +29,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    from zpp.workers.worker import keep_freed_memory
+    keep_freed_memory()  # as a CPU stage does
     from zpp.demo import prepare_demo_model
     from zpp.models.base import StageInfo
     from zpp.models.layers.attention import build_attention_metadata

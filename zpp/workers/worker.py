@@ -113,6 +113,26 @@ def _start_heartbeat(engine_address: str, rank: int, keys, activity) -> None:
     threading.Thread(target=loop, name="zpp-heartbeat", daemon=True).start()
 
 
+def keep_freed_memory() -> bool:
+    """CPU stages: have glibc keep freed memory instead of giving it back to the OS at once.
+
+    A CPU forward allocates and frees buffers of megabytes per layer (gathered K/V context,
+    attention and MLP outputs). With glibc's defaults such blocks are returned to the OS when
+    freed (mmap'd chunks, or trimming the heap top) and the next layer page-faults them in again:
+    measured on the 2-core VM, one stage-step of the demo model at context 6000 took 1040 ms with
+    the defaults and 590 ms with this (``index_select`` 4.7 -> 1.0 ms, attention 13 -> 7.7 ms,
+    matmuls 3.8 -> 2.1 ms per call). Sets ``M_MMAP_THRESHOLD`` to 32 MiB (glibc's maximum; larger
+    allocations such as weights and the KV cache are still mapped) and ``M_TRIM_THRESHOLD`` to 1
+    GiB via ``mallopt(3)``. Returns False where glibc is not the allocator (nothing changed)."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        return bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20))
+    except (OSError, AttributeError):
+        return False
+
+
 def _setup(init, sock):
     import torch
 
@@ -137,6 +157,7 @@ def _setup(init, sock):
         device = torch.device("cuda", init.device_index)
     else:
         device = torch.device("cpu")
+        keep_freed_memory()
     dtype = parse_dtype(cfg_all.model.dtype, device_kind)
     if pp_size * tp_size > 1:
         init_process_group(init.dist_store, init.rank, pp_size * tp_size, device_kind, cfg_all.parallel.share_gpu)
