@@ -38,7 +38,6 @@ class InstantExecutor:
         self.num_blocks = num_blocks
         self.eos_token_ids = {0}
         self.results: asyncio.Queue = asyncio.Queue()
-        self.on_death = None
         self.sent: list[bytes] = []
         self.stage_busy_s = [0.0]
         self.trace = Trace("engine")
@@ -49,6 +48,12 @@ class InstantExecutor:
         b = m.to_worker_decoder.decode(payload)
         res = m.StepResult(b.batch_id, [m.SampledOutput(c.req_id, 7) for c in b.chunks if c.sample])
         self.results.put_nowait(m.from_worker_decoder.decode(m.encode(res)))
+
+    async def next_result(self):
+        return await self.results.get()
+
+    def interrupt(self) -> None:
+        self.results.put_nowait(None)
 
     def shutdown(self) -> None:
         pass

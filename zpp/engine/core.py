@@ -20,14 +20,12 @@ from typing import Callable, Optional
 
 from zpp.config import EngineConfig
 from zpp.engine.core_messages import CoreRequest, EngineStats, SeqDelta, StepOutputs
-from zpp.engine.executor import Executor, WorkerDiedError
+from zpp.engine.executor import Executor, StageExecutor, WorkerDiedError
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request
 from zpp.engine.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger(__name__)
-
-_WAKE = object()  # sentinel on the results queue: new work, not a result
 
 
 class EngineCore:
@@ -38,7 +36,7 @@ class EngineCore:
     loop fails (every sequence is lost then).
     """
 
-    def __init__(self, config: EngineConfig, executor: Executor, emit: Callable[[StepOutputs], None],
+    def __init__(self, config: EngineConfig, executor: StageExecutor, emit: Callable[[StepOutputs], None],
                  on_dead: Callable[[str], None]):
         self.config = config
         self.executor = executor
@@ -52,12 +50,10 @@ class EngineCore:
                                    self.max_model_len, config.scheduler.enable_chunked_prefill, self.depth,
                                    config.prefill_attention_budget)
         self.inflight: deque[ScheduledBatch] = deque()
-        self._wake_pending = False
         self._loop_task: Optional[asyncio.Task] = None
         self.dead: Optional[str] = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        executor.on_death = self._die
 
     @classmethod
     async def start(cls, config: EngineConfig, eos_token_ids: set[int], emit: Callable[[StepOutputs], None],
@@ -124,14 +120,11 @@ class EngineCore:
 
     def _wake(self) -> None:
         """Make the loop look at the queues again (a request arrived or was aborted)."""
-        if not self._wake_pending:
-            self._wake_pending = True
-            self.executor.results.put_nowait(_WAKE)
+        self.executor.interrupt()
 
     async def _run(self) -> None:
-        """Keep the pipeline full; then wait on one queue that carries both the workers' results
-        (in batch order) and wake-ups from new or aborted requests."""
-        results = self.executor.results
+        """Keep the pipeline full; then wait for the executor: the next result (in batch order),
+        None when new or aborted requests interrupted the wait, or WorkerDiedError."""
         try:
             while True:
                 if self.dead:
@@ -142,12 +135,9 @@ class EngineCore:
                         break
                     self.executor.send(sched.batch)
                     self.inflight.append(sched)
-                item = await results.get()
-                if item is _WAKE:
-                    self._wake_pending = False
+                item = await self.executor.next_result()
+                if item is None:
                     continue
-                if isinstance(item, Exception):
-                    raise item
                 sched = self.inflight.popleft()
                 if item.batch_id != sched.batch.batch_id:
                     raise RuntimeError(f"result for batch {item.batch_id}, expected {sched.batch.batch_id}")

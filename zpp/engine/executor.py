@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from multiprocessing.connection import wait as mp_wait
-from typing import Callable, Optional
+from typing import Optional, Protocol
 
 from zpp.config import EngineConfig, cpu_threads_per_worker
 from zpp.models.partition import partition_layers
@@ -40,11 +40,42 @@ class WorkerDiedError(RuntimeError):
     """A worker process exited or reported an error; the engine cannot continue."""
 
 
+class StageExecutor(Protocol):
+    """What the engine core needs from the stages (implemented by :class:`Executor`; a test or
+    benchmark can stand in with an object of the same shape, e.g. ``scripts/host_overhead.py``).
+
+    * ``send(batch)``: one micro-batch to every stage; raises WorkerDiedError once dead.
+    * ``await next_result()``: the next StepResult, in the order the batches were sent, or None
+      once after ``interrupt()`` (the caller has new work to look at). The one death channel:
+      raises WorkerDiedError (with the reason) when a worker or node died or the stall watchdog
+      fired, and on every call after that.
+    * ``interrupt()``: make a waiting (or the next) ``next_result()`` return None; safe to call
+      many times before it is consumed (one wake-up).
+    * ``shutdown()``: stop every worker (idempotent).
+    * ``num_blocks`` (KV blocks per stage), ``eos_token_ids``, ``stage_busy_s`` (seconds each stage
+      computed, for metrics), ``trace`` (ZPP_TRACE timeline).
+    """
+
+    num_blocks: int
+    eos_token_ids: set[int]
+    stage_busy_s: list[float]
+    trace: Trace
+
+    def send(self, batch: m.ExecuteBatch) -> None: ...
+
+    async def next_result(self) -> Optional[m.StepResult]: ...
+
+    def interrupt(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
 class Executor:
     """Owns the workers of one engine.
 
-    Use ``await Executor.start(config)``; then ``send(batch)`` for each micro-batch and
-    ``await next_result()`` for the StepResults in batch order.
+    Use ``await Executor.start(config)``; then the :class:`StageExecutor` interface: ``send(batch)``
+    for each micro-batch, ``await next_result()`` for the StepResults in batch order (or None after
+    ``interrupt()``; WorkerDiedError on a death).
     """
 
     def __init__(self, config: EngineConfig, eos_token_ids: set[int]):
@@ -65,11 +96,11 @@ class Executor:
         self.last_progress = time.monotonic()
         self._watchdog_task: Optional[asyncio.Task] = None
         self.procs: list[mp.Process] = []
-        self.results: asyncio.Queue = asyncio.Queue()
+        self._results: asyncio.Queue = asyncio.Queue()  # StepResult | None (interrupt) | WorkerDiedError
+        self._interrupt_pending = False
         self.stage_busy_s = [0.0] * self.pp
         self.stage_batches = [0] * self.pp
         self.dead: Optional[str] = None
-        self.on_death: Optional[Callable[[str], None]] = None
         self.num_blocks = 0
         self.layer_ranges = partition_layers(
             _num_layers(config), self.pp, config.parallel.pp_layer_partition)
@@ -231,13 +262,22 @@ class Executor:
         self.inflight[batch.batch_id] = now
         self.socket.send_bytes(range(self.world), m.encode(batch))
 
-    async def next_result(self) -> m.StepResult:
-        """The next StepResult (batches return in the order sent). Raises WorkerDiedError."""
-        item = await self.results.get()
-        if isinstance(item, Exception):
-            self.results.put_nowait(item)
+    async def next_result(self) -> Optional[m.StepResult]:
+        """The next StepResult (batches return in the order sent), or None once after
+        :meth:`interrupt`. Raises WorkerDiedError, now and on every later call, once a worker died."""
+        item = await self._results.get()
+        if item is None:
+            self._interrupt_pending = False
+        elif isinstance(item, Exception):
+            self._results.put_nowait(item)
             raise item
         return item
+
+    def interrupt(self) -> None:
+        """Make a waiting (or the next) :meth:`next_result` return None: the caller has new work."""
+        if not self._interrupt_pending:
+            self._interrupt_pending = True
+            self._results.put_nowait(None)
 
     async def _read_loop(self) -> None:
         try:
@@ -249,7 +289,7 @@ class Executor:
                     self.stage_batches[-1] += 1
                     self.inflight.pop(msg.batch_id, None)
                     self.last_progress = time.monotonic()
-                    self.results.put_nowait(msg)
+                    self._results.put_nowait(msg)
                 elif isinstance(msg, m.Heartbeat):
                     self._heard(msg)
                 elif isinstance(msg, m.StageStats):
@@ -352,9 +392,7 @@ class Executor:
             return
         self.dead = reason
         logger.error("%s", reason)
-        self.results.put_nowait(WorkerDiedError(reason))
-        if self.on_death:
-            self.on_death(reason)
+        self._results.put_nowait(WorkerDiedError(reason))
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop every worker: Shutdown message, then SIGTERM, then SIGKILL. Idempotent. After a
