@@ -24,7 +24,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from zpp.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from zpp.engine.async_engine import AsyncEngine  # noqa: E402
+from zpp.engine.core import EngineCore  # noqa: E402
+from zpp.engine.core_messages import CoreRequest  # noqa: E402
 from zpp.sampling_params import SamplingParams  # noqa: E402
 from zpp.trace import Trace  # noqa: E402
 from zpp.transport import messages as m  # noqa: E402
@@ -72,18 +73,27 @@ def engine_side(num_seqs: int, input_len: int, output_len: int, depth: int, prof
     ex = InstantExecutor(config.cache.num_kv_blocks)
 
     async def main():
-        eng = AsyncEngine(config, None, ex)
-        eng._loop_task = asyncio.create_task(eng._run())
+        done = asyncio.Event()
+        left = {f"r{i}" for i in range(num_seqs)}
+
+        def emit(out):
+            for d in out.deltas:
+                if d.finish_reason is not None:
+                    left.discard(d.req_id)
+            if not left:
+                done.set()
+
+        core = EngineCore(config, ex, emit, lambda reason: done.set())
+        core._loop_task = asyncio.create_task(core._run())
         sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         prompts = [[(i * 31 + j) % 1000 + 1 for j in range(input_len)] for i in range(num_seqs)]
-
-        async def one(p):
-            async for _ in eng.generate(p, sp, stream=False):
-                pass
         t = time.perf_counter()
-        await asyncio.gather(*(one(p) for p in prompts))
+        core.add_requests([CoreRequest(f"r{i}", p, sp, output_len) for i, p in enumerate(prompts)])
+        await done.wait()
         el = time.perf_counter() - t
-        eng._loop_task.cancel()
+        await core.shutdown()
+        if core.dead:
+            raise RuntimeError(core.dead)
         return el
 
     prof = cProfile.Profile() if profile else None
