@@ -120,3 +120,68 @@ def test_abort_returns_only_live_sequences_and_end_all_reaches_streams(tokenizer
         op.end_all(RuntimeError("gone"))
         assert isinstance(_drain(g2)[-1], RuntimeError)
     asyncio.run(run())
+
+
+class _StandInStages:
+    """A StageExecutor without workers: every sampled chunk gets token ``7 + its position``;
+    ``die(reason)`` makes the next ``next_result`` raise, as a worker death does."""
+
+    def __init__(self):
+        from zpp.trace import Trace
+        self.num_blocks, self.eos_token_ids, self.stage_busy_s, self.trace = 64, {0}, [0.0], Trace("engine")
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.sent = 0
+
+    def send(self, batch):
+        from zpp.transport import messages as m
+        self.sent += 1
+        self.queue.put_nowait(m.StepResult(batch.batch_id, [m.SampledOutput(c.req_id, 7 + c.start + c.num_tokens)
+                                                            for c in batch.chunks if c.sample]))
+
+    async def next_result(self):
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            self.queue.put_nowait(item)
+            raise item
+        return item
+
+    def interrupt(self):
+        self.queue.put_nowait(None)
+
+    def die(self, reason):
+        from zpp.engine.executor import WorkerDiedError
+        self.queue.put_nowait(WorkerDiedError(reason))
+
+    def shutdown(self):
+        pass
+
+
+def test_engine_core_on_a_stand_in_executor_and_its_one_death_channel(demo_model):
+    """The core drives any StageExecutor: requests added while it waits wake it (interrupt), each
+    step's deltas carry the sampled tokens, and a death raised by next_result reaches on_dead once
+    with its reason (the one death channel); the loop then stops sending."""
+    from zpp.config import EngineConfig, ModelConfig, SchedulerConfig
+    from zpp.engine.core import EngineCore
+
+    async def main():
+        stages = _StandInStages()
+        config = EngineConfig(model=ModelConfig(model=demo_model), scheduler=SchedulerConfig(max_num_batched_tokens=64))
+        outs, deaths = {}, []
+        core = EngineCore(config, stages, lambda so: [outs.setdefault(d.req_id, []).append(d.token_id)
+                                                       for d in so.deltas], deaths.append)
+        core._loop_task = asyncio.create_task(core._run())
+        await asyncio.sleep(0.05)  # idle: waiting in next_result
+        core.add_requests([cm.CoreRequest("a", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True), 3)])
+        for _ in range(100):
+            if len(outs.get("a", [])) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert outs["a"] == [7 + 3, 7 + 4, 7 + 5]
+        sent = stages.sent
+        stages.die("stage 1 died: test")
+        await asyncio.wait_for(core._loop_task, 2)
+        assert deaths == ["stage 1 died: test"] and core.dead == "stage 1 died: test"
+        core.add_requests([cm.CoreRequest("b", [1, 2], SamplingParams(max_tokens=2), 2)])
+        await asyncio.sleep(0.05)
+        assert stages.sent == sent  # nothing sent after the death
+    asyncio.run(main())
