@@ -68,6 +68,7 @@ class Executor:
         self.results: asyncio.Queue = asyncio.Queue()
         self.stage_busy_s = [0.0] * self.pp
         self.stage_batches = [0] * self.pp
+        self.stage_idle_s = [0.0] * self.pp
         self.dead: Optional[str] = None
         self.on_death: Optional[Callable[[str], None]] = None
         self.num_blocks = 0
@@ -224,12 +225,15 @@ class Executor:
         """Send one micro-batch to every worker (encoded once)."""
         if self.dead:
             raise WorkerDiedError(self.dead)
-        self.trace.mark("send", batch.batch_id)
+        if self.trace.enabled:
+            self.trace.mark("send", batch.batch_id, args={"tokens": sum(c.num_tokens for c in batch.chunks),
+                                                          "seqs": len(batch.chunks), "after_idle": batch.after_idle})
         now = time.monotonic()
         if not self.inflight:  # the pipeline was idle: the stall clock starts now
             self.last_progress = now
         self.inflight[batch.batch_id] = now
         self.socket.send_bytes(range(self.world), m.encode(batch))
+        self.trace.mark("sent", batch.batch_id)
 
     async def next_result(self) -> m.StepResult:
         """The next StepResult (batches return in the order sent). Raises WorkerDiedError."""
@@ -246,6 +250,7 @@ class Executor:
                 if isinstance(msg, m.StepResult):
                     self.trace.mark("result", msg.batch_id)
                     self.stage_busy_s[-1] = msg.busy_s
+                    self.stage_idle_s[-1] = msg.idle_s
                     self.stage_batches[-1] += 1
                     self.inflight.pop(msg.batch_id, None)
                     self.last_progress = time.monotonic()
@@ -255,6 +260,7 @@ class Executor:
                 elif isinstance(msg, m.StageStats):
                     stage = rank // self.tp
                     self.stage_busy_s[stage] = msg.busy_s
+                    self.stage_idle_s[stage] = msg.idle_s
                     self.stage_batches[stage] = msg.batches
                 elif isinstance(msg, m.WorkerError):
                     # Often the echo of another failure (gloo: "connection closed by peer" when the

@@ -111,6 +111,9 @@ class ExecuteBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True
     new_reqs: list[NewRequest] = []
     cached_reqs: list[CachedRequest] = []
     finished_req_ids: list[str] = []
+    after_idle: bool = False
+    """The engine had nothing in flight and nothing to schedule before this micro-batch: the gap
+    before it on each stage is a pause in the work, not pipeline idle time (``StepResult.idle_s``)."""
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
@@ -148,15 +151,19 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, 
     sampled: list[SampledOutput]
     prompt_logprobs: list[PromptLogprobsOutput] = []
     busy_s: float = 0.0
-    """Seconds the last stage spent computing this batch."""
+    """Seconds the last stage has spent computing so far (cumulative)."""
+    idle_s: float = 0.0
+    """Seconds the last stage's device has sat idle between micro-batches so far (cumulative; see
+    ``ModelRunner.idle_s``)."""
 
 
 class StageStats(msgspec.Struct, tag=True, array_like=True):
-    """Periodic per-stage busy time (every stage, not only the last)."""
+    """Periodic per-stage busy and idle time (every stage, not only the last); cumulative seconds."""
 
     rank: int
     busy_s: float
     batches: int
+    idle_s: float = 0.0
 
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -217,7 +217,8 @@ def _serve(runner, sock, init) -> None:
     def send_stats() -> None:
         nonlocal last_stats, reported
         runner.reap_timings()
-        sock.send(m.StageStats(rank=init.rank, busy_s=runner.busy_s, batches=runner.num_batches))
+        sock.send(m.StageStats(rank=init.rank, busy_s=runner.busy_s, batches=runner.num_batches,
+                               idle_s=runner.idle_s))
         last_stats, reported = time.monotonic(), runner.num_batches
 
     while True:
