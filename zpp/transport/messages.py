@@ -7,6 +7,8 @@ Handshake (one path for local and remote workers)::
 
     worker -> engine   Hello(rank, key)                 worker knows only address, rank, keys
     engine -> worker   InitWorker(...)                  model, stage, layer range, rendezvous
+    worker -> engine   StageCost(layer_s, extra_s)      only with --pp-layer-partition auto:
+    engine -> worker   AssignLayers(start, end)         measured costs, then the balanced range
     worker -> engine   WorkerReady(num_kv_blocks_fit)   weights loaded, process group joined
     engine -> worker   InitKVCache(num_blocks)          the minimum over all stages
     worker -> engine   CacheReady()
@@ -55,6 +57,29 @@ class InitWorker(msgspec.Struct, tag=True, array_like=True):
     config: EngineConfig
     """With the model path made absolute by the engine (the same path must hold the model on
     every host)."""
+
+
+class StageCost(msgspec.Struct, tag=True, array_like=True):
+    """``--pp-layer-partition auto``: what one stage's forward of a representative micro-batch
+    costs on this worker, measured before the stage's weights are loaded
+    (``zpp.workers.stage_cost.measure_stage_cost``)."""
+
+    rank: int
+    layer_s: float
+    """Seconds one decoder layer takes."""
+    extra_s: float
+    """Seconds of the stage's other work: embedding (first stage); final norm, LM head and
+    sampling (last stage); 0 in between."""
+    num_tokens: int
+    """Tokens of the micro-batch measured (decode tokens, one per sequence)."""
+
+
+class AssignLayers(msgspec.Struct, tag=True, array_like=True):
+    """``--pp-layer-partition auto``: the engine's answer to StageCost, the stage's layer range
+    (replacing InitWorker's provisional even one)."""
+
+    layer_start: int
+    layer_end: int
 
 
 class WorkerReady(msgspec.Struct, tag=True, array_like=True):
@@ -188,8 +213,8 @@ class WorkerError(msgspec.Struct, tag=True, array_like=True):
     traceback: str = ""
 
 
-ToWorker = Union[InitWorker, InitKVCache, ExecuteBatch, Shutdown]
-FromWorker = Union[Hello, WorkerReady, CacheReady, StepResult, StageStats, Heartbeat, WorkerError]
+ToWorker = Union[InitWorker, AssignLayers, InitKVCache, ExecuteBatch, Shutdown]
+FromWorker = Union[Hello, StageCost, WorkerReady, CacheReady, StepResult, StageStats, Heartbeat, WorkerError]
 
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode
