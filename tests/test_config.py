@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 import zpp.config
@@ -62,3 +63,50 @@ def test_default_token_budget_per_device_and_use(demo_model):
     assert pairs(streaming=False) is None and pairs("cuda") is None
     assert pairs(enable_chunked_prefill=False) is None
     assert pairs(prefill_attention_budget=0) is None and pairs("cuda", prefill_attention_budget=5) == 5
+
+
+# --- --pp-layer-partition auto: the split choice ---------------------------------------------------
+def _compositions(total: int, parts: int):
+    if parts == 1:
+        yield (total,)
+        return
+    for first in range(1, total - parts + 2):
+        for rest in _compositions(total - first, parts - 1):
+            yield (first,) + rest
+
+
+def test_balanced_partition_is_the_min_max_split():
+    """Against brute force over every split: the slowest stage is as fast as it can be, every stage
+    has >= 1 layer and the sizes sum to the layers; among optimal splits the one nearest even."""
+    import random
+
+    from zpp.models.partition import balanced_partition, even_sizes, stage_times
+    rng = random.Random(0)
+    for _ in range(300):
+        pp = rng.randint(1, 4)
+        layers = rng.randint(pp, 12)
+        layer_cost = [rng.choice([1.0, rng.uniform(0.5, 2.0)]) for _ in range(pp)]
+        extra = [rng.choice([0.0, rng.uniform(0.0, 6.0)]) for _ in range(pp)]
+        sizes = balanced_partition(layers, layer_cost, extra)
+        assert len(sizes) == pp and sum(sizes) == layers and min(sizes) >= 1
+        best = min(max(stage_times(c, layer_cost, extra)) for c in _compositions(layers, pp))
+        assert max(stage_times(sizes, layer_cost, extra)) == pytest.approx(best, rel=1e-9)
+        even = even_sizes(layers, pp)
+        nearest = min(sum(abs(a - b) for a, b in zip(c, even)) for c in _compositions(layers, pp)
+                      if max(stage_times(c, layer_cost, extra)) <= best * (1 + 1e-9))
+        assert sum(abs(a - b) for a, b in zip(sizes, even)) == nearest
+
+
+def test_balanced_partition_examples():
+    from zpp.config import ConfigError
+    from zpp.models.partition import balanced_partition, parse_partition, partition_layers
+    assert balanced_partition(30, [1.0, 1.0], [0.0, 0.0]) == (15, 15)      # equal costs: even
+    assert balanced_partition(31, [1.0, 1.0], [0.0, 0.0]) == (16, 15)      # remainder first, as the default
+    assert balanced_partition(30, [1.0, 1.0], [0.0, 8.0]) == (19, 11)      # an LM head worth 8 layers
+    assert balanced_partition(32, [1.0] * 4, [0.5, 0, 0, 4.0]) == (9, 9, 9, 5)
+    assert balanced_partition(4, [1.0, 1.0], [0.0, 100.0]) == (3, 1)       # every stage keeps a layer
+    assert balanced_partition(10, [2.0, 1.0], [0.0, 0.0]) == (3, 7)        # a device twice as slow
+    with pytest.raises(ConfigError):
+        balanced_partition(2, [1.0] * 3, [0.0] * 3)
+    assert parse_partition("auto") == "auto" and parse_partition("AUTO") == "auto"
+    assert partition_layers(30, 4, "auto") == partition_layers(30, 4)     # provisional: even

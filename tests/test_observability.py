@@ -117,6 +117,31 @@ def test_prefix_cache_queries_and_hits(server, tokenizer):
     assert hits == (n - 1) // 16 * 16  # the second request reuses every full block but the last token's
 
 
+def test_stage_idle_seconds(server):
+    """Both stages report their idle time between micro-batches (the pipeline bubble): PP=2 with one
+    request decoding leaves each stage waiting on the other every token; a pause with no requests
+    does not count."""
+    def idle() -> dict[str, float]:
+        m = parse_metrics(scrape(server))
+        return {k: v for k, v in m.items() if k.startswith("zpp:stage_idle_seconds_total")}
+
+    def settled():  # stage 0 reports between batches (StageStats), stage 1 with every result
+        a = idle()
+        time.sleep(0.6)
+        b = idle()
+        return b if a == b and b else None
+
+    post(server, "/v1/completions", {"prompt": "Count: one, two,", "max_tokens": 8, "ignore_eos": True})
+    first = wait_for(settled)
+    assert set(first) == {'zpp:stage_idle_seconds_total{stage="0"}', 'zpp:stage_idle_seconds_total{stage="1"}'}
+    assert all(v > 0 for v in first.values()), first
+    time.sleep(3.0)  # no requests: the stages wait, but that is no bubble
+    post(server, "/v1/completions", {"prompt": "Count: one, two,", "max_tokens": 8, "ignore_eos": True})
+    second = wait_for(lambda: (lambda s: s if s and s != first else None)(settled()))
+    for k, v in second.items():
+        assert first[k] < v < first[k] + 3.0, (k, first[k], v)
+
+
 # --- the Grafana dashboard -----------------------------------------------------------------------
 _STRING = r'"(?:[^"\\]|\\.)*"'
 _TOKEN = re.compile(rf'{_STRING}|\{{(?:{_STRING}|[^}}"])*\}}|\[[^\]]*\]|[A-Za-z_:][A-Za-z0-9_:]*|\S')

@@ -44,3 +44,35 @@ def test_greedy_matches_hf(demo_model, prompts, reference, pp):
     for i, ref in enumerate(reference):
         assert batched[i] == ref, f"PP={pp} batched, prompt {i} ({len(prompts[i])} tokens)"
         assert alone[i] == ref, f"PP={pp} alone, prompt {i} ({len(prompts[i])} tokens)"
+
+
+def test_auto_layer_partition_matches_pp1(demo_model, prompts, caplog):
+    """``--pp-layer-partition auto`` at PP=2: the stages measure their costs, the engine logs the
+    split it chose (valid: contiguous, >= 1 layer each, 30 in all) and the greedy output is PP=1's.
+    On the CPU the LM head costs several layers, so the split is usually uneven (e.g. 20,10)."""
+    import logging
+    import re
+
+    from zpp import LLM, SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    few = prompts[1:4]
+    with LLM(demo_model, kv_cache_memory="64MiB", max_num_seqs=8) as llm:
+        ref = [o.outputs[0].token_ids for o in llm.generate(few, sp)]
+    with caplog.at_level(logging.INFO, logger="zpp.engine.executor"):
+        with LLM(demo_model, pipeline_parallel_size=2, pp_layer_partition="auto", kv_cache_memory="64MiB",
+                 max_num_seqs=8) as llm:
+            out = [o.outputs[0].token_ids for o in llm.generate(few, sp)]
+    assert out == ref
+    lines = [r.getMessage() for r in caplog.records if "pp layer partition auto" in r.getMessage()]
+    assert len(lines) == 1, lines
+    m = re.search(r"auto: (\d+),(\d+) \(even 15,15\).*layer ms ([\d.]+),([\d.]+), embedding / LM head \+ "
+                  r"sampling ms ([\d.]+),([\d.]+)", lines[0])
+    assert m, lines[0]
+    sizes = [int(m[1]), int(m[2])]
+    assert sum(sizes) == 30 and min(sizes) >= 1
+    layer_ms, extra_ms = [float(m[3]), float(m[4])], [float(m[5]), float(m[6])]
+    assert all(x > 0 for x in layer_ms) and all(x >= 0 for x in extra_ms)
+    # The chosen split is the best for the logged costs (so never worse than the even one).
+    times = [n * c + e for n, c, e in zip(sizes, layer_ms, extra_ms)]
+    even = [15 * c + e for c, e in zip(layer_ms, extra_ms)]
+    assert max(times) <= max(even) + 1e-3

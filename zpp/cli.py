@@ -70,7 +70,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
                    help="tensor-parallel ranks (one process / GPU each) per pipeline stage; > 1 for the LLaMA "
                         "family (Llama, Mistral, Qwen2) when it divides the attention and KV heads")
     g.add_argument("--pp-layer-partition", default=None,
-                   help="layers per stage, e.g. 10,10,5,5 (default: as even as possible, earlier stages larger)")
+                   help="layers per stage, e.g. 10,10,5,5 (default: as even as possible, earlier stages larger); "
+                        "auto: each stage measures a layer's and its embedding / LM head's cost at start-up "
+                        "and the split that makes the slowest stage fastest is used")
     g.add_argument("--pipeline-depth", type=int, default=None,
                    help="micro-batches in flight (default: the number of stages; stages + 1 on CUDA)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:  # torch is imported where it is needed, so that `zpp --help` and flag errors are quick
     import torch
@@ -141,8 +141,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Ranks inside a stage (Megatron-LM tensor parallelism, LLaMA family only; see
     ``zpp.models.layers.linear``). Each stage then runs on ``tensor_parallel_size`` processes/GPUs."""
-    pp_layer_partition: Optional[tuple[int, ...]] = None
-    """Layers per stage, e.g. ``(10, 10, 5, 5)``; default: as even as possible, earlier stages larger."""
+    pp_layer_partition: Union[tuple[int, ...], str, None] = None
+    """Layers per stage, e.g. ``(10, 10, 5, 5)``; default: as even as possible, earlier stages larger;
+    ``"auto"``: balanced on costs each stage measures at start-up (``zpp.workers.stage_cost``)."""
     device: str = "cpu"
     """``cpu`` or ``cuda``."""
     nodes: tuple[str, ...] = ()
@@ -198,7 +199,11 @@ class ParallelConfig:
             raise ConfigError(f"--stage-timeout must be > 0, got {self.stage_timeout}")
         if not 0 <= self.distributed_port <= 65535:
             raise ConfigError(f"--distributed-port must be in [0, 65535], got {self.distributed_port}")
-        if self.pp_layer_partition is not None and len(self.pp_layer_partition) != self.pipeline_parallel_size:
+        if self.pp_layer_partition is not None and not isinstance(self.pp_layer_partition, tuple) \
+                and self.pp_layer_partition != "auto":
+            raise ConfigError(f"--pp-layer-partition {self.pp_layer_partition!r}: layers per stage "
+                              "(e.g. 10,10,5,5) or auto")
+        if isinstance(self.pp_layer_partition, tuple) and len(self.pp_layer_partition) != self.pipeline_parallel_size:
             raise ConfigError(
                 f"--pp-layer-partition has {len(self.pp_layer_partition)} entries but "
                 f"--pipeline-parallel-size is {self.pipeline_parallel_size}")

@@ -44,7 +44,8 @@ class LLM:
         Other keyword arguments map to the CLI flags of ``zpp serve`` (``max_model_len``,
         ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``num_kv_blocks``,
         ``kv_cache_memory``, ``enable_prefix_caching``, ``enable_chunked_prefill``,
-        ``pp_layer_partition``, ``pipeline_depth``, ``load_format``, ``seed``, ``tokenizer``,
+        ``pp_layer_partition`` (a list of layers per stage or ``"auto"``), ``pipeline_depth``,
+        ``load_format``, ``seed``, ``tokenizer``,
         ``gpu_memory_utilization``, ``enforce_eager``, ``nodes``: extra hosts for ``zpp-node``,
         ``distributed_host``, ``node_command``, ``worker_heartbeat_timeout``, ``stage_timeout``).
 
@@ -62,7 +63,8 @@ class LLM:
                  max_num_batched_tokens: Optional[int] = None, block_size: int = 16,
                  num_kv_blocks: Optional[int] = None, kv_cache_memory=None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = False,
-                 enable_chunked_prefill: bool = True, pp_layer_partition: Optional[Sequence[int]] = None,
+                 enable_chunked_prefill: bool = True,
+                 pp_layer_partition: Union[Sequence[int], str, None] = None,
                  pipeline_depth: Optional[int] = None, load_format: str = "safetensors", seed: int = 0,
                  tokenizer: Optional[str] = None, enforce_eager: bool = False, nodes: Sequence[str] = (),
                  distributed_host: Optional[str] = None, node_command: str = "zpp-node",
@@ -78,7 +80,8 @@ class LLM:
                                     nodes=tuple(nodes), distributed_host=distributed_host,
                                     node_command=node_command, worker_heartbeat_timeout=worker_heartbeat_timeout,
                                     stage_timeout=stage_timeout,
-                                    pp_layer_partition=tuple(pp_layer_partition) if pp_layer_partition else None),
+                                    pp_layer_partition=pp_layer_partition if isinstance(pp_layer_partition, str)
+                                    else tuple(pp_layer_partition) if pp_layer_partition else None),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory=parse_size(kv_cache_memory),
                               gpu_memory_utilization=gpu_memory_utilization,

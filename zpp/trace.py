@@ -1,31 +1,59 @@
 """A per-micro-batch timeline of the engine and every worker, for performance work.
 
 Off unless ``ZPP_TRACE=DIR`` is set (then every process of the run, workers included, writes
-``DIR/<name>.json`` when it stops). Each event is ``[what, batch_id, t]`` with ``t`` in seconds of
-``time.monotonic()``, a clock shared by every process of one host; a worker's GPU intervals are
-mapped onto it through one CUDA event recorded right after a device synchronize.
-``python scripts/trace_report.py DIR`` turns the files into per-stage busy / idle figures.
+``DIR/<name>.json`` when it stops: ``engine.json`` and ``rank<R>-stage<S>.json``). Each file is a
+JSON list of events ``[what, batch_id, t]`` or ``[what, batch_id, t, args]`` with ``t`` in seconds
+of ``time.monotonic()`` and ``args`` a small dict (the engine's ``send`` carries the micro-batch's
+``tokens`` and ``seqs``). The first event of every file is ``["clock", -1, t, {"wall", "host",
+"pid"}]``: the same instant on ``time.time()``, the host name and the process id.
+
+Clocks: ``time.monotonic()`` is CLOCK_MONOTONIC on Linux, one clock for every process of a host,
+so the files of a one-host run line up exactly. Processes on different hosts do not share it;
+``scripts/trace_report.py --perfetto`` then maps each file onto its host's wall clock through the
+``clock`` event (as good as the hosts' NTP sync, typically well under a millisecond).
+A worker's GPU intervals are mapped onto the host clock through one CUDA event recorded right after
+a device synchronize.
+
+Events (all per micro-batch ``batch_id``):
+  engine: ``schedule`` (the scheduler starts choosing it), ``send`` (chosen; encoding starts),
+    ``sent`` (on every worker's socket), ``result`` (its StepResult read), ``apply_start`` /
+    ``applied`` (the scheduler updated with it, outputs emitted).
+  stage: ``msg`` (the worker read the ExecuteBatch), ``acts_wait`` / ``acts_ready`` (blocked on
+    the previous stage's activations), ``gpu_start`` / ``gpu_end`` (the stage's forward on the
+    device: CUDA events on GPU, ``perf_counter`` on CPU), ``launched`` (the worker's host is done
+    with it), ``result_sent`` (last stage: StepResult sent).
+
+``python scripts/trace_report.py DIR`` turns the files into per-stage busy / idle figures,
+``--perfetto OUT.json`` into a timeline for ui.perfetto.dev.
 """
 from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from typing import Optional
+
 
 class Trace:
     """Collects events in memory; ``dump()`` writes them (a no-op when tracing is off)."""
 
     def __init__(self, name: str):
         self.name = name
-        self.events: list[tuple[str, int, float]] = []
+        self.events: list[tuple] = []
         self.dir = os.environ.get("ZPP_TRACE") or None
         self.enabled = self.dir is not None
         self._cuda_ref = None
-
-    def mark(self, what: str, batch_id: int, t: Optional[float] = None) -> None:
         if self.enabled:
-            self.events.append((what, batch_id, time.monotonic() if t is None else t))
+            self.events.append(("clock", -1, time.monotonic(),
+                                {"wall": time.time(), "host": socket.gethostname(), "pid": os.getpid()}))
+
+    def mark(self, what: str, batch_id: int, t: Optional[float] = None, args: Optional[dict] = None) -> None:
+        """Record event ``what`` of micro-batch ``batch_id`` at ``t`` (seconds of
+        ``time.monotonic()``; now when None), with optional ``args`` (JSON-able dict)."""
+        if self.enabled:
+            t = time.monotonic() if t is None else t
+            self.events.append((what, batch_id, t) if args is None else (what, batch_id, t, args))
 
     # GPU intervals ---------------------------------------------------------------------------
     def cuda_clock(self):

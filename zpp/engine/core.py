@@ -109,7 +109,8 @@ class EngineCore:
         kv, sch = self.kv, self.scheduler
         return EngineStats(sch.num_running, sch.num_waiting, kv.usage, kv.num_free_blocks, kv.num_blocks,
                            sch.stats.num_preemptions, kv.prefix_queries, kv.prefix_hits,
-                           list(self.executor.stage_busy_s), self.num_prompt_tokens, self.num_generation_tokens)
+                           list(self.executor.stage_busy_s), self.num_prompt_tokens, self.num_generation_tokens,
+                           list(self.executor.stage_idle_s))
 
     # --- the loop -----------------------------------------------------------------------------
     def _die(self, reason: str) -> None:
@@ -125,24 +126,33 @@ class EngineCore:
     async def _run(self) -> None:
         """Keep the pipeline full; then wait for the executor: the next result (in batch order),
         None when new or aborted requests interrupted the wait, or WorkerDiedError."""
+        trace = self.executor.trace
+        drained = True  # nothing in flight and nothing to schedule: the workers' next gap is no bubble
         try:
             while True:
                 if self.dead:
                     return
                 while len(self.inflight) < self.depth:
+                    t = time.monotonic() if trace.enabled else 0.0
                     sched = self.scheduler.schedule()
                     if sched is None:
                         break
+                    trace.mark("schedule", sched.batch.batch_id, t)
+                    sched.batch.after_idle = drained
+                    drained = False
                     self.executor.send(sched.batch)
                     self.inflight.append(sched)
+                if not self.inflight:
+                    drained = True
                 item = await self.executor.next_result()
                 if item is None:
                     continue
                 sched = self.inflight.popleft()
                 if item.batch_id != sched.batch.batch_id:
                     raise RuntimeError(f"result for batch {item.batch_id}, expected {sched.batch.batch_id}")
+                trace.mark("apply_start", item.batch_id)
                 self.emit(self._apply(sched, item))
-                self.executor.trace.mark("applied", item.batch_id)
+                trace.mark("applied", item.batch_id)
         except asyncio.CancelledError:
             raise
         except WorkerDiedError as e:

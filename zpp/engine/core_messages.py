@@ -34,6 +34,8 @@ class EngineStats(msgspec.Struct, array_like=True):
         stage_busy_s: per pipeline stage, seconds spent computing so far.
         num_prompt_tokens: prompt tokens of the sequences admitted so far (every front end's).
         num_generation_tokens: tokens sampled so far.
+        stage_idle_s: per pipeline stage, seconds its device sat idle between micro-batches while
+            the engine had work (the pipeline bubble) so far.
     """
 
     num_running: int = 0
@@ -47,6 +49,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     stage_busy_s: list[float] = []
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    stage_idle_s: list[float] = []
 
 
 class CoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):

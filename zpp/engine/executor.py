@@ -22,7 +22,7 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Optional, Protocol
 
 from zpp.config import EngineConfig, cpu_threads_per_worker
-from zpp.models.partition import partition_layers
+from zpp.models.partition import AUTO, balanced_partition, partition_layers, stage_times
 from zpp.transport import messages as m
 from zpp.transport.channels import EngineSocket, local_ipc_address, tcp_address
 from zpp.trace import Trace
@@ -100,6 +100,7 @@ class Executor:
         self._interrupt_pending = False
         self.stage_busy_s = [0.0] * self.pp
         self.stage_batches = [0] * self.pp
+        self.stage_idle_s = [0.0] * self.pp
         self.dead: Optional[str] = None
         self.num_blocks = 0
         self.layer_ranges = partition_layers(
@@ -142,8 +143,10 @@ class Executor:
         cfg = self.config
         self._open_control_plane()
         for r, (a, b) in enumerate(self.layer_ranges):
-            logger.info("stage %d: layers [%d, %d) (%d layers)%s", r, a, b, b - a,
-                        " + embedding" * (r == 0) + " + norm, lm_head, sampler" * (r == self.pp - 1))
+            logger.info("stage %d: layers [%d, %d) (%d layers)%s%s", r, a, b, b - a,
+                        " + embedding" * (r == 0) + " + norm, lm_head, sampler" * (r == self.pp - 1),
+                        ", until measured (--pp-layer-partition auto)"
+                        * (cfg.parallel.pp_layer_partition == AUTO and self.pp > 1))
         ctx = mp.get_context("spawn")
         level = logging.getLogger("zpp").getEffectiveLevel()
         local_ranks = list(range(self.world))
@@ -182,6 +185,8 @@ class Executor:
                 layer_start=a, layer_end=b, num_layers=_num_layers(cfg), dist_store=self.dist_store,
                 num_threads=cpu_threads if rank in local_ranks else 0,
                 eos_token_ids=sorted(self.eos_token_ids), config=worker_config))
+        if cfg.parallel.pp_layer_partition == AUTO and self.pp > 1:
+            await self._balance_layers()
         ready = await self._expect_all(m.WorkerReady, timeout=1800)
         fit = min(r.num_kv_blocks_fit for r in ready.values())
         num_blocks = cfg.cache.num_kv_blocks if cfg.cache.num_kv_blocks is not None else fit
@@ -194,6 +199,29 @@ class Executor:
             self.socket.send(rank, m.InitKVCache(num_blocks=num_blocks))
         await self._expect_all(m.CacheReady, timeout=1800)
         self._reader = asyncio.create_task(self._read_loop())
+
+    async def _balance_layers(self) -> None:
+        """``--pp-layer-partition auto``: every worker measured its stage's costs before loading
+        weights (StageCost); choose the split that makes the slowest stage fastest, log it with the
+        costs in one line, and send every rank its stage's layer range (AssignLayers)."""
+        costs = await self._expect_all(m.StageCost, timeout=1800)
+        # A stage is as slow as its slowest TP rank.
+        layer_s = [max(costs[r].layer_s for r in range(s * self.tp, (s + 1) * self.tp)) for s in range(self.pp)]
+        extra_s = [max(costs[r].extra_s for r in range(s * self.tp, (s + 1) * self.tp)) for s in range(self.pp)]
+        even = [b - a for a, b in self.layer_ranges]
+        sizes = balanced_partition(_num_layers(self.config), layer_s, extra_s)
+        self.layer_ranges = partition_layers(_num_layers(self.config), self.pp, sizes)
+
+        def ms(xs) -> str:
+            return ",".join(f"{x * 1e3:.3f}" for x in xs)
+        logger.info("pp layer partition auto: %s (even %s); per stage, for a micro-batch of %d decode tokens: "
+                    "layer ms %s, embedding / LM head + sampling ms %s; slowest stage %.2f ms (even split %.2f ms)",
+                    ",".join(map(str, sizes)), ",".join(map(str, even)), costs[0].num_tokens, ms(layer_s),
+                    ms(extra_s), max(stage_times(sizes, layer_s, extra_s)) * 1e3,
+                    max(stage_times(even, layer_s, extra_s)) * 1e3)
+        for rank in range(self.world):
+            a, b = self.layer_ranges[rank // self.tp]
+            self.socket.send(rank, m.AssignLayers(layer_start=a, layer_end=b))
 
     def _device_index(self, rank: int) -> int:
         if self.config.parallel.device != "cuda" or self.config.parallel.share_gpu:
@@ -255,12 +283,15 @@ class Executor:
         """Send one micro-batch to every worker (encoded once)."""
         if self.dead:
             raise WorkerDiedError(self.dead)
-        self.trace.mark("send", batch.batch_id)
+        if self.trace.enabled:
+            self.trace.mark("send", batch.batch_id, args={"tokens": sum(c.num_tokens for c in batch.chunks),
+                                                          "seqs": len(batch.chunks), "after_idle": batch.after_idle})
         now = time.monotonic()
         if not self.inflight:  # the pipeline was idle: the stall clock starts now
             self.last_progress = now
         self.inflight[batch.batch_id] = now
         self.socket.send_bytes(range(self.world), m.encode(batch))
+        self.trace.mark("sent", batch.batch_id)
 
     async def next_result(self) -> Optional[m.StepResult]:
         """The next StepResult (batches return in the order sent), or None once after
@@ -286,6 +317,7 @@ class Executor:
                 if isinstance(msg, m.StepResult):
                     self.trace.mark("result", msg.batch_id)
                     self.stage_busy_s[-1] = msg.busy_s
+                    self.stage_idle_s[-1] = msg.idle_s
                     self.stage_batches[-1] += 1
                     self.inflight.pop(msg.batch_id, None)
                     self.last_progress = time.monotonic()
@@ -295,6 +327,7 @@ class Executor:
                 elif isinstance(msg, m.StageStats):
                     stage = rank // self.tp
                     self.stage_busy_s[stage] = msg.busy_s
+                    self.stage_idle_s[stage] = msg.idle_s
                     self.stage_batches[stage] = msg.batches
                 elif isinstance(msg, m.WorkerError):
                     # Often the echo of another failure (gloo: "connection closed by peer" when the

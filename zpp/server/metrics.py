@@ -5,7 +5,7 @@ Names follow vLLM's with a ``zpp:`` prefix, and every series carries a ``model_n
 served model name), as vLLM's do, so that vLLM dashboards port by renaming the prefix. Read from
 the engine (``engine.stats()``) at scrape time: running and waiting sequences, KV-cache usage
 (fraction 0-1) and free blocks, preemptions, prefix-cache queries and hits (prompt tokens),
-per-stage busy seconds. Counted as the engine runs: prompt and generation tokens, finished requests
+per-stage busy and idle (pipeline bubble) seconds. Counted as the engine runs: prompt and generation tokens, finished requests
 by reason; histograms (seconds) of time to first token, time per output token (per request:
 decode time / (tokens - 1)), inter-token latency (per step) and end-to-end latency.
 """
@@ -65,6 +65,14 @@ class _EngineCollector:
         for i, b in enumerate(s.stage_busy_s):
             busy.add_metric([self.model_name, str(i)], b)
         yield busy
+        idle = CounterMetricFamily("zpp:stage_idle_seconds",
+                                   "Seconds each pipeline stage's device sat idle between micro-batches while "
+                                   "the engine had work (the pipeline bubble: waiting for the batch message, "
+                                   "the previous stage's activations or the worker's host work)",
+                                   labels=["model_name", "stage"])
+        for i, b in enumerate(s.stage_idle_s):
+            idle.add_metric([self.model_name, str(i)], b)
+        yield idle
 
 
 class Metrics:

@@ -7,6 +7,8 @@ Handshake (one path for local and remote workers)::
 
     worker -> engine   Hello(rank, key)                 worker knows only address, rank, keys
     engine -> worker   InitWorker(...)                  model, stage, layer range, rendezvous
+    worker -> engine   StageCost(layer_s, extra_s)      only with --pp-layer-partition auto:
+    engine -> worker   AssignLayers(start, end)         measured costs, then the balanced range
     worker -> engine   WorkerReady(num_kv_blocks_fit)   weights loaded, process group joined
     engine -> worker   InitKVCache(num_blocks)          the minimum over all stages
     worker -> engine   CacheReady()
@@ -55,6 +57,29 @@ class InitWorker(msgspec.Struct, tag=True, array_like=True):
     config: EngineConfig
     """With the model path made absolute by the engine (the same path must hold the model on
     every host)."""
+
+
+class StageCost(msgspec.Struct, tag=True, array_like=True):
+    """``--pp-layer-partition auto``: what one stage's forward of a representative micro-batch
+    costs on this worker, measured before the stage's weights are loaded
+    (``zpp.workers.stage_cost.measure_stage_cost``)."""
+
+    rank: int
+    layer_s: float
+    """Seconds one decoder layer takes."""
+    extra_s: float
+    """Seconds of the stage's other work: embedding (first stage); final norm, LM head and
+    sampling (last stage); 0 in between."""
+    num_tokens: int
+    """Tokens of the micro-batch measured (decode tokens, one per sequence)."""
+
+
+class AssignLayers(msgspec.Struct, tag=True, array_like=True):
+    """``--pp-layer-partition auto``: the engine's answer to StageCost, the stage's layer range
+    (replacing InitWorker's provisional even one)."""
+
+    layer_start: int
+    layer_end: int
 
 
 class WorkerReady(msgspec.Struct, tag=True, array_like=True):
@@ -111,6 +136,9 @@ class ExecuteBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True
     new_reqs: list[NewRequest] = []
     cached_reqs: list[CachedRequest] = []
     finished_req_ids: list[str] = []
+    after_idle: bool = False
+    """The engine had nothing in flight and nothing to schedule before this micro-batch: the gap
+    before it on each stage is a pause in the work, not pipeline idle time (``StepResult.idle_s``)."""
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
@@ -148,15 +176,19 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, 
     sampled: list[SampledOutput]
     prompt_logprobs: list[PromptLogprobsOutput] = []
     busy_s: float = 0.0
-    """Seconds the last stage spent computing this batch."""
+    """Seconds the last stage has spent computing so far (cumulative)."""
+    idle_s: float = 0.0
+    """Seconds the last stage's device has sat idle between micro-batches so far (cumulative; see
+    ``ModelRunner.idle_s``)."""
 
 
 class StageStats(msgspec.Struct, tag=True, array_like=True):
-    """Periodic per-stage busy time (every stage, not only the last)."""
+    """Periodic per-stage busy and idle time (every stage, not only the last); cumulative seconds."""
 
     rank: int
     busy_s: float
     batches: int
+    idle_s: float = 0.0
 
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -181,8 +213,8 @@ class WorkerError(msgspec.Struct, tag=True, array_like=True):
     traceback: str = ""
 
 
-ToWorker = Union[InitWorker, InitKVCache, ExecuteBatch, Shutdown]
-FromWorker = Union[Hello, WorkerReady, CacheReady, StepResult, StageStats, Heartbeat, WorkerError]
+ToWorker = Union[InitWorker, AssignLayers, InitKVCache, ExecuteBatch, Shutdown]
+FromWorker = Union[Hello, StageCost, WorkerReady, CacheReady, StepResult, StageStats, Heartbeat, WorkerError]
 
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode

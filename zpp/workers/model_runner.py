@@ -44,7 +44,7 @@ class PendingResult:
         self.event.synchronize()
         runner.reap_timings()
         return m.StepResult(self.batch_id, [m.SampledOutput(r, t) for r, t in zip(self.req_ids, self.host.tolist())],
-                            busy_s=runner.busy_s)
+                            busy_s=runner.busy_s, idle_s=runner.idle_s)
 
 
 class Activity:
@@ -70,7 +70,16 @@ class Activity:
 
 
 class ModelRunner:
-    """Holds a stage's model, its KV cache and the state of every request it has been sent."""
+    """Holds a stage's model, its KV cache and the state of every request it has been sent.
+
+    Time accounting (cumulative seconds, reported to the engine for ``/metrics``):
+        busy_s: the stage's forward passes (sampling included on the last stage): device time
+            between two CUDA events on GPU, ``perf_counter`` time on CPU.
+        idle_s: the gaps between consecutive forward passes, measured the same way: waiting for the
+            micro-batch's message, for the previous stage's activations, or for the worker's own
+            host work. The gap before a micro-batch sent with ``after_idle`` (the engine had run out
+            of work) is not counted, so ``idle_s`` is the pipeline bubble, not time without requests.
+    """
 
     def __init__(self, model: StageModel, device: torch.device, dtype: torch.dtype, block_size: int,
                  link: Optional[StageLink], eos_token_ids: set[int], seed: int = 0, trace_name: str = "stage"):
@@ -85,7 +94,10 @@ class ModelRunner:
         self.sampler = Sampler(device, seed) if self.stage.produces_results else None
         self.eos_token_ids = eos_token_ids
         self.busy_s = 0.0
+        self.idle_s = 0.0
         self.num_batches = 0
+        self._after_idle = True  # the current micro-batch's ExecuteBatch.after_idle
+        self._prev_end = None  # the end of the previous forward: perf_counter s (CPU) or a CUDA event
         self.activity = Activity()
         # Query heads per KV head (the same on every TP rank: both counts are divided by tp_size).
         # GPT-2's config.json names its head count n_head.
@@ -163,9 +175,11 @@ class ModelRunner:
         rank 0 of the last stage), None elsewhere."""
         self._update_states(batch)
         self._batch_id = batch.batch_id
+        self._after_idle = batch.after_idle
         self.activity.start(batch.batch_id)
         if not batch.chunks:
-            return m.StepResult(batch.batch_id, []) if self.stage.produces_results else None
+            return m.StepResult(batch.batch_id, [], busy_s=self.busy_s, idle_s=self.idle_s) \
+                if self.stage.produces_results else None
         seqs = [self.seqs[c.req_id] for c in batch.chunks]
         starts = [c.start for c in batch.chunks]
         q_lens = [c.num_tokens for c in batch.chunks]
@@ -197,7 +211,7 @@ class ModelRunner:
             return None
         result = self._sample(batch, seqs, out)
         self._end(t0)
-        result.busy_s = self.busy_s
+        result.busy_s, result.idle_s = self.busy_s, self.idle_s
         return result
 
     def _execute_graph(self, batch: m.ExecuteBatch, seqs: list[SeqState], starts: list[int]):
@@ -242,13 +256,15 @@ class ModelRunner:
         tokens, lps = self.sampler(out, row_seqs, self.eos_token_ids)
         sampled = [m.SampledOutput(batch.chunks[i].req_id, tok, lp) for i, tok, lp in zip(rows, tokens, lps)]
         self._end(t0)
-        return m.StepResult(batch.batch_id, sampled, busy_s=self.busy_s)
+        return m.StepResult(batch.batch_id, sampled, busy_s=self.busy_s, idle_s=self.idle_s)
 
     # --- busy-time accounting -----------------------------------------------------------------
     def _recv_acts(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The previous stage's activations for the current micro-batch (blocking)."""
         self.activity.wait(True)
+        self.trace.mark("acts_wait", self._batch_id)
         acts = self.link.recv(shape, self.dtype)
+        self.trace.mark("acts_ready", self._batch_id)
         self.activity.wait(False)
         return acts
 
@@ -265,6 +281,9 @@ class ModelRunner:
         if self.device.type != "cuda":
             now = time.perf_counter()
             self.busy_s += now - start
+            if self._prev_end is not None and not self._after_idle:
+                self.idle_s += max(0.0, start - self._prev_end)
+            self._prev_end = now
             if self.trace.enabled:
                 offset = time.monotonic() - now
                 self.trace.mark("gpu_start", self._batch_id, start + offset)
@@ -272,14 +291,18 @@ class ModelRunner:
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._timings.append((start, end, self._batch_id))
+        self._timings.append((start, end, self._batch_id, self._after_idle))
         self.reap_timings()
 
     def reap_timings(self) -> None:
-        """Add the device time of finished batches to ``busy_s`` (never blocks)."""
+        """Add the device time of finished batches to ``busy_s`` and the device gaps before them
+        to ``idle_s`` (never blocks)."""
         while self._timings and self._timings[0][1].query():
-            start, end, batch_id = self._timings.popleft()
+            start, end, batch_id, after_idle = self._timings.popleft()
             self.busy_s += start.elapsed_time(end) / 1000.0
+            if self._prev_end is not None and not after_idle:
+                self.idle_s += max(0.0, self._prev_end.elapsed_time(start) / 1000.0)
+            self._prev_end = end
             self.trace.gpu_interval(batch_id, start, end)
 
     def _sample(self, batch: m.ExecuteBatch, seqs: list[SeqState], hidden: torch.Tensor) -> m.StepResult:

@@ -164,14 +164,17 @@ def _setup(init, sock):
         init_tp_group(init.rank, pp_size, tp_size)
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
-    stage = StageInfo(init.pp_rank, pp_size, init.layer_start, init.layer_end, init.tp_rank, tp_size)
+    layer_start, layer_end = init.layer_start, init.layer_end
+    if cfg_all.parallel.pp_layer_partition == "auto" and pp_size > 1:
+        layer_start, layer_end = _measure_and_assign(init, sock, cfg, device, dtype)
+    stage = StageInfo(init.pp_rank, pp_size, layer_start, layer_end, init.tp_rank, tp_size)
     t = time.perf_counter()
     model = load_stage_model(model_dir, cfg, stage, dtype, device, max_model_len,
                              cfg_all.model.load_format, seed)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info("stage %d/%d%s: layers [%d, %d) loaded in %.1fs (%.1f MiB)", init.pp_rank, pp_size,
                 f" TP rank {init.tp_rank}/{tp_size}" if tp_size > 1 else "",
-                init.layer_start, init.layer_end, time.perf_counter() - t, weight_bytes / 2**20)
+                layer_start, layer_end, time.perf_counter() - t, weight_bytes / 2**20)
     # Each TP rank exchanges activations (whole on every TP rank) with the same TP rank of the
     # neighbouring stages.
     link = make_stage_link(init.rank, init.pp_rank, pp_size, tp_size, device, cfg_all.parallel.share_gpu) if pp_size > 1 else None
@@ -200,6 +203,37 @@ def _setup(init, sock):
             logger.info("%s runs eagerly (no CUDA graphs)", type(model).__name__)
     sock.send(m.CacheReady(rank=init.rank))
     return runner
+
+
+def _measure_and_assign(init, sock, cfg: dict, device, dtype) -> tuple[int, int]:
+    """``--pp-layer-partition auto``: measure this stage's costs (``zpp.workers.stage_cost``),
+    send StageCost, and return the ``[start, end)`` layer range the engine assigns. Stages take
+    turns (a barrier of the process group between turns), so that stages sharing a host's cores
+    (CPU) or one GPU (``ZPP_SHARE_GPU``) do not slow down each other's measurement."""
+    import torch.distributed as dist
+
+    from zpp.models.base import StageInfo
+    from zpp.transport import messages as m
+    from zpp.workers.stage_cost import measure_stage_cost, representative_batch
+    c = init.config
+    pp_size, tp_size = c.parallel.pipeline_parallel_size, c.parallel.tensor_parallel_size
+    num_seqs, ctx = representative_batch(c.scheduler.max_num_seqs, c.max_num_batched_tokens, c.pipeline_depth,
+                                         c.max_model_len)
+    stage = StageInfo(init.pp_rank, pp_size, init.layer_start, init.layer_end, init.tp_rank, tp_size)
+    t = time.perf_counter()
+    for turn in range(pp_size):
+        if turn == init.pp_rank:  # every TP rank of the stage together (the layers' all-reduces)
+            layer_s, extra_s = measure_stage_cost(c.model.model, cfg, stage, dtype, device, c.max_model_len,
+                                                  c.cache.block_size, num_seqs, ctx, c.model.seed)
+        dist.barrier()
+    logger.info("stage %d: a layer takes %.3f ms, the stage's other work %.3f ms (%d decode tokens at context "
+                "%d; measured in %.1fs)", init.pp_rank, layer_s * 1e3, extra_s * 1e3, num_seqs, ctx,
+                time.perf_counter() - t)
+    sock.send(m.StageCost(rank=init.rank, layer_s=layer_s, extra_s=extra_s, num_tokens=num_seqs))
+    msg = sock.recv(timeout_s=600)
+    if not isinstance(msg, m.AssignLayers):
+        raise RuntimeError(f"expected AssignLayers, got {type(msg).__name__}")
+    return msg.layer_start, msg.layer_end
 
 
 def _cuda_kv_blocks(init, runner, device, per_block: int) -> int:
@@ -238,7 +272,8 @@ def _serve(runner, sock, init) -> None:
     def send_stats() -> None:
         nonlocal last_stats, reported
         runner.reap_timings()
-        sock.send(m.StageStats(rank=init.rank, busy_s=runner.busy_s, batches=runner.num_batches))
+        sock.send(m.StageStats(rank=init.rank, busy_s=runner.busy_s, batches=runner.num_batches,
+                               idle_s=runner.idle_s))
         last_stats, reported = time.monotonic(), runner.num_batches
 
     while True:
