@@ -41,6 +41,7 @@ class InstantExecutor:
         self.results: asyncio.Queue = asyncio.Queue()
         self.sent: list[bytes] = []
         self.stage_busy_s = [0.0]
+        self.stage_idle_s = [0.0]
         self.trace = Trace("engine")
 
     def send(self, batch: m.ExecuteBatch) -> None:

@@ -129,6 +129,7 @@ class _StandInStages:
     def __init__(self):
         from zpp.trace import Trace
         self.num_blocks, self.eos_token_ids, self.stage_busy_s, self.trace = 64, {0}, [0.0], Trace("engine")
+        self.stage_idle_s = [0.0]
         self.queue: asyncio.Queue = asyncio.Queue()
         self.sent = 0
 

@@ -52,13 +52,15 @@ class StageExecutor(Protocol):
     * ``interrupt()``: make a waiting (or the next) ``next_result()`` return None; safe to call
       many times before it is consumed (one wake-up).
     * ``shutdown()``: stop every worker (idempotent).
-    * ``num_blocks`` (KV blocks per stage), ``eos_token_ids``, ``stage_busy_s`` (seconds each stage
-      computed, for metrics), ``trace`` (ZPP_TRACE timeline).
+    * ``num_blocks`` (KV blocks per stage), ``eos_token_ids``, ``stage_busy_s`` / ``stage_idle_s``
+      (seconds each stage computed / waited between micro-batches, for metrics), ``trace``
+      (ZPP_TRACE timeline).
     """
 
     num_blocks: int
     eos_token_ids: set[int]
     stage_busy_s: list[float]
+    stage_idle_s: list[float]
     trace: Trace
 
     def send(self, batch: m.ExecuteBatch) -> None: ...
