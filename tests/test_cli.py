@@ -80,3 +80,13 @@ def test_traceback_only_with_log_level_debug(dirs):
     r = zpp("serve", str(dirs / "badjson"), "--log-level", "debug")
     assert r.returncode == 2
     assert "Traceback" in r.stderr and r.stderr.strip().splitlines()[-1].startswith("zpp: error: ")
+
+
+def test_no_room_for_kv_cache_is_one_line_with_no_worker_error(demo_model):
+    """The engine gives up after the workers loaded the model (1 KiB holds no KV block) and sends
+    them Shutdown: that is an orderly exit for a worker still setting up, so stderr holds only the
+    engine's one-line error (no ``ERROR [worker 0] worker failed: ...`` before it)."""
+    r = zpp("serve", demo_model, "--kv-cache-memory", "1KiB", "--log-level", "warning")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        "zpp: error: no memory left for the KV cache: raise --kv-cache-memory / --gpu-memory-utilization"], r.stderr

@@ -142,6 +142,22 @@ def test_stage_idle_seconds(server):
         assert first[k] < v < first[k] + 3.0, (k, first[k], v)
 
 
+def test_prompt_token_counter_agrees_with_prompt_length_histogram(server, tokenizer):
+    """Every finished request's prompt counts both in ``prompt_tokens_total`` and in the
+    ``request_prompt_tokens`` histogram, including one with max_tokens 0 (echo: it runs no step)."""
+    prompts = ["The capital of France is", "One, two, three, four, five,"]
+    before = parse_metrics(scrape(server))
+    r = post(server, "/v1/completions", {"prompt": prompts[0], "max_tokens": 0, "echo": True})
+    assert r["usage"]["completion_tokens"] == 0 and r["choices"][0]["text"] == prompts[0]
+    post(server, "/v1/completions", {"prompt": prompts[1], "max_tokens": 2})
+    after = parse_metrics(scrape(server))
+    tokens = sum(len(tokenizer.encode(p)) for p in prompts)
+    delta = {k: after[k] - before.get(k, 0.0) for k in ("zpp:prompt_tokens_total", "zpp:request_prompt_tokens_sum",
+                                                        "zpp:request_prompt_tokens_count")}
+    assert delta == {"zpp:prompt_tokens_total": tokens, "zpp:request_prompt_tokens_sum": tokens,
+                     "zpp:request_prompt_tokens_count": 2}
+
+
 # --- the Grafana dashboard -----------------------------------------------------------------------
 _STRING = r'"(?:[^"\\]|\\.)*"'
 _TOKEN = re.compile(rf'{_STRING}|\{{(?:{_STRING}|[^}}"])*\}}|\[[^\]]*\]|[A-Za-z_:][A-Za-z0-9_:]*|\S')

@@ -275,6 +275,58 @@ def test_chat_max_completion_tokens_and_n(server):
     assert r.usage.completion_tokens == 6
 
 
+def test_whole_floats_accepted_for_integer_fields(server):
+    """As vLLM (pydantic): a float with no fractional part is an integer (``max_tokens: 5.0`` runs
+    5 tokens) in both endpoints; ``5.5`` is still a 400 naming the field."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            status, r = await _post(s, server, "/v1/completions", {
+                "prompt": "The capital of France is", "max_tokens": 5.0, "n": 2.0, "seed": 7.0, "logprobs": 2.0,
+                "temperature": 0, "ignore_eos": True})
+            assert status == 200, r
+            assert [len(c["logprobs"]["tokens"]) for c in r["choices"]] == [5, 5]
+            assert [len(c["logprobs"]["top_logprobs"][0]) for c in r["choices"]] == [2, 2]
+            assert r["usage"]["completion_tokens"] == 10
+            status, r = await _post(s, server, "/v1/chat/completions", {
+                "messages": FRANCE, "max_completion_tokens": 3.0, "logprobs": True, "top_logprobs": 2.0,
+                "temperature": 0, "ignore_eos": True, "min_tokens": 3.0, "top_k": 5.0})
+            assert status == 200, r
+            assert r["usage"]["completion_tokens"] == 3
+            assert [len(t["top_logprobs"]) for t in r["choices"][0]["logprobs"]["content"]] == [2, 2, 2]
+            for path, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 5.5}),
+                               ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 5.5})]:
+                status, r = await _post(s, server, path, body)
+                assert status == 400 and r["error"]["param"] == "max_tokens", r
+    run(go())
+
+
+def test_integer_fields_take_whole_floats_only():
+    """Every integer field of the request structs (no server needed): 3.0 decodes to the int 3,
+    3.5, "3" and true are refused naming the field, and the bounds still hold (``n`` 129.0)."""
+    from zpp.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ProtocolError,
+                                     decode_request)
+    comp = {"max_tokens": 3.0, "n": 3.0, "seed": 3.0, "top_k": 3.0, "min_tokens": 3.0, "prompt_logprobs": 3.0,
+            "logprobs": 3.0, "best_of": 3.0}
+    chat = {"max_tokens": 3.0, "max_completion_tokens": 3.0, "top_logprobs": 3.0, "n": 3.0, "seed": 3.0}
+    cases = [(CompletionRequest, {"prompt": "x"}, comp), (ChatCompletionRequest, {"messages": []}, chat)]
+    for kind, base, fields in cases:
+        req = decode_request(json.dumps({**base, **fields}).encode(), kind)
+        for name in fields:
+            assert getattr(req, name) == 3 and type(getattr(req, name)) is int, name
+        for name in fields:
+            for bad in (3.5, "3", True):
+                with pytest.raises(ProtocolError) as e:
+                    decode_request(json.dumps({**base, name: bad}).encode(), kind)
+                assert e.value.param == name, (name, bad)
+        for name, value in [("n", 129.0), ("n", 0.0), ("seed", 2.0 ** 64)]:
+            with pytest.raises(ProtocolError) as e:
+                decode_request(json.dumps({**base, name: value}).encode(), kind)
+            assert e.value.param == name
+    req = decode_request(b'{"prompt": "x", "stop_token_ids": [1.0, 2]}', CompletionRequest)
+    assert req.stop_token_ids == [1, 2] and all(type(t) is int for t in req.stop_token_ids)
+    assert [type(t) for t in decode_request(b'{"tokens": [5.0]}', DetokenizeRequest).tokens] == [int]
+
+
 def test_chat_logprobs(server):
     async def go():
         return await client(server).chat.completions.create(

@@ -113,6 +113,17 @@ def test_node_reaches_head_address_not_its_loopback(two_hosts):
     assert not h.pids_in(h.head_ns) and not _wait_empty(h, h.node_ns)
 
 
+def test_name_lookups_fail_at_once(two_hosts):
+    """No DNS server is reachable from the namespaces: a reverse lookup (what the rendezvous store
+    does for each client) must fail at once, not wait out the resolver's timeouts (10 s a lookup)."""
+    h = two_hosts
+    for run, ip in ((h.run_in_head, h.node_ip), (h.run_in_node, h.head_ip)):
+        t0 = time.monotonic()
+        p = run(["getent", "hosts", ip], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p.communicate(timeout=30)
+        assert time.monotonic() - t0 < 2, f"a lookup of {ip} took {time.monotonic() - t0:.1f} s"
+
+
 def test_teardown_leaves_nothing():
     reason = unavailable_reason()
     if reason:
@@ -131,6 +142,7 @@ def test_teardown_leaves_nothing():
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     for ns in (hosts.head_ns, hosts.node_ns):
         assert ns not in listed and not os.path.exists(f"/run/netns/{ns}")
+        assert not os.path.exists(f"/etc/netns/{ns}")
     assert not [p for p in pids if alive(p)]
     assert not os.path.exists(hosts.tmpdir)
     sshd_left = subprocess.run(["pgrep", "-f", hosts.sshd_config], capture_output=True, text=True).stdout

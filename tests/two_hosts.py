@@ -20,6 +20,13 @@ has a default route, as a real host would, so "which of my addresses reaches the
 namespaces (both named ``eth0``), so nothing ever appears in the machine's own ``ip link``; deleting a
 namespace deletes its end, and with it the pair.
 
+Name lookups: the machine's resolver (``/etc/resolv.conf``) is unreachable from the namespaces, so a
+DNS query from them would wait out its timeouts (10 s with glibc's defaults; the rendezvous store
+looks up each client's address that way, and every zpp start-up in the head paid it). Each
+namespace gets its own ``/etc/netns/<ns>/resolv.conf`` (``ip netns exec`` mounts it over
+``/etc/resolv.conf``) naming no server: /etc/hosts still answers, any other lookup fails at once,
+as on a host whose DNS server refuses it.
+
 sshd runs in the node namespace only, from a throwaway config in a private temp dir (host key, client
 key, authorized_keys, pid file and log all live there); ``ssh_command`` is the matching client command
 (for ``$ZPP_SSH``), to be run from the head namespace. sshd gives sessions a minimal environment
@@ -235,6 +242,10 @@ class TwoHosts:
         for ns in (self.head_ns, self.node_ns):
             _run(["ip", "netns", "add", ns])
             self._made_ns.append(ns)
+            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+            with open(f"/etc/netns/{ns}/resolv.conf", "w") as f:
+                f.write("# zpp tests/two_hosts.py: no DNS server in this namespace (lookups fail at once)\n"
+                        "options timeout:1 attempts:1\n")
         # Created inside the namespaces: the pair never shows in this machine's own `ip link`.
         _run(["ip", "link", "add", "eth0", "netns", self.head_ns, "type", "veth",
               "peer", "name", "eth0", "netns", self.node_ns])
@@ -423,6 +434,9 @@ class TwoHosts:
             r = subprocess.run(["ip", "netns", "delete", ns], capture_output=True, text=True)
             if r.returncode != 0 and os.path.exists(f"/run/netns/{ns}"):
                 problems.append(f"`ip netns delete {ns}`: {r.stderr.strip()}")
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+            if os.path.exists(f"/etc/netns/{ns}"):
+                problems.append(f"could not remove /etc/netns/{ns}")
         if self.tmpdir:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
             if os.path.exists(self.tmpdir):

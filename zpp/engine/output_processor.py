@@ -95,11 +95,15 @@ class OutputProcessor:
             self.metrics.on_request_added(group)
 
     def finish_empty(self, group: _Group) -> None:
-        """A request with ``max_tokens == 0``: finished at once with no output."""
+        """A request with ``max_tokens == 0``: finished at once with no output. Metrics see it
+        added as well as finished, so that its prompt counts in ``prompt_tokens`` as it does in
+        the finished requests' prompt-length histogram."""
         for s in group.seqs:
             s.out.finish_reason = "length"
         group.num_unfinished = 0
         self.groups[group.request_id] = group
+        if self.metrics:
+            self.metrics.on_request_added(group)
         self._publish(group)
 
     def abort(self, request_id: str) -> list[str]:

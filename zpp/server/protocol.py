@@ -1,9 +1,9 @@
 """OpenAI API request schemas (msgspec) and their translation into SamplingParams.
 
 Decoding a body with :func:`decode_request` checks every field's type and the ranges that can be
-checked without the model (an integer must fit in 64 bits, ``n`` is at most 128, ...); a
-ValidationError's path (``$.temperature``) names the parameter for the 400 response. An unknown
-top-level field is refused with a 400 naming it, as OpenAI does ("Unrecognized request argument"):
+checked without the model (an integer must fit in 64 bits, ``n`` is at most 128, ...; a whole
+float such as ``5.0`` is an integer, as in vLLM); a ValidationError's path (``$.temperature``)
+names the parameter for the 400 response. An unknown top-level field is refused with a 400 naming it, as OpenAI does ("Unrecognized request argument"):
 silently ignoring, say, ``guided_json`` would hand back unconstrained text. Inside ``messages`` and
 ``stream_options`` unknown keys are ignored (clients replay assistant messages with ``refusal``,
 ``tool_calls``, ...).
@@ -13,14 +13,71 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Annotated, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import msgspec
 
 from zpp.sampling_params import SamplingParams, SamplingParamsError
 
+
+
+class _WholeInt(int):
+    """An integer request field. As in vLLM (pydantic's lax mode), a JSON float with no fractional
+    part is accepted for it (``5.0`` -> 5); ``5.5``, strings and booleans are refused. The bounds are
+    checked here (msgspec's ``Meta`` constraints do not apply to a custom type). Decoded by
+    :func:`_dec_hook`; each struct's ``__post_init__`` turns the values back into plain ints."""
+
+    ge: int
+    le: int
+
+
+_WHOLE_INTS: dict[tuple[int, int], type] = {}
+
+
+def whole_int(ge: int, le: int) -> type:
+    """The integer field type with bounds ``ge <= value <= le`` (one class per pair of bounds)."""
+    kind = _WHOLE_INTS.get((ge, le))
+    if kind is None:
+        kind = _WHOLE_INTS[(ge, le)] = type("int", (_WholeInt,), {"ge": ge, "le": le})
+    return kind
+
+
+def _dec_hook(kind: type, obj: Any) -> Any:
+    if isinstance(kind, type) and issubclass(kind, _WholeInt):
+        if isinstance(obj, float) and obj.is_integer():
+            obj = int(obj)
+        if isinstance(obj, bool) or not isinstance(obj, int):
+            raise TypeError(f"Expected `int`, got `{type(obj).__name__}`")
+        if obj < kind.ge:
+            raise ValueError(f"Expected `int` >= {kind.ge}")
+        if obj > kind.le:
+            raise ValueError(f"Expected `int` <= {kind.le}")
+        return kind(obj)
+    raise NotImplementedError(f"no decoder for {kind}")
+
+
+def _plain_int(v: Any) -> Any:
+    if isinstance(v, _WholeInt):
+        return int(v)
+    if isinstance(v, list) and v and isinstance(v[0], _WholeInt):
+        return [int(x) for x in v]
+    return v
+
+
+class _Request(msgspec.Struct):
+    """Base of the request structs: the integer fields hold plain ints after decoding (msgpack,
+    on the way to the engine, encodes no int subclass)."""
+
+    def __post_init__(self):
+        for name in self.__struct_fields__:
+            v = getattr(self, name)
+            w = _plain_int(v)
+            if w is not v:
+                setattr(self, name, w)
+
+
 # Every integer that reaches the engine crosses a msgpack socket: it must fit in 64 bits.
-Int64 = Annotated[int, msgspec.Meta(ge=-(2 ** 63), le=2 ** 63 - 1)]
+Int64 = whole_int(-(2 ** 63), 2 ** 63 - 1)
 MAX_N = 128  # OpenAI's limit on completions per prompt
 
 
@@ -29,12 +86,12 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class _SamplingFields(_Request, kw_only=True, forbid_unknown_fields=True):
     model: Optional[str] = None
     max_tokens: Optional[Int64] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
+    n: whole_int(1, MAX_N) = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[None, str, list[str]] = None
@@ -79,7 +136,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage] = []
     max_completion_tokens: Optional[Int64] = None
     logprobs: bool = False
-    top_logprobs: Optional[Annotated[int, msgspec.Meta(ge=0, le=20)]] = None
+    top_logprobs: Optional[whole_int(0, 20)] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # vLLM's: the template writes BOS itself; True adds the tokenizer's too
@@ -107,7 +164,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class DetokenizeRequest(_Request, kw_only=True, forbid_unknown_fields=True):
     """``POST /detokenize`` (vLLM's): token ids back to text."""
 
     model: Optional[str] = None
@@ -153,7 +210,7 @@ def decode_request(body: bytes, kind: type):
             (``unknown_fields`` lists them all).
     """
     try:
-        req = msgspec.json.decode(body, type=kind)
+        req = msgspec.json.decode(body, type=kind, dec_hook=_dec_hook)
     except msgspec.ValidationError as e:
         unknown = _UNKNOWN_RE.search(str(e))
         if unknown:

@@ -70,6 +70,8 @@ def worker_main(engine_address: str, rank: int, keys, log_level: int = logging.I
         sock.send(m.Hello(rank=rank, key=keys.key, pid=os.getpid(), hostname=socket.gethostname(),
                           address=address, interface=interface))
         init = sock.recv(timeout_s=120)
+        if isinstance(init, m.Shutdown):
+            raise _ShutdownDuringSetup("before InitWorker")
         if not isinstance(init, m.InitWorker):
             raise RuntimeError(f"expected InitWorker, got {type(init).__name__}")
         from zpp.workers.model_runner import Activity
@@ -80,6 +82,10 @@ def worker_main(engine_address: str, rank: int, keys, log_level: int = logging.I
         _serve(runner, sock, init)
     except SystemExit:
         raise
+    except _ShutdownDuringSetup as e:
+        # The engine gave up during start-up (e.g. no room for the KV cache) and reports why
+        # itself: an orderly exit, nothing to report here.
+        logger.debug("Shutdown during set-up (%s): exiting", e)
     except BaseException as e:  # report, then die: the engine fails every request
         logger.error("worker failed: %s", e)
         try:
@@ -90,6 +96,10 @@ def worker_main(engine_address: str, rank: int, keys, log_level: int = logging.I
         os._exit(1)
     sock.close()
     os._exit(0)
+
+
+class _ShutdownDuringSetup(Exception):
+    """The engine sent Shutdown while this worker was still setting up (orderly, not a failure)."""
 
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -191,6 +201,8 @@ def _setup(init, sock):
         fit = int(mem // per_block)
     sock.send(m.WorkerReady(rank=init.rank, num_kv_blocks_fit=max(0, fit), weight_bytes=weight_bytes))
     msg = sock.recv(timeout_s=600)
+    if isinstance(msg, m.Shutdown):
+        raise _ShutdownDuringSetup("before InitKVCache")
     if not isinstance(msg, m.InitKVCache):
         raise RuntimeError(f"expected InitKVCache, got {type(msg).__name__}")
     runner.init_kv_cache(msg.num_blocks)
@@ -231,6 +243,8 @@ def _measure_and_assign(init, sock, cfg: dict, device, dtype) -> tuple[int, int]
                 time.perf_counter() - t)
     sock.send(m.StageCost(rank=init.rank, layer_s=layer_s, extra_s=extra_s, num_tokens=num_seqs))
     msg = sock.recv(timeout_s=600)
+    if isinstance(msg, m.Shutdown):
+        raise _ShutdownDuringSetup("before AssignLayers")
     if not isinstance(msg, m.AssignLayers):
         raise RuntimeError(f"expected AssignLayers, got {type(msg).__name__}")
     return msg.layer_start, msg.layer_end
