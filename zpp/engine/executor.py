@@ -453,7 +453,12 @@ class Executor:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
-                p.terminate()
+                # A stopped process (SIGSTOP) acts on SIGTERM only once continued: kill it now
+                # rather than wait the 2 s below for nothing.
+                if _stopped(p.pid):
+                    p.kill()
+                else:
+                    p.terminate()
         for p in self.procs:
             p.join(2.0)
             if p.is_alive():
@@ -465,6 +470,15 @@ class Executor:
             self.socket.close()
         self._store = None
         self.trace.dump()
+
+
+def _stopped(pid: Optional[int]) -> bool:
+    """Is the process stopped (state T: SIGSTOP, or traced)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 @contextlib.contextmanager
