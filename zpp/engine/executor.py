@@ -21,6 +21,8 @@ import time
 from multiprocessing.connection import wait as mp_wait
 from typing import Callable, Optional
 
+import msgspec
+
 from zpp.config import EngineConfig, cpu_threads_per_worker
 from zpp.models.partition import partition_layers
 from zpp.transport import messages as m
@@ -220,8 +222,11 @@ class Executor:
         return got
 
     # --- steady state -------------------------------------------------------------------------
-    def send(self, batch: m.ExecuteBatch) -> None:
-        """Send one micro-batch to every worker (encoded once)."""
+    def send(self, batch: m.ExecuteBatch, grammar_rows: list[int] = (), grammar_bitmask: bytes = b"") -> None:
+        """Send one micro-batch to every worker (encoded once). With structured outputs, the
+        constrained rows and their token bitmask (see ``ExecuteBatch.grammar_rows``) go to the
+        result rank only (TP rank 0 of the last stage, the one that samples); the other ranks get
+        the batch without them."""
         if self.dead:
             raise WorkerDiedError(self.dead)
         self.trace.mark("send", batch.batch_id)
@@ -229,7 +234,15 @@ class Executor:
         if not self.inflight:  # the pipeline was idle: the stall clock starts now
             self.last_progress = now
         self.inflight[batch.batch_id] = now
-        self.socket.send_bytes(range(self.world), m.encode(batch))
+        if not grammar_rows:
+            self.socket.send_bytes(range(self.world), m.encode(batch))
+            return
+        result_rank = (self.pp - 1) * self.tp
+        others = [r for r in range(self.world) if r != result_rank]
+        if others:
+            self.socket.send_bytes(others, m.encode(batch))
+        self.socket.send_bytes([result_rank], m.encode(msgspec.structs.replace(
+            batch, grammar_rows=list(grammar_rows), grammar_bitmask=grammar_bitmask)))
 
     async def next_result(self) -> m.StepResult:
         """The next StepResult (batches return in the order sent). Raises WorkerDiedError."""

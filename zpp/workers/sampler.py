@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from zpp.sampling_params import SamplingParams
@@ -52,11 +53,42 @@ def token_logprobs(logprobs_row: torch.Tensor, token_id: int, k: int) -> TokenLo
     return TokenLogprobs(token_id, lp, rank, [], [])
 
 
+def unpack_bitmask(bitmask: bytes, num_rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Structured outputs: xgrammar's packed token bitmask -> a boolean mask.
+
+    Args:
+        bitmask: ``int32[num_rows, W]`` little-endian bytes; bit ``t % 32`` of word ``t // 32`` set
+            means token ``t`` is allowed (``ExecuteBatch.grammar_bitmask``).
+        vocab_size: columns of the result (the logits' width); tokens beyond ``32 * W`` are not allowed.
+
+    Returns ``bool[num_rows, vocab_size]`` on ``device``, True = allowed.
+    """
+    words = torch.from_numpy(np.frombuffer(bitmask, dtype="<i4").astype(np.int32)  # a writable copy
+                             .reshape(num_rows, -1)).to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits = ((words.unsqueeze(-1) >> shifts) & 1).bool().view(num_rows, -1)  # [R, W * 32]
+    if bits.shape[1] >= vocab_size:
+        return bits[:, :vocab_size]
+    return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+
+
+def apply_allowed(logits: torch.Tensor, allowed) -> None:
+    """Set the logits of disallowed tokens to -inf in place. ``allowed`` is ``(rows: int64[R],
+    mask: bool[R, V])`` (rows index ``logits [N, V]``) or None (nothing to do)."""
+    if allowed is not None:
+        rows, mask = allowed
+        logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
+
+
 class Sampler:
     """Samples one token per row of logits.
 
-    ``__call__(logits [N, V] float32, seqs: list[SeqState], eos_token_ids)`` ->
-    ``(token_ids: list[int], logprobs: list[TokenLogprobs | None])``.
+    ``__call__(logits [N, V] float32, seqs: list[SeqState], eos_token_ids, allowed=None)`` ->
+    ``(token_ids: list[int], logprobs: list[TokenLogprobs | None])``. ``allowed`` (structured
+    outputs) is ``(rows int64[R], mask bool[R, V])``: those rows may only pick a token whose mask
+    is True; it is applied before penalties, temperature, top-k/p, min-p and the draw, so it holds
+    in every sampling mode, and other rows are untouched. Logprobs are the model's own (before
+    the mask).
     """
 
     def __init__(self, device: torch.device, seed: int = 0):
@@ -74,15 +106,17 @@ class Sampler:
         return True
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, seqs: list[SeqState], eos_token_ids: set[int]):
+    def __call__(self, logits: torch.Tensor, seqs: list[SeqState], eos_token_ids: set[int], allowed=None):
         N, V = logits.shape
         if self.plain_greedy(seqs):
+            apply_allowed(logits, allowed)
             return logits.argmax(dim=-1).tolist(), [None] * N  # one kernel, one copy
         params = [s.sampling or _GREEDY for s in seqs]
         want_lp = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
 
         logits = logits.clone()
+        apply_allowed(logits, allowed)
         for i, (s, p) in enumerate(zip(seqs, params)):
             if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
                 self._apply_penalties(logits[i], s, p)
