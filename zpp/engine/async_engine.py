@@ -12,6 +12,7 @@ pipeline loop. The two paths share every class but the transport.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -116,11 +117,15 @@ class AsyncEngine:
             from zpp.engine.core_proc import CoreProcessClient
             client = CoreProcessClient(core_address, front_end_index)
         engine = cls(config, tokenizer, eos, client)
-        await client.start(config, eos, engine._on_step, engine._on_core_dead)
-        engine.inputs = InputProcessor(tokenizer, engine.vocab_size, engine.max_model_len,
-                                       client.num_kv_blocks, client.block_size)
         so = config.structured_outputs
         engine.grammar = GrammarCompiler(tokenizer, engine.vocab_size, eos, so.compile_timeout, so.max_spec_bytes)
+        warm = asyncio.ensure_future(engine.grammar.warm_up())  # while the workers load
+        try:
+            await client.start(config, eos, engine._on_step, engine._on_core_dead)
+        finally:
+            await warm
+        engine.inputs = InputProcessor(tokenizer, engine.vocab_size, engine.max_model_len,
+                                       client.num_kv_blocks, client.block_size)
         return engine
 
     async def shutdown(self) -> None:

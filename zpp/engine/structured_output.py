@@ -112,6 +112,18 @@ class GrammarCompiler:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2)
             return self._compiler
 
+    async def warm_up(self) -> None:
+        """Import xgrammar and build the tokenizer info now, in the compile thread (a few seconds
+        on a loaded CPU), so that the first structured-output request does not wait for it. A
+        failure is logged; structured-output requests are then refused with its message."""
+        if self.tokenizer is None:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._xgr_compiler)
+        except Exception as e:
+            logger.warning("structured outputs are unavailable: xgrammar failed on this tokenizer: %s",
+                           _library_message(e))
+
     def _compile(self, kind: str, text: str, any_whitespace: bool) -> str:
         """Compile in a worker thread; returns the serialized CompiledGrammar."""
         c = self._xgr_compiler()
