@@ -178,6 +178,29 @@ def test_compile_errors_size_limit_and_timeout(engine):
     assert (out.text, out.finish_reason) == ("ok", "stop")
 
 
+# --- no engine: the last stage's mask, tool-call parsing ---------------------------------------------
+def test_last_stage_mask_matches_xgrammar():
+    """unpack_bitmask + apply_allowed give the logits xgrammar's own kernel gives, for every row
+    or a subset of them (other rows untouched), including a vocabulary wider than the bitmask."""
+    import numpy as np
+    import torch
+    import xgrammar as xgr
+    from zpp.workers.sampler import apply_allowed, unpack_bitmask
+
+    rng = np.random.default_rng(0)
+    for n, rows, vocab in [(4, [0, 1, 2, 3], 1000), (6, [1, 4], 1000), (3, [0, 2], 1030)]:
+        words = rng.integers(-2 ** 31, 2 ** 31, size=(len(rows), 32), dtype=np.int64).astype("<i4")
+        logits = torch.randn(n, vocab)
+        want = logits.clone()
+        full = torch.full((n, 32), -1, dtype=torch.int32)
+        full[rows] = torch.from_numpy(words.astype(np.int32))
+        xgr.apply_token_bitmask_inplace(want[:, :1024], full, indices=rows)
+        want[rows, 1024:] = float("-inf")  # beyond the bitmask: never allowed
+        apply_allowed(logits, (torch.tensor(rows), unpack_bitmask(words.tobytes(), len(rows), vocab,
+                                                                  torch.device("cpu"))))
+        assert torch.equal(logits, want)
+
+
 # --- tool-call parsing (no engine) -----------------------------------------------------------------
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

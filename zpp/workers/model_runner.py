@@ -285,9 +285,9 @@ class ModelRunner:
             self.trace.gpu_interval(batch_id, start, end)
 
     def _allowed(self, batch: m.ExecuteBatch, vocab_size: int):
-        """Structured outputs: ``(rows int64[R], mask bool[R, vocab_size])`` over the batch's
-        sampled rows (in chunk order, one per chunk with ``sample``), from the batch's token
-        bitmask; None when no row is constrained."""
+        """Structured outputs: ``(rows int64[R], disallowed bool[R, vocab_size])`` over the batch's
+        sampled rows (in chunk order, one per chunk with ``sample``; ``rows`` increasing, as
+        ``grammar_rows`` is), from the batch's token bitmask; None when no row is constrained."""
         if not batch.grammar_rows:
             return None
         pos = {ci: k for k, ci in enumerate(i for i, c in enumerate(batch.chunks) if c.sample)}

@@ -54,30 +54,43 @@ def token_logprobs(logprobs_row: torch.Tensor, token_id: int, k: int) -> TokenLo
 
 
 def unpack_bitmask(bitmask: bytes, num_rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Structured outputs: xgrammar's packed token bitmask -> a boolean mask.
+    """Structured outputs: xgrammar's packed token bitmask -> a boolean mask of the tokens that
+    are NOT allowed (what the logits need: ``masked_fill_(mask, -inf)``).
 
     Args:
         bitmask: ``int32[num_rows, W]`` little-endian bytes; bit ``t % 32`` of word ``t // 32`` set
             means token ``t`` is allowed (``ExecuteBatch.grammar_bitmask``).
-        vocab_size: columns of the result (the logits' width); tokens beyond ``32 * W`` are not allowed.
+        vocab_size: columns of the result (the logits' width); tokens beyond ``32 * W`` are
+            disallowed.
 
-    Returns ``bool[num_rows, vocab_size]`` on ``device``, True = allowed.
+    Returns ``bool[num_rows, vocab_size]`` on ``device``, True = disallowed. On the CPU the bits
+    are unpacked by numpy; on a GPU the packed words (32x smaller) are copied and unpacked there.
     """
-    words = torch.from_numpy(np.frombuffer(bitmask, dtype="<i4").astype(np.int32)  # a writable copy
-                             .reshape(num_rows, -1)).to(device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    bits = ((words.unsqueeze(-1) >> shifts) & 1).bool().view(num_rows, -1)  # [R, W * 32]
-    if bits.shape[1] >= vocab_size:
-        return bits[:, :vocab_size]
-    return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+    if device.type == "cpu":
+        packed = np.frombuffer(bitmask, dtype=np.uint8).reshape(num_rows, -1)
+        bits = np.unpackbits(~packed, axis=1, bitorder="little").view(np.bool_)  # little-endian words
+        out = torch.from_numpy(bits)
+    else:
+        words = torch.from_numpy(np.frombuffer(bitmask, dtype="<i4").astype(np.int32)  # a writable copy
+                                 .reshape(num_rows, -1)).to(device, non_blocking=True)
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        out = ((words.unsqueeze(-1) >> shifts) & 1).view(num_rows, -1) == 0
+    if out.shape[1] >= vocab_size:
+        return out[:, :vocab_size]
+    return torch.nn.functional.pad(out, (0, vocab_size - out.shape[1]), value=True)
 
 
 def apply_allowed(logits: torch.Tensor, allowed) -> None:
     """Set the logits of disallowed tokens to -inf in place. ``allowed`` is ``(rows: int64[R],
-    mask: bool[R, V])`` (rows index ``logits [N, V]``) or None (nothing to do)."""
-    if allowed is not None:
-        rows, mask = allowed
-        logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
+    disallowed: bool[R, V])``, ``rows`` increasing indices into ``logits [N, V]`` and
+    ``disallowed`` from :func:`unpack_bitmask`, or None (nothing to do)."""
+    if allowed is None:
+        return
+    rows, disallowed = allowed
+    if rows.shape[0] == logits.shape[0]:  # every row constrained: rows is 0..N-1
+        logits.masked_fill_(disallowed, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill(disallowed, float("-inf"))
 
 
 class Sampler:
@@ -85,8 +98,8 @@ class Sampler:
 
     ``__call__(logits [N, V] float32, seqs: list[SeqState], eos_token_ids, allowed=None)`` ->
     ``(token_ids: list[int], logprobs: list[TokenLogprobs | None])``. ``allowed`` (structured
-    outputs) is ``(rows int64[R], mask bool[R, V])``: those rows may only pick a token whose mask
-    is True; it is applied before penalties, temperature, top-k/p, min-p and the draw, so it holds
+    outputs) is ``(rows int64[R], disallowed bool[R, V])`` (see :func:`apply_allowed`): those rows
+    may only pick a token whose ``disallowed`` is False; it is applied before penalties, temperature, top-k/p, min-p and the draw, so it holds
     in every sampling mode, and other rows are untouched. Logprobs are the model's own (before
     the mask).
     """
