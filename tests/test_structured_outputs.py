@@ -201,6 +201,30 @@ def test_last_stage_mask_matches_xgrammar():
         assert torch.equal(logits, want)
 
 
+def test_core_bitmask_fill_threaded_equals_row_by_row(tokenizer):
+    """The core's bitmask: filled on several threads (many-core hosts) or row by row (the 2-core
+    machines), the bytes are the same, and they follow the matchers as tokens are accepted."""
+    import asyncio as aio
+
+    from zpp.engine.structured_output import GrammarCompiler, GrammarStore
+
+    async def compile_all():
+        gc = GrammarCompiler(tokenizer, 49152, {2}, 30.0, 1 << 20)
+        specs = [gc.for_core(await gc.compile(SO(json=s))) for s in (PERSON, BOOK, FLAG, WEATHER)]
+        gc.close()
+        return specs
+
+    specs = aio.run(compile_all())
+    one, many = GrammarStore(49152, 1), GrammarStore(49152, 2)
+    text = '{"name": "Anna", "age": 31, "city": "Paris"}'
+    ms1 = [one.new_matcher(specs[i % 4], [2]) for i in range(20)]
+    ms2 = [many.new_matcher(specs[i % 4], [2]) for i in range(20)]
+    for t in tokenizer.encode(text)[:6]:
+        assert one.fill_bitmask(ms1) == many.fill_bitmask(ms2)
+        for a, b in zip(ms1[::4], ms2[::4]):  # the PERSON matchers advance
+            assert a.accept(t) and b.accept(t)
+
+
 # --- tool-call parsing (no engine) -----------------------------------------------------------------
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

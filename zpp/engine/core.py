@@ -26,7 +26,7 @@ from zpp.engine.executor import Executor, WorkerDiedError
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
 from zpp.engine.scheduler import ScheduledBatch, Scheduler
-from zpp.engine.structured_output import GrammarStore
+from zpp.engine.structured_output import GrammarStore, default_fill_threads
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class EngineCore:
         self.dead: Optional[str] = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.grammars = GrammarStore(int(config.model.hf_config["vocab_size"]))
+        self.grammars = GrammarStore(int(config.model.hf_config["vocab_size"]), default_fill_threads())
         executor.on_death = self._die
 
     @classmethod

@@ -30,6 +30,7 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -223,16 +224,30 @@ class RequestGrammar:
         return self.matcher.is_terminated()
 
 
+_BATCH_FILL_MIN_ROWS = 16
+"""Rows from which the core fills bitmasks on several threads (when it has them)."""
+
+
+def default_fill_threads() -> int:
+    """Threads for the core's bitmask fill: a quarter of the host's cores, 1 to 8 (1 on the
+    2-core CPU machines, where the workers need the cores; 4 on a 16-core GPU host)."""
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
 class GrammarStore:
     """The engine core's grammars: deserialized once per grammar key (LRU), a matcher per sequence.
 
     Args:
         vocab_size: logits per row; the bitmask has ``ceil(vocab_size / 32)`` int32 words per row.
+        fill_threads: threads filling a batch's bitmask rows (xgrammar's ``BatchGrammarMatcher``,
+            C++ threads, from ``_BATCH_FILL_MIN_ROWS`` rows); 1 = one row after the other.
     """
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, fill_threads: int = 1):
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
+        self.fill_threads = fill_threads
+        self._batch = None
         self._tokenizer_info = None
         self._grammars: OrderedDict = OrderedDict()
 
@@ -264,6 +279,12 @@ class GrammarStore:
         ceil(vocab_size / 32)]`` little-endian, as bytes (the layout of
         ``ExecuteBatch.grammar_bitmask``)."""
         bitmask = np.zeros((len(grammars), self.words), dtype="<i4")
-        for i, g in enumerate(grammars):
-            g.matcher.fill_next_token_bitmask(bitmask, i)
+        if self.fill_threads > 1 and len(grammars) >= _BATCH_FILL_MIN_ROWS:
+            if self._batch is None:
+                import xgrammar as xgr
+                self._batch = xgr.BatchGrammarMatcher(self.fill_threads)
+            self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+        else:
+            for i, g in enumerate(grammars):
+                g.matcher.fill_next_token_bitmask(bitmask, i)
         return bitmask.tobytes()

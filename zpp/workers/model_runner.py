@@ -94,6 +94,10 @@ class ModelRunner:
         self._timings: deque = deque()
         self._pinned = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
         self._pin_idx = 0
+        # Structured outputs on CUDA: pinned staging for the token bitmask, two alternating (a
+        # batch's copy is done once its result has been waited for, before the buffer's next turn).
+        self._mask_pinned = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        self._mask_idx = 0
         self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager
         self.trace = Trace(trace_name)  # ZPP_TRACE timeline (off unless set)
         self._batch_id = -1
@@ -292,7 +296,14 @@ class ModelRunner:
             return None
         pos = {ci: k for k, ci in enumerate(i for i, c in enumerate(batch.chunks) if c.sample)}
         rows = torch.tensor([pos[ci] for ci in batch.grammar_rows], dtype=torch.int64, device=self.device)
-        return rows, unpack_bitmask(batch.grammar_bitmask, len(batch.grammar_rows), vocab_size, self.device)
+        staging = None
+        if self.device.type == "cuda":
+            self._mask_idx ^= 1
+            n = len(batch.grammar_bitmask)
+            if self._mask_pinned[self._mask_idx].shape[0] < n:
+                self._mask_pinned[self._mask_idx] = torch.empty(max(n, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            staging = self._mask_pinned[self._mask_idx]
+        return rows, unpack_bitmask(batch.grammar_bitmask, len(batch.grammar_rows), vocab_size, self.device, staging)
 
     def _sample(self, batch: m.ExecuteBatch, seqs: list[SeqState], hidden: torch.Tensor) -> m.StepResult:
         rows: list[int] = []        # hidden rows whose logits are needed

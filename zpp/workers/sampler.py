@@ -53,7 +53,8 @@ def token_logprobs(logprobs_row: torch.Tensor, token_id: int, k: int) -> TokenLo
     return TokenLogprobs(token_id, lp, rank, [], [])
 
 
-def unpack_bitmask(bitmask: bytes, num_rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+def unpack_bitmask(bitmask: bytes, num_rows: int, vocab_size: int, device: torch.device,
+                   staging: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Structured outputs: xgrammar's packed token bitmask -> a boolean mask of the tokens that
     are NOT allowed (what the logits need: ``masked_fill_(mask, -inf)``).
 
@@ -63,6 +64,11 @@ def unpack_bitmask(bitmask: bytes, num_rows: int, vocab_size: int, device: torch
         vocab_size: columns of the result (the logits' width); tokens beyond ``32 * W`` are
             disallowed.
 
+        staging: GPU only: pinned host memory of at least ``len(bitmask)`` bytes (uint8) to copy
+            through, so the copy to the device does not wait for the GPU's queued work (a copy from
+            pageable memory would, and the host would lose its lead on the GPU). It must not be
+            reused before this copy is done.
+
     Returns ``bool[num_rows, vocab_size]`` on ``device``, True = disallowed. On the CPU the bits
     are unpacked by numpy; on a GPU the packed words (32x smaller) are copied and unpacked there.
     """
@@ -71,8 +77,11 @@ def unpack_bitmask(bitmask: bytes, num_rows: int, vocab_size: int, device: torch
         bits = np.unpackbits(~packed, axis=1, bitorder="little").view(np.bool_)  # little-endian words
         out = torch.from_numpy(bits)
     else:
-        words = torch.from_numpy(np.frombuffer(bitmask, dtype="<i4").astype(np.int32)  # a writable copy
-                                 .reshape(num_rows, -1)).to(device, non_blocking=True)
+        n = len(bitmask)
+        if staging is None:
+            staging = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        staging[:n].numpy()[:] = np.frombuffer(bitmask, dtype=np.uint8)
+        words = staging[:n].to(device, non_blocking=True).view(torch.int32).view(num_rows, -1)
         shifts = torch.arange(32, dtype=torch.int32, device=device)
         out = ((words.unsqueeze(-1) >> shifts) & 1).view(num_rows, -1) == 0
     if out.shape[1] >= vocab_size:
