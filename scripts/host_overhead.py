@@ -44,7 +44,7 @@ class InstantExecutor:
         self.stage_idle_s = [0.0]
         self.trace = Trace("engine")
 
-    def send(self, batch: m.ExecuteBatch) -> None:
+    def send(self, batch: m.ExecuteBatch, grammar_rows=(), grammar_bitmask=b"") -> None:
         payload = m.encode(batch)
         self.sent.append(payload)
         b = m.to_worker_decoder.decode(payload)

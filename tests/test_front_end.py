@@ -133,7 +133,7 @@ class _StandInStages:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.sent = 0
 
-    def send(self, batch):
+    def send(self, batch, grammar_rows=(), grammar_bitmask=b""):
         from zpp.transport import messages as m
         self.sent += 1
         self.queue.put_nowait(m.StepResult(batch.batch_id, [m.SampledOutput(c.req_id, 7 + c.start + c.num_tokens)

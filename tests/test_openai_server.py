@@ -477,10 +477,8 @@ MALFORMED = [
     ("/v1/chat/completions", {"messages": FRANCE, "chat_template_kwargs": 3}, 400, "chat_template_kwargs"),
     ("/v1/chat/completions", {"messages": FRANCE, "chat_template": "{% for %}"}, 400, "chat_template"),
     ("/v1/chat/completions", {"messages": FRANCE, "model": "nope"}, 404, "model"),
-    ("/v1/chat/completions", {"messages": FRANCE, "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
-    ("/v1/chat/completions", {"messages": FRANCE, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     400, "tools"),
+    ("/v1/chat/completions", {"messages": FRANCE, "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": FRANCE, "tools": [{"type": "retrieval"}]}, 400, "tools"),
     ("/v1/chat/completions", {"messages": FRANCE, "continue_final_message": True}, 400, "continue_final_message"),
     ("/v1/no-such-route", {}, 404, None),
 ]

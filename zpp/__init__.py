@@ -1,6 +1,6 @@
 """zpp: a pipeline-parallel LLM serving engine."""
 from zpp.outputs import CompletionOutput, RequestOutput
-from zpp.sampling_params import SamplingParams
+from zpp.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -12,4 +12,4 @@ def __getattr__(name):  # keep `import zpp` light: the LLM class pulls in the en
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]

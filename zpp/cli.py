@@ -9,6 +9,7 @@ import sys
 import traceback
 
 from zpp.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                        StructuredOutputsConfig,
                         parse_size, resolve_device)
 from zpp.models.partition import parse_partition
 
@@ -132,6 +133,13 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: fraction of GPU memory for weights + activations + KV cache")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: never use CUDA graphs")
+    g = p.add_argument_group("structured outputs")
+    g.add_argument("--structured-outputs-compile-timeout", type=float, default=10.0,
+                   help="seconds a request's grammar (JSON schema, regex, choice, EBNF) may take to compile "
+                        "before the request is refused with HTTP 400 (default 10)")
+    g.add_argument("--max-structured-outputs-spec-bytes", default="256KiB",
+                   help="largest JSON schema / regex / grammar / choice list accepted (default 256KiB; "
+                        "larger: HTTP 400)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="debug also prints the traceback of a start-up error")
 
@@ -171,7 +179,10 @@ def engine_config_from_args(args, streaming: bool = True) -> EngineConfig:
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   pipeline_depth=args.pipeline_depth, streaming=streaming,
                                   prefill_attention_budget=args.prefill_attention_budget),
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager,
+        structured_outputs=StructuredOutputsConfig(
+            compile_timeout=args.structured_outputs_compile_timeout,
+            max_spec_bytes=parse_size(args.max_structured_outputs_spec_bytes, "--max-structured-outputs-spec-bytes")))
 
 
 def _setup_logging(level: str) -> None:

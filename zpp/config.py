@@ -312,6 +312,24 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Limits on the grammars of structured-output requests (JSON schema, regex, choice, EBNF)."""
+
+    compile_timeout: float = 10.0
+    """Seconds a request's grammar may take to compile (waiting for a compile thread included)
+    before the request is refused with HTTP 400; the compile itself finishes in the background."""
+    max_spec_bytes: int = 256 << 10
+    """Largest grammar specification accepted (the JSON schema as JSON text, the regex, the EBNF
+    or the choices together), in bytes; larger ones are refused with HTTP 400 before compiling."""
+
+    def __post_init__(self):
+        if not self.compile_timeout > 0:
+            raise ConfigError(f"--structured-outputs-compile-timeout must be > 0 seconds, got {self.compile_timeout}")
+        if self.max_spec_bytes < 1:
+            raise ConfigError(f"--max-structured-outputs-spec-bytes must be >= 1, got {self.max_spec_bytes}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; ``resolve()`` fills defaults that depend on the model."""
 
@@ -321,6 +339,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     enforce_eager: bool = False
     """CUDA: never capture CUDA graphs."""
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @property
     def max_model_len(self) -> int:

@@ -182,6 +182,8 @@ class LLM:
         engine = self.engine
         for p, sp in zip(prompts, params):  # validate everything before queuing anything
             engine.validate(engine.tokenize_prompt(p)[1], sp)
+        for sp in {id(sp): sp for sp in params if sp.structured_outputs is not None}.values():
+            await engine.compile_grammar(sp)  # a bad grammar fails here, before anything is queued
         bar = None
         if use_tqdm:
             from tqdm import tqdm

@@ -4,7 +4,7 @@ The struct crosses the engine -> last-stage socket as msgpack (msgspec), never p
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import msgspec
 
@@ -15,6 +15,60 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Constrain a request's output to a grammar (vLLM's ``StructuredOutputsParams``; the OpenAI
+    server's ``structured_outputs`` object, ``guided_*`` fields and ``response_format`` map onto it).
+
+    Exactly one of ``json``, ``regex``, ``choice``, ``grammar`` and ``json_object`` is set. The
+    grammar is compiled by xgrammar in the front end (a bad one is refused before the request is
+    queued) and enforced by a token mask before every sampled token, in every sampling mode.
+    The output then follows the grammar to its end, where only a stop token (EOS) is allowed:
+    ``finish_reason`` is ``"stop"``, or ``"length"`` when ``max_tokens`` ends it first.
+
+    Raises:
+        SamplingParamsError: on construction, when not exactly one constraint is given or a value
+            has the wrong shape (``.param`` is ``"structured_outputs"``).
+    """
+
+    json: Union[None, str, dict[str, Any]] = None
+    """A JSON Schema (a dict, or its JSON text) the output must validate against. Strict: properties
+    the schema does not list are never generated (xgrammar's ``strict_mode``)."""
+    regex: Optional[str] = None
+    """A regular expression the whole output must match."""
+    choice: Optional[list[str]] = None
+    """The output is exactly one of these strings."""
+    grammar: Optional[str] = None
+    """A context-free grammar in xgrammar's EBNF (GBNF-style, start rule ``root``)."""
+    json_object: Optional[bool] = None
+    """True: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
+    disable_any_whitespace: bool = False
+    """JSON without optional whitespace (compact), for ``json`` and ``json_object``."""
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured_outputs", "structured_outputs: give exactly one of json, regex, choice, grammar, "
+                f"json_object (got {', '.join(given) if given else 'none'})")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise SamplingParamsError("structured_outputs",
+                                      "structured_outputs: choice must be a non-empty list of non-empty strings")
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise SamplingParamsError("structured_outputs", f"structured_outputs: {k} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -64,6 +118,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Leave special tokens out of the text."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string in the text."""
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (see
+    :class:`StructuredOutputsParams`)."""
 
     def __post_init__(self):
         def bad(param, msg):

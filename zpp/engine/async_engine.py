@@ -12,6 +12,7 @@ pipeline loop. The two paths share every class but the transport.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -19,9 +20,10 @@ import os
 from typing import AsyncIterator, Optional
 
 from zpp.config import ConfigError, EngineConfig
-from zpp.engine.core_messages import CoreRequest, EngineStats, StepOutputs
+from zpp.engine.core_messages import CoreRequest, EngineStats, GrammarSpec, StepOutputs
 from zpp.engine.inputs import InputProcessor, PromptType, RequestError
 from zpp.engine.output_processor import OutputProcessor, _Group
+from zpp.engine.structured_output import GrammarCompiler
 from zpp.models.partition import partition_layers
 from zpp.models.registry import resolve_model_class
 from zpp.outputs import RequestOutput
@@ -86,6 +88,7 @@ class AsyncEngine:
         self.vocab_size = int(config.model.hf_config["vocab_size"])
         self.output = OutputProcessor(tokenizer, self._abort_in_core)
         self.inputs: Optional[InputProcessor] = None
+        self.grammar: Optional[GrammarCompiler] = None
         self._ids = itertools.count()
         self.dead: Optional[str] = None
 
@@ -114,13 +117,21 @@ class AsyncEngine:
             from zpp.engine.core_proc import CoreProcessClient
             client = CoreProcessClient(core_address, front_end_index)
         engine = cls(config, tokenizer, eos, client)
-        await client.start(config, eos, engine._on_step, engine._on_core_dead)
+        so = config.structured_outputs
+        engine.grammar = GrammarCompiler(tokenizer, engine.vocab_size, eos, so.compile_timeout, so.max_spec_bytes)
+        warm = asyncio.ensure_future(engine.grammar.warm_up())  # while the workers load
+        try:
+            await client.start(config, eos, engine._on_step, engine._on_core_dead)
+        finally:
+            await warm
         engine.inputs = InputProcessor(tokenizer, engine.vocab_size, engine.max_model_len,
                                        client.num_kv_blocks, client.block_size)
         return engine
 
     async def shutdown(self) -> None:
         """Stop the core and every worker (idempotent)."""
+        if self.grammar is not None:
+            self.grammar.close()
         await self.client.shutdown()
 
     def kill(self) -> None:
@@ -181,16 +192,30 @@ class AsyncEngine:
         """See :meth:`InputProcessor.validate` (returns the effective max_tokens; raises RequestError)."""
         return self.inputs.validate(prompt_token_ids, sampling)
 
+    async def compile_grammar(self, sampling: SamplingParams) -> Optional[GrammarSpec]:
+        """The compiled grammar of a structured-output request (None without ``structured_outputs``);
+        compiled off the event loop, cached by specification, so calling it again is cheap.
+
+        Raises:
+            RequestError: (``param`` ``"structured_outputs"``) the grammar is too large, does not
+                compile (xgrammar's message) or took longer than the compile timeout.
+        """
+        if sampling.structured_outputs is None:
+            return None
+        return await self.grammar.compile(sampling.structured_outputs)
+
     async def generate(self, prompt: PromptType, sampling: SamplingParams, request_id: Optional[str] = None,
                        stream: bool = True) -> AsyncIterator[RequestOutput]:
         """Submit a request and iterate over its outputs (cumulative; the last has finished=True).
         With ``stream=False`` only the final output is produced (cheaper for offline batches).
 
         Raises:
-            RequestError: the request breaks a limit (before it is queued).
+            RequestError: the request breaks a limit, or its structured-output grammar cannot be
+                compiled (before it is queued).
             EngineDeadError: a worker died.
         """
-        group = self.add_request(prompt, sampling, request_id, stream)
+        grammar = await self.compile_grammar(sampling)
+        group = self.add_request(prompt, sampling, request_id, stream, grammar)
         try:
             while True:
                 item = await group.queue.get()
@@ -206,9 +231,14 @@ class AsyncEngine:
                 self.abort(group.request_id)
 
     def add_request(self, prompt: PromptType, sampling: SamplingParams,
-                    request_id: Optional[str] = None, stream: bool = True) -> _Group:
+                    request_id: Optional[str] = None, stream: bool = True,
+                    grammar: Optional[GrammarSpec] = None) -> _Group:
+        """Queue a request (``grammar``: from :meth:`compile_grammar`, required when ``sampling``
+        has ``structured_outputs``). Raises RequestError, EngineDeadError."""
         if self.dead:
             raise EngineDeadError(self.dead)
+        if (grammar is None) != (sampling.structured_outputs is None):
+            raise ValueError("a structured-output request needs its compiled grammar (compile_grammar)")
         text, ids = self.inputs.tokenize_prompt(prompt)
         max_tokens = self.inputs.validate(ids, sampling)
         rid = request_id or f"req-{next(self._ids)}"
@@ -225,7 +255,8 @@ class AsyncEngine:
             sp = sampling
             if n > 1 and sampling.seed is not None:
                 sp = sampling.clone(seed=(sampling.seed + i * 7919) & 0x7FFFFFFFFFFFFFFF)
-            reqs.append(CoreRequest(sid, ids, sp, max_tokens))
+            reqs.append(CoreRequest(sid, ids, sp, max_tokens,
+                                    self.grammar.for_core(grammar) if grammar is not None else None))
         self.output.add(group)
         self.client.add(reqs)
         return group

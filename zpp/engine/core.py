@@ -18,12 +18,15 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
+import msgspec
+
 from zpp.config import EngineConfig
 from zpp.engine.core_messages import CoreRequest, EngineStats, SeqDelta, StepOutputs
 from zpp.engine.executor import Executor, StageExecutor, WorkerDiedError
 from zpp.engine.kv_cache_manager import KVCacheManager
-from zpp.engine.request import Request
+from zpp.engine.request import Request, RequestStatus
 from zpp.engine.scheduler import ScheduledBatch, Scheduler
+from zpp.engine.structured_output import GrammarStore, default_fill_threads
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class EngineCore:
         self.dead: Optional[str] = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.grammars = GrammarStore(int(config.model.hf_config["vocab_size"]), default_fill_threads())
 
     @classmethod
     async def start(cls, config: EngineConfig, eos_token_ids: set[int], emit: Callable[[StepOutputs], None],
@@ -88,14 +92,31 @@ class EngineCore:
 
     # --- requests -----------------------------------------------------------------------------
     def add_requests(self, reqs: list[CoreRequest]) -> None:
-        """Queue sequences (validated by the front end). A sequence whose id is live is refused."""
+        """Queue sequences (validated by the front end). A sequence whose id is live is refused.
+        A structured-output sequence gets its grammar matcher here; one whose grammar cannot be
+        read (a front-end bug) is finished at once with ``finish_reason`` ``"abort"``."""
+        failed = []
         for r in reqs:
             if r.req_id in self.scheduler.requests:
                 logger.error("sequence id %r is already running; ignored", r.req_id)
                 continue
-            self.scheduler.add_request(Request(r.req_id, r.prompt_token_ids, r.sampling, r.max_tokens,
-                                               self.eos_token_ids))
+            sampling, grammar = r.sampling, None
+            if sampling.structured_outputs is not None:  # the workers need only the mask, not the spec
+                sampling = msgspec.structs.replace(sampling, structured_outputs=None)
+            if r.grammar is not None:
+                try:
+                    stop = sorted(self.eos_token_ids | set(sampling.stop_token_ids or ()))
+                    grammar = self.grammars.new_matcher(r.grammar, stop)
+                except Exception:
+                    logger.exception("sequence %s: its grammar cannot be read; finished", r.req_id)
+                    failed.append(SeqDelta(r.req_id, finish_reason="abort"))
+                    continue
+            req = Request(r.req_id, r.prompt_token_ids, sampling, r.max_tokens, self.eos_token_ids)
+            req.grammar = grammar
+            self.scheduler.add_request(req)
             self.num_prompt_tokens += len(r.prompt_token_ids)
+        if failed:
+            self.emit(StepOutputs(failed, self.stats()))
         self._wake()
 
     def abort(self, req_ids: list[str]) -> None:
@@ -140,7 +161,7 @@ class EngineCore:
                     trace.mark("schedule", sched.batch.batch_id, t)
                     sched.batch.after_idle = drained
                     drained = False
-                    self.executor.send(sched.batch)
+                    self.executor.send(sched.batch, *self._grammar_rows(sched))
                     self.inflight.append(sched)
                 if not self.inflight:
                     drained = True
@@ -161,6 +182,28 @@ class EngineCore:
             logger.exception("engine loop crashed")
             self._die(f"engine loop crashed: {e!r}")
 
+    def _grammar_rows(self, sched: ScheduledBatch) -> tuple[list[int], bytes]:
+        """The constrained rows of a micro-batch (indices into its chunks) and their token bitmask
+        (see ``ExecuteBatch.grammar_rows``); ``([], b"")`` when none is constrained.
+
+        Raises:
+            RuntimeError: a sequence is scheduled to sample before its previous token was accepted
+                (the scheduler keeps a decoding sequence in one micro-batch at a time; this checks it).
+        """
+        rows, grammars = [], []
+        for i, (req, chunk) in enumerate(zip(sched.reqs, sched.batch.chunks)):
+            g = req.grammar
+            if g is None or not chunk.sample:
+                continue
+            if g.num_accepted != req.num_output_tokens:
+                raise RuntimeError(f"sequence {req.req_id}: scheduled to sample with {req.num_output_tokens} "
+                                   f"tokens generated but {g.num_accepted} accepted by its grammar")
+            rows.append(i)
+            grammars.append(g)
+        if not rows:
+            return [], b""
+        return rows, self.grammars.fill_bitmask(grammars)
+
     def _apply(self, sched: ScheduledBatch, result) -> StepOutputs:
         updates = self.scheduler.update(sched, result)
         plp = {p.req_id: p for p in result.prompt_logprobs} if result.prompt_logprobs else {}
@@ -172,6 +215,10 @@ class EngineCore:
                 if p is not None:
                     deltas.append(SeqDelta(req.req_id, prompt_logprobs=p))
                 continue
+            if req.grammar is not None and not self._advance_grammar(req, sampled.token_id):
+                deltas.append(SeqDelta(req.req_id, finish_reason="abort", prompt_logprobs=p))
+                finished.append(req)
+                continue
             d = SeqDelta(req.req_id, sampled.token_id, sampled.logprobs, prompt_logprobs=p)
             self.num_generation_tokens += 1
             if req.status.finished:
@@ -181,4 +228,21 @@ class EngineCore:
             deltas.append(d)
         self.scheduler.release_finished(finished)
         return StepOutputs(deltas, self.stats())
+
+    def _advance_grammar(self, req: Request, token_id: int) -> bool:
+        """Feed the sampled token (already appended by the scheduler) to the sequence's matcher.
+
+        A complete grammar ends the sequence (``"stop"``, even with ``ignore_eos``: nothing may
+        follow). A token the grammar refuses is a dead end: the token is dropped, the sequence
+        finishes as aborted and False is returned."""
+        if req.grammar.accept(token_id):
+            if req.grammar.terminated and not req.status.finished:
+                req.status = RequestStatus.FINISHED_STOPPED
+            return True
+        logger.warning("sequence %s: its grammar allows no token the sampler could pick (dead end, e.g. "
+                       "min_tokens suppressing the only allowed stop token): finished with reason 'abort'",
+                       req.req_id)
+        req.token_ids.pop()
+        req.status = RequestStatus.FINISHED_ABORTED
+        return False
 

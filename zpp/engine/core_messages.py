@@ -52,6 +52,22 @@ class EngineStats(msgspec.Struct, array_like=True):
     stage_idle_s: list[float] = []
 
 
+class GrammarSpec(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A structured-output request's grammar, compiled by the front end, for the core's matcher.
+
+    Attributes:
+        key: identifies the grammar (a hash of its specification); the core caches the
+            deserialized grammar under it, so a schema used by many requests is read once.
+        compiled: xgrammar's ``CompiledGrammar.serialize_json()`` text.
+        tokenizer_info: xgrammar's ``TokenizerInfo.serialize_json()`` text (about 1.6 MB for a
+            49k vocabulary): sent by each front end with its first grammar only, empty after.
+    """
+
+    key: str
+    compiled: str
+    tokenizer_info: str = ""
+
+
 class CoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """One sequence for the core to run (the front end fans a request with ``n`` > 1 out into n).
 
@@ -60,12 +76,14 @@ class CoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
         prompt_token_ids: the prompt, already validated against the vocabulary and the limits.
         sampling: the sequence's sampling parameters (its own seed when ``n`` > 1).
         max_tokens: tokens to generate at most (resolved by the front end, >= 1).
+        grammar: the compiled grammar of a structured-output request (None: unconstrained).
     """
 
     req_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     max_tokens: int
+    grammar: Optional[GrammarSpec] = None
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
@@ -95,7 +113,10 @@ class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
         req_id: the sequence.
         token_id: the token sampled this step, or -1 when the step only computed a prefill chunk.
         logprobs: its log-probabilities, when the request asked for them.
-        finish_reason: ``"stop"`` (EOS or a stop token) or ``"length"`` when this token ended it.
+        finish_reason: ``"stop"`` (EOS or a stop token, or a structured output's grammar is
+            complete) or ``"length"`` when this token ended it; ``"abort"`` with ``token_id`` -1
+            when a structured output's grammar reached a dead end (no token it allows could be
+            sampled, e.g. ``min_tokens`` suppressed the EOS that was the only one allowed).
         stop_reason: the stop token id that ended it.
         prompt_logprobs: prompt-position logprobs this step computed (their first position is
             ``prompt_logprobs.start``).

@@ -21,6 +21,8 @@ import time
 from multiprocessing.connection import wait as mp_wait
 from typing import Optional, Protocol
 
+import msgspec
+
 from zpp.config import EngineConfig, cpu_threads_per_worker
 from zpp.models.partition import AUTO, balanced_partition, partition_layers, stage_times
 from zpp.transport import messages as m
@@ -44,7 +46,9 @@ class StageExecutor(Protocol):
     """What the engine core needs from the stages (implemented by :class:`Executor`; a test or
     benchmark can stand in with an object of the same shape, e.g. ``scripts/host_overhead.py``).
 
-    * ``send(batch)``: one micro-batch to every stage; raises WorkerDiedError once dead.
+    * ``send(batch, grammar_rows, grammar_bitmask)``: one micro-batch to every stage (with
+      structured outputs, the constrained rows' token bitmask to the sampling rank only); raises
+      WorkerDiedError once dead.
     * ``await next_result()``: the next StepResult, in the order the batches were sent, or None
       once after ``interrupt()`` (the caller has new work to look at). The one death channel:
       raises WorkerDiedError (with the reason) when a worker or node died or the stall watchdog
@@ -63,7 +67,7 @@ class StageExecutor(Protocol):
     stage_idle_s: list[float]
     trace: Trace
 
-    def send(self, batch: m.ExecuteBatch) -> None: ...
+    def send(self, batch: m.ExecuteBatch, grammar_rows: list[int] = (), grammar_bitmask: bytes = b"") -> None: ...
 
     async def next_result(self) -> Optional[m.StepResult]: ...
 
@@ -281,8 +285,11 @@ class Executor:
         return got
 
     # --- steady state -------------------------------------------------------------------------
-    def send(self, batch: m.ExecuteBatch) -> None:
-        """Send one micro-batch to every worker (encoded once)."""
+    def send(self, batch: m.ExecuteBatch, grammar_rows: list[int] = (), grammar_bitmask: bytes = b"") -> None:
+        """Send one micro-batch to every worker (encoded once). With structured outputs, the
+        constrained rows and their token bitmask (see ``ExecuteBatch.grammar_rows``) go to the
+        result rank only (TP rank 0 of the last stage, the one that samples); the other ranks get
+        the batch without them."""
         if self.dead:
             raise WorkerDiedError(self.dead)
         if self.trace.enabled:
@@ -292,7 +299,15 @@ class Executor:
         if not self.inflight:  # the pipeline was idle: the stall clock starts now
             self.last_progress = now
         self.inflight[batch.batch_id] = now
-        self.socket.send_bytes(range(self.world), m.encode(batch))
+        if not grammar_rows:
+            self.socket.send_bytes(range(self.world), m.encode(batch))
+        else:
+            result_rank = (self.pp - 1) * self.tp
+            others = [r for r in range(self.world) if r != result_rank]
+            if others:
+                self.socket.send_bytes(others, m.encode(batch))
+            self.socket.send_bytes([result_rank], m.encode(msgspec.structs.replace(
+                batch, grammar_rows=list(grammar_rows), grammar_bitmask=grammar_bitmask)))
         self.trace.mark("sent", batch.batch_id)
 
     async def next_result(self) -> Optional[m.StepResult]:

@@ -144,23 +144,24 @@ class OutputProcessor:
                 for j, e in enumerate(p.entries):
                     group.prompt_logprobs_missing -= group.prompt_logprobs[p.start + j] is None
                     group.prompt_logprobs[p.start + j] = _lp_dict(e)
-            if d.token_id < 0:
-                continue
-            if group.first_token_time is None:
-                group.first_token_time = now
-                if self.metrics:
-                    self.metrics.on_first_token(group, now)
-            elif self.metrics:
-                self.metrics.on_token(group, now)
-            group.last_token_time = now
+            if d.token_id < 0 and d.finish_reason is None:
+                continue  # a prefill chunk
             out = seq.out
-            out.token_ids.append(d.token_id)
-            if out.logprobs is not None and d.logprobs is not None:
-                out.logprobs.append(_lp_dict(d.logprobs))
-                seq.cum_logprob += d.logprobs.logprob
-                out.cumulative_logprob = seq.cum_logprob
             finish, stop_reason = d.finish_reason, d.stop_reason
-            if seq.detok is not None:
+            if d.token_id >= 0:
+                if group.first_token_time is None:
+                    group.first_token_time = now
+                    if self.metrics:
+                        self.metrics.on_first_token(group, now)
+                elif self.metrics:
+                    self.metrics.on_token(group, now)
+                group.last_token_time = now
+                out.token_ids.append(d.token_id)
+                if out.logprobs is not None and d.logprobs is not None:
+                    out.logprobs.append(_lp_dict(d.logprobs))
+                    seq.cum_logprob += d.logprobs.logprob
+                    out.cumulative_logprob = seq.cum_logprob
+            if seq.detok is not None and d.token_id >= 0:
                 # As in vLLM, a token that stopped the sequence (EOS, stop_token_ids) adds no text
                 # unless include_stop_str_in_output.
                 hide = finish == "stop" and not group.sampling.include_stop_str_in_output

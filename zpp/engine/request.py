@@ -56,6 +56,8 @@ class Request:
         self.num_in_flight_tokens = 0
         self.stop_reason = None
         self.block_hashes: list[int] = []
+        self.grammar = None
+        """Structured outputs: the sequence's RequestGrammar (zpp.engine.structured_output), or None."""
 
     @property
     def num_tokens(self) -> int:

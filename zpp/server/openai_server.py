@@ -28,7 +28,9 @@ from zpp.outputs import CompletionOutput, RequestOutput
 from zpp.sampling_params import SamplingParams, SamplingParamsError
 from zpp.server.metrics import DEFAULT_LOG_STATS_INTERVAL_S, Metrics, StatsLogger
 from zpp.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ProtocolError,
-                                 TokenizeRequest, decode_request, error_body, new_id, now, to_sampling_params)
+                                 TokenizeRequest, decode_request, error_body, new_id, now, structured_outputs_of,
+                                 to_sampling_params)
+from zpp.server.tools import ToolPlan, ToolStream, parse_output, parse_tools
 
 logger = logging.getLogger(__name__)
 
@@ -364,6 +366,15 @@ class OpenAIServer:
             raise ProtocolError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})",
                                 "stop_token_ids")
 
+    async def _compile_grammar(self, sampling: SamplingParams, param: Optional[str]) -> None:
+        """Compile a structured-output request's grammar before anything is sent (cached for the
+        engine's own call). Raises ProtocolError naming ``param``, the field the constraint came
+        from (``response_format``, ``structured_outputs``, ``guided_json``, ``tools``, ...)."""
+        try:
+            await self.engine.compile_grammar(sampling)
+        except RequestError as e:
+            raise ProtocolError(f"{param}: {e}", param) from None
+
     async def _run_all(self, prompts: list[list[int]], sampling: SamplingParams, base_id: str,
                        stream: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every prompt concurrently; yield (prompt index, cumulative output) as they progress
@@ -438,9 +449,10 @@ class OpenAIServer:
             raise ProtocolError("suffix is not supported by this server", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise ProtocolError("best_of is not supported (only best_of == n)", "best_of")
+        so, so_param = structured_outputs_of(req)
         prompts = await _off_loop_if_large(self._tokenize_prompts, req.prompt, _text_size(req.prompt))
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        sampling = to_sampling_params(req, max_tokens, req.logprobs)
+        sampling = to_sampling_params(req, max_tokens, req.logprobs, structured_outputs=so)
         want_prompt_lps = req.echo and req.logprobs is not None
         # echo + logprobs + max_tokens 0 scores the prompt: run one step for its logprobs and
         # drop the sampled token.
@@ -451,6 +463,7 @@ class OpenAIServer:
         self._check_stop_token_ids(sampling)
         for _, ids in prompts:
             self.engine.validate(ids, sampling)
+        await self._compile_grammar(sampling, so_param)
         cid, created, n = new_id("cmpl"), now(), sampling.n
         k = req.logprobs
 
@@ -548,10 +561,12 @@ class OpenAIServer:
         return await sse.done()
 
     # --- /v1/chat/completions -----------------------------------------------------------------
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, req: ChatCompletionRequest, plan: Optional[ToolPlan] = None) -> list[int]:
         """Render the messages with the chat template and tokenize without adding special tokens
         (unless the request sets ``add_special_tokens``): the template writes any BOS itself, so
-        there is never a second one. Raises ProtocolError."""
+        there is never a second one. With tools (``plan``, unless ``tool_choice`` is ``"none"``)
+        the template gets ``tools=``; a template that ignores them gets a system text describing
+        them instead. Raises ProtocolError."""
         if self.tokenizer is None:
             raise ProtocolError("this model has no tokenizer, so chat is unavailable; use /v1/completions "
                                 "with token ids", "messages")
@@ -561,11 +576,6 @@ class OpenAIServer:
             raise ProtocolError("cannot set both continue_final_message and add_generation_prompt to true "
                                 "(set add_generation_prompt: false to continue the last message)",
                                 "continue_final_message")
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise ProtocolError(f"response_format type {req.response_format.get('type')!r} is not supported "
-                                "by this server (no constrained decoding)", "response_format")
-        if req.tools and req.tool_choice != "none":
-            raise ProtocolError("tools / tool calls are not supported by this server", "tools")
         if req.chat_template is not None and not self.trust_request_chat_template:
             raise ProtocolError("a chat_template in the request is refused: this server uses its own "
                                 "(start it with --trust-request-chat-template to allow request templates)",
@@ -593,12 +603,29 @@ class OpenAIServer:
             msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
             if m.name is not None:
                 msg["name"] = m.name
+            if m.tool_calls is not None:
+                msg["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             msgs.append(msg)
+
+        def render(msgs, **extra):
+            return self.tokenizer.apply_chat_template(
+                msgs, chat_template=template, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, **extra, **(req.chat_template_kwargs or {}))
+
         try:
-            text = self.tokenizer.apply_chat_template(
-                msgs, chat_template=template, tokenize=False,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+            text = render(msgs)
+            if plan is not None and plan.mode != "none":
+                with_tools = render(msgs, tools=plan.tools)
+                if with_tools != text:
+                    text = with_tools
+                else:  # the template ignores tools: describe them in the system message
+                    if msgs[0]["role"] == "system":
+                        msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + plan.system_text()}
+                    else:
+                        msgs.insert(0, {"role": "system", "content": plan.system_text()})
+                    text = render(msgs)
         except Exception as e:  # template errors are the request's fault (e.g. role order)
             raise ProtocolError(f"the chat template failed on these messages: {e}", "messages") from None
         if not isinstance(text, str):  # chat_template_kwargs such as return_dict / tokenize
@@ -606,6 +633,27 @@ class OpenAIServer:
                                 "chat_template_kwargs")
         self._check_prompt_chars(text, "messages")
         return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+
+    async def _send_tool_deltas(self, sse: _SSE, chunk, c: CompletionOutput, ts: ToolStream, logprobs: bool,
+                                k: int, sent_tok: dict[int, int]) -> None:
+        """Stream one choice of a request with tools: content and ``tool_calls`` deltas from its
+        ToolStream, logprobs on the first delta of each step, the finish reason (``"tool_calls"``
+        when calls were sent and the output ended normally) on the last."""
+        final = c.finish_reason is not None
+        deltas = ts.feed(c.text, final)
+        t0 = sent_tok.get(c.index, 0)
+        new_ids = c.token_ids[t0:]
+        lp = self._chat_logprobs(k, new_ids, (c.logprobs or [])[t0:]) if logprobs and new_ids else None
+        if lp is not None and not deltas:
+            deltas = [{}]
+        sent_tok[c.index] = len(c.token_ids)
+        for i, d in enumerate(deltas):
+            await sse.send(chunk([{"index": c.index, "delta": d, "logprobs": lp if i == 0 else None,
+                                   "finish_reason": None}]))
+        if final:
+            reason = "tool_calls" if ts.calls and c.finish_reason == "stop" else c.finish_reason
+            await sse.send(chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason,
+                                   "stop_reason": c.stop_reason}]))
 
     def _prompt_logprobs(self, ids: list[int], lps) -> list:
         """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else
@@ -632,28 +680,51 @@ class OpenAIServer:
         if req.top_logprobs is not None and not req.logprobs:
             raise ProtocolError("top_logprobs needs logprobs: true", "top_logprobs")
         use_mct = req.max_completion_tokens is not None
+        plan = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        so, so_param = structured_outputs_of(req)
+        tool_so = plan.structured_outputs() if plan is not None else None
+        if tool_so is not None:
+            if so is not None:
+                raise ProtocolError(f"tool_choice {plan.mode!r} constrains the output, so {so_param} cannot "
+                                    "be given too", "tool_choice")
+            so, so_param = tool_so, "tools"
         sampling = to_sampling_params(req, req.max_completion_tokens if use_mct else req.max_tokens,
                                       (req.top_logprobs or 0) if req.logprobs else None,
                                       rename={"max_tokens": "max_completion_tokens" if use_mct else "max_tokens",
-                                              "logprobs": "top_logprobs"})
+                                              "logprobs": "top_logprobs"}, structured_outputs=so)
         self._check_stop_token_ids(sampling)
-        prompt_ids = await _off_loop_if_large(self._chat_prompt, req,
+        prompt_ids = await _off_loop_if_large(lambda r: self._chat_prompt(r, plan), req,
                                               _text_size(req.messages) + 100 * len(req.messages))
         try:
             self.engine.validate(prompt_ids, sampling)
         except RequestError as e:
             raise ProtocolError(str(e), "max_completion_tokens" if use_mct and e.param == "max_tokens"
                                 else e.param) from None
+        await self._compile_grammar(sampling, so_param)
         cid, created, k = new_id("chatcmpl"), now(), req.top_logprobs or 0
+        if plan is not None and plan.mode == "none":
+            plan = None
+
+        def message(c: CompletionOutput) -> tuple[dict, Optional[str]]:
+            if plan is None:
+                return {"role": "assistant", "content": c.text}, c.finish_reason
+            content, calls = parse_output(plan, c.text)
+            if not calls:
+                return {"role": "assistant", "content": content}, c.finish_reason
+            return ({"role": "assistant", "content": content, "tool_calls": calls},
+                    "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
 
         if not req.stream:
             final = None
             async with aclosing(self._run_all([prompt_ids], sampling, cid, stream=False)) as outs:
                 async for _, out in outs:
                     final = out
-            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": self._chat_logprobs(k, c.token_ids, c.logprobs) if req.logprobs else None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
+            choices = []
+            for c in final.outputs:
+                msg, finish = message(c)
+                choices.append({"index": c.index, "message": msg,
+                                "logprobs": self._chat_logprobs(k, c.token_ids, c.logprobs) if req.logprobs else None,
+                                "finish_reason": finish, "stop_reason": c.stop_reason})
             body = {"id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
                     "choices": choices, "usage": _usage([(None, prompt_ids)], [final.outputs])}
             if req.prompt_logprobs is not None:
@@ -665,6 +736,7 @@ class OpenAIServer:
         sent_tok: dict[int, int] = {}
         finished: set[int] = set()
         completion_tokens = 0
+        tool_streams = {j: ToolStream(plan) for j in range(sampling.n)} if plan is not None else {}
 
         def chunk(choices: list) -> dict:
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
@@ -679,6 +751,13 @@ class OpenAIServer:
                                                    "logprobs": None, "finish_reason": None}]))
                     for c in out.outputs:
                         if c.index in finished:
+                            continue
+                        if tool_streams:
+                            await self._send_tool_deltas(sse, chunk, c, tool_streams[c.index], req.logprobs,
+                                                         k, sent_tok)
+                            if c.finish_reason is not None:
+                                finished.add(c.index)
+                                completion_tokens += len(c.token_ids)
                             continue
                         start, t0 = sent_text.get(c.index, 0), sent_tok.get(c.index, 0)
                         delta, new_ids = c.text[start:], c.token_ids[t0:]

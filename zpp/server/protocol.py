@@ -3,8 +3,9 @@
 Decoding a body with :func:`decode_request` checks every field's type and the ranges that can be
 checked without the model (an integer must fit in 64 bits, ``n`` is at most 128, ...; a whole
 float such as ``5.0`` is an integer, as in vLLM); a ValidationError's path (``$.temperature``)
-names the parameter for the 400 response. An unknown top-level field is refused with a 400 naming it, as OpenAI does ("Unrecognized request argument"):
-silently ignoring, say, ``guided_json`` would hand back unconstrained text. Inside ``messages`` and
+names the parameter for the 400 response. An unknown top-level field is refused with a 400 naming
+it, as OpenAI does ("Unrecognized request argument"): silently ignoring, say,
+``guided_whitespace_pattern`` would hand back text the client did not ask for. Inside ``messages`` and
 ``stream_options`` unknown keys are ignored (clients replay assistant messages with ``refusal``,
 ``tool_calls``, ...).
 """
@@ -17,7 +18,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-from zpp.sampling_params import SamplingParams, SamplingParamsError
+from zpp.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 
 
@@ -110,6 +111,14 @@ class _SamplingFields(_Request, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[Int64] = None
+    # Structured outputs (see structured_outputs_of): OpenAI's response_format, vLLM's current
+    # structured_outputs object and its older guided_* fields.
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Union[None, str, dict[str, Any]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -127,6 +136,10 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
     role: str
     content: Union[None, str, list[dict[str, Any]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    """An assistant message's tool calls (passed to the chat template)."""
+    tool_call_id: Optional[str] = None
+    """A ``tool`` message: the call it answers (passed to the chat template)."""
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -142,10 +155,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     add_special_tokens: bool = False  # vLLM's: the template writes BOS itself; True adds the tokenizer's too
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    # Accepted so that they can be refused clearly (constrained decoding / tool calls are not built).
-    response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[Any]] = None
     tool_choice: Union[None, str, dict[str, Any]] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -231,12 +243,65 @@ def decode_request(body: bytes, kind: type):
     return req
 
 
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def structured_outputs_of(req: _SamplingFields) -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
+    """The request's output constraint and the field it came from: ``response_format``
+    (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema",
+    "strict"}}``; ``{"type": "text"}`` is no constraint), ``structured_outputs`` (vLLM's object:
+    ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``, ``disable_any_whitespace``) or
+    vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``.
+    ``(None, None)`` when there is none.
+
+    Raises:
+        ProtocolError: a malformed constraint, or more than one given (``param`` names the field).
+    """
+    found: list[tuple[str, dict]] = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                raise ProtocolError("response_format: a json_schema response format needs \"json_schema\": "
+                                    "{\"name\": ..., \"schema\": {...}} with the schema as an object",
+                                    "response_format")
+            if js.get("strict") not in (None, True, False):
+                raise ProtocolError("response_format: json_schema.strict must be a boolean", "response_format")
+            found.append(("response_format", {"json": js["schema"]}))
+        elif kind != "text":
+            raise ProtocolError(f"response_format: type must be 'text', 'json_object' or 'json_schema', got "
+                                f"{str(kind)[:50]!r}", "response_format")
+    for name in _GUIDED:
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {name.removeprefix("guided_"): value}))
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", req.structured_outputs))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise ProtocolError(f"give one output constraint, not {len(found)}: "
+                            f"{', '.join(n for n, _ in found)}", found[1][0])
+    name, fields = found[0]
+    try:
+        return msgspec.convert(fields, StructuredOutputsParams), name
+    except (msgspec.ValidationError, SamplingParamsError) as e:
+        msg = str(e).removeprefix("structured_outputs: ")
+        raise ProtocolError(f"{name}: {msg}", name) from None
+
+
 def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
-                       rename: Optional[dict[str, str]] = None) -> SamplingParams:
+                       rename: Optional[dict[str, str]] = None,
+                       structured_outputs: Optional[StructuredOutputsParams] = None) -> SamplingParams:
     """Map OpenAI fields onto SamplingParams (None -> OpenAI defaults: temperature 1, top_p 1).
 
     ``rename`` maps a SamplingParams field to the request field it came from (``max_tokens`` ->
     ``max_completion_tokens``), so that an error names what the client sent.
+    ``structured_outputs`` (from :func:`structured_outputs_of` or the tools) constrains the output.
 
     Raises:
         ProtocolError: an out-of-range value or a field zpp does not support (``param`` names it).
@@ -263,6 +328,7 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
             prompt_logprobs=req.prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            structured_outputs=structured_outputs,
         )
     except SamplingParamsError as e:
         param = (rename or {}).get(e.param, e.param)

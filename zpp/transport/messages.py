@@ -139,6 +139,14 @@ class ExecuteBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True
     after_idle: bool = False
     """The engine had nothing in flight and nothing to schedule before this micro-batch: the gap
     before it on each stage is a pause in the work, not pipeline idle time (``StepResult.idle_s``)."""
+    grammar_rows: list[int] = []
+    """Structured outputs: indices into ``chunks`` of the sampling chunks whose next token is
+    constrained (the other rows are sampled untouched). Sent to the result rank only (TP rank 0 of
+    the last stage): the other stages get the batch without it."""
+    grammar_bitmask: bytes = b""
+    """The allowed tokens of those rows: ``int32[len(grammar_rows), ceil(vocab_size / 32)]``,
+    C order, little-endian; bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed
+    (xgrammar's layout)."""
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):

@@ -23,7 +23,7 @@ from zpp.models.layers.attention import build_attention_metadata
 from zpp.trace import Trace
 from zpp.transport import messages as m
 from zpp.transport.p2p import StageLink
-from zpp.workers.sampler import Sampler, SeqState, token_logprobs
+from zpp.workers.sampler import Sampler, SeqState, apply_allowed, token_logprobs, unpack_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,10 @@ class ModelRunner:
         self._timings: deque = deque()
         self._pinned = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
         self._pin_idx = 0
+        # Structured outputs on CUDA: pinned staging for the token bitmask, two alternating (a
+        # batch's copy is done once its result has been waited for, before the buffer's next turn).
+        self._mask_pinned = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        self._mask_idx = 0
         self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager
         self.trace = Trace(trace_name)  # ZPP_TRACE timeline (off unless set)
         self._batch_id = -1
@@ -243,7 +247,9 @@ class ModelRunner:
         if len(rows) < B:
             out = out[torch.tensor(rows, device=out.device)]
         row_seqs = [seqs[i] for i in rows]
+        allowed = self._allowed(batch, out.shape[1])
         if self.sampler.plain_greedy(row_seqs):
+            apply_allowed(out, allowed)
             # Leave the GPU running: the worker finishes this result after launching the next batch.
             # Two pinned buffers, alternating: at most one result is pending while the next is made.
             self._pin_idx ^= 1
@@ -253,7 +259,7 @@ class ModelRunner:
                                     self._pinned[self._pin_idx])
             self._end(t0)
             return pending
-        tokens, lps = self.sampler(out, row_seqs, self.eos_token_ids)
+        tokens, lps = self.sampler(out, row_seqs, self.eos_token_ids, allowed)
         sampled = [m.SampledOutput(batch.chunks[i].req_id, tok, lp) for i, tok, lp in zip(rows, tokens, lps)]
         self._end(t0)
         return m.StepResult(batch.batch_id, sampled, busy_s=self.busy_s, idle_s=self.idle_s)
@@ -305,6 +311,23 @@ class ModelRunner:
             self._prev_end = end
             self.trace.gpu_interval(batch_id, start, end)
 
+    def _allowed(self, batch: m.ExecuteBatch, vocab_size: int):
+        """Structured outputs: ``(rows int64[R], disallowed bool[R, vocab_size])`` over the batch's
+        sampled rows (in chunk order, one per chunk with ``sample``; ``rows`` increasing, as
+        ``grammar_rows`` is), from the batch's token bitmask; None when no row is constrained."""
+        if not batch.grammar_rows:
+            return None
+        pos = {ci: k for k, ci in enumerate(i for i, c in enumerate(batch.chunks) if c.sample)}
+        rows = torch.tensor([pos[ci] for ci in batch.grammar_rows], dtype=torch.int64, device=self.device)
+        staging = None
+        if self.device.type == "cuda":
+            self._mask_idx ^= 1
+            n = len(batch.grammar_bitmask)
+            if self._mask_pinned[self._mask_idx].shape[0] < n:
+                self._mask_pinned[self._mask_idx] = torch.empty(max(n, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            staging = self._mask_pinned[self._mask_idx]
+        return rows, unpack_bitmask(batch.grammar_bitmask, len(batch.grammar_rows), vocab_size, self.device, staging)
+
     def _sample(self, batch: m.ExecuteBatch, seqs: list[SeqState], hidden: torch.Tensor) -> m.StepResult:
         rows: list[int] = []        # hidden rows whose logits are needed
         sample_rows: list[int] = []  # index into rows
@@ -330,7 +353,8 @@ class ModelRunner:
         sample_chunks = [c for c in batch.chunks if c.sample]
         if sample_rows:
             sample_seqs = [self.seqs[c.req_id] for c in sample_chunks]
-            tokens, lps = self.sampler(logits[sample_rows], sample_seqs, self.eos_token_ids)
+            tokens, lps = self.sampler(logits[sample_rows], sample_seqs, self.eos_token_ids,
+                                       self._allowed(batch, logits.shape[1]))
             for c, tok, lp in zip(sample_chunks, tokens, lps):
                 sampled.append(m.SampledOutput(c.req_id, tok, lp))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from zpp.sampling_params import SamplingParams
@@ -52,11 +53,64 @@ def token_logprobs(logprobs_row: torch.Tensor, token_id: int, k: int) -> TokenLo
     return TokenLogprobs(token_id, lp, rank, [], [])
 
 
+def unpack_bitmask(bitmask: bytes, num_rows: int, vocab_size: int, device: torch.device,
+                   staging: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Structured outputs: xgrammar's packed token bitmask -> a boolean mask of the tokens that
+    are NOT allowed (what the logits need: ``masked_fill_(mask, -inf)``).
+
+    Args:
+        bitmask: ``int32[num_rows, W]`` little-endian bytes; bit ``t % 32`` of word ``t // 32`` set
+            means token ``t`` is allowed (``ExecuteBatch.grammar_bitmask``).
+        vocab_size: columns of the result (the logits' width); tokens beyond ``32 * W`` are
+            disallowed.
+
+        staging: GPU only: pinned host memory of at least ``len(bitmask)`` bytes (uint8) to copy
+            through, so the copy to the device does not wait for the GPU's queued work (a copy from
+            pageable memory would, and the host would lose its lead on the GPU). It must not be
+            reused before this copy is done.
+
+    Returns ``bool[num_rows, vocab_size]`` on ``device``, True = disallowed. On the CPU the bits
+    are unpacked by numpy; on a GPU the packed words (32x smaller) are copied and unpacked there.
+    """
+    if device.type == "cpu":
+        packed = np.frombuffer(bitmask, dtype=np.uint8).reshape(num_rows, -1)
+        bits = np.unpackbits(~packed, axis=1, bitorder="little").view(np.bool_)  # little-endian words
+        out = torch.from_numpy(bits)
+    else:
+        n = len(bitmask)
+        if staging is None:
+            staging = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        staging[:n].numpy()[:] = np.frombuffer(bitmask, dtype=np.uint8)
+        words = staging[:n].to(device, non_blocking=True).view(torch.int32).view(num_rows, -1)
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        out = ((words.unsqueeze(-1) >> shifts) & 1).view(num_rows, -1) == 0
+    if out.shape[1] >= vocab_size:
+        return out[:, :vocab_size]
+    return torch.nn.functional.pad(out, (0, vocab_size - out.shape[1]), value=True)
+
+
+def apply_allowed(logits: torch.Tensor, allowed) -> None:
+    """Set the logits of disallowed tokens to -inf in place. ``allowed`` is ``(rows: int64[R],
+    disallowed: bool[R, V])``, ``rows`` increasing indices into ``logits [N, V]`` and
+    ``disallowed`` from :func:`unpack_bitmask`, or None (nothing to do)."""
+    if allowed is None:
+        return
+    rows, disallowed = allowed
+    if rows.shape[0] == logits.shape[0]:  # every row constrained: rows is 0..N-1
+        logits.masked_fill_(disallowed, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill(disallowed, float("-inf"))
+
+
 class Sampler:
     """Samples one token per row of logits.
 
-    ``__call__(logits [N, V] float32, seqs: list[SeqState], eos_token_ids)`` ->
-    ``(token_ids: list[int], logprobs: list[TokenLogprobs | None])``.
+    ``__call__(logits [N, V] float32, seqs: list[SeqState], eos_token_ids, allowed=None)`` ->
+    ``(token_ids: list[int], logprobs: list[TokenLogprobs | None])``. ``allowed`` (structured
+    outputs) is ``(rows int64[R], disallowed bool[R, V])`` (see :func:`apply_allowed`): those rows
+    may only pick a token whose ``disallowed`` is False; it is applied before penalties, temperature, top-k/p, min-p and the draw, so it holds
+    in every sampling mode, and other rows are untouched. Logprobs are the model's own (before
+    the mask).
     """
 
     def __init__(self, device: torch.device, seed: int = 0):
@@ -74,15 +128,17 @@ class Sampler:
         return True
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, seqs: list[SeqState], eos_token_ids: set[int]):
+    def __call__(self, logits: torch.Tensor, seqs: list[SeqState], eos_token_ids: set[int], allowed=None):
         N, V = logits.shape
         if self.plain_greedy(seqs):
+            apply_allowed(logits, allowed)
             return logits.argmax(dim=-1).tolist(), [None] * N  # one kernel, one copy
         params = [s.sampling or _GREEDY for s in seqs]
         want_lp = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
 
         logits = logits.clone()
+        apply_allowed(logits, allowed)
         for i, (s, p) in enumerate(zip(seqs, params)):
             if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
                 self._apply_penalties(logits[i], s, p)

@@ -1,0 +1,165 @@
+"""Overhead of structured outputs: constrained vs free decoding of the same batch.
+
+Runs ``--batch-size`` prompts of ``--input-len`` random token ids through the offline ``LLM``,
+each generating exactly ``--output-len`` tokens greedily, once free and once constrained to a JSON
+schema (an array of at least 1000 ``{"id": integer, "name": string}`` objects, so that no output
+can complete, and end, within the budget); the runs alternate ``--repeats`` times and the median of
+each is reported. Also measured alone: the engine core's time to fill the token bitmask of the
+whole batch from its matchers (per step), and the last stage's time to unpack it and mask the
+logits on the device.
+
+Prints the figures and writes them as JSON (``--output-json``).
+
+    python scripts/bench_structured.py                                 # CPU, demo model, batch 32
+    python scripts/bench_structured.py --device cuda --model scripts/configs/llama3-8b \\
+        --load-format dummy --tokenizer DIR --batch-size 256           # one GPU (DIR: a tokenizer)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+
+SCHEMA = {"type": "array", "minItems": 1000, "items": {
+    "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"}},
+    "required": ["id", "name"]}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    ap.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kv-cache-memory", default=None, help="e.g. 256MiB (CPU default 1GiB)")
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    from zpp import LLM, SamplingParams, StructuredOutputsParams
+    from zpp.workers.sampler import apply_allowed, unpack_bitmask
+
+    llm = LLM(args.model, pipeline_parallel_size=args.pipeline_parallel_size, device=args.device,
+              load_format=args.load_format, tokenizer=args.tokenizer, kv_cache_memory=args.kv_cache_memory,
+              max_num_seqs=max(256, args.batch_size))
+    engine = llm.engine
+    vocab = engine.vocab_size
+    rng = random.Random(0)
+    tok_vocab = len(engine.tokenizer)
+    prompts = [[rng.randrange(100, tok_vocab) for _ in range(args.input_len)] for _ in range(args.batch_size)]
+    free = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    constrained = free.clone(structured_outputs=StructuredOutputsParams(json=SCHEMA))
+
+    def run(sp) -> tuple[float, list]:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        return time.perf_counter() - t, outs
+
+    run(free.clone(max_tokens=4))  # warm up (CUDA graphs, caches)
+    t0 = time.perf_counter()
+    llm._call(engine.compile_grammar(constrained))  # once; cached for every request after
+    first_compile_s = time.perf_counter() - t0
+    run(constrained.clone(max_tokens=4))
+    # The engine core's own grammar work in the runs (it is in this process: the offline LLM).
+    core = engine.core
+    core_s = {"fill": 0.0, "accept": 0.0}
+
+    def timed(fn, key):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                core_s[key] += time.perf_counter() - t
+        return wrapper
+
+    core._grammar_rows = timed(core._grammar_rows, "fill")
+    core._advance_grammar = timed(core._advance_grammar, "accept")
+    times = {"free": [], "json": []}
+    for _ in range(args.repeats):
+        for name, sp in (("free", free), ("json", constrained)):
+            dt, outs = run(sp)
+            assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs), name
+            times[name].append(dt)
+    steps = args.repeats * args.output_len
+    sample = outs[0].outputs[0].text
+
+    # The parts alone: the core's bitmask fill (one step of the whole batch, matchers mid-output)
+    # and the last stage's unpack + mask on the device.
+    from zpp.engine.structured_output import GrammarStore
+    spec = llm._call(engine.compile_grammar(constrained))
+    store = GrammarStore(vocab)
+    first = engine.grammar.for_core(spec)
+    if not first.tokenizer_info:  # the engine's first request carried it; read it again for this store
+        from zpp.engine.core_messages import GrammarSpec
+        first = GrammarSpec(spec.key, spec.compiled, engine.grammar.tokenizer_info_json)
+    matchers = [store.new_matcher(first, sorted(engine.eos_token_ids)) for _ in range(args.batch_size)]
+    out_ids = outs[0].outputs[0].token_ids
+    fill_s = []
+    for step in range(args.output_len):
+        t = time.perf_counter()
+        bitmask = store.fill_bitmask(matchers)
+        fill_s.append(time.perf_counter() - t)
+        for m in matchers:
+            assert m.accept(out_ids[step])
+    device = torch.device(args.device)
+    logits = torch.randn(args.batch_size, vocab, device=device)
+    rows = torch.arange(args.batch_size, device=device)
+    mask_s = []
+    for _ in range(20):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        apply_allowed(logits, (rows, unpack_bitmask(bitmask, args.batch_size, vocab, device)))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        mask_s.append(time.perf_counter() - t)
+    llm.shutdown()
+
+    free_s, json_s = statistics.median(times["free"]), statistics.median(times["json"])
+    tokens = args.batch_size * args.output_len
+    result = {
+        "date": time.strftime("%Y-%m-%d"), "host": platform.node(), "device": args.device,
+        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+        "model": engine.config.model.model, "load_format": args.load_format, "vocab_size": vocab,
+        "pipeline_parallel_size": args.pipeline_parallel_size, "batch_size": args.batch_size,
+        "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats,
+        "free_s": times["free"], "json_s": times["json"],
+        "free_output_tok_s": tokens / free_s, "json_output_tok_s": tokens / json_s,
+        "overhead_pct": 100.0 * (json_s - free_s) / free_s,
+        "schema_compile_s": first_compile_s,
+        "core_fill_bitmask_ms_per_step": {"median": 1e3 * statistics.median(fill_s), "max": 1e3 * max(fill_s)},
+        "core_in_runs_ms_per_step": {"schedule_rows_and_fill": 1e3 * core_s["fill"] / steps,
+                                     "accept_tokens": 1e3 * core_s["accept"] / steps},
+        "last_stage_mask_ms_per_step": 1e3 * statistics.median(mask_s[2:]),
+        "bitmask_bytes_per_step": len(bitmask),
+        "sample_output": sample[:200],
+    }
+    print(f"batch {args.batch_size} x {args.output_len} tokens, {args.device}, PP={args.pipeline_parallel_size}, "
+          f"vocab {vocab}")
+    print(f"  free:        {result['free_output_tok_s']:9.1f} output tok/s  (median of {times['free']})")
+    print(f"  JSON schema: {result['json_output_tok_s']:9.1f} output tok/s  (median of {times['json']})")
+    print(f"  overhead:    {result['overhead_pct']:+.1f}%")
+    print(f"  core bitmask fill per step: {result['core_fill_bitmask_ms_per_step']['median']:.2f} ms "
+          f"({len(bitmask)} bytes to the last stage); last-stage unpack + mask: "
+          f"{result['last_stage_mask_ms_per_step']:.2f} ms; first compile {first_compile_s:.2f} s")
+    print(f"  in the runs, the core per step: bitmask rows + fill {result['core_in_runs_ms_per_step']['schedule_rows_and_fill']:.2f} ms, "
+          f"accepting the sampled tokens {result['core_in_runs_ms_per_step']['accept_tokens']:.2f} ms")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+        print(f"wrote {args.output_json}")
+
+
+if __name__ == "__main__":
+    main()

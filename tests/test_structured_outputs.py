@@ -1,0 +1,381 @@
+"""Structured outputs and tool calls on the real SmolLM2 (CPU).
+
+Offline (one engine per pipeline size, PP=1, 2, 3, all requests of a check in one generate call):
+JSON-schema outputs parse and validate (nested objects, enums, arrays, numbers, required fields),
+a choice returns one of the choices, a regex / EBNF output fullmatches, greedy and seeded sampling
+(top-k/p, min-p) give the same tokens at every PP size, free requests next to constrained ones get
+the tokens they get without them, a grammar dead end finishes with "abort", and the PP=2 engine's
+tiny KV cache forces preemption (recompute) of constrained requests, which must not change them.
+Compile errors, the size limit and the compile timeout are refused as RequestErrors.
+
+Server (``zpp serve`` at PP=2 through the official ``openai`` client): ``chat.completions.parse``
+with a pydantic model, ``tools`` with tool_choice "required" and a named function (non-stream and
+stream), the vLLM fields on /v1/completions, and 400s naming the field for bad inputs.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+from openai import AsyncOpenAI
+from pydantic import BaseModel
+
+from conftest import ServerProcess
+from zpp import LLM, SamplingParams, StructuredOutputsParams as SO
+from zpp.engine.async_engine import RequestError
+from zpp.sampling_params import SamplingParamsError
+from zpp.server.tools import ToolStream, parse_output, parse_tools
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
+    "city": {"type": "string", "enum": ["Paris", "London", "Rome"]}}, "required": ["name", "age", "city"]}
+BOOK = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 30},
+    "author": {"type": "object", "properties": {"first": {"type": "string", "maxLength": 20},
+                                                "last": {"type": "string", "maxLength": 20}},
+               "required": ["first", "last"]},
+    "year": {"type": "integer", "minimum": 1000, "maximum": 2100}}, "required": ["title", "author", "year"]}
+FLAG = {"type": "object", "properties": {"colors": {
+    "type": "array", "items": {"type": "string", "enum": ["red", "green", "blue", "white", "yellow"]},
+    "minItems": 1, "maxItems": 3}}, "required": ["colors"]}
+WEATHER = {"type": "object", "properties": {
+    "temperature": {"type": "number"}, "unit": {"type": "string", "enum": ["C", "F"]},
+    "rain": {"type": "boolean"}}, "required": ["temperature", "unit", "rain"]}
+PHONE = r"[0-9]{3}-[0-9]{3}-[0-9]{4}"
+ANSWER = 'root ::= "The answer is " ("yes" | "no") "."'
+SENTIMENTS = ["positive", "negative", "neutral"]
+
+
+def _greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=60, **kw)
+
+
+# (question, sampling params, check of the output text); every check also needs finish "stop"
+# unless given as a third element's "finish".
+CASES = [
+    ("Give me a JSON object describing a person named Anna, 31, from Paris.", _greedy(structured_outputs=SO(json=PERSON)),
+     ("json", PERSON)),
+    ("Describe the book 1984 by George Orwell as JSON.",
+     _greedy(structured_outputs=SO(json=BOOK, disable_any_whitespace=True)), ("json", BOOK)),
+    ("List the colors of the French flag as JSON.", _greedy(structured_outputs=SO(json=FLAG)), ("json", FLAG)),
+    ("What is the weather in London today? Answer as JSON.",
+     _greedy(structured_outputs=SO(json=WEATHER, disable_any_whitespace=True)), ("json", WEATHER)),
+    ("Classify the sentiment: I love this movie!", _greedy(structured_outputs=SO(choice=SENTIMENTS)),
+     ("choice", SENTIMENTS)),
+    # A complete grammar ends the output even with ignore_eos.
+    ("Write a phone number.", _greedy(ignore_eos=True, structured_outputs=SO(regex=PHONE)), ("regex", PHONE)),
+    ("Is Paris in France?", _greedy(structured_outputs=SO(grammar=ANSWER)),
+     ("regex", r"The answer is (yes|no)\.")),
+    # Seeded sampling, with top-k + top-p and with min-p, constrained.
+    ("Give me a JSON object describing a person named Anna, 31, from Paris.",
+     SamplingParams(temperature=0.8, seed=1, top_k=40, top_p=0.95, max_tokens=60, structured_outputs=SO(json=PERSON)),
+     ("json", PERSON)),
+    ("What is the weather in London today? Answer as JSON.",
+     SamplingParams(temperature=1.0, seed=7, min_p=0.05, max_tokens=60, structured_outputs=SO(json=WEATHER)),
+     ("json", WEATHER)),
+    # A dead end: after "yes" only EOS is allowed, and min_tokens suppresses it.
+    ("Is Paris in France?", _greedy(min_tokens=3, structured_outputs=SO(choice=["yes", "no"])), ("abort", "yes")),
+]
+FREE = [("What is the capital of France?", SamplingParams(temperature=0, max_tokens=20)),
+        ("Tell me a short story.", SamplingParams(temperature=0.9, seed=11, max_tokens=20)),
+        ("Name three fruits.", SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=20))]
+KV_BLOCKS_PP2 = 24  # the PP=2 engine's cache: far less than the batch needs, so it preempts
+
+RESULTS: dict[int, list] = {}  # pp -> [(token ids, finish reason)] of the mixed batch
+
+
+def _chat(tokenizer, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _check(text: str, finish: str, check) -> None:
+    kind, arg = check
+    if kind == "abort":
+        assert (finish, text) == ("abort", arg)
+        return
+    assert finish == "stop", (finish, text)
+    if kind == "json":
+        jsonschema.validate(json.loads(text), arg)
+    elif kind == "choice":
+        assert text in arg
+    else:
+        assert re.fullmatch(arg, text), text
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda pp: f"pp{pp}")
+def engine(request, demo_model):
+    pp = request.param
+    kv = {"num_kv_blocks": KV_BLOCKS_PP2} if pp == 2 else {"kv_cache_memory": "64MiB"}
+    with LLM(demo_model, pipeline_parallel_size=pp, **kv) as llm:
+        yield pp, llm
+
+
+def test_constrained_and_free_in_one_batch(engine):
+    pp, llm = engine
+    tok = llm.get_tokenizer()
+    reqs = CASES + FREE
+    before = llm.engine.scheduler.stats.num_preemptions
+    outs = llm.generate([_chat(tok, q) for q, *_ in reqs], [r[1] for r in reqs], use_tqdm=False)
+    for (q, _, check), o in zip(CASES, outs):
+        _check(o.outputs[0].text, o.outputs[0].finish_reason, check)
+    RESULTS[pp] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+    if pp == 2:
+        assert llm.engine.scheduler.stats.num_preemptions > before, "the small KV cache did not force preemption"
+        assert llm.engine.kv.num_free_blocks == KV_BLOCKS_PP2
+    if pp != 1 and 1 in RESULTS:  # greedy and seeded sampling: the same tokens at every PP size
+        for i, (got, want) in enumerate(zip(RESULTS[pp], RESULTS[1])):
+            assert got == want, f"request {i} differs between PP={pp} and PP=1"
+
+
+def test_free_requests_unchanged_by_constrained_neighbours(engine):
+    pp, llm = engine
+    assert pp in RESULTS, "runs after test_constrained_and_free_in_one_batch"
+    tok = llm.get_tokenizer()
+    alone = llm.generate([_chat(tok, q) for q, _ in FREE], [sp for _, sp in FREE], use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in alone] == RESULTS[pp][len(CASES):]
+
+
+def test_compile_errors_size_limit_and_timeout(engine):
+    pp, llm = engine
+    if pp != 1:
+        pytest.skip("front-end checks: once, at PP=1")
+    e = llm.engine
+
+    def refused(so: SO, match: str) -> None:
+        with pytest.raises(RequestError, match=match) as info:
+            llm.generate(["Hi"], SamplingParams(max_tokens=5, structured_outputs=so), use_tqdm=False)
+        assert info.value.param == "structured_outputs"
+
+    refused(SO(json={"type": "objec"}), 'could not be compiled: Unsupported type "objec"')
+    refused(SO(json="{not json"), "could not be compiled")
+    refused(SO(regex="(ab"), "could not be compiled: Regex parsing error")
+    refused(SO(grammar="root ::= undefined_rule"), "could not be compiled")
+    limit, timeout = e.grammar.max_spec_bytes, e.grammar.compile_timeout
+    try:
+        e.grammar.max_spec_bytes = 100
+        refused(SO(json=PERSON), "at most 100")
+        e.grammar.max_spec_bytes = limit
+        e.grammar.compile_timeout = 1e-4  # a fresh schema takes milliseconds to compile
+        big = {"type": "object", "properties": {f"field_{i}": {"type": "string", "enum": [f"v{i}_{j}" for j in range(30)]}
+                                                for i in range(60)}}
+        refused(SO(json=big), "did not compile within 0.0001 s")
+    finally:
+        e.grammar.max_spec_bytes, e.grammar.compile_timeout = limit, timeout
+    with pytest.raises(SamplingParamsError):
+        SO()
+    with pytest.raises(SamplingParamsError):
+        SO(regex="a", choice=["a"])
+    with pytest.raises(SamplingParamsError):
+        SO(choice=[])
+    # Still serving, and the compile cache answers at once for a schema seen before.
+    out = llm.generate(["Hi"], _greedy(structured_outputs=SO(choice=["ok"])), use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason) == ("ok", "stop")
+
+
+# --- no engine: the last stage's mask, tool-call parsing ---------------------------------------------
+def test_last_stage_mask_matches_xgrammar():
+    """unpack_bitmask + apply_allowed give the logits xgrammar's own kernel gives, for every row
+    or a subset of them (other rows untouched), including a vocabulary wider than the bitmask."""
+    import numpy as np
+    import torch
+    import xgrammar as xgr
+    from zpp.workers.sampler import apply_allowed, unpack_bitmask
+
+    rng = np.random.default_rng(0)
+    for n, rows, vocab in [(4, [0, 1, 2, 3], 1000), (6, [1, 4], 1000), (3, [0, 2], 1030)]:
+        words = rng.integers(-2 ** 31, 2 ** 31, size=(len(rows), 32), dtype=np.int64).astype("<i4")
+        logits = torch.randn(n, vocab)
+        want = logits.clone()
+        full = torch.full((n, 32), -1, dtype=torch.int32)
+        full[rows] = torch.from_numpy(words.astype(np.int32))
+        xgr.apply_token_bitmask_inplace(want[:, :1024], full, indices=rows)
+        want[rows, 1024:] = float("-inf")  # beyond the bitmask: never allowed
+        apply_allowed(logits, (torch.tensor(rows), unpack_bitmask(words.tobytes(), len(rows), vocab,
+                                                                  torch.device("cpu"))))
+        assert torch.equal(logits, want)
+
+
+def test_core_bitmask_fill_threaded_equals_row_by_row(tokenizer):
+    """The core's bitmask: filled on several threads (many-core hosts) or row by row (the 2-core
+    machines), the bytes are the same, and they follow the matchers as tokens are accepted."""
+    import asyncio as aio
+
+    from zpp.engine.structured_output import GrammarCompiler, GrammarStore
+
+    async def compile_all():
+        gc = GrammarCompiler(tokenizer, 49152, {2}, 30.0, 1 << 20)
+        specs = [gc.for_core(await gc.compile(SO(json=s))) for s in (PERSON, BOOK, FLAG, WEATHER)]
+        gc.close()
+        return specs
+
+    specs = aio.run(compile_all())
+    one, many = GrammarStore(49152, 1), GrammarStore(49152, 2)
+    text = '{"name": "Anna", "age": 31, "city": "Paris"}'
+    ms1 = [one.new_matcher(specs[i % 4], [2]) for i in range(20)]
+    ms2 = [many.new_matcher(specs[i % 4], [2]) for i in range(20)]
+    for t in tokenizer.encode(text)[:6]:
+        assert one.fill_bitmask(ms1) == many.fill_bitmask(ms2)
+        for a, b in zip(ms1[::4], ms2[::4]):  # the PERSON matchers advance
+            assert a.accept(t) and b.accept(t)
+
+
+# --- tool-call parsing (no engine) -----------------------------------------------------------------
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+
+
+def test_tool_output_parsing_and_streaming():
+    auto = parse_tools(TOOLS, "auto", None)
+    text = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    content, calls = parse_output(auto, text)
+    assert content == "Let me check." and len(calls) == 1
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["type"] == "function"
+    assert parse_output(auto, '{"name": "get_time", "parameters": {"zone": "UTC"}}')[1][0]["function"]["name"] == "get_time"
+    assert parse_output(auto, "Paris is sunny.") == ("Paris is sunny.", [])
+    assert parse_output(auto, '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>')[1] == []
+    required = parse_tools(TOOLS, "required", None)
+    _, calls = parse_output(required, '[{"name": "get_time", "parameters": {"zone": "CET"}}, '
+                                      '{"name": "get_weather", "parameters": {"city": "Rome"}}]')
+    assert [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    schema = required.structured_outputs().json
+    jsonschema.validate([{"name": "get_time", "parameters": {"zone": "UTC"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "parameters": {"city": "Rome"}}], schema)
+    named = parse_tools(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, None)
+    assert named.structured_outputs().json == TOOLS[0]["function"]["parameters"]
+    # Streaming in auto mode: content goes out until a tag may start; the call at the end.
+    ts, deltas = ToolStream(auto), []
+    for end in range(0, len(text) + 1, 5):
+        deltas += ts.feed(text[:end], False)
+    deltas += ts.feed(text, True)
+    assert "".join(d.get("content", "") for d in deltas).strip() == "Let me check."
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0]["function"]["name"] == "get_weather" and calls[1]["function"]["arguments"] == '{"city": "Paris"}'
+    # A request's bad tools are refused naming the field.
+    for tools, choice, param in [([{"type": "code"}], "auto", "tools"), (TOOLS, {"type": "function", "function": {"name": "x"}}, "tool_choice"),
+                                 (None, "required", "tool_choice"), (TOOLS + TOOLS[:1], "auto", "tools"),
+                                 (TOOLS, "always", "tool_choice")]:
+        with pytest.raises(Exception) as info:
+            parse_tools(tools, choice, None)
+        assert info.value.param == param
+
+
+# --- the server ------------------------------------------------------------------------------------
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(demo_model):
+    srv = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--max-model-len", "1024",
+                         "--num-kv-blocks", "128", "--log-level", "warning"])
+    yield srv
+    srv.stop()
+
+
+def _client(server) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+def test_server_parse_tools_and_vllm_fields(server):
+    async def go():
+        c = _client(server)
+        parsed, forced, named, streams, choice, regex = await asyncio.gather(
+            c.chat.completions.parse(model=MODEL, temperature=0, max_tokens=40, response_format=Person, messages=[
+                {"role": "user", "content": "Describe a person named Bob aged 40 as JSON."}]),
+            c.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=TOOLS, tool_choice="required",
+                                      temperature=0, max_tokens=60),
+            c.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=TOOLS, temperature=0, max_tokens=40,
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+            asyncio.gather(*(_stream_tool_calls(c, choice) for choice in
+                             ("required", {"type": "function", "function": {"name": "get_weather"}}))),
+            c.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5, temperature=0,
+                                 extra_body={"structured_outputs": {"choice": ["yes", "no"]}}),
+            c.completions.create(model=MODEL, prompt="A phone number:", max_tokens=20, temperature=0,
+                                 extra_body={"guided_regex": PHONE}))
+        p = parsed.choices[0]
+        assert p.finish_reason == "stop" and isinstance(p.message.parsed, Person), p
+        for r in (forced, named):
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
+            for call in ch.message.tool_calls:
+                assert call.id.startswith("chatcmpl-tool-") and call.type == "function"
+                tool = next(t for t in TOOLS if t["function"]["name"] == call.function.name)
+                jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        assert named.choices[0].message.tool_calls[0].function.name == "get_weather"
+        for calls, finish in streams:
+            assert finish == "tool_calls" and calls
+            for call in calls.values():
+                tool = next(t for t in TOOLS if t["function"]["name"] == call["name"])
+                jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
+        assert choice.choices[0].text in ("yes", "no") and choice.choices[0].finish_reason == "stop"
+        assert re.fullmatch(PHONE, regex.choices[0].text) and regex.choices[0].finish_reason == "stop"
+
+    asyncio.run(go())
+
+
+async def _stream_tool_calls(c: AsyncOpenAI, tool_choice) -> tuple[dict, str]:
+    """Stream a tools request; returns ({index: {"name", "arguments"}}, finish reason), checking that
+    each call's id, type and name come in its first delta and only arguments after."""
+    calls: dict[int, dict] = {}
+    finish = None
+    stream = await c.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=TOOLS, tool_choice=tool_choice,
+                                             temperature=0, max_tokens=60, stream=True)
+    async for chunk in stream:
+        ch = chunk.choices[0]
+        for tc in ch.delta.tool_calls or []:
+            if tc.index not in calls:
+                assert tc.id.startswith("chatcmpl-tool-") and tc.type == "function" and tc.function.name
+                calls[tc.index] = {"name": tc.function.name, "arguments": tc.function.arguments or ""}
+            else:
+                assert tc.id is None and tc.function.name is None
+                calls[tc.index]["arguments"] += tc.function.arguments
+        finish = ch.finish_reason or finish
+    return calls, finish
+
+
+BAD = [
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
+     "response_format"),
+    ({"guided_json": {"type": "objec"}}, "guided_json"),
+    ({"guided_regex": "(a"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a", "foo": 1}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "structured_outputs"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+]
+
+
+def test_server_bad_inputs_get_400_naming_the_field(server):
+    async def go():
+        c = _client(server)
+        for extra, param in BAD:
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.chat.completions.create(model=MODEL, messages=WEATHER_Q, max_tokens=5, extra_body=extra)
+            assert e.value.status_code == 400 and e.value.body["param"] == param, (extra, e.value.body)
+        r = await c.chat.completions.create(model=MODEL, messages=WEATHER_Q, max_tokens=3, temperature=0)
+        assert r.choices[0].finish_reason == "length"
+
+    asyncio.run(go())

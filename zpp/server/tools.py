@@ -1,0 +1,247 @@
+"""Chat tool calls: checking ``tools`` / ``tool_choice``, describing the tools to the model,
+constraining the output and turning it into OpenAI ``tool_calls``.
+
+* ``tool_choice: "none"``: the tools are not shown to the model; plain text.
+* ``"auto"`` (the default with tools): the tools go to the chat template (``tools=``); the output
+  is free and is parsed afterwards: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  blocks (the Hermes format many templates teach) or an output that is just such a JSON object
+  become tool calls, the text before them the message content.
+* ``"required"``: the output is constrained to a JSON array of ``{"name", "parameters"}`` objects,
+  one ``anyOf`` branch per tool (vLLM's schema), and every element becomes a call.
+* ``{"type": "function", "function": {"name": N}}``: the output is constrained to N's
+  ``parameters`` schema and is the call's ``arguments``.
+
+A chat template that ignores ``tools`` (renders the same text with and without them, as
+SmolLM2's does) gets a short system text listing the tools and the ``<tool_call>`` format instead.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from zpp.sampling_params import StructuredOutputsParams
+from zpp.server.protocol import ProtocolError
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass
+class ToolPlan:
+    """What the request's ``tools`` / ``tool_choice`` ask for.
+
+    Attributes:
+        tools: the function tools as sent (OpenAI's shape), checked.
+        mode: ``"none"``, ``"auto"``, ``"required"`` or ``"named"``.
+        name: the function of ``"named"``.
+        parallel: more than one call allowed (``parallel_tool_calls``, default true).
+    """
+
+    tools: list[dict]
+    mode: str
+    name: Optional[str] = None
+    parallel: bool = True
+    names: set[str] = field(default_factory=set)
+
+    def parameters(self, name: str) -> dict:
+        for t in self.tools:
+            if t["function"]["name"] == name:
+                return t["function"].get("parameters") or _EMPTY_PARAMETERS
+        raise KeyError(name)
+
+    def structured_outputs(self) -> Optional[StructuredOutputsParams]:
+        """The output constraint: ``named``: the function's parameters schema; ``required``: an
+        array of ``{"name", "parameters"}`` objects (``anyOf`` over the tools, at least one, at
+        most one without ``parallel``); None for ``auto`` and ``none``."""
+        if self.mode == "named":
+            return StructuredOutputsParams(json=self.parameters(self.name))
+        if self.mode != "required":
+            return None
+        items = [{"type": "object",
+                  "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                 "parameters": t["function"].get("parameters") or _EMPTY_PARAMETERS},
+                  "required": ["name", "parameters"]} for t in self.tools]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return StructuredOutputsParams(json=schema)
+
+    def system_text(self) -> str:
+        """The tools described for a chat template that does not render ``tools`` itself."""
+        funcs = [{k: v for k, v in t["function"].items() if k in ("name", "description", "parameters")}
+                 for t in self.tools]
+        return ("You can call these functions (JSON Schema of their parameters):\n"
+                + json.dumps(funcs, ensure_ascii=False)
+                + f'\nTo call one, answer with {_OPEN}{{"name": "<function name>", "arguments": {{...}}}}{_CLOSE}.')
+
+
+def parse_tools(tools: Optional[list], tool_choice, parallel_tool_calls: Optional[bool]) -> Optional[ToolPlan]:
+    """Check ``tools`` and ``tool_choice``; None when the request has no tools.
+
+    Raises:
+        ProtocolError: (``param`` ``"tools"`` or ``"tool_choice"``) a tool that is not a function
+            tool with a valid name, a duplicated name, a ``tool_choice`` that is not
+            none / auto / required / a named function, a named function not in ``tools``, or a
+            ``tool_choice`` other than ``"none"`` without tools.
+    """
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise ProtocolError("tool_choice needs tools", "tool_choice")
+        return None
+    names: set[str] = set()
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise ProtocolError(f"tools[{i}]: only function tools are supported: "
+                                '{"type": "function", "function": {"name": ..., "parameters": {...}}}', "tools")
+        f = t["function"]
+        name = f.get("name")
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise ProtocolError(f"tools[{i}].function.name must be 1-64 characters of a-z, A-Z, 0-9, _, . or -",
+                                "tools")
+        if name in names:
+            raise ProtocolError(f"tools[{i}]: the function name {name!r} is given twice", "tools")
+        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
+            raise ProtocolError(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
+        if f.get("description") is not None and not isinstance(f["description"], str):
+            raise ProtocolError(f"tools[{i}].function.description must be a string", "tools")
+        names.add(name)
+    parallel = parallel_tool_calls is not False
+    if tool_choice is None or tool_choice in ("auto", "none", "required"):
+        return ToolPlan(list(tools), tool_choice or "auto", parallel=parallel, names=names)
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
+            and isinstance(tool_choice.get("function"), dict):
+        name = tool_choice["function"].get("name")
+        if name not in names:
+            raise ProtocolError(f"tool_choice names the function {str(name)[:64]!r}, which is not in tools",
+                                "tool_choice")
+        return ToolPlan(list(tools), "named", name, parallel, names)
+    raise ProtocolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                        '{"name": ...}}', "tool_choice")
+
+
+def _call(name: str, arguments) -> dict:
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": args}}
+
+
+def _json_prefix(text: str):
+    """The JSON value at the start of ``text`` (after whitespace), or None."""
+    try:
+        return json.JSONDecoder().raw_decode(text.lstrip())[0]
+    except ValueError:
+        return None
+
+
+def _as_call(obj, names: set[str]) -> Optional[dict]:
+    if isinstance(obj, dict) and obj.get("name") in names:
+        args = obj.get("arguments", obj.get("parameters", {}))
+        return _call(obj["name"], args)
+    return None
+
+
+def parse_output(plan: ToolPlan, text: str) -> tuple[Optional[str], list[dict]]:
+    """``(content, tool_calls)`` of a finished output (``tool_calls`` empty: plain content).
+
+    ``named``: the text is the arguments (when it is complete JSON); ``required``: a JSON array of
+    ``{"name", "parameters"}``; ``auto``: ``<tool_call>`` blocks or a bare ``{"name", "arguments"}``
+    object, the text before the first block being the content (None when empty)."""
+    if plan.mode == "named":
+        if _json_prefix(text) is None:
+            return text, []
+        return None, [_call(plan.name, text.strip())]
+    if plan.mode == "required":
+        arr = _json_prefix(text)
+        calls = [c for c in (_as_call(o, plan.names) for o in arr) if c] if isinstance(arr, list) else []
+        return (None, calls) if calls else (text, [])
+    if plan.mode != "auto":
+        return text, []
+    calls = []
+    start = text.find(_OPEN)
+    if start >= 0:
+        for block in text[start:].split(_OPEN)[1:]:
+            c = _as_call(_json_prefix(block.split(_CLOSE, 1)[0]), plan.names)
+            if c:
+                calls.append(c)
+        if calls:
+            return text[:start].strip() or None, calls
+        return text, []
+    if text.lstrip().startswith("{"):
+        c = _as_call(_json_prefix(text), plan.names)
+        if c:
+            return None, [c]
+    return text, []
+
+
+class ToolStream:
+    """Turns one streamed choice's growing text into chat deltas for a request with tools.
+
+    ``feed(text, final)`` takes the whole text so far and returns the new deltas
+    (``{"content": ...}`` or ``{"tool_calls": [...]}``); ``calls`` counts the tool calls sent.
+    ``named``: the call's id and name go out with the first text, then the text as argument
+    pieces; ``required``: the calls go out when the output is complete; ``auto``: text is streamed
+    as content except what might start a tool call (a ``<tool_call>`` tag, or an output that
+    opens with ``{``), which is held until the end and parsed.
+    """
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.sent = 0  # characters of text handled
+        self.calls = 0
+        self._named_id: Optional[str] = None
+
+    def feed(self, text: str, final: bool) -> list[dict]:
+        mode = self.plan.mode
+        if mode == "named":
+            return self._named(text, final)
+        if mode not in ("auto", "required"):
+            return self._content(text, len(text))
+        if not final:
+            return self._content(text, self._safe_end(text)) if mode == "auto" else []
+        content, calls = parse_output(self.plan, text)
+        if not calls:
+            return self._content(text, len(text))
+        out = []
+        head = text[:text.find(_OPEN)] if _OPEN in text else ""
+        out += self._content(text, len(head.rstrip()))
+        self.sent = len(text)
+        for c in calls:
+            out.append({"tool_calls": [{"index": self.calls, "id": c["id"], "type": "function",
+                                        "function": {"name": c["function"]["name"], "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": self.calls, "function": {"arguments": c["function"]["arguments"]}}]})
+            self.calls += 1
+        return out
+
+    def _content(self, text: str, end: int) -> list[dict]:
+        if end <= self.sent:
+            return []
+        piece, self.sent = text[self.sent:end], end
+        return [{"content": piece}]
+
+    def _safe_end(self, text: str) -> int:
+        """Where the text that cannot be part of a tool call ends (auto mode)."""
+        if self.sent == 0 and (not text.strip() or text.lstrip().startswith("{")):
+            return 0  # may be a bare JSON call: hold it
+        k = text.find(_OPEN)
+        if k >= 0:
+            return k
+        for n in range(min(len(_OPEN) - 1, len(text)), 0, -1):  # a tag may be starting at the end
+            if text.endswith(_OPEN[:n]):
+                return len(text) - n
+        return len(text)
+
+    def _named(self, text: str, final: bool) -> list[dict]:
+        out = []
+        if self._named_id is None and (text or final):
+            self._named_id = f"chatcmpl-tool-{uuid.uuid4().hex}"
+            out.append({"tool_calls": [{"index": 0, "id": self._named_id, "type": "function",
+                                        "function": {"name": self.plan.name, "arguments": ""}}]})
+            self.calls = 1
+        if len(text) > self.sent:
+            out.append({"tool_calls": [{"index": 0, "function": {"arguments": text[self.sent:]}}]})
+            self.sent = len(text)
+        return out
