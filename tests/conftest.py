@@ -143,6 +143,13 @@ def parse_metrics(text: str, keep_model_name: bool = False) -> dict[str, float]:
     return out
 
 
+def pp2_server(demo_model: str) -> ServerProcess:
+    """``zpp serve`` on the demo model at PP=2 (max-model-len 1024, 128 KV blocks), the server the
+    OpenAI-API modules share the shape of (each starts its own, module-scoped)."""
+    return ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--max-model-len", "1024",
+                          "--num-kv-blocks", "128", "--log-level", "warning"])
+
+
 def descendants(pid: int) -> list[int]:
     """Every live descendant pid of ``pid`` (via /proc)."""
     children: dict[int, list[int]] = {}

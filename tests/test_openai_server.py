@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from conftest import ServerProcess, parse_metrics
+from conftest import parse_metrics, pp2_server
 
 MODEL = "SmolLM2-135M-Instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -29,8 +29,7 @@ def run(coro):
 
 @pytest.fixture(scope="module")
 def server(demo_model):
-    srv = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--max-model-len", "1024",
-                         "--num-kv-blocks", "128", "--log-level", "warning"])
+    srv = pp2_server(demo_model)
     yield srv
     srv.stop()
 

@@ -24,7 +24,7 @@ import pytest
 from openai import AsyncOpenAI
 from pydantic import BaseModel
 
-from conftest import ServerProcess
+from conftest import pp2_server
 from zpp import LLM, SamplingParams, StructuredOutputsParams as SO
 from zpp.engine.async_engine import RequestError
 from zpp.sampling_params import SamplingParamsError
@@ -277,8 +277,7 @@ WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(demo_model):
-    srv = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--max-model-len", "1024",
-                         "--num-kv-blocks", "128", "--log-level", "warning"])
+    srv = pp2_server(demo_model)
     yield srv
     srv.stop()
 
