@@ -412,3 +412,28 @@ def test_attention_budget_shrinks_chunks_at_long_context_only(depth):
         # full token budget (32 minus the decodes) while the context is short; small chunks late
         assert max(n for s, n, _ in chunks if s < 200) >= 32 - 4
         assert max(n for s, n, _ in chunks if s > 800) <= 10
+
+
+def test_burst_arriving_behind_a_batch_in_flight_is_split_over_the_pipeline():
+    """HTTP clients' prompts arrive one by one: the first is scheduled alone, the other 31 arrive
+    while it is in flight. They must be spread over the two micro-batches (each ~half of all prompt
+    tokens), not put in one micro-batch that crosses the stages alone; and the split counts what
+    is in flight, so it is not halved again and again."""
+    kv = KVCacheManager(1000, 16)
+    sched = Scheduler(kv, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048, depth=2)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    rng = random.Random(3)
+    mk = lambda i: Request(f"r{i}", [rng.randrange(10, 1000) for _ in range(64)], sp, 4, set(), arrival=float(i))
+    sched.add_request(mk(0))
+    first = sched.schedule()
+    assert first.num_tokens == 64  # alone: nothing to share with
+    for i in range(1, 32):
+        sched.add_request(mk(i))
+    second = sched.schedule()
+    total = 32 * 64
+    assert abs(second.num_tokens - total // 2) <= 64, second.num_tokens
+    workers = SimWorkers(kv)
+    sched.update(first, workers.run(first.batch))
+    third = sched.schedule()  # depth 2: the next micro-batch once the first returns
+    # The rest of the burst goes in the next micro-batch: two parts, not 1024 + 512 + 256 + ...
+    assert second.num_tokens + third.num_tokens - 1 == 31 * 64, (second.num_tokens, third.num_tokens)
