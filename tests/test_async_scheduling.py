@@ -157,3 +157,25 @@ def test_scheduler_async_every_request_in_every_batch():
             b = inflight.pop(0)
             s.update(b, _result(b, {c.req_id: 7 for c in b.batch.chunks if c.sample}))
         assert sizes[-4:] == [want] * 4, sizes
+
+
+def test_config_default_and_refusal(monkeypatch):
+    """Default: on for CUDA at PP=1 / TP=1 only (the CPU here); forced on with PP > 1: refused
+    before anything starts; ``ZPP_ASYNC_SCHEDULING`` overrides the default only."""
+    import os
+
+    from zpp.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+    model = ModelConfig(os.path.join(os.path.dirname(__file__), "..", "scripts", "configs", "smollm2-135m"))
+    monkeypatch.delenv("ZPP_ASYNC_SCHEDULING", raising=False)
+    cpu = EngineConfig(model)
+    assert not cpu.async_scheduling and cpu.pipeline_depth == 1
+    forced = EngineConfig(model, scheduler=SchedulerConfig(async_scheduling=True))
+    assert forced.async_scheduling and forced.pipeline_depth == 2
+    pp2 = EngineConfig(model, parallel=ParallelConfig(pipeline_parallel_size=2))
+    assert not pp2.async_scheduling
+    with pytest.raises(ConfigError, match="--async-scheduling needs"):
+        EngineConfig(model, parallel=ParallelConfig(pipeline_parallel_size=2),
+                     scheduler=SchedulerConfig(async_scheduling=True)).validate()
+    monkeypatch.setenv("ZPP_ASYNC_SCHEDULING", "1")
+    assert EngineConfig(model).async_scheduling and not pp2.async_scheduling
+    assert not EngineConfig(model, scheduler=SchedulerConfig(async_scheduling=False)).async_scheduling
