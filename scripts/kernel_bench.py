@@ -47,3 +47,74 @@ for ctx in (256, 2048):
         t = triton.testing.do_bench(lambda: ops.paged_attention(*args, splits), warmup=25, rep=100,
                                     return_mode="median") * 1000
         print(f"paged attention bs1 ctx {ctx}, {splits} split(s): {t:.1f} us")
+
+# --- throughput shapes (python scripts/kernel_bench.py attn): what a 1000 x 256/256 run spends --
+import sys  # noqa: E402
+
+if len(sys.argv) > 1 and sys.argv[1] == "attn":
+    # Decode attention over a full batch: B sequences at context C, Llama-3-8B heads. Bytes: the
+    # K and V of every context position once (B * C * Hk * D * 2 * 2 bytes). Launch variants.
+    def decode_case(B, C, bn, nw, ns, splits=None):
+        nb = -(-(C + 1) // bs)
+        kcs = [torch.randn(B * nb + 1, bs, hk, d, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+        vcs = [torch.randn_like(k) for k in kcs]
+        q = torch.randn(B, hq, d, device=dev, dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        bt = torch.randperm(B * nb, device=dev, dtype=torch.int32).view(B, nb)  # scattered blocks
+        lens = torch.full((B,), C + 1, device=dev, dtype=torch.int32)
+        qs = torch.arange(B + 1, device=dev, dtype=torch.int32)
+        ts = torch.arange(B, device=dev, dtype=torch.int32)
+        tq = torch.zeros(B, device=dev, dtype=torch.int32)
+        sp = splits or ops.decode_splits(B, hk)
+        j = [0]
+
+        def f():
+            j[0] ^= 1
+            return ops.paged_attention(q, kcs[j[0]], vcs[j[0]], out, bt, lens, qs, ts, tq, d ** -0.5, 16, sp,
+                                       block_n=bn, num_warps=nw, num_stages=ns)
+        ref = None
+        if bn == 32 and nw == 4 and ns == 2:
+            ref = out.clone()
+        t = triton.testing.do_bench(f, warmup=25, rep=200, return_mode="median") * 1000
+        gb = B * (C + 1) * hk * d * 2 * 2 / 1e9
+        return t, gb / t * 1e6
+
+    print(f"{'decode attention':28} {'us':>8} {'GB/s':>7}")
+    for B, C in ((1024, 384), (256, 384), (1, 256)):
+        for bn, nw, ns in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 4, 3)):
+            try:
+                t, bw = decode_case(B, C, bn, nw, ns)
+                print(f"B {B:4d} C {C:4d} n{bn:3d} w{nw} s{ns}       {t:8.1f} {bw:7.0f}")
+            except Exception as e:  # e.g. out of shared memory
+                print(f"B {B:4d} C {C:4d} n{bn:3d} w{nw} s{ns}       failed: {type(e).__name__}")
+    # correctness of the variants against the default at one shape (same inputs)
+    B, C = 64, 300
+    nb = -(-(C + 1) // bs)
+    kc = torch.randn(B * nb + 1, bs, hk, d, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(B, hq, d, device=dev, dtype=torch.bfloat16)
+    bt = torch.randperm(B * nb, device=dev, dtype=torch.int32).view(B, nb)
+    lens = torch.randint(1, C + 1, (B,), device=dev, dtype=torch.int32)
+    qs = torch.arange(B + 1, device=dev, dtype=torch.int32)
+    ts = torch.arange(B, device=dev, dtype=torch.int32)
+    tq = torch.zeros(B, device=dev, dtype=torch.int32)
+    base = ops.paged_attention(q, kc, vc, torch.full_like(q, float("nan")), bt, lens, qs, ts, tq, d ** -0.5, 16, 1,
+                               block_n=32, num_stages=2)
+    for bn, nw, ns in ((64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 4, 3)):
+        o = ops.paged_attention(q, kc, vc, torch.full_like(q, float("nan")), bt, lens, qs, ts, tq, d ** -0.5, 16, 1,
+                                block_n=bn, num_warps=nw, num_stages=ns)
+        err = ((o.float() - base.float()).norm() / base.float().norm()).item()
+        print(f"variant n{bn} w{nw} s{ns}: rel.err vs default {err:.1e}, nan {bool(o.isnan().any())}")
+    # GEMMs of a decode step at M tokens (cuBLAS): TFLOP/s
+    print(f"{'gemm M x N x K':28} {'us':>8} {'TFLOP/s':>8}")
+    for M in (1024, 8192):
+        for name, (n, k) in shapes.items():
+            ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+            x = torch.randn(M, k, device=dev, dtype=torch.bfloat16)
+            j = [0]
+
+            def g():
+                j[0] ^= 1
+                return F.linear(x, ws[j[0]])
+            t = triton.testing.do_bench(g, warmup=25, rep=100, return_mode="median") * 1000
+            print(f"{name:8} {M:5d} x {n:6d} x {k:5d}  {t:8.1f} {2 * M * n * k / t / 1e6:8.0f}")

@@ -104,6 +104,30 @@ def test_pipeline_stages_on_one_gpu_equal_pp1(small_llama, monkeypatch):
     assert res[2] == res[1] and res[3] == res[1]
 
 
+@pytest.mark.parametrize("eager", [False, True])
+def test_async_scheduling_equals_sync(small_llama, eager):
+    """Async scheduling (the default here) gives the tokens, logprobs and finish reasons of
+    synchronous scheduling: greedy (EOS allowed), logprobs, seeded sampling, min_tokens and
+    penalties (synchronous fallback), with CUDA graphs and eagerly."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts() * 2
+    params = [SamplingParams(temperature=0, max_tokens=40), SamplingParams(temperature=0, max_tokens=1),
+              SamplingParams(temperature=0, max_tokens=17, logprobs=2),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=30),
+              SamplingParams(temperature=1.0, top_k=20, seed=9, max_tokens=25, min_tokens=20),
+              SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.2),
+              SamplingParams(temperature=0, max_tokens=33, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=2)]
+    res = {}
+    for async_on in (False, True):
+        with LLM(small_llama, device="cuda", dtype="bfloat16", kv_cache_memory="1GiB", max_num_seqs=16,
+                 enforce_eager=eager, async_scheduling=async_on) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            res[async_on] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason,
+                              [sorted(d) for d in o.outputs[0].logprobs or []]) for o in outs]
+    assert res[True] == res[False]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL refuses two ranks on one GPU)")
 def test_nccl_pipeline_equals_pp1(small_llama):
     """PP=2 over NCCL on two GPUs, CUDA graphs on: exactly the tokens of PP=1."""

@@ -124,6 +124,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
                    help="compute each prompt in one step")
     g.add_argument("--enable-prefix-caching", action="store_true", default=False,
                    help="reuse the KV blocks of shared prompt prefixes")
+    g.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
+                   help="schedule a request's next decode before its sampled token is back; the worker feeds "
+                        "the token from the device (default: on for CUDA with PP=1 and TP=1)")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="wait for each sampled token before scheduling the request again")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="force the number of KV blocks (default: from the KV cache memory)")
@@ -178,7 +183,8 @@ def engine_config_from_args(args, streaming: bool = True) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   pipeline_depth=args.pipeline_depth, streaming=streaming,
-                                  prefill_attention_budget=args.prefill_attention_budget),
+                                  prefill_attention_budget=args.prefill_attention_budget,
+                                  async_scheduling=args.async_scheduling),
         enforce_eager=args.enforce_eager,
         structured_outputs=StructuredOutputsConfig(
             compile_timeout=args.structured_outputs_compile_timeout,

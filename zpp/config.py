@@ -300,6 +300,13 @@ class SchedulerConfig:
     with ``streaming`` and chunked prefill ``CPU_SERVE_PREFILL_ATTENTION_BUDGET``, else no limit
     (on CUDA the attention kernel reads a long context in microseconds)."""
 
+    async_scheduling: Optional[bool] = None
+    """Async scheduling (vLLM's ``--async-scheduling``): the engine schedules a request's next
+    decode before the token its micro-batch in flight samples is back, and the worker feeds that
+    token from the device. None = on where it is correct and pays: CUDA with one stage and one
+    tensor-parallel rank; True forces it (also on the CPU), which needs PP=1 and TP=1; False =
+    off. Requests with penalties or structured outputs run synchronously either way."""
+
     def __post_init__(self):
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
@@ -375,11 +382,24 @@ class EngineConfig:
         """Micro-batches in flight. On CUDA, the number of stages + 1: the extra micro-batch covers
         the engine's round trip (apply a result, schedule, the worker's input building) so no GPU
         waits for it (on 2 H200s, PP=2: stage busy 0.69/0.77 at depth 2, 0.84/0.97 at depth 3). On
-        CPU, the number of stages: the cores are the bottleneck and smaller micro-batches only cost."""
+        CPU, the number of stages: the cores are the bottleneck and smaller micro-batches only cost;
+        but 2 with async scheduling (forced on there), which needs a second micro-batch in flight."""
         if self.scheduler.pipeline_depth:
             return self.scheduler.pipeline_depth
         pp = self.parallel.pipeline_parallel_size
-        return pp + 1 if self.parallel.device == "cuda" else pp
+        return pp + 1 if self.parallel.device == "cuda" or self.async_scheduling else pp
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether async scheduling is on (see ``SchedulerConfig.async_scheduling``): the stage
+        that samples must also embed the next step's tokens, so one stage and one TP rank."""
+        a = self.scheduler.async_scheduling
+        if a is None and os.environ.get("ZPP_ASYNC_SCHEDULING", "") in ("0", "1"):
+            a = os.environ["ZPP_ASYNC_SCHEDULING"] == "1"  # the default's override (testing both ways)
+        single = self.parallel.pipeline_parallel_size == 1 and self.parallel.tensor_parallel_size == 1
+        if a is None:
+            return single and self.parallel.device == "cuda"
+        return bool(a) and single
 
     @property
     def torch_dtype(self) -> "torch.dtype":
@@ -388,6 +408,10 @@ class EngineConfig:
     def validate(self) -> None:
         """Cross-field checks. Raises ConfigError."""
         parse_dtype(self.model.dtype, self.parallel.device)
+        if self.scheduler.async_scheduling and (self.parallel.pipeline_parallel_size > 1
+                                                or self.parallel.tensor_parallel_size > 1):
+            raise ConfigError("--async-scheduling needs --pipeline-parallel-size 1 and --tensor-parallel-size 1 "
+                              "(the sampled tokens live on the last stage's first rank)")
         cfg = self.model.hf_config
         limit = cfg.get("max_position_embeddings") or cfg.get("n_positions")
         if self.model.max_model_len is not None and limit and self.model.max_model_len > limit:

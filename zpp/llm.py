@@ -47,7 +47,8 @@ class LLM:
         ``pp_layer_partition`` (a list of layers per stage or ``"auto"``), ``pipeline_depth``,
         ``load_format``, ``seed``, ``tokenizer``,
         ``gpu_memory_utilization``, ``enforce_eager``, ``nodes``: extra hosts for ``zpp-node``,
-        ``distributed_host``, ``node_command``, ``worker_heartbeat_timeout``, ``stage_timeout``).
+        ``distributed_host``, ``node_command``, ``worker_heartbeat_timeout``, ``stage_timeout``,
+        ``async_scheduling``: None = on for CUDA at PP=1 and TP=1, True / False to force).
 
     The workers stop on :meth:`shutdown`, at the end of a ``with LLM(...)`` block, when the object
     is garbage collected (``del llm``) and at interpreter exit, whichever comes first.
@@ -68,7 +69,8 @@ class LLM:
                  pipeline_depth: Optional[int] = None, load_format: str = "safetensors", seed: int = 0,
                  tokenizer: Optional[str] = None, enforce_eager: bool = False, nodes: Sequence[str] = (),
                  distributed_host: Optional[str] = None, node_command: str = "zpp-node",
-                 worker_heartbeat_timeout: float = 10.0, stage_timeout: float = 60.0):
+                 worker_heartbeat_timeout: float = 10.0, stage_timeout: float = 60.0,
+                 async_scheduling: Optional[bool] = None):
         if model is None:
             from zpp.demo import prepare_demo_model
             model = prepare_demo_model()
@@ -88,7 +90,8 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
-                                      pipeline_depth=pipeline_depth, streaming=False),
+                                      pipeline_depth=pipeline_depth, streaming=False,
+                                      async_scheduling=async_scheduling),
             enforce_eager=enforce_eager)
         self._start(config)
 

@@ -41,6 +41,7 @@ def run_fields(config) -> dict:
             "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
             "tensor_parallel_size": config.parallel.tensor_parallel_size,
             "max_num_batched_tokens": config.max_num_batched_tokens,
+            "async_scheduling": config.async_scheduling,
             "date": datetime.date.today().isoformat()}
 
 

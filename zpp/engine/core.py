@@ -51,7 +51,7 @@ class EngineCore:
         self.depth = config.pipeline_depth
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduler.enable_chunked_prefill, self.depth,
-                                   config.prefill_attention_budget)
+                                   config.prefill_attention_budget, config.async_scheduling)
         self.inflight: deque[ScheduledBatch] = deque()
         self._loop_task: Optional[asyncio.Task] = None
         self.dead: Optional[str] = None
@@ -71,8 +71,9 @@ class EngineCore:
         executor = await Executor.start(config, eos_token_ids)
         core = cls(config, executor, emit, on_dead)
         logger.info("engine ready in %.1fs: %d stage(s), %d KV blocks of %d tokens, pipeline depth %d, "
-                    "%d tokens per micro-batch", time.perf_counter() - t, config.parallel.pipeline_parallel_size,
-                    executor.num_blocks, config.cache.block_size, core.depth, config.max_num_batched_tokens)
+                    "%d tokens per micro-batch, async scheduling %s", time.perf_counter() - t,
+                    config.parallel.pipeline_parallel_size, executor.num_blocks, config.cache.block_size, core.depth,
+                    config.max_num_batched_tokens, "on" if config.async_scheduling else "off")
         cache_tokens = executor.num_blocks * config.cache.block_size
         if cache_tokens < config.max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "

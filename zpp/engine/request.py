@@ -77,6 +77,14 @@ class Request:
         return self.sampling.prompt_logprobs is not None
 
     @property
+    def async_sampling_ok(self) -> bool:
+        """Whether the next token can be sampled without the previous one on the workers' host
+        (async scheduling): False with repetition, frequency or presence penalties, which read
+        the token history."""
+        p = self.sampling
+        return p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 

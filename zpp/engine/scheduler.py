@@ -33,6 +33,15 @@ decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
   at most one of them (it needs the token the previous one samples); consecutive prefill chunks
   of one prompt may be in several (stages run batches in the order sent, so each chunk finds the
   KV of the ones before it): a long prompt alone still keeps every stage busy.
+* async scheduling (``async_scheduling``, PP=1 only; vLLM's ``--async-scheduling``): a decoding
+  request whose newest micro-batch in flight samples its next token may be scheduled again at
+  once, for the position of that token, which the engine does not know yet: the chunk carries
+  ``from_prev`` and the worker feeds it the token it sampled on the device (no host round trip
+  per token). Every micro-batch then takes all such decodes (not ``1/depth`` of them). A request
+  that finishes with the token in flight has the extra step's output dropped (the slot it wrote
+  is in its own, private block). Requests whose sampling needs the previous token on the host
+  (repetition / frequency / presence penalties, structured outputs) are never scheduled this way,
+  nor a token that will be the request's last by length.
 """
 from __future__ import annotations
 
@@ -89,8 +98,9 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, depth: int = 1,
-                 prefill_attention_budget: Optional[int] = None):
+                 prefill_attention_budget: Optional[int] = None, async_scheduling: bool = False):
         self.kv = kv
+        self.async_scheduling = async_scheduling
         self.prefill_attention_budget = prefill_attention_budget
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -181,18 +191,26 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         running = sorted(self.running, key=_priority)
         ready = [r for r in running if r.status == RequestStatus.RUNNING
-                 and (not r.in_flight or self._can_pipeline(r))]
-        # Decodes: one token each, about 1/depth of all decoding requests per micro-batch.
+                 and (not r.in_flight or self._can_pipeline(r) or self._can_async(r))]
+        # Decodes: one token each, about 1/depth of all decoding requests per micro-batch (all of
+        # them with async scheduling: a request may then be in every micro-batch in flight).
         n_decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
-        max_decodes = math.ceil(n_decoding / self.depth)
+        max_decodes = len(running) if self.async_scheduling else math.ceil(n_decoding / self.depth)
         plan: dict[str, int] = {}
+        async_ids: set[str] = set()
         for r in ready:
-            if not r.in_flight and r.num_tokens - r.num_computed_tokens == 1 and len(plan) < min(max_decodes, budget):
+            if len(plan) >= min(max(max_decodes, 1), budget):
+                break
+            if not r.in_flight and r.num_tokens - r.num_computed_tokens == 1:
                 plan[r.req_id] = 1
+            elif self._can_async(r):
+                plan[r.req_id] = 1
+                async_ids.add(r.req_id)
         # Prefills: running requests with a prompt (or recompute) left, then waiting requests.
         room = self.max_num_seqs - len(self.running)
         waiting = list(itertools.islice(self.waiting, max(0, room)))
-        cands = [r for r in ready if r.in_flight or r.num_tokens - r.num_computed_tokens > 1] + waiting
+        cands = [r for r in ready if (r.in_flight and self._can_pipeline(r))
+                 or (not r.in_flight and r.num_tokens - r.num_computed_tokens > 1)] + waiting
         decodes = set(plan)
         plan.update(self._plan_prefills(cands, budget - len(plan), streams_waiting=n_decoding > 0))
 
@@ -246,7 +264,7 @@ class Scheduler:
         picked.sort(key=lambda p: p[1] > 1 or p[0].num_tokens - p[0].num_computed_tokens > 1)  # decodes first
         reqs = [p[0] for p in picked]
         for req, num_new, new_blocks in picked:
-            self._add_chunk(req, num_new, new_blocks, chunks, new_reqs, cached_reqs)
+            self._add_chunk(req, num_new, new_blocks, chunks, new_reqs, cached_reqs, req.req_id in async_ids)
         batch = m.ExecuteBatch(batch_id=next(self._batch_ids), chunks=chunks, new_reqs=new_reqs,
                                cached_reqs=cached_reqs, finished_req_ids=self._finished_ids)
         self._finished_ids = []
@@ -366,9 +384,23 @@ class Scheduler:
         which needs the token its previous batch samples."""
         return self.chunked and req.num_scheduled_tokens < req.num_tokens
 
-    def _add_chunk(self, req: Request, num_new: int, new_blocks: list[int], chunks, new_reqs, cached_reqs) -> None:
+    def _can_async(self, req: Request) -> bool:
+        """Whether ``req``, in flight, may decode in this micro-batch too with async scheduling:
+        its newest chunk in flight samples the token at ``num_scheduled_tokens`` (every known
+        token is scheduled), its sampling needs no token history on the host, and that token will
+        not be its last by length (``max_tokens``, ``max_model_len``): such a step would only be
+        dropped. A request finishing on EOS or a stop token still gets one dropped step."""
+        if not self.async_scheduling or not req.in_flight or req.num_scheduled_tokens < req.num_tokens:
+            return False
+        if req.grammar is not None or not req.async_sampling_ok:
+            return False
+        n_after = req.num_scheduled_tokens + 1  # tokens known once the token in flight is back
+        return n_after - req.num_prompt_tokens < req.max_tokens and n_after < self.max_model_len
+
+    def _add_chunk(self, req: Request, num_new: int, new_blocks: list[int], chunks, new_reqs, cached_reqs,
+                   from_prev: bool = False) -> None:
         start = req.num_scheduled_tokens
-        sample = start + num_new == req.num_tokens
+        sample = from_prev or start + num_new == req.num_tokens
         want_plp = req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens
         if not req.sent_to_workers:
             new_reqs.append(m.NewRequest(req.req_id, list(req.token_ids), req.num_prompt_tokens,
@@ -379,7 +411,7 @@ class Scheduler:
             if new_tokens or new_blocks:
                 cached_reqs.append(m.CachedRequest(req.req_id, new_tokens, new_blocks))
         req.num_sent_tokens = req.num_tokens
-        chunks.append(m.ScheduledChunk(req.req_id, start, num_new, sample, want_plp))
+        chunks.append(m.ScheduledChunk(req.req_id, start, num_new, sample, want_plp, from_prev))
 
     # --- results ------------------------------------------------------------------------------
     def update(self, sched: ScheduledBatch, result: m.StepResult) -> list[tuple[Request, Optional[m.SampledOutput]]]:

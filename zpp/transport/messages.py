@@ -126,6 +126,11 @@ class ScheduledChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     """Sample the next token after this chunk (the chunk reaches the end of the known tokens)."""
     prompt_logprobs: bool = False
     """Return prompt logprobs for the positions of this chunk."""
+    from_prev: bool = False
+    """Async scheduling: the chunk is one decode token (``num_tokens`` 1, ``sample`` set) whose
+    input, the token at ``start``, is the one this worker sampled for the request in its previous
+    micro-batch holding it; the engine does not know it yet (it is not in the worker's token ids).
+    The worker takes it from the device."""
 
 
 class ExecuteBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):

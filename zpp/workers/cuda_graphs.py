@@ -51,19 +51,20 @@ class DecodeGraphs:
         B = self.max_bs = self.sizes[-1]
         W = -(-max_model_len // block_size)
         self.scratch_slot = scratch_slot
-        # All per-step inputs live in two device buffers (int64: token ids, positions, slots;
+        # All per-step inputs live in two device buffers (int64: token ids, positions, slots, and
+        # for async scheduling the rows that take a token sampled on the device and where it lies;
         # int32: sequence lengths, query starts, block tables) filled from pinned host staging with
         # one copy each; two staging slots alternate so the CPU can prepare step i+1 while the copy
         # of step i is still queued.
         self.W = W
-        self.dev64 = torch.zeros(3 * B, dtype=torch.int64, device=device)
+        self.dev64 = torch.zeros(5 * B, dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(2 * B + 1 + B * W, dtype=torch.int32, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self.dev64.view(3, B)
+        self.input_ids, self.positions, self.slot_mapping, self.prev_dst, self.prev_src = self.dev64.view(5, B)
         self.seq_lens = self.dev32[:B]
         self.query_start = self.dev32[B:2 * B + 1]
         self.block_tables = self.dev32[2 * B + 1:].view(B, W)
         self.slot_mapping.fill_(scratch_slot)
-        self.host64 = [torch.zeros(3 * B, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.host64 = [torch.zeros(5 * B, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self.host32 = [torch.zeros(2 * B + 1 + B * W, dtype=torch.int32, pin_memory=True) for _ in range(2)]
         self.copied = [None, None]
         self.slot = 0
@@ -115,14 +116,22 @@ class DecodeGraphs:
         return None
 
     def run(self, b: int, input_ids: Optional[np.ndarray], positions: np.ndarray, slots: np.ndarray,
-            block_tables: np.ndarray, acts: Optional[torch.Tensor]) -> torch.Tensor:
-        """Replay for ``b`` decode rows. ``block_tables`` is ``[b, w]`` (w <= the static width)."""
+            block_tables: np.ndarray, acts: Optional[torch.Tensor], prev=()) -> torch.Tensor:
+        """Replay for ``b`` decode rows. ``block_tables`` is ``[b, w]`` (w <= the static width).
+
+        ``prev`` (async scheduling): ``[(tokens int64[N] on the device, rows, source rows)]``: row
+        ``rows[j]``'s input id is ``tokens[source rows[j]]`` (its ``input_ids`` entry is ignored)."""
         bs = self.bucket(b)
         B, W = self.max_bs, self.W
         k = self.slot = self.slot ^ 1
         if self.copied[k] is not None:
             self.copied[k].synchronize()  # the copy that last read this staging slot is done
-        h64 = self.host64[k].numpy().reshape(3, B)
+        h64 = self.host64[k].numpy().reshape(5, B)
+        n_prev = 0
+        for _, dst, src in prev:
+            h64[3, n_prev:n_prev + len(dst)] = dst
+            h64[4, n_prev:n_prev + len(dst)] = src
+            n_prev += len(dst)
         h32 = self.host32[k].numpy()
         h64[:, b:bs] = 0
         if input_ids is not None:
@@ -135,11 +144,17 @@ class DecodeGraphs:
         h32[B:B + bs + 1] = np.minimum(np.arange(bs + 1), b)          # query_start (padding: empty)
         w = block_tables.shape[1]
         h32[2 * B + 1:].reshape(B, W)[:b, :w] = block_tables
-        self.dev64.copy_(self.host64[k], non_blocking=True)
+        n64 = 5 * B if n_prev else 3 * B
+        self.dev64[:n64].copy_(self.host64[k][:n64], non_blocking=True)
         n32 = 2 * B + 1 + b * W
         self.dev32[:n32].copy_(self.host32[k][:n32], non_blocking=True)
         ev = self.copied[k] = torch.cuda.Event()
         ev.record()
+        o = 0
+        for tokens, dst, _ in prev:  # the tokens the previous step sampled, without leaving the GPU
+            n = len(dst)
+            self.input_ids.index_copy_(0, self.prev_dst[o:o + n], tokens.index_select(0, self.prev_src[o:o + n]))
+            o += n
         if acts is not None:
             self.acts[:, :b].copy_(acts)
         self.graphs[bs].replay()

@@ -34,11 +34,16 @@ class PendingResult:
 
     def __init__(self, batch_id: int, req_ids: list[str], tokens: torch.Tensor, host_buf: torch.Tensor):
         self.batch_id = batch_id
+        self.tokens = tokens  # int64[N] on the device, kept alive until the copy is done
         self.req_ids = req_ids
         self.host = host_buf[: tokens.shape[0]]
         self.host.copy_(tokens, non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record()
+
+    def done(self) -> bool:
+        """Whether the GPU has finished the batch and the copy (never blocks)."""
+        return self.event.query()
 
     def finish(self, runner: "ModelRunner") -> m.StepResult:
         self.event.synchronize()
@@ -82,8 +87,13 @@ class ModelRunner:
     """
 
     def __init__(self, model: StageModel, device: torch.device, dtype: torch.dtype, block_size: int,
-                 link: Optional[StageLink], eos_token_ids: set[int], seed: int = 0, trace_name: str = "stage"):
+                 link: Optional[StageLink], eos_token_ids: set[int], seed: int = 0, trace_name: str = "stage",
+                 async_scheduling: bool = False):
         self.model = model
+        self.async_scheduling = async_scheduling
+        # Async scheduling: request id -> (the device tensor of sampled ids int64[N] of the last
+        # micro-batch that sampled for it, its row): the input of its next ``from_prev`` chunk.
+        self._sampled: dict[str, tuple[torch.Tensor, int]] = {}
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -166,8 +176,10 @@ class ModelRunner:
     def _update_states(self, batch: m.ExecuteBatch) -> None:
         for rid in batch.finished_req_ids:
             self.seqs.pop(rid, None)
+            self._sampled.pop(rid, None)
         for r in batch.new_reqs:
             self.seqs[r.req_id] = SeqState(list(r.token_ids), r.num_prompt_tokens, r.sampling, list(r.block_ids))
+            self._sampled.pop(r.req_id, None)
         for c in batch.cached_reqs:
             s = self.seqs[c.req_id]
             s.token_ids.extend(c.new_token_ids)
@@ -187,6 +199,9 @@ class ModelRunner:
         seqs = [self.seqs[c.req_id] for c in batch.chunks]
         starts = [c.start for c in batch.chunks]
         q_lens = [c.num_tokens for c in batch.chunks]
+        for c, s in zip(batch.chunks, seqs):
+            if c.sample:
+                s.sample_end = c.start + c.num_tokens
         T = sum(q_lens)
         B = len(seqs)
         if (self.graphs is not None and T == B and self.graphs.bucket(B) is not None
@@ -195,8 +210,13 @@ class ModelRunner:
         positions = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in zip(starts, q_lens)])
         input_ids = None
         if self.stage.is_first:
-            ids = [t for s, st, n in zip(seqs, starts, q_lens) for t in s.token_ids[st:st + n]]
+            ids = [t for c, s, st, n in zip(batch.chunks, seqs, starts, q_lens)
+                   for t in ((0,) if c.from_prev else s.token_ids[st:st + n])]
             input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            offsets = np.cumsum([0] + q_lens[:-1]).tolist()
+            for src, dst, rows in self._prev_sources(batch, offsets):
+                input_ids[torch.tensor(dst).to(self.device, non_blocking=True)] = \
+                    src[torch.tensor(rows).to(self.device, non_blocking=True)]
         meta = build_attention_metadata(starts, q_lens, [s.block_ids for s in seqs], self.block_size,
                                         self.device, self.group)
         positions = positions.to(self.device, non_blocking=True)
@@ -229,13 +249,14 @@ class ModelRunner:
             n = min(len(s.block_ids), w)
             bt[i, :n] = s.block_ids[:n]
         slots = bt[np.arange(B), pos // bs].astype(np.int64) * bs + pos % bs
-        ids = np.asarray([s.token_ids[p] for s, p in zip(seqs, starts)], dtype=np.int64) \
-            if self.stage.is_first else None
+        ids = np.asarray([0 if c.from_prev else s.token_ids[p] for c, s, p in zip(batch.chunks, seqs, starts)],
+                         dtype=np.int64) if self.stage.is_first else None
         acts = None
         if not self.stage.is_first:
             acts = self._recv_acts((self.model.num_acts, B, self.model.hidden_size))
         t0 = self._begin()
-        out = self.graphs.run(B, ids, pos, slots, bt, acts)
+        prev = self._prev_sources(batch, range(B)) if self.stage.is_first else []
+        out = self.graphs.run(B, ids, pos, slots, bt, acts, prev)
         if not self.stage.is_last:
             self._end(t0)
             self.link.send(out)
@@ -255,14 +276,52 @@ class ModelRunner:
             self._pin_idx ^= 1
             if self._pinned[self._pin_idx].shape[0] < len(rows):
                 self._pinned[self._pin_idx] = torch.empty(max(len(rows), 1024), dtype=torch.int64, pin_memory=True)
-            pending = PendingResult(batch.batch_id, [batch.chunks[i].req_id for i in rows], out.argmax(dim=-1),
+            tokens = out.argmax(dim=-1)
+            self._keep_sampled(batch, rows, tokens)
+            pending = PendingResult(batch.batch_id, [batch.chunks[i].req_id for i in rows], tokens,
                                     self._pinned[self._pin_idx])
             self._end(t0)
             return pending
-        tokens, lps = self.sampler(out, row_seqs, self.eos_token_ids, allowed)
+        keep = [] if self.async_scheduling else None
+        tokens, lps = self.sampler(out, row_seqs, self.eos_token_ids, allowed, keep)
+        if keep:
+            self._keep_sampled(batch, rows, keep[0])
         sampled = [m.SampledOutput(batch.chunks[i].req_id, tok, lp) for i, tok, lp in zip(rows, tokens, lps)]
         self._end(t0)
         return m.StepResult(batch.batch_id, sampled, busy_s=self.busy_s, idle_s=self.idle_s)
+
+    # --- async scheduling ----------------------------------------------------------------------
+    def _keep_sampled(self, batch: m.ExecuteBatch, rows, tokens: torch.Tensor) -> None:
+        """Async scheduling: remember where each sampled row's token lies on the device.
+        ``rows``: chunk indices of the sampled rows, in the order of ``tokens`` (int64[len(rows)])."""
+        if not self.async_scheduling:
+            return
+        for i, ci in enumerate(rows):
+            self._sampled[batch.chunks[ci].req_id] = (tokens, i)
+
+    def _prev_sources(self, batch: m.ExecuteBatch, dst_index) -> list[tuple[torch.Tensor, list[int], list[int]]]:
+        """The device-side inputs of the batch's ``from_prev`` chunks, grouped by the tensor of
+        sampled ids they come from: ``[(tokens int64[N], dst positions, rows of tokens)]``;
+        ``dst_index[ci]`` is chunk ``ci``'s position in the step's flat token ids.
+
+        Raises:
+            RuntimeError: a ``from_prev`` chunk for a request this worker has sampled nothing for
+                (an engine bug: such a chunk must follow one that samples)."""
+        groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for ci, c in enumerate(batch.chunks):
+            if not c.from_prev:
+                continue
+            try:
+                src, row = self._sampled[c.req_id]
+            except KeyError:
+                raise RuntimeError(f"sequence {c.req_id}: asked for its previous sampled token, which this "
+                                   f"worker does not hold") from None
+            g = groups.get(id(src))
+            if g is None:
+                g = groups[id(src)] = (src, [], [])
+            g[1].append(dst_index[ci])
+            g[2].append(row)
+        return list(groups.values())
 
     # --- busy-time accounting -----------------------------------------------------------------
     def _recv_acts(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -353,8 +412,11 @@ class ModelRunner:
         sample_chunks = [c for c in batch.chunks if c.sample]
         if sample_rows:
             sample_seqs = [self.seqs[c.req_id] for c in sample_chunks]
+            keep = [] if self.async_scheduling else None
             tokens, lps = self.sampler(logits[sample_rows], sample_seqs, self.eos_token_ids,
-                                       self._allowed(batch, logits.shape[1]))
+                                       self._allowed(batch, logits.shape[1]), keep)
+            if keep:
+                self._keep_sampled(batch, [i for i, c in enumerate(batch.chunks) if c.sample], keep[0])
             for c, tok, lp in zip(sample_chunks, tokens, lps):
                 sampled.append(m.SampledOutput(c.req_id, tok, lp))
 

@@ -32,10 +32,16 @@ class SeqState:
     num_prompt_tokens: int
     sampling: Optional[SamplingParams]
     block_ids: list[int] = field(default_factory=list)
+    sample_end: int = -1
+    """Tokens before the one being sampled now (the sampling chunk's end), set per micro-batch by
+    the model runner; -1: ``len(token_ids)``. With async scheduling the last of them may still be
+    on the device only, not in ``token_ids``."""
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Output tokens generated before the one being sampled (``min_tokens``, seeds)."""
+        end = self.sample_end if self.sample_end >= 0 else len(self.token_ids)
+        return end - self.num_prompt_tokens
 
 
 def _seeded_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
@@ -128,11 +134,17 @@ class Sampler:
         return True
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, seqs: list[SeqState], eos_token_ids: set[int], allowed=None):
+    def __call__(self, logits: torch.Tensor, seqs: list[SeqState], eos_token_ids: set[int], allowed=None,
+                 keep: Optional[list] = None):
+        """``keep``: if given, the sampled ids as a device tensor ``int64[N]`` are appended to it
+        (async scheduling feeds them to the next step without a host round trip)."""
         N, V = logits.shape
         if self.plain_greedy(seqs):
             apply_allowed(logits, allowed)
-            return logits.argmax(dim=-1).tolist(), [None] * N  # one kernel, one copy
+            tokens = logits.argmax(dim=-1)
+            if keep is not None:
+                keep.append(tokens)
+            return tokens.tolist(), [None] * N  # one kernel, one copy
         params = [s.sampling or _GREEDY for s in seqs]
         want_lp = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
@@ -155,6 +167,8 @@ class Sampler:
         if not bool(greedy.all()):
             sampled = self._sample(logits, seqs, params)
             tokens = torch.where(greedy, tokens, sampled)
+        if keep is not None:
+            keep.append(tokens)
         token_list = tokens.tolist()
 
         lps: list[Optional[TokenLogprobs]] = [None] * N

@@ -189,7 +189,8 @@ def _setup(init, sock):
     # neighbouring stages.
     link = make_stage_link(init.rank, init.pp_rank, pp_size, tp_size, device, cfg_all.parallel.share_gpu) if pp_size > 1 else None
     runner = ModelRunner(model, device, dtype, block_size, link, set(init.eos_token_ids), seed,
-                         trace_name=f"rank{init.rank}-stage{init.pp_rank}")
+                         trace_name=f"rank{init.rank}-stage{init.pp_rank}",
+                         async_scheduling=cfg_all.async_scheduling)
     if runner.trace.enabled and device_kind == "cuda":
         runner.trace.cuda_clock()
 
@@ -274,7 +275,12 @@ def _cuda_kv_blocks(init, runner, device, per_block: int) -> int:
 def _serve(runner, sock, init) -> None:
     """Run batches in order. A last-stage result left on the GPU (PendingResult) is finished only
     after the next batch, if one is already queued, has been launched: the CPU work of batch i+1
-    overlaps the GPU work of batch i, and results still go out in batch order."""
+    overlaps the GPU work of batch i, and results still go out in batch order.
+
+    With async scheduling the engine sends batch i+1 without waiting for batch i's result, so
+    the worker waits for whichever comes first, the next message or batch i's end on the GPU
+    (polling both), instead of blocking on batch i: batch i+1 is launched while the GPU still
+    runs batch i."""
     from zpp.transport import messages as m
     from zpp.workers.model_runner import PendingResult
 
@@ -290,8 +296,11 @@ def _serve(runner, sock, init) -> None:
                                idle_s=runner.idle_s))
         last_stats, reported = time.monotonic(), runner.num_batches
 
+    spin = runner.async_scheduling
     while True:
         if pending is not None and not sock.poll(0):
+            if spin and not pending.done():
+                continue
             _send_result(sock, runner, pending.finish(runner))
             pending = None
             continue

@@ -124,7 +124,8 @@ def pick_block_m(max_q_len: int, group: int) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                     tile_seq: torch.Tensor, tile_qstart: torch.Tensor, scale: float, block_m: int,
-                    num_splits: int = 1) -> torch.Tensor:
+                    num_splits: int = 1, block_n: Optional[int] = None, num_warps: int = 4,
+                    num_stages: Optional[int] = None) -> torch.Tensor:
     """Causal attention of new query tokens over the paged KV cache (their own K/V already written).
 
     Args:
@@ -136,6 +137,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             ``block_q = block_m // (Hq // Hk)``.
         num_splits: decode batches only (``block_m == 16``): split each context into this many
             slices computed in parallel and merged (flash-decoding, Dao et al. 2023).
+        block_n, num_stages: launch tuning; by default 64 keys per loop step and 2 stages for
+            prefill tiles, 32 and 2 for split decode, and 64 and 3 for unsplit decode (large
+            batches): on the H200 a decode batch of 256 (1024) sequences at context 384 read its
+            KV at 3.38 (3.96) TB/s against 3.06 (3.76) with 32 and 2
+            (``scripts/kernel_bench.py attn``, ``benchmarks/results/h200_async_kernels_attn.txt``).
     """
     T, Hq, D = q.shape
     _, kv_block, Hk, _ = k_cache.shape
@@ -148,15 +154,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_ml = torch.empty((T * Hq * splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out
+    if block_n is None:
+        block_n = 64 if block_m == 64 or splits == 1 else 32
+    if num_stages is None:
+        num_stages = 3 if block_m <= 16 and splits == 1 else 2
     grid = (tile_seq.shape[0], Hk, splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
         part_o, part_ml, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        G=G, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64 if block_m == 64 else 32, KV_BLOCK=kv_block,
-        D=D, BLOCK_D=BLOCK_D, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        NUM_SPLITS=splits, HQ=Hq, num_warps=4, num_stages=2)
+        G=G, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        KV_BLOCK=kv_block, D=D, BLOCK_D=BLOCK_D, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_SPLITS=splits, HQ=Hq, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge_splits_kernel[(T, Hq)](part_o, part_ml, out, out.stride(0), out.stride(1), HQ=Hq,
                                       NUM_SPLITS=splits, D=D, BLOCK_D=BLOCK_D, num_warps=4)

@@ -1,0 +1,68 @@
+"""Where a batch-1 decode step's GPU time goes inside the worker (run on the H200): builds one stage
+(dummy weights) behind a ModelRunner as the engine's worker does (KV cache, CUDA graphs), runs a
+prompt then decode steps through ``ModelRunner.execute`` with async-scheduling chunks
+(``from_prev``), and compares the step's device time with a bare graph replay; then prints the
+kernels of a few steps from torch.profiler.
+
+    python scripts/gpu_step_probe.py scripts/configs/llama3-8b [num_kv_blocks]
+"""
+import json
+import sys
+
+import torch
+
+from zpp.models.base import StageInfo
+from zpp.models.loader import load_stage_model
+from zpp.sampling_params import SamplingParams
+from zpp.transport import messages as m
+from zpp.workers.model_runner import ModelRunner, PendingResult
+
+cfg_dir = sys.argv[1]
+num_blocks = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
+cfg = json.load(open(f"{cfg_dir}/config.json"))
+dev = torch.device("cuda")
+max_len = int(cfg.get("max_position_embeddings", 4096))
+model = load_stage_model(cfg_dir, cfg, StageInfo(0, 1, 0, cfg["num_hidden_layers"]), torch.bfloat16, dev, max_len,
+                         "dummy")
+r = ModelRunner(model, dev, torch.bfloat16, 16, None, {0}, async_scheduling=True)
+r.init_kv_cache(num_blocks)
+r.capture_graphs(max_len, 256)
+sp = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
+prompt = list(range(1000, 1128))
+blocks = list(range(64))
+res = r.execute(m.ExecuteBatch(0, [m.ScheduledChunk("a", 0, 128, True)],
+                               new_reqs=[m.NewRequest("a", prompt, 128, blocks, sp)]))
+res = res.finish(r) if isinstance(res, PendingResult) else res
+pos = 128
+
+
+def step(bid):
+    global pos
+    out = r.execute(m.ExecuteBatch(bid, [m.ScheduledChunk("a", pos, 1, True, False, True)]))
+    pos += 1
+    return out
+
+
+for i in range(20):
+    p = step(1 + i)
+torch.cuda.synchronize()
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+n = 100
+s.record()
+for i in range(n):
+    p = step(100 + i)
+e.record()
+torch.cuda.synchronize()
+print(f"ModelRunner.execute decode step (from_prev, greedy): {s.elapsed_time(e) / n:.3f} ms/step at context ~{pos}")
+g = r.graphs
+s.record()
+for i in range(n):
+    g.graphs[1].replay()
+e.record()
+torch.cuda.synchronize()
+print(f"bare graph replay, batch 1: {s.elapsed_time(e) / n:.3f} ms/step")
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    for i in range(5):
+        p = step(300 + i)
+    torch.cuda.synchronize()
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
