@@ -190,7 +190,8 @@ class StatsLogger:
         Running: 3 seqs, Waiting: 0 seqs, KV cache usage: 4.2%, Stage busy: 0: 61%, 1: 74%,
         Prefix cache hit rate: 37.5%
 
-    Rates and busy fractions are over the interval; the prefix-cache hit rate (hit tokens /
+    Rates and busy fractions are over the interval (busy at most 100%: a stage's busy time arrives
+    with its results, so a long micro-batch counts in the interval it ends in); the prefix-cache hit rate (hit tokens /
     looked-up tokens in the interval, ``n/a`` without lookups) only with prefix caching on.
     """
 
@@ -213,7 +214,9 @@ class StatsLogger:
         dt = max(t1 - t0, 1e-9)
         if not (s1.num_running or s1.num_waiting or p1 > p0 or g1 > g0):
             return None
-        busy = ", ".join(f"{i}: {100.0 * max(b1 - b0, 0.0) / dt:.0f}%"
+        # A stage reports its busy time with each result, so a long micro-batch lands whole in the
+        # interval it ends in: clamp to 100% (the counters in /metrics stay exact).
+        busy = ", ".join(f"{i}: {min(100.0, 100.0 * max(b1 - b0, 0.0) / dt):.0f}%"
                          for i, (b0, b1) in enumerate(zip(s0.stage_busy_s, s1.stage_busy_s)))
         line = (f"Avg prompt throughput: {(p1 - p0) / dt:.1f} tokens/s, "
                 f"Avg generation throughput: {(g1 - g0) / dt:.1f} tokens/s, "

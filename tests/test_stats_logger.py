@@ -1,0 +1,26 @@
+"""The periodic stats line, without an engine: a stand-in returns the counters of each call."""
+from __future__ import annotations
+
+import re
+
+from zpp.engine.core_messages import EngineStats
+from zpp.server.metrics import StatsLogger
+
+
+class _Counters:
+    def __init__(self, seq):
+        self.seq = list(seq)
+
+    def stats(self):
+        return self.seq.pop(0)
+
+
+def test_stage_busy_is_a_fraction_of_the_interval_even_when_a_long_batch_lands_in_it():
+    """A stage reports its busy seconds with each result, so an interval can receive more busy time
+    than it lasted (a 30 s micro-batch ending in a 10 s interval); the line says 100%, not 300%."""
+    start = EngineStats(num_running=1, stage_busy_s=[0.0, 0.0])
+    late = EngineStats(num_running=1, stage_busy_s=[1e6, 0.0], num_generation_tokens=5)
+    log = StatsLogger(_Counters([start, late]), metrics=None, interval_s=10.0)
+    line = log.log_once()
+    busy = [int(x) for x in re.findall(r"(\d+)%", line.split("Stage busy:")[1])]
+    assert busy == [100, 0], line
