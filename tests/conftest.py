@@ -46,8 +46,20 @@ def tokenizer(demo_model):
     return AutoTokenizer.from_pretrained(demo_model)
 
 
+_HF_GREEDY: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Reference: HF transformers, float32 on CPU, greedy, one prompt at a time, EOS ignored."""
+    """Reference: HF transformers, float32 on CPU, greedy, one prompt at a time, EOS ignored.
+    Remembered for the session: a prompt already run on that model for at least as many tokens
+    is not run again (greedy: the first tokens of a longer run are those of a shorter one)."""
+    todo = [p for p in prompts if len(_HF_GREEDY.get((model_dir, tuple(p)), ())) < max_new_tokens]
+    for p, gen in zip(todo, _hf_greedy(model_dir, todo, max_new_tokens) if todo else []):
+        _HF_GREEDY[(model_dir, tuple(p))] = gen
+    return [list(_HF_GREEDY[(model_dir, tuple(p))][:max_new_tokens]) for p in prompts]
+
+
+def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     import warnings
 
     import torch
