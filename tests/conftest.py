@@ -46,8 +46,20 @@ def tokenizer(demo_model):
     return AutoTokenizer.from_pretrained(demo_model)
 
 
+_HF_GREEDY: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Reference: HF transformers, float32 on CPU, greedy, one prompt at a time, EOS ignored."""
+    """Reference: HF transformers, float32 on CPU, greedy, one prompt at a time, EOS ignored.
+    Remembered for the session: a prompt already run on that model for at least as many tokens
+    is not run again (greedy: the first tokens of a longer run are those of a shorter one)."""
+    todo = [p for p in prompts if len(_HF_GREEDY.get((model_dir, tuple(p)), ())) < max_new_tokens]
+    for p, gen in zip(todo, _hf_greedy(model_dir, todo, max_new_tokens) if todo else []):
+        _HF_GREEDY[(model_dir, tuple(p))] = gen
+    return [list(_HF_GREEDY[(model_dir, tuple(p))][:max_new_tokens]) for p in prompts]
+
+
+def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     import warnings
 
     import torch
@@ -144,10 +156,52 @@ def parse_metrics(text: str, keep_model_name: bool = False) -> dict[str, float]:
 
 
 def pp2_server(demo_model: str) -> ServerProcess:
-    """``zpp serve`` on the demo model at PP=2 (max-model-len 1024, 128 KV blocks), the server the
-    OpenAI-API modules share the shape of (each starts its own, module-scoped)."""
+    """``zpp serve`` on the demo model at PP=2 (max-model-len 1024, 128 KV blocks): the server of
+    the ``shared_pp2_server`` fixture."""
     return ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--max-model-len", "1024",
                           "--num-kv-blocks", "128", "--log-level", "warning"])
+
+
+_SHARED: dict[str, ServerProcess] = {}
+
+
+def _shared_server(request, start):
+    """The body of a module-scoped fixture whose server several modules share (none of them needs a
+    fresh one): started by the first module that asks for it, stopped after a module when no test
+    left in the session uses the fixture, so that it is not running while other modules count
+    processes. A server that died in an earlier module is replaced."""
+    name = request.fixturename
+    srv = _SHARED.get(name)
+    if srv is not None and srv.proc.poll() is not None:
+        srv.stop()
+        srv = None
+    if srv is None:
+        srv = _SHARED[name] = start()
+    yield srv
+    items = request.session.items
+    last = max(i for i, item in enumerate(items) if item.module is request.module)
+    if not any(name in item.fixturenames for item in items[last + 1:]):
+        _SHARED.pop(name).stop()
+
+
+@pytest.fixture(scope="module")
+def shared_pp2_server(request, demo_model):
+    """``pp2_server``, shared by the OpenAI-API modules and the serving tests (their checks of
+    counters are before/after differences)."""
+    yield from _shared_server(request, lambda: pp2_server(demo_model))
+
+
+OBSERVED_NAME = "smol-test"  # the --served-model-name of ``shared_pp2_prefix_server``
+
+
+@pytest.fixture(scope="module")
+def shared_pp2_prefix_server(request, demo_model):
+    """``zpp serve`` at PP=2 with prefix caching (max-model-len 512, 64 KV blocks), the default log
+    level (info), stats every 0.5 s, served as ``OBSERVED_NAME``: the server of
+    tests/test_observability.py, and of the prefix-cache test of tests/test_serving.py after it."""
+    yield from _shared_server(request, lambda: ServerProcess(
+        [demo_model, "-pp", "2", "--served-model-name", OBSERVED_NAME, "--max-model-len", "512",
+         "--num-kv-blocks", "64", "--enable-prefix-caching", "--log-stats-interval", "0.5"]))
 
 
 def descendants(pid: int) -> list[int]:

@@ -12,9 +12,9 @@ import urllib.request
 
 import pytest
 
-from conftest import ServerProcess, parse_metrics
+from conftest import OBSERVED_NAME, ServerProcess, parse_metrics
 
-NAME = "smol-test"  # --served-model-name: the model_name label must be the served name
+NAME = OBSERVED_NAME  # --served-model-name: the model_name label must be the served name
 DASHBOARD = os.path.join(os.path.dirname(__file__), "..", "examples", "grafana", "zpp_dashboard.json")
 STATS_RE = re.compile(r"INFO zpp\.stats: Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: "
                       r"[\d.]+ tokens/s, Running: \d+ seqs, Waiting: \d+ seqs, KV cache usage: [\d.]+%, "
@@ -22,12 +22,9 @@ STATS_RE = re.compile(r"INFO zpp\.stats: Avg prompt throughput: [\d.]+ tokens/s,
 
 
 @pytest.fixture(scope="module")
-def server(demo_model):
+def server(shared_pp2_prefix_server):
     """PP=2 with prefix caching, default log level (info), stats every 0.5 s instead of 10 s."""
-    srv = ServerProcess([demo_model, "-pp", "2", "--served-model-name", NAME, "--max-model-len", "512",
-                         "--num-kv-blocks", "64", "--enable-prefix-caching", "--log-stats-interval", "0.5"])
-    yield srv
-    srv.stop()
+    return shared_pp2_prefix_server
 
 
 def post(server, path: str, body: dict) -> dict:

@@ -1,5 +1,6 @@
 """The OpenAI API through the official ``openai`` client against one live ``zpp serve`` at
---pipeline-parallel-size 2 (the real SmolLM2 weights, CPU), shared by every test of this module."""
+--pipeline-parallel-size 2 (the real SmolLM2 weights, CPU), shared by every test of this module
+(and by the other modules on the ``shared_pp2_server`` fixture)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +12,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from conftest import parse_metrics, pp2_server
+from conftest import parse_metrics
 
 MODEL = "SmolLM2-135M-Instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -28,10 +29,8 @@ def run(coro):
 
 
 @pytest.fixture(scope="module")
-def server(demo_model):
-    srv = pp2_server(demo_model)
-    yield srv
-    srv.stop()
+def server(shared_pp2_server):
+    return shared_pp2_server
 
 
 def client(server, **kw) -> AsyncOpenAI:

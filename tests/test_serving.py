@@ -8,14 +8,11 @@ import json
 import aiohttp
 import pytest
 
-from conftest import ServerProcess
-
 
 @pytest.fixture(scope="module")
-def server(demo_model):
-    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "256MiB"])
-    yield s
-    s.stop()
+def server(shared_pp2_server):
+    """The OpenAI-API modules' PP=2 server (128 KV blocks: the 16 concurrent requests below need 44)."""
+    return shared_pp2_server
 
 
 async def _complete(session, url, body) -> tuple[str, str, int]:
@@ -85,15 +82,16 @@ def test_concurrent_requests_equal_alone(server):
             assert t[2] == bodies[i]["max_tokens"]
 
 
-def test_prompt_logprobs_on_prefix_cache_hits(demo_model, tokenizer):
+def test_prompt_logprobs_on_prefix_cache_hits(shared_pp2_prefix_server, tokenizer):
     """shared/cases/prefix-cache-prompt-logprobs.md over HTTP with --enable-prefix-caching: a
     repeated prompt (full hit), a shared 40-token start (partial hit) and echo + logprobs after
-    them score every prompt position, equal to the first (cold) request."""
+    them score every prompt position, equal to the first (cold) request. On the PP=2
+    prefix-caching server of tests/test_observability.py (block size 16, 64 KV blocks), whose
+    requests never sent these prompts."""
     words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
     ids = tokenizer.encode(" ".join(words * 6))
     p48, x25 = ids[:48], ids[60:85]
-    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--enable-prefix-caching",
-                       "--block-size", "16", "--num-kv-blocks", "64", "--log-level", "warning"])
+    s = shared_pp2_prefix_server
 
     async def go():
         async with aiohttp.ClientSession() as session:
@@ -114,10 +112,7 @@ def test_prompt_logprobs_on_prefix_cache_hits(demo_model, tokenizer):
             echo = await post({"prompt": p48, "echo": True, "logprobs": 1, "max_tokens": 0})
             return cold, hit, partial, echo["logprobs"]["token_logprobs"]
 
-    try:
-        cold, hit, partial, echo = asyncio.run(go())
-    finally:
-        s.stop()
+    cold, hit, partial, echo = asyncio.run(go())
     assert hit == pytest.approx(cold, abs=1e-4)
     assert partial[:39] == pytest.approx(cold[:39], abs=1e-4)
     assert echo[0] is None and echo[1:] == pytest.approx(cold, abs=1e-4)

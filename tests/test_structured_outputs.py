@@ -24,7 +24,6 @@ import pytest
 from openai import AsyncOpenAI
 from pydantic import BaseModel
 
-from conftest import pp2_server
 from zpp import LLM, SamplingParams, StructuredOutputsParams as SO
 from zpp.engine.async_engine import RequestError
 from zpp.sampling_params import SamplingParamsError
@@ -276,10 +275,8 @@ WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(demo_model):
-    srv = pp2_server(demo_model)
-    yield srv
-    srv.stop()
+def server(shared_pp2_server):
+    return shared_pp2_server
 
 
 def _client(server) -> AsyncOpenAI:
