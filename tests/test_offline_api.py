@@ -139,7 +139,13 @@ def test_ctrl_c_is_quiet_and_exit_frees_workers(tiny_model, tmp_path):
         assert pids, p.stderr.read()
         time.sleep(1.0)
         os.killpg(p.pid, signal.SIGINT)
-        assert p.stdout.readline().split() == ["AGAIN", "2"]
+        line = p.stdout.readline()
+        if line.split() != ["AGAIN", "2"]:  # keep what the script said (seen once in CI: EOF after 81 s)
+            try:
+                err = p.communicate(timeout=30)[1]
+            except subprocess.TimeoutExpired:
+                err = "(the script is still running)"
+            pytest.fail(f"no 'AGAIN 2' after the first Ctrl-C but {line!r}; the script's stderr:\n{err[-4000:]}")
         time.sleep(1.0)
         os.killpg(p.pid, signal.SIGINT)
         out, err = p.communicate(timeout=30)
