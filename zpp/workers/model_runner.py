@@ -199,9 +199,10 @@ class ModelRunner:
         seqs = [self.seqs[c.req_id] for c in batch.chunks]
         starts = [c.start for c in batch.chunks]
         q_lens = [c.num_tokens for c in batch.chunks]
-        for c, s in zip(batch.chunks, seqs):
-            if c.sample:
-                s.sample_end = c.start + c.num_tokens
+        if self.async_scheduling:  # the token before the sampled one may be on the device only
+            for c, s in zip(batch.chunks, seqs):
+                if c.sample:
+                    s.sample_end = c.start + c.num_tokens
         T = sum(q_lens)
         B = len(seqs)
         if (self.graphs is not None and T == B and self.graphs.bucket(B) is not None
@@ -213,10 +214,11 @@ class ModelRunner:
             ids = [t for c, s, st, n in zip(batch.chunks, seqs, starts, q_lens)
                    for t in ((0,) if c.from_prev else s.token_ids[st:st + n])]
             input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-            offsets = np.cumsum([0] + q_lens[:-1]).tolist()
-            for src, dst, rows in self._prev_sources(batch, offsets):
-                input_ids[torch.tensor(dst).to(self.device, non_blocking=True)] = \
-                    src[torch.tensor(rows).to(self.device, non_blocking=True)]
+            if self.async_scheduling:  # from_prev chunks: their token is on the device
+                offsets = np.cumsum([0] + q_lens[:-1]).tolist()
+                for src, dst, rows in self._prev_sources(batch, offsets):
+                    input_ids[torch.tensor(dst).to(self.device, non_blocking=True)] = \
+                        src[torch.tensor(rows).to(self.device, non_blocking=True)]
         meta = build_attention_metadata(starts, q_lens, [s.block_ids for s in seqs], self.block_size,
                                         self.device, self.group)
         positions = positions.to(self.device, non_blocking=True)
@@ -255,7 +257,7 @@ class ModelRunner:
         if not self.stage.is_first:
             acts = self._recv_acts((self.model.num_acts, B, self.model.hidden_size))
         t0 = self._begin()
-        prev = self._prev_sources(batch, range(B)) if self.stage.is_first else []
+        prev = self._prev_sources(batch, range(B)) if self.stage.is_first and self.async_scheduling else []
         out = self.graphs.run(B, ids, pos, slots, bt, acts, prev)
         if not self.stage.is_last:
             self._end(t0)
