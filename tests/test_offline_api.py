@@ -111,6 +111,37 @@ def test_del_frees_workers(tiny_model):
     assert _wait_gone(pids) == []
 
 
+_SCRIPT_OTHER_THREAD = textwrap.dedent("""
+    import signal, sys, threading, time
+    from zpp import LLM, SamplingParams
+    llm = LLM(sys.argv[1], kv_cache_memory="16MiB")
+    loop_thread = llm._runtime.thread.ident
+    # The kernel may hand a process-wide SIGINT to any thread; send it to the engine loop's thread.
+    threading.Timer(1.0, signal.pthread_kill, (loop_thread, signal.SIGINT)).start()
+    t = time.monotonic()
+    try:
+        llm.generate(["Hello"] * 2, SamplingParams(max_tokens=3000, ignore_eos=True), use_tqdm=False)
+        print("FINISHED", flush=True)
+    except KeyboardInterrupt:
+        print("INTERRUPTED", round(time.monotonic() - t, 1), flush=True)
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    print("AGAIN", len(out[0].outputs[0].token_ids), flush=True)
+""")
+
+
+def test_ctrl_c_delivered_to_another_thread_still_interrupts(tiny_model, tmp_path):
+    """A Ctrl-C the kernel hands to a thread other than the main one (seen in CI: generate() ran to
+    its end and the KeyboardInterrupt surfaced later) still aborts generate() within a second."""
+    script = tmp_path / "script.py"
+    script.write_text(_SCRIPT_OTHER_THREAD)
+    out = subprocess.run([sys.executable, str(script), tiny_model], capture_output=True, text=True,
+                         timeout=240)
+    lines = out.stdout.split("\n")
+    assert lines[0].split()[0] == "INTERRUPTED", (out.stdout, out.stderr[-3000:])
+    assert float(lines[0].split()[1]) < 3.0, out.stdout
+    assert lines[1] == "AGAIN 2", (out.stdout, out.stderr[-3000:])
+
+
 _SCRIPT = textwrap.dedent("""
     import sys
     from zpp import LLM, SamplingParams

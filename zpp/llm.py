@@ -6,6 +6,7 @@ prompt at once (continuous batching across them) and returns the finished output
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 import weakref
@@ -228,6 +229,9 @@ class LLM:
         self.shutdown()
 
 
+_WAKE_S = 0.1  # how often a waiting main thread wakes to run signal handlers (Ctrl-C)
+
+
 class _Runtime:
     """The private event loop (in a daemon thread) and the engine on it. Holds no reference to the
     LLM, so that the LLM's finalizer can close it."""
@@ -251,10 +255,20 @@ class _Runtime:
 
         fut = asyncio.run_coroutine_threadsafe(run(), self.loop)
         try:
-            return fut.result()
+            # Wait in short slices: the kernel may hand a Ctrl-C to any thread (the loop's, a
+            # worker-watch thread...), and then only a main thread that wakes up runs Python's
+            # handler; an untimed wait would sleep through it until generate() ended by itself.
+            while True:
+                try:
+                    return fut.result(timeout=_WAKE_S)
+                except concurrent.futures.TimeoutError:
+                    if fut.done():  # the coroutine itself raised TimeoutError
+                        raise
         except KeyboardInterrupt:
             fut.cancel()
-            done.wait(10)
+            deadline = time.monotonic() + 10
+            while not done.wait(_WAKE_S) and time.monotonic() < deadline:
+                pass
             raise KeyboardInterrupt from None
 
     def close(self) -> None:
