@@ -113,6 +113,7 @@ def test_del_frees_workers(tiny_model):
 
 _SCRIPT_OTHER_THREAD = textwrap.dedent("""
     import signal, sys, threading, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if started with SIGINT ignored
     from zpp import LLM, SamplingParams
     llm = LLM(sys.argv[1], kv_cache_memory="16MiB")
     loop_thread = llm._runtime.thread.ident
@@ -143,7 +144,8 @@ def test_ctrl_c_delivered_to_another_thread_still_interrupts(tiny_model, tmp_pat
 
 
 _SCRIPT = textwrap.dedent("""
-    import sys
+    import signal, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if started with SIGINT ignored
     from zpp import LLM, SamplingParams
     llm = LLM(sys.argv[1], kv_cache_memory="16MiB")
     print("PIDS", *[p.pid for p in llm.engine.executor.procs], flush=True)
