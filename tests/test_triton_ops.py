@@ -128,6 +128,11 @@ def test_silu_mul_and_gemv():
     x = torch.randn(3, 2 * 1100, device=DEV, dtype=DT)
     g, u = x.chunk(2, -1)
     assert rel_err(ops.silu_and_mul(x), torch.nn.functional.silu(g.float()) * u.float()) < TOL
-    a = torch.randn(1, 700, device=DEV, dtype=DT)
-    w = torch.randn(301, 700, device=DEV, dtype=DT)
-    assert rel_err(ops.gemv(a, w), a.float() @ w.float().t()) < TOL
+    for m, n, k, bn, bk in ((1, 301, 700, 4, 256), (3, 301, 700, 8, 128), (4, 64, 512, 4, 256), (2, 48, 256, 16, 128)):
+        a = torch.randn(m, k, device=DEV, dtype=DT)
+        w = torch.randn(n, k, device=DEV, dtype=DT)
+        b = torch.randn(n, device=DEV, dtype=DT)
+        assert rel_err(ops.gemv(a, w, block_n=bn, block_k=bk), a.float() @ w.float().t()) < TOL, (m, n, k)
+        assert rel_err(ops.gemv(a, w, b, block_n=bn, block_k=bk), a.float() @ w.float().t() + b.float()) < TOL
+    with pytest.raises(ValueError, match="at most 4"):
+        ops.gemv(torch.randn(5, 64, device=DEV, dtype=DT), torch.randn(8, 64, device=DEV, dtype=DT))

@@ -17,6 +17,7 @@ unchanged at any ``tp_size`` that divides the sliced dims.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -24,6 +25,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from zpp.transport.tensor_parallel import tp_all_reduce
+
+
+# Batch-1 decode on CUDA uses zpp's Triton GEMV instead of cuBLAS (ZPP_TRITON_GEMV=0: cuBLAS, for A/B runs).
+# Measured inside CUDA graphs on one H200 (scripts/gemv_sweep.py, Llama-3-8B shapes): 107 us per layer's
+# four products vs cuBLAS's 117 us (cuBLAS picks split-K kernels plus a reduce kernel for o and down).
+_TRITON_GEMV = os.environ.get("ZPP_TRITON_GEMV", "1") != "0"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: ``x [T, in]``, ``weight [out, in]`` -> ``[T, out]``. A single
+    CUDA token in bf16/fp16 (decode at batch 1) goes to :func:`~zpp.models.layers.triton_ops.gemv`."""
+    if (_TRITON_GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and x.stride(1) == 1 and weight.stride(1) == 1 and weight.dtype == x.dtype):
+        from zpp.models.layers.triton_ops import gemv, gemv_config
+        return gemv(x, weight, bias, **gemv_config(weight.shape[0], weight.shape[1]))
+    return F.linear(x, weight, bias)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -56,7 +73,7 @@ class Linear(nn.Module):
         param.data.copy_(loaded.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
@@ -150,8 +167,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = tp_all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = tp_all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
