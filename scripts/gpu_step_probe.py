@@ -2,9 +2,10 @@
 (dummy weights) behind a ModelRunner as the engine's worker does (KV cache, CUDA graphs), runs a
 prompt then decode steps through ``ModelRunner.execute`` with async-scheduling chunks
 (``from_prev``), and compares the step's device time with a bare graph replay; then prints the
-kernels of a few steps from torch.profiler.
+kernels of a few steps from torch.profiler. With a batch size B > 1: B requests of 256-token
+prompts (prefilled 32 per micro-batch), then decode steps of all B (the 1000 x 256/256 shape).
 
-    python scripts/gpu_step_probe.py scripts/configs/llama3-8b [num_kv_blocks]
+    python scripts/gpu_step_probe.py scripts/configs/llama3-8b [num_kv_blocks [B]]
 """
 import json
 import sys
@@ -19,6 +20,7 @@ from zpp.workers.model_runner import ModelRunner, PendingResult
 
 cfg_dir = sys.argv[1]
 num_blocks = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
+B = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 cfg = json.load(open(f"{cfg_dir}/config.json"))
 dev = torch.device("cuda")
 max_len = int(cfg.get("max_position_embeddings", 4096))
@@ -26,7 +28,52 @@ model = load_stage_model(cfg_dir, cfg, StageInfo(0, 1, 0, cfg["num_hidden_layers
                          "dummy")
 r = ModelRunner(model, dev, torch.bfloat16, 16, None, {0}, async_scheduling=True)
 r.init_kv_cache(num_blocks)
-r.capture_graphs(max_len, 256)
+r.capture_graphs(max_len, max(256, B))
+if B > 1:
+    sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    L, per = 256, 20  # prompt tokens, KV blocks per request (room for 64 decodes)
+    ids = [f"r{i}" for i in range(B)]
+    for j in range(0, B, 32):
+        part = ids[j:j + 32]
+        res = r.execute(m.ExecuteBatch(j, [m.ScheduledChunk(q, 0, L, True) for q in part],
+                                       new_reqs=[m.NewRequest(q, list(range(1000 + k, 1000 + k + L)), L,
+                                                              list(range(int(q[1:]) * per, (int(q[1:]) + 1) * per)), sp)
+                                                 for k, q in enumerate(part)]))
+        res = res.finish(r) if isinstance(res, PendingResult) else res
+    pos = L
+    bid = [10_000]
+
+    def dstep():
+        global pos
+        bid[0] += 1
+        out = r.execute(m.ExecuteBatch(bid[0], [m.ScheduledChunk(q, pos, 1, True, False, True) for q in ids]))
+        pos += 1
+        return out
+    for i in range(5):
+        dstep()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for i in range(20):
+        dstep()
+    e.record()
+    torch.cuda.synchronize()
+    print(f"ModelRunner.execute decode step, batch {B} (from_prev, greedy): {s.elapsed_time(e) / 20:.3f} ms/step "
+          f"at context ~{pos}")
+    g = r.graphs
+    s.record()
+    for i in range(20):
+        g.graphs[g.bucket(B)].replay()
+    e.record()
+    torch.cuda.synchronize()
+    print(f"bare graph replay, batch {B} (bucket {g.bucket(B)}): {s.elapsed_time(e) / 20:.3f} ms/step")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(3):
+            dstep()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    sys.exit(0)
+
 sp = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
 prompt = list(range(1000, 1128))
 blocks = list(range(64))

@@ -259,9 +259,15 @@ def test_peer_without_keys_is_refused_and_logged(two_hosts, demo_model):
                           stderr=subprocess.PIPE, text=True)
         assert _result(p, timeout=30) is False, "a peer without keys got an answer"
         deadline = time.monotonic() + 5
-        while "refused a control-plane connection from " + h.node_ip not in s.output():
+        while "refused a control-plane connection from " not in s.output():
             assert time.monotonic() < deadline, s.output()[-3000:]
             time.sleep(0.1)
+        # The peer is named when its connection is still open when the monitor thread asks (ZeroMQ's
+        # event carries only the file descriptor): on a loaded machine it may be gone already.
+        for t in s.output().splitlines():
+            if "refused a control-plane connection from " in t:
+                peer = t.split("refused a control-plane connection from ")[1].split(" on ")[0]
+                assert peer.startswith(h.node_ip + ":") or peer == "an unknown peer", t
         after = s.request({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
         assert after["choices"][0]["text"] == before["choices"][0]["text"]
         assert s.proc.poll() is None

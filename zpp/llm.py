@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import threading
 import time
 import weakref
@@ -17,6 +18,7 @@ import torch
 from zpp import config as _config
 from zpp.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, parse_size,
                         resolve_device)
+from zpp.workers.worker import freeze_gc
 from zpp.outputs import RequestOutput
 from zpp.sampling_params import SamplingParams
 
@@ -114,6 +116,8 @@ class LLM:
             runtime.close()
             raise
         self._runtime = runtime
+        freeze_gc()  # the engine's loop runs in this process: keep full collections short (see freeze_gc)
+        runtime.froze_gc = True
         # Holds no reference to self: runs on shutdown(), on garbage collection or at exit.
         self._finalizer = weakref.finalize(self, runtime.close)
 
@@ -238,6 +242,7 @@ class _Runtime:
 
     def __init__(self):
         self.engine = None
+        self.froze_gc = False
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="zpp-engine-loop", daemon=True)
         self.thread.start()
@@ -273,6 +278,9 @@ class _Runtime:
 
     def close(self) -> None:
         """Stop the engine (and its workers), cancel what is left on the loop, stop and close it."""
+        if self.froze_gc:  # what start-up froze may be collected again
+            self.froze_gc = False
+            gc.unfreeze()
         if threading.current_thread() is self.thread:  # collected on the loop thread itself
             self.loop.create_task(self._close()).add_done_callback(lambda _: self.loop.stop())
             return

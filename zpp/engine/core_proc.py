@@ -87,6 +87,8 @@ class _CoreServer:
             try:
                 self.core = await EngineCore.start(self.config, self.eos_token_ids, self._emit, self._on_dead)
                 self.ready = cm.CoreReady(self.core.kv.num_blocks, self.config.cache.block_size, self.core.depth)
+                from zpp.workers.worker import freeze_gc
+                freeze_gc()
             except (ConfigError, ValueError) as e:  # e.g. --num-kv-blocks that does not fit
                 self.ready, self.status = cm.CoreFailed("config", str(e)), 1
             except WorkerDiedError as e:

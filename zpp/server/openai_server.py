@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Optional
 from aiohttp import web
 
 import zpp
+from zpp.workers.worker import freeze_gc
 from zpp.config import ConfigError
 from zpp.engine.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestError
 from zpp.outputs import CompletionOutput, RequestOutput
@@ -883,6 +884,7 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
     """
     template = load_chat_template(chat_template)
     engine = await AsyncEngine.start(config, in_process=False)
+    freeze_gc()
     extra: list = []
     try:
         if api_server_count > 1:
@@ -1006,6 +1008,7 @@ def _front_end_main(config_bytes: bytes, core_address: str, index: int, args_jso
 
     async def main() -> int:
         engine = await AsyncEngine.start(config, in_process=False, core_address=core_address, front_end_index=index)
+        freeze_gc()
         return await _run_front_end(engine, config, a["host"], a["port"], a["api_key"], a["template"], None,
                                     reuse_port=True, owner=False, **a["options"])
     sys.exit(asyncio.run(main()))

@@ -28,6 +28,14 @@ from zpp.workers.sampler import Sampler, SeqState, apply_allowed, token_logprobs
 logger = logging.getLogger(__name__)
 
 
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """``int64[len(values)]`` on ``device`` without waiting for the GPU: ``torch.tensor(v, device=...)``
+    copies with ``non_blocking=False``, which synchronizes the stream, so the worker's host would wait
+    for the forward pass just launched (a prefill micro-batch then ran ~190 ms before the next one
+    was even launched)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
 class PendingResult:
     """A last-stage result still on the GPU: token ids copied to pinned memory asynchronously.
     ``finish(runner)`` waits for them and builds the StepResult."""
@@ -237,7 +245,8 @@ class ModelRunner:
             return None
         result = self._sample(batch, seqs, out)
         self._end(t0)
-        result.busy_s, result.idle_s = self.busy_s, self.idle_s
+        if not isinstance(result, PendingResult):
+            result.busy_s, result.idle_s = self.busy_s, self.idle_s
         return result
 
     def _execute_graph(self, batch: m.ExecuteBatch, seqs: list[SeqState], starts: list[int]):
@@ -268,20 +277,11 @@ class ModelRunner:
             return None
         rows = [i for i, c in enumerate(batch.chunks) if c.sample]
         if len(rows) < B:
-            out = out[torch.tensor(rows, device=out.device)]
+            out = out[_index(rows, out.device)]
         row_seqs = [seqs[i] for i in rows]
         allowed = self._allowed(batch, out.shape[1])
         if self.sampler.plain_greedy(row_seqs):
-            apply_allowed(out, allowed)
-            # Leave the GPU running: the worker finishes this result after launching the next batch.
-            # Two pinned buffers, alternating: at most one result is pending while the next is made.
-            self._pin_idx ^= 1
-            if self._pinned[self._pin_idx].shape[0] < len(rows):
-                self._pinned[self._pin_idx] = torch.empty(max(len(rows), 1024), dtype=torch.int64, pin_memory=True)
-            tokens = out.argmax(dim=-1)
-            self._keep_sampled(batch, rows, tokens)
-            pending = PendingResult(batch.batch_id, [batch.chunks[i].req_id for i in rows], tokens,
-                                    self._pinned[self._pin_idx])
+            pending = self._greedy_pending(batch, rows, out, allowed)
             self._end(t0)
             return pending
         keep = [] if self.async_scheduling else None
@@ -291,6 +291,20 @@ class ModelRunner:
         sampled = [m.SampledOutput(batch.chunks[i].req_id, tok, lp) for i, tok, lp in zip(rows, tokens, lps)]
         self._end(t0)
         return m.StepResult(batch.batch_id, sampled, busy_s=self.busy_s, idle_s=self.idle_s)
+
+    def _greedy_pending(self, batch: m.ExecuteBatch, rows: list[int], logits: torch.Tensor, allowed) -> PendingResult:
+        """Plain greedy rows (CUDA): argmax on the device and leave the GPU running; the worker
+        finishes this result after launching the next batch. ``rows``: chunk indices of the sampled
+        rows, ``logits [len(rows), V]`` in that order. Two pinned buffers, alternating: at most one
+        result is pending while the next is made."""
+        apply_allowed(logits, allowed)
+        self._pin_idx ^= 1
+        if self._pinned[self._pin_idx].shape[0] < len(rows):
+            self._pinned[self._pin_idx] = torch.empty(max(len(rows), 1024), dtype=torch.int64, pin_memory=True)
+        tokens = logits.argmax(dim=-1)
+        self._keep_sampled(batch, rows, tokens)
+        return PendingResult(batch.batch_id, [batch.chunks[i].req_id for i in rows], tokens,
+                             self._pinned[self._pin_idx])
 
     # --- async scheduling ----------------------------------------------------------------------
     def _keep_sampled(self, batch: m.ExecuteBatch, rows, tokens: torch.Tensor) -> None:
@@ -379,7 +393,7 @@ class ModelRunner:
         if not batch.grammar_rows:
             return None
         pos = {ci: k for k, ci in enumerate(i for i, c in enumerate(batch.chunks) if c.sample)}
-        rows = torch.tensor([pos[ci] for ci in batch.grammar_rows], dtype=torch.int64, device=self.device)
+        rows = _index([pos[ci] for ci in batch.grammar_rows], self.device)
         staging = None
         if self.device.type == "cuda":
             self._mask_idx ^= 1
@@ -408,12 +422,16 @@ class ModelRunner:
             offset += c.num_tokens
         if not rows:
             return m.StepResult(batch.batch_id, [])
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])  # [N, V]
+        logits = self.model.compute_logits(hidden[_index(rows, hidden.device)])  # [N, V]
 
         sampled: list[m.SampledOutput] = []
         sample_chunks = [c for c in batch.chunks if c.sample]
         if sample_rows:
             sample_seqs = [self.seqs[c.req_id] for c in sample_chunks]
+            if not plp_spans and self.device.type == "cuda" and self.sampler.plain_greedy(sample_seqs):
+                # No host round trip for a prefill (or mixed) batch either: the next one is launched first.
+                return self._greedy_pending(batch, [i for i, c in enumerate(batch.chunks) if c.sample], logits,
+                                            self._allowed(batch, logits.shape[1]))
             keep = [] if self.async_scheduling else None
             tokens, lps = self.sampler(logits[sample_rows], sample_seqs, self.eos_token_ids,
                                        self._allowed(batch, logits.shape[1]), keep)

@@ -43,6 +43,16 @@ def watch_parent(poll_s: float = 0.5) -> None:
     threading.Thread(target=loop, name="zpp-parent-watch", daemon=True).start()
 
 
+def freeze_gc() -> None:
+    """Collect once, then move every object alive now (modules, weights' wrappers, CUDA graphs'
+    Python state...) out of the cyclic garbage collector's reach (``gc.freeze``), as vLLM does after
+    start-up: a full collection otherwise walks them all, which stalled a worker ~90 ms a few times
+    per run at 1000 running requests (seen as GPU gaps in a ``ZPP_TRACE`` timeline)."""
+    import gc
+    gc.collect()
+    gc.freeze()
+
+
 def worker_main(engine_address: str, rank: int, keys, log_level: int = logging.INFO) -> None:
     """Entry point of a worker process. Exits with status 0 on Shutdown, 1 on any error.
 
@@ -79,6 +89,7 @@ def worker_main(engine_address: str, rank: int, keys, log_level: int = logging.I
         _start_heartbeat(engine_address, rank, keys, activity)
         runner = _setup(init, sock)
         runner.activity = activity
+        freeze_gc()
         _serve(runner, sock, init)
     except SystemExit:
         raise

@@ -201,14 +201,13 @@ class Attention(nn.Module):
         v = v.view(T, Hk, D)
         if meta.triton and kv_cache is not None:
             from zpp.models.layers import triton_ops
-            if rotary is not None:
-                q = q.contiguous()
+            if rotary is not None:  # q stays a strided view of the qkv output: rotated in place there
                 triton_ops.rope_and_cache(q, k, v, positions, rotary.cos, rotary.sin, kv_cache[0], kv_cache[1],
                                           meta.slot_mapping)
             else:
                 kv_cache[0].view(-1, Hk, D).index_copy_(0, meta.slot_mapping, k)
                 kv_cache[1].view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v)
-            out = torch.empty_like(q)
+            out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
             splits = triton_ops.decode_splits(meta.seq_lens.shape[0], Hk) if meta.decode_only else 1
             triton_ops.paged_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables, meta.seq_lens,
                                        meta.query_start, meta.tile_seq, meta.tile_qstart, self.scale, meta.block_m,
