@@ -190,3 +190,38 @@ def test_ctrl_c_is_quiet_and_exit_frees_workers(tiny_model, tmp_path):
         assert noise not in err, err
     assert err.strip().splitlines()[-1] == "KeyboardInterrupt", err
     assert _wait_gone(pids, 5) == []
+
+
+def test_send_to_a_dead_worker_names_it(tiny_model):
+    """A micro-batch sent to a worker that died before the process watcher noticed (seen once in CI:
+    the engine failed with "ZMQError('Host unreachable')") fails the engine with the watcher's message:
+    which stage, which process, how it ended."""
+    import asyncio
+    from zpp.engine.executor import WorkerDiedError
+    from zpp.transport import messages as m
+    llm = LLM(tiny_model, kv_cache_memory="16MiB", max_model_len=256)
+    ex = llm.engine.executor
+    real_loop = ex._loop
+
+    class _Muted:  # the process watcher reports through the loop: mute it, so only send() can notice
+        def call_soon_threadsafe(self, *args):
+            pass
+    try:
+        ex._loop = _Muted()
+        p = ex.procs[0]
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+
+        async def send_until_refused():
+            for i in range(200):  # ZeroMQ drops the connection a moment after the process is gone
+                try:
+                    ex.send(m.ExecuteBatch(10_000 + i, []))
+                except WorkerDiedError as e:
+                    return str(e)
+                await asyncio.sleep(0.05)
+            return None
+        msg = llm._call(send_until_refused())
+        assert msg is not None and "stage 0 (rank 0)" in msg and "was killed by SIGKILL" in msg, msg
+    finally:
+        ex._loop = real_loop
+        llm.shutdown()

@@ -26,7 +26,7 @@ import msgspec
 from zpp.config import EngineConfig, cpu_threads_per_worker
 from zpp.models.partition import AUTO, balanced_partition, partition_layers, stage_times
 from zpp.transport import messages as m
-from zpp.transport.channels import EngineSocket, local_ipc_address, tcp_address
+from zpp.transport.channels import EngineSocket, PeerUnreachable, local_ipc_address, tcp_address
 from zpp.trace import Trace
 from zpp.transport.p2p import serve_rendezvous_store
 from zpp.transport.security import RunKeys, keys_for_run
@@ -299,15 +299,19 @@ class Executor:
         if not self.inflight:  # the pipeline was idle: the stall clock starts now
             self.last_progress = now
         self.inflight[batch.batch_id] = now
-        if not grammar_rows:
-            self.socket.send_bytes(range(self.world), m.encode(batch))
-        else:
-            result_rank = (self.pp - 1) * self.tp
-            others = [r for r in range(self.world) if r != result_rank]
-            if others:
-                self.socket.send_bytes(others, m.encode(batch))
-            self.socket.send_bytes([result_rank], m.encode(msgspec.structs.replace(
-                batch, grammar_rows=list(grammar_rows), grammar_bitmask=grammar_bitmask)))
+        try:
+            if not grammar_rows:
+                self.socket.send_bytes(range(self.world), m.encode(batch))
+            else:
+                result_rank = (self.pp - 1) * self.tp
+                others = [r for r in range(self.world) if r != result_rank]
+                if others:
+                    self.socket.send_bytes(others, m.encode(batch))
+                self.socket.send_bytes([result_rank], m.encode(msgspec.structs.replace(
+                    batch, grammar_rows=list(grammar_rows), grammar_bitmask=grammar_bitmask)))
+        except PeerUnreachable as e:  # it died before the process watcher noticed: name it the same way
+            self._fail(self._death_of(e.rank))
+            raise WorkerDiedError(self.dead) from None
         self.trace.mark("sent", batch.batch_id)
 
     async def next_result(self) -> Optional[m.StepResult]:
@@ -423,19 +427,28 @@ class Executor:
             ready = mp_wait(list(sentinels), timeout=0.5) if sentinels else time.sleep(0.5) or []
             for s in ready:
                 p = sentinels.pop(s)
-                p.join(1.0)  # the sentinel fires before the exit code is collected
                 if not self._stopping:
-                    rank = int(p.name.rsplit("-", 1)[1])
-                    code = p.exitcode
-                    how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 \
-                        and -code in signal.valid_signals() else f"exited with code {code}"
-                    msg = f"{self.describe_rank(rank)}: its worker process (pid {p.pid}) {how}"
+                    msg = self._death_of(int(p.name.rsplit("-", 1)[1]))
                     self._loop.call_soon_threadsafe(self._fail, msg)
             if self.nodes is not None and not self._stopping:
                 err = self.nodes.poll()
                 if err:
                     self._loop.call_soon_threadsafe(self._fail, err)
                     return
+
+    def _death_of(self, rank: int) -> str:
+        """Why ``rank`` is gone: its local process's exit (waited for up to 1 s: the sentinel, or a
+        dropped connection, comes before the exit code is collected), else its lost connection."""
+        for p in self.procs:
+            if p.name.rsplit("-", 1)[1] == str(rank):
+                p.join(1.0)
+                code = p.exitcode
+                if code is None:
+                    return f"{self.describe_rank(rank)}: its worker process (pid {p.pid}) closed its connection to the engine"
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
+                    else f"exited with code {code}"
+                return f"{self.describe_rank(rank)}: its worker process (pid {p.pid}) {how}"
+        return f"{self.describe_rank(rank)}: its connection to the engine closed (its process or its host died)"
 
     def _fail(self, reason: str) -> None:
         if self.dead or self._stopping:

@@ -41,6 +41,14 @@ def identity(rank: int, kind: str = "rank") -> bytes:
     return f"{kind}{rank}".encode()
 
 
+class PeerUnreachable(ConnectionError):
+    """A send to a worker whose connection to the engine is gone (its process died, or its host)."""
+
+    def __init__(self, rank: int):
+        super().__init__(f"rank {rank} is not connected")
+        self.rank = rank
+
+
 class EngineSocket:
     """The engine's ROUTER: sends ToWorker messages to ranks, receives FromWorker messages.
 
@@ -84,12 +92,19 @@ class EngineSocket:
         self.send_bytes([rank], m.encode(msg))
 
     def send_bytes(self, ranks, payload: bytes) -> None:
-        """Send one encoded frame to several ranks (encode once, fan out)."""
+        """Send one encoded frame to several ranks (encode once, fan out).
+
+        Raises:
+            PeerUnreachable: a rank's connection is gone (ZeroMQ's EHOSTUNREACH).
+        """
         for r in ranks:
             # ROUTER sends never block with the default HWM; NOBLOCK turns an unknown peer into an error.
             fut = self.sock.send_multipart([identity(r), payload], flags=zmq.NOBLOCK, copy=False)
             if fut.done() and fut.exception() is not None:
-                raise fut.exception()
+                e = fut.exception()
+                if isinstance(e, zmq.ZMQError) and e.errno == zmq.EHOSTUNREACH:
+                    raise PeerUnreachable(r) from e
+                raise e
 
     async def recv(self, timeout_s: Optional[float] = None) -> tuple[int, m.FromWorker]:
         """Next message from any worker: (rank, message).
