@@ -221,12 +221,11 @@ class ModelRunner:
         if self.stage.is_first:
             ids = [t for c, s, st, n in zip(batch.chunks, seqs, starts, q_lens)
                    for t in ((0,) if c.from_prev else s.token_ids[st:st + n])]
-            input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            input_ids = _index(ids, self.device)
             if self.async_scheduling:  # from_prev chunks: their token is on the device
                 offsets = np.cumsum([0] + q_lens[:-1]).tolist()
                 for src, dst, rows in self._prev_sources(batch, offsets):
-                    input_ids[torch.tensor(dst).to(self.device, non_blocking=True)] = \
-                        src[torch.tensor(rows).to(self.device, non_blocking=True)]
+                    input_ids[_index(dst, self.device)] = src[_index(rows, self.device)]
         meta = build_attention_metadata(starts, q_lens, [s.block_ids for s in seqs], self.block_size,
                                         self.device, self.group)
         positions = positions.to(self.device, non_blocking=True)
