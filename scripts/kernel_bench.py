@@ -118,3 +118,34 @@ if len(sys.argv) > 1 and sys.argv[1] == "attn":
                 return F.linear(x, ws[j[0]])
             t = triton.testing.do_bench(g, warmup=25, rep=100, return_mode="median") * 1000
             print(f"{name:8} {M:5d} x {n:6d} x {k:5d}  {t:8.1f} {2 * M * n * k / t / 1e6:8.0f}")
+
+# --- mixed micro-batches (python scripts/kernel_bench.py mixed) -------------------------------
+# Attention of one layer for a micro-batch of D decodes at context C next to P prompt chunks of L
+# tokens (the mix of the prefill phase of a 1000 x 256/256 run at an 8192-token budget): one
+# launch with the prefill tile shape for every row vs the decodes in their own launch at the decode
+# tile shape (zpp.models.layers.attention.triton_metadata_arrays, split_mixed).
+if len(sys.argv) > 1 and sys.argv[1] == "mixed":
+    from zpp.models.layers.attention import Attention, triton_metadata_arrays
+    print(f"{'mixed attention (one layer)':36} {'one launch us':>14} {'split us':>9} {'rel.diff':>9}")
+    for D, C, P, L in ((960, 290, 28, 256), (500, 270, 30, 256), (32, 257, 31, 256), (1000, 300, 1, 64)):
+        nb_d, nb_p = -(-(C + 1) // bs), -(-L // bs)
+        nblocks = D * nb_d + P * nb_p + 1
+        kv = torch.randn(2, nblocks, bs, hk, d, device=dev, dtype=torch.bfloat16)
+        perm = torch.randperm(nblocks - 1).tolist()
+        tables = [perm[i * nb_d:(i + 1) * nb_d] for i in range(D)]
+        tables += [perm[D * nb_d + i * nb_p:D * nb_d + (i + 1) * nb_p] for i in range(P)]
+        starts, q_lens = [C] * D + [0] * P, [1] * D + [L] * P
+        T = D + P * L
+        q = torch.randn(T, hq * d, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(T, hk * d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(T, hk * d, device=dev, dtype=torch.bfloat16)
+        layer = Attention(hq, d, hk)
+        res = []
+        for split in (False, True):
+            host = triton_metadata_arrays(starts, q_lens, tables, bs, hq // hk, split_mixed=split)
+            meta = host.to_device([torch.from_numpy(a).to(dev) for a in host.array_list()])
+            t = triton.testing.do_bench(lambda: layer(q, k, v, kv, meta), warmup=25, rep=200,
+                                        return_mode="median") * 1000
+            res.append((t, layer(q, k, v, kv, meta).float()))
+        diff = ((res[0][1] - res[1][1]).norm() / res[0][1].norm()).item()
+        print(f"{D:4d} decodes C {C:3d} + {P:2d} x {L:3d} prompt   {res[0][0]:14.1f} {res[1][0]:9.1f} {diff:9.1e}")

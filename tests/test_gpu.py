@@ -77,6 +77,42 @@ def test_fp32_equals_hf_exactly(small_llama):
     assert [o.outputs[0].token_ids for o in got] == [r[0] for r in ref]
 
 
+@pytest.mark.parametrize("split", ["1", "0"])
+def test_mixed_micro_batches_fp32_equal_hf(small_llama, monkeypatch, split):
+    """Prompt chunks next to decodes in one micro-batch (a 48-token budget, prompts of 1 to 120
+    tokens arriving together): the decodes attend in their own launch (ZPP_SPLIT_MIXED_ATTENTION=1,
+    the default) or share the prefill tiles (0); float32 greedy tokens equal HF's either way. Also
+    runs prompt logprobs, which take the eager path with the bf16-free upcast of the logits."""
+    from zpp import LLM, SamplingParams
+    monkeypatch.setenv("ZPP_SPLIT_MIXED_ATTENTION", split)
+    prompts = _prompts() + [p[::-1] for p in _prompts()]
+    ref = _hf_greedy_with_logprobs(small_llama, prompts, 20, torch.float32)
+    with LLM(small_llama, device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_num_seqs=16,
+             max_num_batched_tokens=48) as llm:
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+        plp = llm.generate(prompts[3], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False)[0].prompt_logprobs
+    assert [o.outputs[0].token_ids for o in got] == [r[0] for r in ref]
+    assert plp[0] is None and len(plp) == len(prompts[3])
+
+
+def test_sampling_with_cuda_graphs_equals_eager(small_llama):
+    """Seeded sampling and logprobs read float32 logits upcast from the graph's bf16 output: the
+    same tokens as eager mode."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts()
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=1.2, top_k=30, seed=1, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
+    res = {}
+    for eager in (True, False):
+        with LLM(small_llama, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
+                 enforce_eager=eager, max_num_seqs=16) as llm:
+            res[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert res[True] == res[False]
+
+
 def test_cuda_graphs_equal_eager(small_llama):
     from zpp import LLM, SamplingParams
     prompts = _prompts()  # 4 prompts: decode batches of 4 replay the batch-4 graph (same GEMM shapes)

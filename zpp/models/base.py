@@ -63,7 +63,8 @@ class StageModel(nn.Module):
         ``tie_word_embeddings_default``: HF's default when ``config.json`` omits the key;
     and implement ``forward(input_ids, positions, acts, kv_caches, meta)`` returning
     ``[num_acts, T, hidden]`` on non-last stages and the final hidden states ``[T, hidden]`` on
-    the last one, and ``compute_logits(h [N, hidden])`` -> float32 ``[N, vocab]``.
+    the last one, and ``compute_logits(h [N, hidden], upcast=True)`` -> float32 ``[N, vocab]``
+    (``upcast=False``: in the model's dtype, for argmax-only callers).
     """
 
     num_acts: int = 2

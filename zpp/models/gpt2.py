@@ -133,5 +133,5 @@ class GPT2LMHeadModel(StageModel):
             return h.unsqueeze(0)                                                  # [1, T, H]
         return self.transformer.ln_f(h)
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h)                                                     # [N, V] float32
+    def compute_logits(self, h: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        return self.lm_head(h, upcast)                                                     # [N, V] float32

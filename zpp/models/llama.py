@@ -151,8 +151,8 @@ class LlamaForCausalLM(StageModel):
         h, _ = self.model.norm(h, residual)
         return h
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h)                                         # [N, V] float32
+    def compute_logits(self, h: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        return self.lm_head(h, upcast)                                 # [N, V] float32 (upcast)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -151,5 +151,5 @@ class OPTForCausalLM(StageModel):
             h = d.project_out(h)                                               # [T, proj_dim]
         return h
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h)                                                 # [N, V] float32
+    def compute_logits(self, h: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        return self.lm_head(h, upcast)                                                 # [N, V] float32

@@ -38,7 +38,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode graphs of one stage. ``run(...)`` returns logits ``[b, V]`` on the result
+    """Captured decode graphs of one stage. ``run(...)`` returns logits ``[b, V]`` (model dtype) on the result
     rank (TP rank 0 of the last stage), the final hidden states ``[b, H]`` on the other TP ranks of
     the last stage, and activations ``[num_acts, b, H]`` elsewhere."""
 
@@ -87,8 +87,8 @@ class DecodeGraphs:
     def _forward(self, bs: int) -> torch.Tensor:
         out = self.model(self.input_ids[:bs] if self.stage.is_first else None, self.positions[:bs],
                          self.acts[:, :bs] if self.acts is not None else None, self.kv_caches, self._meta(bs))
-        if self.stage.produces_results:
-            out = self.model.compute_logits(out)
+        if self.stage.produces_results:  # in the model's dtype: the runner upcasts for anything but argmax
+            out = self.model.compute_logits(out, upcast=False)
         return out
 
     @torch.inference_mode()

@@ -13,27 +13,34 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
 from zpp.models.base import StageModel
-from zpp.models.layers.attention import build_attention_metadata
+from zpp.models.layers.attention import build_attention_metadata, triton_metadata_arrays
 from zpp.trace import Trace
 from zpp.transport import messages as m
 from zpp.transport.p2p import StageLink
 from zpp.workers.sampler import Sampler, SeqState, apply_allowed, token_logprobs, unpack_bitmask
+from zpp.workers.staging import PinnedStaging
 
 logger = logging.getLogger(__name__)
 
 
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    """``int64[len(values)]`` on ``device`` without waiting for the GPU: ``torch.tensor(v, device=...)``
-    copies with ``non_blocking=False``, which synchronizes the stream, so the worker's host would wait
-    for the forward pass just launched (a prefill micro-batch then ran ~190 ms before the next one
-    was even launched)."""
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+@dataclass
+class LogitPlan:
+    """The rows of a step's hidden states that need logits (``ModelRunner._logit_plan``).
+
+    rows: indices into the step's flat tokens ``[T]``; sample_rows: for each sampling chunk (in
+    chunk order) its index into ``rows``; plp_spans: ``(chunk index, first index into rows, count)``
+    of each prompt-logprobs chunk."""
+
+    rows: list[int]
+    sample_rows: list[int]
+    plp_spans: list[tuple[int, int, int]]
 
 
 class PendingResult:
@@ -130,6 +137,7 @@ class ModelRunner:
         self._mask_idx = 0
         self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager
         self.trace = Trace(trace_name)  # ZPP_TRACE timeline (off unless set)
+        self.staging = PinnedStaging(device)  # a step's index arrays -> device, never blocking the host
         self._batch_id = -1
 
     # --- KV cache -----------------------------------------------------------------------------
@@ -216,19 +224,43 @@ class ModelRunner:
         if (self.graphs is not None and T == B and self.graphs.bucket(B) is not None
                 and not any(c.prompt_logprobs for c in batch.chunks)):
             return self._execute_graph(batch, seqs, starts)
-        positions = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in zip(starts, q_lens)])
+        # Every index array of the step goes to the device in one pinned upload, before the
+        # forward is queued (see zpp/workers/staging.py): positions, input ids, the rows fed from
+        # tokens sampled on the device, the rows whose logits are needed, attention metadata.
+        st = np.asarray(starts, dtype=np.int64)
+        ql = np.asarray(q_lens, dtype=np.int64)
+        offsets = np.cumsum(ql) - ql
+        host = [np.arange(T, dtype=np.int64) + np.repeat(st - offsets, ql)]  # positions [T]
+        prev = []
+        if self.stage.is_first:
+            host.append(np.fromiter((t for c, s, a, n in zip(batch.chunks, seqs, starts, q_lens)
+                                     for t in ((0,) if c.from_prev else s.token_ids[a:a + n])),
+                                    dtype=np.int64, count=T))
+            if self.async_scheduling:  # from_prev chunks: their token is on the device
+                prev = self._prev_sources(batch, offsets.tolist())
+                for _, dst, rows in prev:
+                    host += [np.asarray(dst, dtype=np.int64), np.asarray(rows, dtype=np.int64)]
+        plan = self._logit_plan(batch, seqs) if self.stage.produces_results else None
+        if plan is not None and plan.rows:
+            host.append(np.asarray(plan.rows, dtype=np.int64))
+        tables = [s.block_ids for s in seqs]
+        tmeta = None
+        if self.device.type == "cuda":
+            tmeta = triton_metadata_arrays(starts, q_lens, tables, self.block_size, self.group)
+            host += tmeta.array_list()
+        dev = self.staging.upload(host)
+        positions, i = dev[0], 1
         input_ids = None
         if self.stage.is_first:
-            ids = [t for c, s, st, n in zip(batch.chunks, seqs, starts, q_lens)
-                   for t in ((0,) if c.from_prev else s.token_ids[st:st + n])]
-            input_ids = _index(ids, self.device)
-            if self.async_scheduling:  # from_prev chunks: their token is on the device
-                offsets = np.cumsum([0] + q_lens[:-1]).tolist()
-                for src, dst, rows in self._prev_sources(batch, offsets):
-                    input_ids[_index(dst, self.device)] = src[_index(rows, self.device)]
-        meta = build_attention_metadata(starts, q_lens, [s.block_ids for s in seqs], self.block_size,
-                                        self.device, self.group)
-        positions = positions.to(self.device, non_blocking=True)
+            input_ids, i = dev[1], 2
+            for src, _, _ in prev:
+                input_ids[dev[i]] = src[dev[i + 1]]
+                i += 2
+        logit_rows = None
+        if plan is not None and plan.rows:
+            logit_rows, i = dev[i], i + 1
+        meta = tmeta.to_device(dev[i:]) if tmeta is not None else build_attention_metadata(
+            starts, q_lens, tables, self.block_size, self.device, self.group)
 
         acts = None
         if not self.stage.is_first:  # time blocked on the previous stage is not busy time
@@ -242,7 +274,7 @@ class ModelRunner:
         if not self.stage.produces_results:  # a last-stage TP rank > 0: forward only
             self._end(t0)
             return None
-        result = self._sample(batch, seqs, out)
+        result = self._sample(batch, seqs, out, plan, logit_rows)
         self._end(t0)
         if not isinstance(result, PendingResult):
             result.busy_s, result.idle_s = self.busy_s, self.idle_s
@@ -264,6 +296,8 @@ class ModelRunner:
         acts = None
         if not self.stage.is_first:
             acts = self._recv_acts((self.model.num_acts, B, self.model.hidden_size))
+        rows = [i for i, c in enumerate(batch.chunks) if c.sample] if self.stage.produces_results else []
+        rows_dev = self.staging.upload([np.asarray(rows, dtype=np.int64)])[0] if 0 < len(rows) < B else None
         t0 = self._begin()
         prev = self._prev_sources(batch, range(B)) if self.stage.is_first and self.async_scheduling else []
         out = self.graphs.run(B, ids, pos, slots, bt, acts, prev)
@@ -274,17 +308,19 @@ class ModelRunner:
         if not self.stage.produces_results:
             self._end(t0)
             return None
-        rows = [i for i, c in enumerate(batch.chunks) if c.sample]
-        if len(rows) < B:
-            out = out[_index(rows, out.device)]
+        if not rows:
+            self._end(t0)
+            return m.StepResult(batch.batch_id, [], busy_s=self.busy_s, idle_s=self.idle_s)
+        if rows_dev is not None:
+            out = out[rows_dev]
         row_seqs = [seqs[i] for i in rows]
         allowed = self._allowed(batch, out.shape[1])
-        if self.sampler.plain_greedy(row_seqs):
+        if self.sampler.plain_greedy(row_seqs):  # the graph's logits are bf16: argmax needs no upcast
             pending = self._greedy_pending(batch, rows, out, allowed)
             self._end(t0)
             return pending
         keep = [] if self.async_scheduling else None
-        tokens, lps = self.sampler(out, row_seqs, self.eos_token_ids, allowed, keep)
+        tokens, lps = self.sampler(out.float(), row_seqs, self.eos_token_ids, allowed, keep)
         if keep:
             self._keep_sampled(batch, rows, keep[0])
         sampled = [m.SampledOutput(batch.chunks[i].req_id, tok, lp) for i, tok, lp in zip(rows, tokens, lps)]
@@ -392,7 +428,7 @@ class ModelRunner:
         if not batch.grammar_rows:
             return None
         pos = {ci: k for k, ci in enumerate(i for i, c in enumerate(batch.chunks) if c.sample)}
-        rows = _index([pos[ci] for ci in batch.grammar_rows], self.device)
+        rows = self.staging.upload([np.asarray([pos[ci] for ci in batch.grammar_rows], dtype=np.int64)])[0]
         staging = None
         if self.device.type == "cuda":
             self._mask_idx ^= 1
@@ -402,26 +438,32 @@ class ModelRunner:
             staging = self._mask_pinned[self._mask_idx]
         return rows, unpack_bitmask(batch.grammar_bitmask, len(batch.grammar_rows), vocab_size, self.device, staging)
 
-    def _sample(self, batch: m.ExecuteBatch, seqs: list[SeqState], hidden: torch.Tensor) -> m.StepResult:
-        rows: list[int] = []        # hidden rows whose logits are needed
-        sample_rows: list[int] = []  # index into rows
-        plp_spans: list[tuple[int, int, int]] = []  # (chunk index, first row in rows, count)
+    def _logit_plan(self, batch: m.ExecuteBatch, seqs: list[SeqState]) -> "LogitPlan":
+        """Which hidden rows of the step need logits: the last row of each sampling chunk, and the
+        rows of prompt-logprob chunks (position p predicts token p + 1; prompt tokens only)."""
+        plan = LogitPlan([], [], [])
         offset = 0
         for ci, c in enumerate(batch.chunks):
             s = seqs[ci]
             if c.prompt_logprobs:
-                # Position p predicts token p + 1; only prompt tokens get prompt logprobs.
                 n = max(0, min(c.start + c.num_tokens, s.num_prompt_tokens - 1) - c.start)
                 if n:
-                    plp_spans.append((ci, len(rows), n))
-                    rows.extend(range(offset, offset + n))
+                    plan.plp_spans.append((ci, len(plan.rows), n))
+                    plan.rows.extend(range(offset, offset + n))
             if c.sample:
-                sample_rows.append(len(rows))
-                rows.append(offset + c.num_tokens - 1)
+                plan.sample_rows.append(len(plan.rows))
+                plan.rows.append(offset + c.num_tokens - 1)
             offset += c.num_tokens
-        if not rows:
+        return plan
+
+    def _sample(self, batch: m.ExecuteBatch, seqs: list[SeqState], hidden: torch.Tensor, plan: "LogitPlan",
+                logit_rows: Optional[torch.Tensor]) -> m.StepResult:
+        """Logits of ``plan``'s rows (``logit_rows``: the same indices, on the device), then sampling
+        and prompt logprobs."""
+        sample_rows, plp_spans = plan.sample_rows, plan.plp_spans
+        if not plan.rows:
             return m.StepResult(batch.batch_id, [])
-        logits = self.model.compute_logits(hidden[_index(rows, hidden.device)])  # [N, V]
+        logits = self.model.compute_logits(hidden[logit_rows], upcast=False)  # [N, V], the model's dtype
 
         sampled: list[m.SampledOutput] = []
         sample_chunks = [c for c in batch.chunks if c.sample]
@@ -431,6 +473,7 @@ class ModelRunner:
                 # No host round trip for a prefill (or mixed) batch either: the next one is launched first.
                 return self._greedy_pending(batch, [i for i, c in enumerate(batch.chunks) if c.sample], logits,
                                             self._allowed(batch, logits.shape[1]))
+            logits = logits.float()
             keep = [] if self.async_scheduling else None
             tokens, lps = self.sampler(logits[sample_rows], sample_seqs, self.eos_token_ids,
                                        self._allowed(batch, logits.shape[1]), keep)
@@ -440,6 +483,8 @@ class ModelRunner:
                 sampled.append(m.SampledOutput(c.req_id, tok, lp))
 
         plps: list[m.PromptLogprobsOutput] = []
+        if plp_spans:
+            logits = logits.float()
         for ci, first, n in plp_spans:
             c, s = batch.chunks[ci], seqs[ci]
             k = (s.sampling.prompt_logprobs if s.sampling else 0) or 0

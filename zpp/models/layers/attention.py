@@ -15,6 +15,7 @@ decode is never padded to a long prefill chunk's query length, see ``_attention_
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -57,7 +58,9 @@ class AttentionMetadata:
         groups: the sequences split into padded attention calls (see :class:`AttentionGroup`).
     Triton path (CUDA), see ``triton_ops.paged_attention``:
         block_tables ``[B, W]`` int32, seq_lens ``[B]`` int32, query_start ``[B + 1]`` int32,
-        tile_seq / tile_qstart ``[num_tiles]`` int32, block_m (rows per program).
+        tile_seq / tile_qstart ``[num_tiles]`` int32, block_m (rows per program); in a mixed batch
+        (decodes and prompt chunks) the decodes' tiles apart, ``decode_tile_seq`` /
+        ``decode_tile_qstart`` at ``decode_block_m`` rows (see :func:`triton_metadata_arrays`).
     """
 
     slot_mapping: torch.Tensor
@@ -69,6 +72,9 @@ class AttentionMetadata:
     tile_seq: Optional[torch.Tensor] = None
     tile_qstart: Optional[torch.Tensor] = None
     block_m: int = 16
+    decode_tile_seq: Optional[torch.Tensor] = None
+    decode_tile_qstart: Optional[torch.Tensor] = None
+    decode_block_m: int = 16
 
     @property
     def triton(self) -> bool:
@@ -146,8 +152,47 @@ def _attention_groups(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]
     return groups
 
 
-def _build_triton_metadata(starts, q_lens, block_tables, block_size, device, group) -> AttentionMetadata:
+# Mixed micro-batches (decodes next to prompt chunks) attend in two launches: decode rows with the
+# decode tile shape, prompt chunks with the prefill one. ZPP_SPLIT_MIXED_ATTENTION=0: one launch with
+# the prefill shape for all (for A/B runs).
+_SPLIT_MIXED = os.environ.get("ZPP_SPLIT_MIXED_ATTENTION", "1") != "0"
+
+_TRITON_FIELDS = ("slot_mapping", "block_tables", "seq_lens", "query_start", "tile_seq", "tile_qstart",
+                  "decode_tile_seq", "decode_tile_qstart")
+
+
+@dataclass
+class TritonMetadataHost:
+    """The Triton path's :class:`AttentionMetadata` as host (numpy) arrays, before the copy to the
+    GPU: ``arrays`` maps the field names of ``_TRITON_FIELDS`` that are present to int64
+    (``slot_mapping``) / int32 (the rest) arrays; :meth:`to_device` assembles the metadata from the
+    uploaded tensors (same order as :meth:`array_list`)."""
+
+    arrays: dict[str, np.ndarray]
+    block_m: int
+    decode_block_m: int
+    decode_only: bool
+
+    def array_list(self) -> list[np.ndarray]:
+        return [self.arrays[k] for k in _TRITON_FIELDS if k in self.arrays]
+
+    def to_device(self, tensors: list[torch.Tensor]) -> AttentionMetadata:
+        named = dict(zip([k for k in _TRITON_FIELDS if k in self.arrays], tensors))
+        return AttentionMetadata(block_m=self.block_m, decode_block_m=self.decode_block_m,
+                                 decode_only=self.decode_only, **named)
+
+
+def triton_metadata_arrays(starts, q_lens, block_tables, block_size, group: int,
+                           split_mixed: Optional[bool] = None) -> TritonMetadataHost:
+    """Host-side index math of the Triton path (see :class:`AttentionMetadata`): slot of every new
+    token, padded block tables, sequence lengths, query offsets and the query tiles. With
+    ``split_mixed`` (default: ``ZPP_SPLIT_MIXED_ATTENTION``, on) a batch holding both decodes
+    (``q_len == 1``) and longer chunks gets two tile lists: ``decode_tile_*`` for the decodes at the
+    decode tile shape (``pick_block_m(1, group)`` rows), ``tile_*`` for the chunks at the prefill
+    shape, so a decode does not occupy a 64-row prefill tile with one valid token."""
     from zpp.models.layers.triton_ops import pick_block_m
+    if split_mixed is None:
+        split_mixed = _SPLIT_MIXED
     B = len(starts)
     st = np.asarray(starts, dtype=np.int64)
     ql = np.asarray(q_lens, dtype=np.int64)
@@ -156,24 +201,37 @@ def _build_triton_metadata(starts, q_lens, block_tables, block_size, device, gro
     qstart = np.zeros(B + 1, dtype=np.int64)
     np.cumsum(ql, out=qstart[1:])
     W = max(1, int(-(-seq_lens.max() // block_size)))
-    bt = np.zeros((B, W), dtype=np.int64)
+    bt = np.zeros((B, W), dtype=np.int32)
     for i, blocks in enumerate(block_tables):
         n = min(len(blocks), W)
         bt[i, :n] = blocks[:n]
     seq_of_tok = np.repeat(np.arange(B), ql)
     pos = np.arange(T) - qstart[seq_of_tok] + st[seq_of_tok]
-    slots = bt[seq_of_tok, pos // block_size] * block_size + pos % block_size
-    block_m = pick_block_m(int(ql.max()), group)
+    slots = bt[seq_of_tok, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    is_dec = ql == 1
+    decode_block_m = pick_block_m(1, group)
+    arrays = {"slot_mapping": slots, "block_tables": bt, "seq_lens": seq_lens.astype(np.int32),
+              "query_start": qstart.astype(np.int32)}
+    tiled = np.arange(B)
+    if split_mixed and is_dec.any() and not is_dec.all():
+        dec = np.flatnonzero(is_dec)
+        arrays["decode_tile_seq"] = dec.astype(np.int32)
+        arrays["decode_tile_qstart"] = np.zeros(len(dec), dtype=np.int32)
+        tiled = np.flatnonzero(~is_dec)
+    block_m = pick_block_m(int(ql[tiled].max()), group)
     block_q = max(1, block_m // group)
-    n_tiles = -(-ql // block_q)
-    tile_seq = np.repeat(np.arange(B), n_tiles)
+    n_tiles = -(-ql[tiled] // block_q)
+    tile_seq = np.repeat(tiled, n_tiles)
     first = np.cumsum(n_tiles) - n_tiles
-    tile_qstart = (np.arange(int(n_tiles.sum())) - first[tile_seq]) * block_q
-    i32 = lambda a: torch.from_numpy(a.astype(np.int32)).to(device, non_blocking=True)
-    return AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(device, non_blocking=True),
-                             block_tables=i32(bt), seq_lens=i32(seq_lens), query_start=i32(qstart),
-                             tile_seq=i32(tile_seq), tile_qstart=i32(tile_qstart), block_m=block_m,
-                             decode_only=bool((ql == 1).all()))
+    tile_qstart = (np.arange(int(n_tiles.sum())) - np.repeat(first, n_tiles)) * block_q
+    arrays["tile_seq"] = tile_seq.astype(np.int32)
+    arrays["tile_qstart"] = tile_qstart.astype(np.int32)
+    return TritonMetadataHost(arrays, block_m, decode_block_m, bool(is_dec.all()))
+
+
+def _build_triton_metadata(starts, q_lens, block_tables, block_size, device, group) -> AttentionMetadata:
+    host = triton_metadata_arrays(starts, q_lens, block_tables, block_size, group)
+    return host.to_device([torch.from_numpy(a).to(device, non_blocking=True) for a in host.array_list()])
 
 
 class Attention(nn.Module):
@@ -209,6 +267,10 @@ class Attention(nn.Module):
                 kv_cache[1].view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v)
             out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
             splits = triton_ops.decode_splits(meta.seq_lens.shape[0], Hk) if meta.decode_only else 1
+            if meta.decode_tile_seq is not None:  # a mixed batch: its decodes at the decode tile shape
+                triton_ops.paged_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables, meta.seq_lens,
+                                           meta.query_start, meta.decode_tile_seq, meta.decode_tile_qstart,
+                                           self.scale, meta.decode_block_m, 1)
             triton_ops.paged_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables, meta.seq_lens,
                                        meta.query_start, meta.tile_seq, meta.tile_qstart, self.scale, meta.block_m,
                                        splits)

@@ -198,7 +198,9 @@ class PositionEmbedding(nn.Embedding):
 
 
 class LMHead(nn.Module):
-    """Output projection ``[vocab_size, hidden_size]``; ``forward(h [N, H])`` -> float32 logits ``[N, V]``."""
+    """Output projection ``[vocab_size, hidden_size]``; ``forward(h [N, H])`` -> float32 logits ``[N, V]``
+    (``upcast=False``: in the weights' dtype, for callers that only take the argmax, which is the
+    same either way since every bf16 / fp16 value is exact in float32)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False):
         super().__init__()
@@ -208,5 +210,6 @@ class LMHead(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = default_weight_loader
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.weight, self.bias).float()
+    def forward(self, h: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        out = F.linear(h, self.weight, self.bias)
+        return out.float() if upcast else out
