@@ -142,7 +142,7 @@ if len(sys.argv) > 1 and sys.argv[1] == "mixed":
         layer = Attention(hq, d, hk)
         res = []
         for split in (False, True):
-            host = triton_metadata_arrays(starts, q_lens, tables, bs, hq // hk, split_mixed=split)
+            host = triton_metadata_arrays(starts, q_lens, tables, bs, hq // hk, split_mixed=split, num_kv_heads=10**6)
             meta = host.to_device([torch.from_numpy(a).to(dev) for a in host.array_list()])
             t = triton.testing.do_bench(lambda: layer(q, k, v, kv, meta), warmup=25, rep=200,
                                         return_mode="median") * 1000

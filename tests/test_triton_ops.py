@@ -110,8 +110,10 @@ def test_mixed_batch_attention_layer(split):
     rng.shuffle(free)
     tables = [[free.pop() for _ in range((L + bs - 1) // bs)] for L in seq_lens]
     starts = [L - n for L, n in zip(seq_lens, q_lens)]
-    host = triton_metadata_arrays(starts, q_lens, tables, bs, hq // hk, split_mixed=split)
+    host = triton_metadata_arrays(starts, q_lens, tables, bs, hq // hk, split_mixed=split, num_kv_heads=512)
     assert ("decode_tile_seq" in host.arrays) == split
+    few = triton_metadata_arrays(starts, q_lens, tables, bs, hq // hk, split_mixed=True, num_kv_heads=hk)
+    assert "decode_tile_seq" not in few.arrays  # 4 decodes x 2 heads: too small a launch to split
     meta = host.to_device([torch.from_numpy(a).to(DEV) for a in host.array_list()])
     T = sum(q_lens)
     q, k, v = (torch.randn(T, h * d, device=DEV, dtype=DT) for h in (hq, hk, hk))

@@ -246,7 +246,8 @@ class ModelRunner:
         tables = [s.block_ids for s in seqs]
         tmeta = None
         if self.device.type == "cuda":
-            tmeta = triton_metadata_arrays(starts, q_lens, tables, self.block_size, self.group)
+            tmeta = triton_metadata_arrays(starts, q_lens, tables, self.block_size, self.group,
+                                           num_kv_heads=self.model.num_kv_heads)
             host += tmeta.array_list()
         dev = self.staging.upload(host)
         positions, i = dev[0], 1

@@ -153,9 +153,15 @@ def _attention_groups(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]
 
 
 # Mixed micro-batches (decodes next to prompt chunks) attend in two launches: decode rows with the
-# decode tile shape, prompt chunks with the prefill one. ZPP_SPLIT_MIXED_ATTENTION=0: one launch with
-# the prefill shape for all (for A/B runs).
-_SPLIT_MIXED = os.environ.get("ZPP_SPLIT_MIXED_ATTENTION", "1") != "0"
+# decode tile shape, prompt chunks with the prefill one, once the decodes give a launch of their own
+# at least MIN_SPLIT_DECODE_PROGRAMS programs (decodes x KV heads; fewer ran slower split on the H200:
+# 32 decodes x 8 heads 197 vs 190 us per layer, 500 x 8 333 vs 387, 960 x 8 462 vs 568, 1000 x 8 next
+# to one 64-token chunk 339 vs 436; benchmarks/results/h200_kernel_mixed_attention.txt).
+# ZPP_SPLIT_MIXED_ATTENTION=0: one launch with the prefill shape for all; =all: split whenever
+# decodes and chunks mix (A/B runs and tests with small models).
+_SPLIT_MODE = os.environ.get("ZPP_SPLIT_MIXED_ATTENTION", "1")
+_SPLIT_MIXED = _SPLIT_MODE != "0"
+MIN_SPLIT_DECODE_PROGRAMS = 0 if _SPLIT_MODE == "all" else 512
 
 _TRITON_FIELDS = ("slot_mapping", "block_tables", "seq_lens", "query_start", "tile_seq", "tile_qstart",
                   "decode_tile_seq", "decode_tile_qstart")
@@ -183,13 +189,15 @@ class TritonMetadataHost:
 
 
 def triton_metadata_arrays(starts, q_lens, block_tables, block_size, group: int,
-                           split_mixed: Optional[bool] = None) -> TritonMetadataHost:
+                           split_mixed: Optional[bool] = None, num_kv_heads: int = 8) -> TritonMetadataHost:
     """Host-side index math of the Triton path (see :class:`AttentionMetadata`): slot of every new
     token, padded block tables, sequence lengths, query offsets and the query tiles. With
     ``split_mixed`` (default: ``ZPP_SPLIT_MIXED_ATTENTION``, on) a batch holding both decodes
     (``q_len == 1``) and longer chunks gets two tile lists: ``decode_tile_*`` for the decodes at the
     decode tile shape (``pick_block_m(1, group)`` rows), ``tile_*`` for the chunks at the prefill
-    shape, so a decode does not occupy a 64-row prefill tile with one valid token."""
+    shape, so a decode does not occupy a 64-row prefill tile with one valid token; only when the
+    decodes times ``num_kv_heads`` reach ``MIN_SPLIT_DECODE_PROGRAMS`` (a smaller launch of its own
+    leaves the GPU half idle)."""
     from zpp.models.layers.triton_ops import pick_block_m
     if split_mixed is None:
         split_mixed = _SPLIT_MIXED
@@ -213,7 +221,8 @@ def triton_metadata_arrays(starts, q_lens, block_tables, block_size, group: int,
     arrays = {"slot_mapping": slots, "block_tables": bt, "seq_lens": seq_lens.astype(np.int32),
               "query_start": qstart.astype(np.int32)}
     tiled = np.arange(B)
-    if split_mixed and is_dec.any() and not is_dec.all():
+    num_dec = int(is_dec.sum())
+    if split_mixed and 0 < num_dec < B and num_dec * num_kv_heads >= MIN_SPLIT_DECODE_PROGRAMS:
         dec = np.flatnonzero(is_dec)
         arrays["decode_tile_seq"] = dec.astype(np.int32)
         arrays["decode_tile_qstart"] = np.zeros(len(dec), dtype=np.int32)
@@ -229,8 +238,9 @@ def triton_metadata_arrays(starts, q_lens, block_tables, block_size, group: int,
     return TritonMetadataHost(arrays, block_m, decode_block_m, bool(is_dec.all()))
 
 
-def _build_triton_metadata(starts, q_lens, block_tables, block_size, device, group) -> AttentionMetadata:
-    host = triton_metadata_arrays(starts, q_lens, block_tables, block_size, group)
+def _build_triton_metadata(starts, q_lens, block_tables, block_size, device, group,
+                           num_kv_heads: int = 8) -> AttentionMetadata:
+    host = triton_metadata_arrays(starts, q_lens, block_tables, block_size, group, num_kv_heads=num_kv_heads)
     return host.to_device([torch.from_numpy(a).to(device, non_blocking=True) for a in host.array_list()])
 
 
