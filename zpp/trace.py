@@ -20,8 +20,13 @@ Events (all per micro-batch ``batch_id``):
     ``applied`` (the scheduler updated with it, outputs emitted).
   stage: ``msg`` (the worker read the ExecuteBatch), ``acts_wait`` / ``acts_ready`` (blocked on
     the previous stage's activations), ``gpu_start`` / ``gpu_end`` (the stage's forward on the
-    device: CUDA events on GPU, ``perf_counter`` on CPU), ``launched`` (the worker's host is done
-    with it), ``result_sent`` (last stage: StepResult sent).
+    device: CUDA events on GPU, ``perf_counter`` on CPU), ``uploaded`` (its index arrays queued
+    for the device), ``forward_queued`` (the host returned from launching the forward),
+    ``sample_queued`` (last stage: logits and sampling launched), ``launched`` (the worker's host
+    is done with it), ``result_sent`` (last stage: StepResult sent). On CUDA the worker's file ends
+    with ``["cuda_allocator", -1, t, {...}]``: counters of PyTorch's caching allocator
+    (``torch.cuda.memory_stats``: device allocations and frees, allocation retries), which
+    synchronize the device when they happen.
 
 ``python scripts/trace_report.py DIR`` turns the files into per-stage busy / idle figures,
 ``--perfetto OUT.json`` into a timeline for ui.perfetto.dev.

@@ -30,6 +30,23 @@ from zpp.workers.staging import PinnedStaging
 logger = logging.getLogger(__name__)
 
 
+def logit_buckets(max_rows: int) -> list[int]:
+    """Row counts the LM head of an eager step is padded to on CUDA (up to ``max_rows``): 1, 2, 4,
+    ..., 64, then multiples of 128 to 1024, then of 1024.
+
+    Why: cuBLAS picks a kernel per matrix shape, and CUDA loads a kernel's module on its first
+    launch (lazy loading), which waits for the GPU to drain. Every prefill micro-batch of a run
+    samples a different number of rows, so its LM head was a new shape, and the worker's host sat
+    until its own forward ended (the next micro-batch was launched late: 5-25 ms GPU gaps before
+    every second prefill batch of a 1000 x 256/256 run on the H200; scripts/gpu_host_block_probe.py
+    shows 75-180 ms host stalls for new shapes and 0.3 ms for known ones). A fixed set of shapes,
+    each run once at start-up (``ModelRunner.warm_up_logits``), never loads a kernel mid-run; the
+    padding costs at most 127 rows of LM head (< 0.2 ms at 8B) on a step that takes ~180 ms."""
+    out = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_rows]
+    out += list(range(128, min(max_rows, 1024), 128)) + list(range(1024, max_rows, 1024))
+    return sorted(set(out + [max_rows]))
+
+
 @dataclass
 class LogitPlan:
     """The rows of a step's hidden states that need logits (``ModelRunner._logit_plan``).
@@ -138,6 +155,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager
         self.trace = Trace(trace_name)  # ZPP_TRACE timeline (off unless set)
         self.staging = PinnedStaging(device)  # a step's index arrays -> device, never blocking the host
+        self._logit_buckets: list[int] = []  # CUDA: row counts the LM head is padded to (warm_up_logits)
         self._batch_id = -1
 
     # --- KV cache -----------------------------------------------------------------------------
@@ -160,6 +178,33 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_model_len, max_num_seqs,
                                    self.scratch_slot, self.dtype, self.device, self.group)
         self.graphs.capture()
+
+    def _logit_bucket(self, n: int) -> int:
+        """The row count ``n`` rows of logits are computed at (see :func:`logit_buckets`); ``n`` itself
+        past the largest bucket or before :meth:`warm_up_logits`."""
+        for b in self._logit_buckets:
+            if b >= n:
+                return b
+        return n
+
+    @torch.inference_mode()
+    def warm_up_logits(self, max_rows: int) -> None:
+        """CUDA, result rank: run the LM head (and argmax, and the float32 upcast) once at every
+        row count of :func:`logit_buckets` up to ``max_rows`` -- at most the rows the memory profile
+        covered -- so no step of a run loads a cuBLAS kernel (a device-wide wait) for a new shape."""
+        if self.device.type != "cuda" or not self.stage.produces_results:
+            return
+        t = time.perf_counter()
+        buckets = logit_buckets(max_rows)
+        h = torch.zeros(buckets[-1], self.model.hidden_size, dtype=self.dtype, device=self.device)
+        for b in buckets:
+            logits = self.model.compute_logits(h[:b], upcast=False)
+            logits.argmax(dim=-1)
+            logits.float()
+        torch.cuda.synchronize()
+        self._logit_buckets = buckets
+        logger.info("LM head warmed up at %d row counts (up to %d) in %.1fs", len(buckets), max_rows,
+                    time.perf_counter() - t)
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int, num_logit_rows: int) -> int:
@@ -242,7 +287,8 @@ class ModelRunner:
                     host += [np.asarray(dst, dtype=np.int64), np.asarray(rows, dtype=np.int64)]
         plan = self._logit_plan(batch, seqs) if self.stage.produces_results else None
         if plan is not None and plan.rows:
-            host.append(np.asarray(plan.rows, dtype=np.int64))
+            padded = self._logit_bucket(len(plan.rows))  # the last row repeated up to a warmed-up shape
+            host.append(np.asarray(plan.rows + plan.rows[-1:] * (padded - len(plan.rows)), dtype=np.int64))
         tables = [s.block_ids for s in seqs]
         tmeta = None
         if self.device.type == "cuda":
@@ -250,6 +296,7 @@ class ModelRunner:
                                            num_kv_heads=self.model.num_kv_heads)
             host += tmeta.array_list()
         dev = self.staging.upload(host)
+        self.trace.mark("uploaded", batch.batch_id)
         positions, i = dev[0], 1
         input_ids = None
         if self.stage.is_first:
@@ -268,6 +315,7 @@ class ModelRunner:
             acts = self._recv_acts((self.model.num_acts, T, self.model.hidden_size))
         t0 = self._begin()
         out = self.model(input_ids, positions, acts, self.kv_caches, meta)
+        self.trace.mark("forward_queued", batch.batch_id)
         if not self.stage.is_last:
             self._end(t0)
             self.link.send(out)
@@ -276,6 +324,7 @@ class ModelRunner:
             self._end(t0)
             return None
         result = self._sample(batch, seqs, out, plan, logit_rows)
+        self.trace.mark("sample_queued", batch.batch_id)
         self._end(t0)
         if not isinstance(result, PendingResult):
             result.busy_s, result.idle_s = self.busy_s, self.idle_s
@@ -302,6 +351,7 @@ class ModelRunner:
         t0 = self._begin()
         prev = self._prev_sources(batch, range(B)) if self.stage.is_first and self.async_scheduling else []
         out = self.graphs.run(B, ids, pos, slots, bt, acts, prev)
+        self.trace.mark("forward_queued", batch.batch_id)
         if not self.stage.is_last:
             self._end(t0)
             self.link.send(out)
@@ -338,6 +388,7 @@ class ModelRunner:
         if self._pinned[self._pin_idx].shape[0] < len(rows):
             self._pinned[self._pin_idx] = torch.empty(max(len(rows), 1024), dtype=torch.int64, pin_memory=True)
         tokens = logits.argmax(dim=-1)
+        self.trace.mark("argmax_queued", batch.batch_id)
         self._keep_sampled(batch, rows, tokens)
         return PendingResult(batch.batch_id, [batch.chunks[i].req_id for i in rows], tokens,
                              self._pinned[self._pin_idx])
@@ -464,7 +515,8 @@ class ModelRunner:
         sample_rows, plp_spans = plan.sample_rows, plan.plp_spans
         if not plan.rows:
             return m.StepResult(batch.batch_id, [])
-        logits = self.model.compute_logits(hidden[logit_rows], upcast=False)  # [N, V], the model's dtype
+        logits = self.model.compute_logits(hidden[logit_rows], upcast=False)[:len(plan.rows)]  # [N, V], model dtype
+        self.trace.mark("logits_queued", batch.batch_id)
 
         sampled: list[m.SampledOutput] = []
         sample_chunks = [c for c in batch.chunks if c.sample]

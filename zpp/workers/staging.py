@@ -9,7 +9,7 @@ was launched late and the GPU idled 5-25 ms before every second prefill batch.
 
 :class:`PinnedStaging` packs every array of one upload into a pinned buffer per dtype and issues
 one asynchronous copy per dtype (pinned copies are queued without blocking; two copies instead of
-one per array). Staging slots rotate; a slot is reused only after the copy that last read it has
+one per array), each array at a 128-byte aligned offset. Staging slots rotate; a slot is reused only after the copy that last read it has
 run (a CUDA event), so a slot's host memory is never overwritten under a queued copy (invariant 2
 of ARCHITECTURE.md, for host buffers). vLLM's GPU model runner keeps pinned CPU mirrors of its input
 tensors for the same reason.
@@ -57,7 +57,7 @@ class PinnedStaging:
         out: list[Optional[torch.Tensor]] = [None] * len(arrays)
         for dt in (np.dtype(np.int64), np.dtype(np.int32)):
             members = [i for i, a in enumerate(arrays) if a.dtype == dt]
-            total = sum(arrays[i].size for i in members)
+            total = sum(_aligned(arrays[i].size) for i in members)
             if not total:
                 for i in members:
                     out[i] = torch.empty(arrays[i].shape, dtype=_TORCH[dt], device=self.device)
@@ -72,7 +72,7 @@ class PinnedStaging:
                 n = arrays[i].size
                 host[off:off + n] = arrays[i].reshape(-1)
                 spans.append((i, off, n))
-                off += n
+                off += _aligned(n)
             dev = buf[:total].to(self.device, non_blocking=True)
             for i, o, n in spans:
                 out[i] = dev[o:o + n].view(arrays[i].shape)
@@ -82,3 +82,11 @@ class PinnedStaging:
 
 
 _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+
+
+def _aligned(n: int) -> int:
+    """Elements an array of ``n`` takes in a packed buffer: a multiple of 32, so every array starts
+    128-byte aligned. Triton compiles a kernel variant per pointer alignment (16 bytes or not): with
+    arrays packed back to back, each new pattern of offsets compiled new attention variants in the
+    middle of a run (0.5-1 s stalls of the first prefill micro-batches on the H200)."""
+    return -(-n // 32) * 32

@@ -225,6 +225,8 @@ def _setup(init, sock):
             runner.capture_graphs(max_model_len, cfg_all.scheduler.max_num_seqs)
         else:
             logger.info("%s runs eagerly (no CUDA graphs)", type(model).__name__)
+    if device_kind == "cuda":  # the rows the memory profile covered (_cuda_kv_blocks)
+        runner.warm_up_logits(min(cfg_all.scheduler.max_num_seqs, cfg_all.max_num_batched_tokens))
     sock.send(m.CacheReady(rank=init.rank))
     return runner
 
@@ -348,6 +350,10 @@ def _serve(runner, sock, init) -> None:
                 if runner.device.type == "cuda":
                     import torch
                     torch.cuda.synchronize()
+                    st = torch.cuda.memory_stats(runner.device)
+                    runner.trace.mark("cuda_allocator", -1, args={
+                        k: st.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                                                  "num_sync_all_streams", "num_ooms")})
                 runner.reap_timings()
                 runner.trace.dump()
             return
