@@ -875,31 +875,63 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
 
     On the first SIGINT/SIGTERM, requests in progress are ended at once (streams get an error event
     and ``[DONE]``, others HTTP 503) and the server stops within seconds; a second signal stops it
-    immediately.
+    immediately. During start-up (the core and workers starting, weights loading) the first
+    SIGINT/SIGTERM aborts it: the core and every worker started so far are stopped, one line
+    (``zpp: start-up interrupted (SIGINT); ...``) goes to stderr, and then SIGINT returns 130 while
+    SIGTERM ends the process by its default action (as an unhandled SIGTERM did before); a second
+    signal exits at once (the kernel then kills the core, and the core's death its workers:
+    ``PR_SET_PDEATHSIG``).
 
-    Returns the process exit status: 0 after a signal, 1 if the engine (or a front end) died.
+    Returns the process exit status: 0 after a signal, 1 if the engine (or a front end) died,
+    130 after SIGINT during start-up.
     Raises:
         ConfigError: the chat template file cannot be read, or the engine configuration is bad.
         WorkerDiedError: a worker or the engine core failed to start.
     """
     template = load_chat_template(chat_template)
-    engine = await AsyncEngine.start(config, in_process=False)
-    freeze_gc()
+    loop = asyncio.get_running_loop()
+    starting = asyncio.current_task()
+    signalled: list[int] = []
+
+    def on_signal_during_start_up(sig: int) -> None:
+        if signalled:
+            os._exit(128 + signalled[0])
+        signalled.append(sig)
+        starting.cancel()
+
+    # Until _run_front_end installs its own handlers. Without these, SIGTERM killed this process
+    # outright (leaving the core and workers to PR_SET_PDEATHSIG) and SIGINT left it waiting, at
+    # exit, for a core that went on loading.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal_during_start_up, sig)
     extra: list = []
     try:
-        if api_server_count > 1:
-            extra = _start_front_ends(config, engine.client.address, api_server_count, host, port, api_key,
-                                      template, server_options)
-        return await _run_front_end(engine, config, host, port, api_key, template,
-                                    log_stats_interval, extra, reuse_port=api_server_count > 1, **server_options)
-    finally:
-        for p in extra:
-            if p.is_alive():
-                p.terminate()
-        for p in extra:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+        engine = await AsyncEngine.start(config, in_process=False)  # cancelled: core and workers stopped
+        freeze_gc()
+        try:
+            if api_server_count > 1:
+                extra = _start_front_ends(config, engine.client.address, api_server_count, host, port, api_key,
+                                          template, server_options)
+            return await _run_front_end(engine, config, host, port, api_key, template, log_stats_interval,
+                                        extra, reuse_port=api_server_count > 1, **server_options)
+        finally:
+            for p in extra:
+                if p.is_alive():
+                    p.terminate()
+            for p in extra:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+    except asyncio.CancelledError:
+        if not signalled:
+            raise
+        sig = signalled[0]
+        print(f"zpp: start-up interrupted ({signal.Signals(sig).name}); everything it started is stopped",
+              file=sys.stderr, flush=True)
+        if sig == signal.SIGTERM:  # end by the signal, as before: service managers read that as a clean stop
+            loop.remove_signal_handler(sig)
+            os.kill(os.getpid(), sig)
+        return 128 + sig
 
 
 async def _run_front_end(engine: AsyncEngine, config, host: str, port: int, api_key: Optional[str],
@@ -978,13 +1010,13 @@ def _start_front_ends(config, core_address: str, count: int, host: str, port: in
 
     import msgspec
 
-    from zpp.engine.executor import _main_module_hidden
+    from zpp.engine.executor import _main_module_hidden, _sigint_blocked
     ctx = mp.get_context("spawn")
     level = logging.getLogger("zpp").getEffectiveLevel()
     args = json.dumps({"host": host, "port": port, "api_key": api_key, "template": template,
                        "options": server_options, "level": level})
     procs = []
-    with _main_module_hidden():
+    with _main_module_hidden(), _sigint_blocked():  # the first front end decides when to stop
         for i in range(1, count):
             p = ctx.Process(target=_front_end_main, name=f"zpp-api-server-{i}", daemon=True,
                             args=(msgspec.msgpack.encode(config), core_address, i, args))
