@@ -19,7 +19,7 @@ import sys
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 import zpp
 from zpp.workers.worker import freeze_gc
@@ -29,8 +29,8 @@ from zpp.outputs import CompletionOutput, RequestOutput
 from zpp.sampling_params import SamplingParams, SamplingParamsError
 from zpp.server.metrics import DEFAULT_LOG_STATS_INTERVAL_S, Metrics, StatsLogger
 from zpp.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ProtocolError,
-                                 TokenizeRequest, decode_request, error_body, new_id, now, structured_outputs_of,
-                                 to_sampling_params)
+                                 TokenizeRequest, body_too_large, content_codings, decode_request, error_body,
+                                 new_id, now, structured_outputs_of, to_sampling_params, undo_content_encoding)
 from zpp.server.tools import ToolPlan, ToolStream, parse_output, parse_tools
 
 logger = logging.getLogger(__name__)
@@ -209,6 +209,9 @@ class OpenAIServer:
         self._warned_fields: set[str] = set()
 
     def build_app(self) -> web.Application:
+        """The aiohttp application. Serve it with ``auto_decompress=False`` (an ``AppRunner`` /
+        ``TestServer`` keyword, as :func:`serve` does): request bodies' Content-Encoding is undone
+        here, by :meth:`_read`; left to aiohttp it would be undone twice."""
         app = web.Application(middlewares=[self._middleware], client_max_size=self.max_request_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -240,7 +243,9 @@ class OpenAIServer:
             raise
         except (ProtocolError, RequestError, SamplingParamsError, EngineDeadError) as e:
             status, err_type, param = _classify(e)
-            return _error(_message(e), status, err_type, param, getattr(e, "code", None))
+            resp = _error(_message(e), status, err_type, param, getattr(e, "code", None))
+            resp.headers.update(getattr(e, "headers", None) or {})
+            return resp
         except Exception as e:  # a bug: answer in the API's shape and keep serving
             logger.exception("error handling %s", request.path)
             return _error(_message(e), 500, "server_error")
@@ -317,18 +322,26 @@ class OpenAIServer:
                                 "model", 404, "invalid_request_error", "model_not_found")
 
     async def _read(self, request: web.Request, kind):
-        """The request body decoded into ``kind``. Raises ProtocolError (413 past
-        --max-request-body-bytes: told from Content-Length before reading when it is sent; a
-        chunked or compressed body is cut off as soon as it passes the limit)."""
+        """The request body, its ``Content-Encoding`` undone, decoded into ``kind``.
+
+        Raises ProtocolError: 415 for a Content-Encoding other than identity, gzip, deflate (told
+        before reading); 413 past --max-request-body-bytes (told from Content-Length before
+        reading when it is sent; a chunked body is cut off as soon as it passes the limit, a
+        compressed one as soon as its decoded bytes do); 400 for a body that cannot be read or
+        decoded, or is not a valid request.
+        """
         limit = self.max_request_body_bytes
-        too_large = ProtocolError(f"the request body is larger than this server accepts ({limit} bytes; "
-                                  "see --max-request-body-bytes)", None, 413)
+        codings = content_codings(request.headers.getall(hdrs.CONTENT_ENCODING, ()))
         if request.content_length is not None and request.content_length > limit:
-            raise too_large
+            raise body_too_large(limit)
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise too_large from None
+            raise body_too_large(limit) from None
+        except web.RequestPayloadError as e:  # the body arrived malformed (HTTP framing): the client's fault
+            raise ProtocolError(f"the request body could not be read: {e}") from None
+        if codings:
+            body = undo_content_encoding(body, codings, limit)
         try:
             req = decode_request(body, kind)
         except ProtocolError as e:
@@ -961,7 +974,12 @@ async def _run_front_end(engine: AsyncEngine, config, host: str, port: int, api_
             stop.set()
         loop.add_reader(p.sentinel, gone)
     server = OpenAIServer(engine, config.model.name, api_key, template, **server_options)
-    runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    # auto_decompress off: OpenAIServer._read undoes Content-Encoding itself, so that an unknown or
+    # unsupported coding and a corrupt body get answers in OpenAI's shape (aiohttp's parser
+    # answered br / zstd with plain text before any handler ran, took unknown codings for identity
+    # and failed corrupt bodies as a payload error).
+    runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                           auto_decompress=False)
     status = 0
     stats_task = None
     try:
