@@ -25,7 +25,7 @@ import zpp
 from zpp.workers.worker import freeze_gc
 from zpp.config import ConfigError
 from zpp.engine.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestError
-from zpp.outputs import CompletionOutput, RequestOutput
+from zpp.outputs import CompletionOutput, Logprob, RequestOutput
 from zpp.sampling_params import SamplingParams, SamplingParamsError
 from zpp.server.metrics import DEFAULT_LOG_STATS_INTERVAL_S, Metrics, StatsLogger
 from zpp.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ProtocolError,
@@ -106,9 +106,15 @@ class TokenStrings:
         return b
 
 
-def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
+def _top(lp: dict[int, Logprob], k: int) -> list[tuple[int, float]]:
     """The ``k`` most likely (token id, logprob) pairs of one position, most likely first."""
-    return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+    return [(t, e.logprob) for t, e in sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:k]]
+
+
+def _logprob_of(lp: Optional[dict[int, Logprob]], token_id: int) -> Optional[float]:
+    """``token_id``'s logprob at a position (None when the position or the token has none)."""
+    e = lp.get(token_id) if lp else None
+    return e.logprob if e is not None else None
 
 
 class _SSE:
@@ -436,9 +442,9 @@ class OpenAIServer:
         except RequestError as e:
             raise ProtocolError(str(e), e.param) from None
 
-    def _completion_logprobs(self, k: int, pairs: list[tuple[int, Optional[dict[int, float]]]],
+    def _completion_logprobs(self, k: int, pairs: list[tuple[int, Optional[dict[int, Logprob]]]],
                              offset: int) -> dict:
-        """OpenAI's completions ``logprobs`` object for (token id, {id: logprob} or None) pairs;
+        """OpenAI's completions ``logprobs`` object for (token id, {id: Logprob} or None) pairs;
         ``text_offset`` counts characters from ``offset``."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, lp in pairs:
@@ -448,9 +454,9 @@ class OpenAIServer:
                 token_lps.append(None)
                 tops.append(None)
             else:
-                token_lps.append(lp.get(tid))
+                token_lps.append(_logprob_of(lp, tid))
                 top = dict((self.tokens.text(t), v) for t, v in _top(lp, k))
-                top.setdefault(s, lp.get(tid))  # the chosen token is always listed, as in vLLM
+                top.setdefault(s, _logprob_of(lp, tid))  # the chosen token is always listed, as in vLLM
                 tops.append(top)
             offsets.append(offset)
             offset += len(s)
@@ -676,7 +682,7 @@ class OpenAIServer:
         for j in range(len(ids)):
             lp = lps[j] if lps and j < len(lps) else None
             out.append(None if lp is None else
-                       {str(t): {"logprob": v, "decoded_token": self.tokens.text(t)} for t, v in lp.items()})
+                       {str(t): {"logprob": e.logprob, "decoded_token": self.tokens.text(t)} for t, e in lp.items()})
         return out
 
     def _chat_logprobs(self, k: int, token_ids: list[int], lps) -> dict:
@@ -684,7 +690,7 @@ class OpenAIServer:
         for tid, lp in zip(token_ids, lps or []):
             top = [{"token": self.tokens.text(t), "logprob": v, "bytes": self.tokens.bytes(t)}
                    for t, v in _top(lp, k)] if lp else []
-            content.append({"token": self.tokens.text(tid), "logprob": lp.get(tid) if lp else None,
+            content.append({"token": self.tokens.text(tid), "logprob": _logprob_of(lp, tid),
                             "bytes": self.tokens.bytes(tid), "top_logprobs": top})
         return {"content": content}
 
