@@ -2,7 +2,8 @@
 in OpenAI's error shape within a second, and afterwards the server answers a greedy request
 exactly as it did before the corpus, with nothing left running.
 
-What the corpus covers: broken JSON and encodings, NaN/inf, bodies past --max-request-body-bytes
+What the corpus covers: broken JSON and encodings, Content-Encodings the server cannot undo (415:
+br, zstd, unknown names) and bodies that do not decode (400), NaN/inf, bodies past --max-request-body-bytes
 (plain, chunked, gzip bomb), deep nesting, texts and token lists far past max_model_len, wrong types
 in every field, out-of-range values, token ids outside the vocabulary, empty prompts and messages,
 wrong roles, stop lists past --max-stop-sequences, unknown fields, unsupported features, request
@@ -17,6 +18,7 @@ import asyncio
 import gzip
 import json
 import time
+import zlib
 
 import aiohttp
 import pytest
@@ -105,6 +107,25 @@ CORPUS = [
      {}, 400, None),
     ("deep-message-content", "POST", H, b'{"messages": [{"role": "user", "content": [' + _nested(100_000)
      + b"]}]}", {}, 400, None),
+    # --- Content-Encoding: unsupported or unknown codings (415), bodies that do not decode (400) ---
+    ("content-encoding-br", "POST", C, j(GREEDY), {"Content-Encoding": "br"}, 415, None),
+    ("content-encoding-zstd", "POST", H, chat(), {"Content-Encoding": "zstd"}, 415, None),
+    ("content-encoding-compress", "POST", C, j(GREEDY), {"Content-Encoding": "compress"}, 415, None),
+    ("content-encoding-unknown", "POST", C, j(GREEDY), {"Content-Encoding": "foo"}, 415, None),
+    ("content-encoding-unknown-in-list", "POST", C, gzip.compress(j(GREEDY)), {"Content-Encoding": "gzip, foo"},
+     415, None),
+    ("content-encoding-unknown-tokenize", "POST", "/tokenize", j({"prompt": "hi"}), {"Content-Encoding": "foo"},
+     415, None),
+    ("content-encoding-5-stacked", "POST", C, j(GREEDY), {"Content-Encoding": ", ".join(["gzip"] * 5)}, 415, None),
+    ("gzip-corrupt", "POST", C, b"\x1f\x8b\x08\x00" + b"garbage" * 10, {"Content-Encoding": "gzip"}, 400, None),
+    ("deflate-corrupt", "POST", H, b"xxxx" + b"garbage" * 10, {"Content-Encoding": "deflate"}, 400, None),
+    ("gzip-truncated", "POST", C, gzip.compress(j(GREEDY))[:-12], {"Content-Encoding": "gzip"}, 400, None),
+    ("deflate-truncated", "POST", C, zlib.compress(j(GREEDY))[:-6], {"Content-Encoding": "deflate"}, 400, None),
+    ("gzip-label-on-plain-body", "POST", C, j(GREEDY), {"Content-Encoding": "gzip"}, 400, None),
+    ("gzip-trailing-garbage", "POST", C, gzip.compress(j(GREEDY)) + b"junk", {"Content-Encoding": "gzip"}, 400,
+     None),
+    ("deflate-trailing-garbage", "POST", C, zlib.compress(j(GREEDY)) + b"junk", {"Content-Encoding": "deflate"},
+     400, None),
     # --- size -------------------------------------------------------------------------------------
     ("10MB-body", "POST", C, j({"prompt": "a" * 10_000_000}), {}, 413, None),
     ("10MB-chunked", "POST", C, "chunked:" + "a" * 10_000_000, {}, 413, None),
@@ -259,6 +280,61 @@ def test_bad_request_gets_4xx_in_openai_shape_within_a_second(server, name, meth
     if param is not None:
         assert err["param"] == param, err
     assert elapsed < 1.0, f"{elapsed:.2f} s"
+
+
+def _post_raw(server, path: str, body: bytes, headers: dict) -> tuple[int, dict, dict]:
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(server.url + path, data=body, skip_auto_headers=["Content-Type"],
+                              headers={"Content-Type": "application/json", **headers}) as r:
+                return r.status, dict(r.headers), json.loads(await r.read())
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("coding", ["br", "zstd", "foo", "gzip, foo"])
+def test_unsupported_content_encoding_is_415_naming_what_is_supported(server, coding):
+    """An encoding the server cannot undo (never taken for identity) gets 415 Unsupported Media
+    Type in OpenAI's shape, its message and Accept-Encoding naming the codings that work."""
+    status, headers, body = _post_raw(server, C, j(GREEDY), {"Content-Encoding": coding})
+    assert status == 415, body
+    msg = body["error"]["message"]
+    assert "identity, gzip or deflate" in msg and repr(coding.split(", ")[-1]) in msg, msg
+    assert headers.get("Accept-Encoding") == "gzip, deflate"
+
+
+@pytest.mark.parametrize("coding,body", [("gzip", b"\x1f\x8b\x08\x00garbage"), ("deflate", b"xxxxgarbage"),
+                                         ("gzip", gzip.compress(j(GREEDY))[:-12])],
+                         ids=["gzip-corrupt", "deflate-corrupt", "gzip-truncated"])
+def test_undecodable_body_is_400_saying_so(server, coding, body):
+    status, _, err = _post_raw(server, C, body, {"Content-Encoding": coding})
+    assert status == 400, err
+    assert f"could not be decoded as {coding}" in err["error"]["message"], err
+
+
+def _raw_deflate(data: bytes) -> bytes:
+    z = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    return z.compress(data) + z.flush()
+
+
+_GREEDY_HEAD, _GREEDY_TAIL = j(GREEDY)[:20], j(GREEDY)[20:]
+
+
+@pytest.mark.parametrize("coding,body", [
+    ("gzip", gzip.compress(j(GREEDY))),
+    ("GZIP", gzip.compress(j(GREEDY))),  # coding names are case-insensitive
+    ("x-gzip", gzip.compress(j(GREEDY))),  # RFC 9110: the same as gzip
+    ("gzip", gzip.compress(_GREEDY_HEAD) + gzip.compress(_GREEDY_TAIL)),  # two gzip members
+    ("deflate", zlib.compress(j(GREEDY))),  # RFC 1950 zlib stream
+    ("deflate", _raw_deflate(j(GREEDY))),  # raw deflate, as some clients send it
+    ("gzip, deflate", zlib.compress(gzip.compress(j(GREEDY)))),  # undone last first
+    ("identity", j(GREEDY)),
+    ("identity, gzip", gzip.compress(j(GREEDY))),
+], ids=["gzip", "GZIP", "x-gzip", "gzip-2-members", "deflate-zlib", "deflate-raw", "gzip-then-deflate",
+        "identity", "identity-gzip"])
+def test_supported_content_encodings_are_undone(server, coding, body):
+    status, _, out = _post_raw(server, C, body, {"Content-Encoding": coding})
+    assert status == 200, out
+    assert out["choices"][0]["text"] == server.reference[1]["choices"][0]["text"]
 
 
 def test_server_unharmed_after_corpus(server):

@@ -155,13 +155,14 @@ def test_prompt_logprobs_never_from_prefix_cache(demo_model, tokenizer, monkeypa
             assert b.prompt_logprobs[j] is not None, f"{name}: position {j} is null"
             assert b.prompt_logprobs[j].keys() == a.prompt_logprobs[j].keys(), (name, j)
             for t, v in a.prompt_logprobs[j].items():
-                assert b.prompt_logprobs[j][t] == pytest.approx(v, abs=1e-4), (name, j)
+                assert b.prompt_logprobs[j][t].logprob == pytest.approx(v.logprob, abs=1e-4), (name, j)
     assert on["other"].outputs[0].token_ids == off["other"].outputs[0].token_ids
     # The same prompt scores the same whatever path it took.
     for name in ("full_hit", "after_preemption"):
         for j in range(1, 48):
             t = p48[j]
-            assert on[name].prompt_logprobs[j][t] == pytest.approx(on["first"].prompt_logprobs[j][t], abs=1e-4)
+            assert on[name].prompt_logprobs[j][t].logprob == pytest.approx(on["first"].prompt_logprobs[j][t].logprob,
+                                                                           abs=1e-4)
 
 
 def test_limits_and_invalid_params(demo_model):
@@ -210,7 +211,7 @@ def test_prompt_logprobs_match_hf_with_chunking(demo_model, tokenizer):
     assert len(plp) == len(ids) and plp[0] is None
     for j in range(1, len(ids)):
         assert ids[j] in plp[j]
-        assert plp[j][ids[j]] == pytest.approx(float(ref[j - 1, ids[j]]), abs=1e-3)
+        assert plp[j][ids[j]].logprob == pytest.approx(float(ref[j - 1, ids[j]]), abs=1e-3)
         top3 = ref[j - 1].topk(3).indices.tolist()
         assert all(t in plp[j] for t in top3)
 

@@ -10,6 +10,7 @@ import pytest
 from zpp.engine import core_messages as cm
 from zpp.engine.inputs import InputProcessor, RequestError
 from zpp.engine.output_processor import OutputProcessor
+from zpp.outputs import Logprob
 from zpp.sampling_params import SamplingParams
 from zpp.transport.messages import PromptLogprobsOutput, TokenLogprobs
 
@@ -90,11 +91,14 @@ def test_eos_text_hidden_n_fanout_logprobs_and_prompt_logprobs(tokenizer):
         g = op.new_group("q", None, prompt, sp, ["q#0", "q#1"], stream=False)
         op.add(g)
         lp = lambda t, v: TokenLogprobs(t, v, 1, [t], [v])  # noqa: E731
+        other = tokenizer.encode(" there")[0]
         plp = PromptLogprobsOutput("q#1", 1, [lp(t, -0.5) for t in prompt[1:]])
         eos = tokenizer.eos_token_id
         hi = tokenizer.encode(" hi")[0]
         op.process(_step(cm.SeqDelta("q#0", prompt_logprobs=None), cm.SeqDelta("q#1", hi, lp(hi, -1.0), prompt_logprobs=plp)))
-        op.process(_step(cm.SeqDelta("q#1", eos, lp(eos, -0.25), finish_reason="stop")))
+        # the sampled token outside the top-1 (rank 3), the top-1 another token
+        op.process(_step(cm.SeqDelta("q#1", eos, TokenLogprobs(eos, -0.25, 3, [other], [-0.1]),
+                                     finish_reason="stop")))
         assert _drain(g) == [], "stream=False publishes only the final output"
         op.process(_step(cm.SeqDelta("q#0", hi, lp(hi, -2.0)), ))
         op.process(_step(cm.SeqDelta("q#0", hi, lp(hi, -2.0), finish_reason="length")))
@@ -102,8 +106,11 @@ def test_eos_text_hidden_n_fanout_logprobs_and_prompt_logprobs(tokenizer):
         a, b = final.outputs
         assert a.token_ids == [hi, hi] and a.finish_reason == "length" and a.cumulative_logprob == -4.0
         assert b.token_ids == [hi, eos] and b.finish_reason == "stop" and b.text == " hi", "EOS adds no text"
-        assert b.logprobs == [{hi: -1.0}, {eos: -0.25}]
-        assert final.prompt_logprobs == [None] + [{t: -0.5} for t in prompt[1:]]
+        text = lambda t: tokenizer.decode([t])  # noqa: E731
+        assert b.logprobs == [{hi: Logprob(-1.0, 1, " hi")},
+                              {eos: Logprob(-0.25, 3, text(eos)), other: Logprob(-0.1, 1, " there")}]
+        assert list(b.logprobs[1]) == [eos, other], "the sampled token first"
+        assert final.prompt_logprobs == [None] + [{t: Logprob(-0.5, 1, text(t))} for t in prompt[1:]]
         assert aborted == []
     asyncio.run(run())
 

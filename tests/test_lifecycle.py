@@ -1,5 +1,6 @@
 """No orphan processes: SIGTERM / SIGINT stop `zpp serve` and every worker (SIGINT with a stream
-open, which also ends the stream); SIGKILL of the engine core fails the server and leaves no worker.
+open, which also ends the stream; either during start-up, which it aborts); SIGKILL of the engine
+core fails the server and leaves no worker.
 
 Covered in tests/test_faults.py, not repeated here (each case costs a server start): SIGKILL of the
 server process (its workers are gone within 5 s, after the client hang-ups) and a SIGKILLed stage
@@ -7,10 +8,13 @@ worker (the server exits non-zero, nothing is left)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
-from conftest import ServerProcess, descendants, wait_gone as _wait_gone
+import pytest
+
+from conftest import ServerProcess, descendants, free_port, wait_gone as _wait_gone
 
 
 def test_sigterm_stops_everything(demo_model):
@@ -70,6 +74,74 @@ def test_signal_ends_open_streams_promptly(demo_model):
         assert _wait_gone(kids, 10) == [], "worker processes left behind"
     finally:
         s.stop()
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live processes (not zombies) of process group ``pgid`` (via /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    state, _ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+            except (OSError, ValueError):
+                continue
+            if int(pgrp) == pgid and state != "Z":
+                out.append(int(d))
+    return out
+
+
+_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ")
+
+
+@pytest.mark.parametrize("sig,to_group,wait_for,status", [
+    # Ctrl-C in a terminal: SIGINT to the whole process group, while the core spawns the workers
+    # (they are still importing) and while the workers load their weights.
+    ("SIGINT", True, "stage 1: layers", 130),
+    ("SIGINT", True, "placement: rank 1", 130),
+    ("SIGINT", False, "placement: rank 1", 130),  # kill -INT of the server alone
+    ("SIGTERM", False, "placement: rank 1", -signal.SIGTERM),  # worked before: ends by the signal
+], ids=["ctrl-c-spawning", "ctrl-c-loading", "sigint-loading", "sigterm-loading"])
+def test_signal_during_start_up_aborts_it(demo_model, tmp_path, sig, to_group, wait_for, status):
+    """A signal while `zpp serve` starts (before /health answers) aborts the start-up: the server
+    exits within seconds (SIGINT: status 130; SIGTERM: killed by it), prints one line and no
+    traceback, never serves, and leaves no process of its process group (core, workers, resource
+    tracker) behind."""
+    import subprocess
+    import sys
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "zpp.cli", "serve", demo_model, "-pp", "2",
+                                 "--kv-cache-memory", "64MiB", "--host", "127.0.0.1", "--port", str(free_port())],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while wait_for not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.01)
+        before = log_path.read_text()
+        assert "serving" not in before, "the server was up before the signal: the test is too slow"
+        t0 = time.monotonic()
+        (os.killpg if to_group else os.kill)(proc.pid, getattr(signal, sig))
+        try:
+            got = proc.wait(20)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{sig} during start-up was ignored: still running 20 s later:\n"
+                                 f"{log_path.read_text()}") from None
+        elapsed = time.monotonic() - t0
+        out = log_path.read_text()
+        assert got == status, out
+        assert elapsed < 10, f"took {elapsed:.1f} s to stop"
+        assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+        assert "serving" not in out, out
+        others = [line for line in out.splitlines() if line.strip() and not _LOG_LINE.match(line)]
+        assert others == [f"zpp: start-up interrupted ({sig}); everything it started is stopped"], out
+        left = _wait_gone(_group_members(proc.pid), 5)
+        assert left == [], f"processes left behind: {left}"
+    finally:
+        if proc.poll() is None or _group_members(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
 
 
 def test_busy_port_fails_before_loading(demo_model):

@@ -1,6 +1,7 @@
-"""The offline ``LLM`` as a vLLM user meets it: prompt forms, a progress bar, ``device="auto"``,
-a clear error after ``shutdown()``, workers freed on ``del`` / garbage collection / interpreter
-exit, and a quiet Ctrl-C. A tiny random-weight LLaMA with the demo model's tokenizer keeps it fast."""
+"""The offline ``LLM`` as a vLLM user meets it: prompt forms, vLLM's ``Logprob`` outputs, a progress
+bar, ``device="auto"``, a clear error after ``shutdown()``, workers freed on ``del`` / garbage
+collection / interpreter exit, and a quiet Ctrl-C. A tiny random-weight LLaMA with the demo model's
+tokenizer keeps it fast."""
 from __future__ import annotations
 
 import gc
@@ -72,6 +73,60 @@ def test_vllm_prompt_forms(llm):
 def test_other_prompt_forms_refused(llm, bad, message):
     with pytest.raises(TypeError, match=message):
         llm.generate(bad, GREEDY)
+
+
+def _rank_bounds(row: torch.Tensor, token: int, eps: float = 1e-4) -> tuple[int, int]:
+    """The 1-based ranks ``token`` may have in a log-softmax row, allowing for ``eps`` of numeric
+    difference between two implementations (near-ties may swap)."""
+    v = float(row[token])
+    return int((row > v + eps).sum()) + 1, int((row > v - eps).sum()) + 1
+
+
+def test_logprobs_are_vllm_logprob_objects(llm, tiny_model):
+    """As in vLLM: ``outputs[i].logprobs`` is one ``{token_id: Logprob}`` per generated token holding
+    the sampled token (first) and the top-k, each with ``logprob``, its 1-based ``rank`` (top-k:
+    1..k) and ``decoded_token``; ``prompt_logprobs`` the same per prompt token with None first.
+    Values and ranks against HF's log-softmax of the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from zpp.outputs import Logprob
+    tok = llm.get_tokenizer()
+    prompt = tok.encode("The capital of France is")
+    k = 3
+    # A hot temperature on random weights samples tokens far outside the top-k (ranks > k).
+    sp = SamplingParams(temperature=1.5, seed=1, max_tokens=8, ignore_eos=True, logprobs=k, prompt_logprobs=k)
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=k),
+                          use_tqdm=False)[0].outputs[0]
+    c = out.outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompt + c.token_ids])).logits[0].float(), -1)
+        ref_greedy = torch.log_softmax(hf(torch.tensor([prompt + greedy.token_ids])).logits[0].float(), -1)
+
+    def check(d, row: torch.Tensor, token: int) -> None:
+        assert all(isinstance(e, Logprob) for e in d.values()), d
+        assert next(iter(d)) == token, "the chosen token's entry comes first"
+        tops = sorted((e.rank, t) for t, e in d.items() if t != token or e.rank <= k)
+        assert [r for r, _ in tops] == list(range(1, k + 1)), d  # the top-k: ranks 1..k
+        assert len(d) in (k, k + 1)
+        for t, e in d.items():
+            assert e.logprob == pytest.approx(float(row[t]), abs=1e-4)
+            lo, hi = _rank_bounds(row, t)
+            assert lo <= e.rank <= hi, (t, e, lo, hi)
+            assert e.decoded_token == tok.decode([t])
+
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for j in range(1, len(prompt)):  # position j is predicted by the logits at j - 1
+        check(out.prompt_logprobs[j], ref[j - 1], prompt[j])
+    assert len(c.logprobs) == len(c.token_ids) == 8
+    for i, t in enumerate(c.token_ids):
+        check(c.logprobs[i], ref[len(prompt) + i - 1], t)
+    assert any(c.logprobs[i][t].rank > k for i, t in enumerate(c.token_ids)), "no sampled token outside the top-k"
+    assert c.cumulative_logprob == pytest.approx(sum(c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)))
+    for i, t in enumerate(greedy.token_ids):  # greedy: the sampled token is the top-1, so k entries
+        check(greedy.logprobs[i], ref_greedy[len(prompt) + i - 1], t)
+        assert greedy.logprobs[i][t].rank == 1 and len(greedy.logprobs[i]) == k
 
 
 def test_progress_bar_by_default(llm, capsys):

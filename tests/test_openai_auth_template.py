@@ -160,7 +160,7 @@ def test_model_without_chat_template_gets_400(bos_tokenizer):
     from zpp.server.openai_server import OpenAIServer
 
     async def go():
-        srv = TestServer(OpenAIServer(_StubEngine(bos_tokenizer), "smol").build_app())
+        srv = TestServer(OpenAIServer(_StubEngine(bos_tokenizer), "smol").build_app(), auto_decompress=False)
         await srv.start_server()
         try:
             c = AsyncOpenAI(base_url=str(srv.make_url("/v1")), api_key="x", max_retries=0)

@@ -4,8 +4,32 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-# One position's log-probabilities: {token_id: logprob}, the chosen token first.
-Logprobs = list[dict[int, float]]
+
+@dataclass(slots=True)
+class Logprob:
+    """One token's log-probability at one position (vLLM's ``vllm.logprobs.Logprob``).
+
+    Attributes:
+        logprob: natural log of the token's probability under the model's own distribution at that
+            position (log-softmax of the logits, before temperature, penalties, top-k/p, min-p and
+            any structured-output mask); ``<= 0``.
+        rank: the token's 1-based rank in that distribution (1 = the most likely). The top-k
+            entries of a position have ranks 1..k in order; the sampled (or prompt) token, when it
+            is not among them, 1 + the number of tokens more likely than it.
+        decoded_token: the token decoded on its own (``tokenizer.decode([token_id])``, so a piece
+            of a multi-byte character reads U+FFFD), as vLLM fills it; None without a tokenizer.
+    """
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+"""Per generated token, ``{token_id: Logprob}``: the sampled token first, then the top-k."""
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
+"""Per prompt token, ``{token_id: Logprob}`` (the prompt token first, then the top-k); None for the
+first token, which nothing predicts."""
 
 
 @dataclass
@@ -20,7 +44,9 @@ class CompletionOutput:
             while running. When several conditions are met on the same token, the first of stop
             string, stop token, EOS, length decides (streamed or not).
         stop_reason: the stop string or stop token id that ended it, else None.
-        logprobs: per generated token, ``{token_id: logprob}`` (sampled token first), when asked.
+        logprobs: when ``SamplingParams.logprobs`` is set (k), per generated token a dict
+            ``{token_id: Logprob}`` holding the sampled token (first) and the k most likely tokens
+            (so k or k + 1 entries), as vLLM's :data:`SampleLogprobs`; else None.
         cumulative_logprob: sum of the sampled tokens' log-probabilities, when logprobs are asked.
     """
 
@@ -29,7 +55,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Union[None, int, str] = None
-    logprobs: Optional[Logprobs] = None
+    logprobs: Optional[SampleLogprobs] = None
     cumulative_logprob: Optional[float] = None
 
     def finished(self) -> bool:
@@ -46,7 +72,9 @@ class RequestOutput:
         prompt_token_ids: the tokenized prompt.
         outputs: one CompletionOutput per sequence, ordered by index.
         finished: every sequence is done.
-        prompt_logprobs: per prompt token (None for the first), ``{token_id: logprob}``, when asked.
+        prompt_logprobs: when ``SamplingParams.prompt_logprobs`` is set (k), per prompt token a
+            dict ``{token_id: Logprob}`` holding that token (first) and the k most likely tokens at
+            its position, None for the first token (:data:`PromptLogprobs`, as vLLM); else None.
     """
 
     request_id: str
@@ -54,4 +82,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None

@@ -111,9 +111,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     """Keep generating after EOS."""
     logprobs: Optional[int] = None
-    """Return this many top log-probabilities per generated token (plus the sampled token's)."""
+    """Return this many top log-probabilities per generated token (plus the sampled token's), 0-20:
+    ``CompletionOutput.logprobs``, per token ``{token_id: Logprob}`` (``zpp.outputs.Logprob``)."""
     prompt_logprobs: Optional[int] = None
-    """Return this many top log-probabilities per prompt token."""
+    """Return this many top log-probabilities per prompt token (plus the prompt token's), 0-20:
+    ``RequestOutput.prompt_logprobs``, per token ``{token_id: Logprob}``, None for the first."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the text."""
     include_stop_str_in_output: bool = False

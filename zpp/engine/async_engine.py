@@ -104,6 +104,9 @@ class AsyncEngine:
                 front end of ``--api-server-count``) instead of starting one.
             front_end_index: this front end's number among those sharing the core.
 
+        Cancelling it (``zpp serve`` on SIGINT / SIGTERM during start-up) stops the core and every
+        worker started so far before the CancelledError propagates.
+
         Raises:
             ConfigError: bad configuration (before any worker starts or weight loads).
             WorkerDiedError: a worker (or the core process) failed to start.
@@ -122,8 +125,12 @@ class AsyncEngine:
         warm = asyncio.ensure_future(engine.grammar.warm_up())  # while the workers load
         try:
             await client.start(config, eos, engine._on_step, engine._on_core_dead)
-        finally:
             await warm
+        except BaseException:  # a failed start, or cancelled (a signal): leave no core or worker behind
+            warm.cancel()
+            engine.grammar.close()
+            await client.shutdown()
+            raise
         engine.inputs = InputProcessor(tokenizer, engine.vocab_size, engine.max_model_len,
                                        client.num_kv_blocks, client.block_size)
         return engine

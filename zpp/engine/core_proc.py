@@ -14,8 +14,9 @@ Lifecycle:
 - the front end dies (even SIGKILL): the core gets SIGKILL from the kernel (PR_SET_PDEATHSIG, as
   the workers do from the core), so nothing is left behind.
 - stop: front -> ShutdownCore; the core stops its workers and exits 0. The core ignores SIGINT
-  (a terminal's Ctrl-C reaches the whole process group; the front end decides) and treats
-  SIGTERM as ShutdownCore.
+  (a terminal's Ctrl-C reaches the whole process group; the front end decides; it is even blocked
+  from the core's first instruction, see ``_sigint_blocked``) and treats SIGTERM as ShutdownCore.
+  Either, during start-up, aborts the start-up: the workers started so far are stopped at once.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import zmq.asyncio
 
 from zpp.config import ConfigError, EngineConfig
 from zpp.engine import core_messages as cm
-from zpp.engine.executor import WorkerDiedError, _main_module_hidden
+from zpp.engine.executor import WorkerDiedError, _main_module_hidden, _sigint_blocked
 from zpp.transport.channels import local_ipc_address
 
 logger = logging.getLogger(__name__)
@@ -84,8 +85,20 @@ class _CoreServer:
         reader = asyncio.create_task(self._read())
         try:
             from zpp.engine.core import EngineCore
+            starting = asyncio.ensure_future(
+                EngineCore.start(self.config, self.eos_token_ids, self._emit, self._on_dead))
+            stopped = asyncio.ensure_future(self.stop.wait())
+            await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if not starting.done():
+                # SIGTERM or ShutdownCore during start-up (the front end got a Ctrl-C): give up now
+                # rather than after loading every weight; Executor.start stops the workers it started.
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+                logger.debug("start-up aborted: asked to stop")
+                return self.status
             try:
-                self.core = await EngineCore.start(self.config, self.eos_token_ids, self._emit, self._on_dead)
+                self.core = starting.result()
                 self.ready = cm.CoreReady(self.core.kv.num_blocks, self.config.cache.block_size, self.core.depth)
                 from zpp.workers.worker import freeze_gc
                 freeze_gc()
@@ -186,8 +199,9 @@ class CoreProcessClient:
     """Spawns the core process (or joins one at ``address``) and talks to it.
 
     ``start`` raises ConfigError / WorkerDiedError with the core's one-line reason when the core
-    cannot start. After start: ``add``/``abort`` send without waiting; ``on_step`` gets every
-    StepOutputs and ``on_dead`` the reason once if the core or a worker dies.
+    cannot start; cancelled while the core starts, it stops the core (and so its workers) first.
+    After start: ``add``/``abort`` send without waiting; ``on_step`` gets every StepOutputs and
+    ``on_dead`` the reason once if the core or a worker dies.
     """
 
     def __init__(self, address: Optional[str] = None, index: int = 0):
@@ -207,7 +221,7 @@ class CoreProcessClient:
             self.address = local_ipc_address()
             ctx = mp.get_context("spawn")
             level = logging.getLogger("zpp").getEffectiveLevel()
-            with _main_module_hidden():
+            with _main_module_hidden(), _sigint_blocked():
                 # Not a daemon: the core starts the worker processes itself.
                 self.proc = ctx.Process(target=core_main, name="zpp-engine-core",
                                         args=(msgspec.msgpack.encode(config), self.address,
@@ -224,10 +238,17 @@ class CoreProcessClient:
         first = asyncio.ensure_future(self.sock.recv())
         exited = loop.create_future()
         self._on_exit_during_start = exited
-        done, _ = await asyncio.wait([first, exited], return_when=asyncio.FIRST_COMPLETED)
-        self._on_exit_during_start = None
+        try:
+            done, _ = await asyncio.wait([first, exited], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled (zpp serve got SIGINT / SIGTERM): stop the core and its workers
+            first.cancel()
+            await self._abort_start()
+            raise
+        finally:
+            self._on_exit_during_start = None
         if first not in done:
             first.cancel()
+            self._stopping = True
             self._close()
             raise WorkerDiedError(f"the engine core process exited during start-up (exit code "
                                   f"{self.proc.exitcode}); see the log above")
@@ -240,6 +261,18 @@ class CoreProcessClient:
         assert isinstance(msg, cm.CoreReady), msg
         self.num_kv_blocks, self.block_size, self.pipeline_depth = msg.num_kv_blocks, msg.block_size, msg.pipeline_depth
         self._reader = asyncio.create_task(self._read())
+
+    async def _abort_start(self) -> None:
+        """Stop a core that is still starting: SIGTERM makes it abort its start-up and stop the
+        workers it started (then it exits); SIGKILL if it has not within 10 s."""
+        self._stopping = True
+        if self.proc is not None:
+            loop = asyncio.get_running_loop()
+            loop.remove_reader(self.proc.sentinel)
+            if self.proc.is_alive():
+                self.proc.terminate()
+            await loop.run_in_executor(None, self._join, 10.0)
+        self._close()
 
     def _send(self, msg) -> None:
         self.sock.send(_encoder.encode(msg))  # HWM 0: never blocks; the future is already done

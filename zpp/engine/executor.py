@@ -38,6 +38,10 @@ _ROOT_CAUSE_GRACE_S = 1.0
 """How long a worker's own error report waits for a process death or a lost node to explain it."""
 
 
+_START_ABORT_GRACE_S = 1.0
+"""How long workers get to act on Shutdown when start-up fails or is aborted before SIGTERM."""
+
+
 class WorkerDiedError(RuntimeError):
     """A worker process exited or reported an error; the engine cannot continue."""
 
@@ -122,8 +126,8 @@ class Executor:
         ex = cls(config, eos_token_ids)
         try:
             await ex._start()
-        except BaseException:
-            ex.shutdown()
+        except BaseException:  # a failure, or cancelled (Ctrl-C): workers still importing or loading
+            ex.shutdown(timeout_s=_START_ABORT_GRACE_S)  # would not read Shutdown for a while
             raise
         return ex
 
@@ -164,7 +168,7 @@ class Executor:
                                       log_level=logging.getLevelName(level).lower(), tp_size=self.tp)
             local_ranks = self.nodes.assign(self.world)
             self.nodes.start()
-        with _main_module_hidden():
+        with _main_module_hidden(), _sigint_blocked():
             for rank in local_ranks:
                 p = ctx.Process(target=_worker_entry, args=(self.socket.address, rank, self.keys, level),
                                 name=f"zpp-worker-{rank}", daemon=True)
@@ -530,6 +534,27 @@ def _main_module_hidden():
     finally:
         for k, v in saved.items():
             setattr(main, k, v)
+
+
+@contextlib.contextmanager
+def _sigint_blocked():
+    """Block SIGINT in the calling thread while it spawns child processes.
+
+    Children inherit the signal mask through fork and exec, so a child starts with SIGINT blocked
+    and a terminal's Ctrl-C (sent to the whole process group) never reaches it, not even while it
+    imports, before it could ignore the signal (it would print a KeyboardInterrupt traceback and
+    die, racing the parent's orderly stop). Every zpp child leaves stopping to its parent. A SIGINT
+    that arrives here meanwhile stays pending and is handled when the block ends: none is lost.
+    """
+    # The first spawn starts multiprocessing's resource tracker, and starting it unblocks SIGINT
+    # (SIG_UNBLOCK, not a restore): start it before blocking, or the first child would not be.
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _worker_entry(address: str, rank: int, keys: RunKeys, level: int) -> None:

@@ -15,7 +15,8 @@ from typing import Callable, Optional
 
 from zpp.engine.core_messages import StepOutputs
 from zpp.engine.detokenizer import IncrementalDetokenizer
-from zpp.outputs import CompletionOutput, RequestOutput
+from zpp.outputs import CompletionOutput, Logprob, RequestOutput
+from zpp.transport.messages import TokenLogprobs
 from zpp.sampling_params import SamplingParams
 
 
@@ -69,6 +70,7 @@ class OutputProcessor:
         self.groups: dict[str, _Group] = {}
         self.seq_to_group: dict[str, tuple[_Group, _Seq]] = {}
         self.metrics = None  # optional observer with on_* hooks (server/metrics.py)
+        self._texts: dict[int, str] = {}  # token id -> decoded alone (logprobs' decoded_token)
 
     def new_group(self, request_id: str, prompt: Optional[str], ids: list[int], sampling: SamplingParams,
                   seq_ids: list[str], stream: bool) -> _Group:
@@ -143,7 +145,7 @@ class OutputProcessor:
                 # scheduled first computes it); a recompute after preemption gives the same values.
                 for j, e in enumerate(p.entries):
                     group.prompt_logprobs_missing -= group.prompt_logprobs[p.start + j] is None
-                    group.prompt_logprobs[p.start + j] = _lp_dict(e)
+                    group.prompt_logprobs[p.start + j] = self._logprob_dict(e)
             if d.token_id < 0 and d.finish_reason is None:
                 continue  # a prefill chunk
             out = seq.out
@@ -158,7 +160,7 @@ class OutputProcessor:
                 group.last_token_time = now
                 out.token_ids.append(d.token_id)
                 if out.logprobs is not None and d.logprobs is not None:
-                    out.logprobs.append(_lp_dict(d.logprobs))
+                    out.logprobs.append(self._logprob_dict(d.logprobs))
                     seq.cum_logprob += d.logprobs.logprob
                     out.cumulative_logprob = seq.cum_logprob
             if seq.detok is not None and d.token_id >= 0:
@@ -185,6 +187,23 @@ class OutputProcessor:
             if group.stream or group.num_unfinished == 0:
                 self._publish(group)
 
+    def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """One position's logprobs in vLLM's form: ``{token_id: Logprob}``, the chosen token's
+        entry first, then the top-k with ranks 1..k. As in vLLM, a chosen token that is among the
+        top-k keeps its first place and takes its top-k rank."""
+        text = self._token_text
+        d = {lp.token_id: Logprob(lp.logprob, lp.rank, text(lp.token_id))}
+        for rank, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs), 1):
+            d[t] = Logprob(v, rank, text(t))
+        return d
+
+    def _token_text(self, token_id: int) -> Optional[str]:
+        """A token decoded alone (cached), as vLLM's ``decoded_token``; None without a tokenizer."""
+        s = self._texts.get(token_id)
+        if s is None and self.tokenizer is not None:
+            s = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return s
+
     def _publish(self, group: _Group) -> None:
         if group.prompt_logprobs is not None and group.prompt_logprobs_missing \
                 and any(s.out.token_ids for s in group.seqs):
@@ -210,10 +229,3 @@ class OutputProcessor:
                 self.seq_to_group.pop(s.req_id, None)
             if self.metrics:
                 self.metrics.on_request_finished(group, aborted=False)
-
-
-def _lp_dict(lp) -> dict[int, float]:
-    d = {lp.token_id: lp.logprob}
-    for t, v in zip(lp.top_ids, lp.top_logprobs):
-        d.setdefault(t, v)
-    return d

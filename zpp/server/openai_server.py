@@ -19,18 +19,18 @@ import sys
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 import zpp
 from zpp.workers.worker import freeze_gc
 from zpp.config import ConfigError
 from zpp.engine.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestError
-from zpp.outputs import CompletionOutput, RequestOutput
+from zpp.outputs import CompletionOutput, Logprob, RequestOutput
 from zpp.sampling_params import SamplingParams, SamplingParamsError
 from zpp.server.metrics import DEFAULT_LOG_STATS_INTERVAL_S, Metrics, StatsLogger
 from zpp.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ProtocolError,
-                                 TokenizeRequest, decode_request, error_body, new_id, now, structured_outputs_of,
-                                 to_sampling_params)
+                                 TokenizeRequest, body_too_large, content_codings, decode_request, error_body,
+                                 new_id, now, structured_outputs_of, to_sampling_params, undo_content_encoding)
 from zpp.server.tools import ToolPlan, ToolStream, parse_output, parse_tools
 
 logger = logging.getLogger(__name__)
@@ -106,9 +106,15 @@ class TokenStrings:
         return b
 
 
-def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
+def _top(lp: dict[int, Logprob], k: int) -> list[tuple[int, float]]:
     """The ``k`` most likely (token id, logprob) pairs of one position, most likely first."""
-    return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+    return [(t, e.logprob) for t, e in sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:k]]
+
+
+def _logprob_of(lp: Optional[dict[int, Logprob]], token_id: int) -> Optional[float]:
+    """``token_id``'s logprob at a position (None when the position or the token has none)."""
+    e = lp.get(token_id) if lp else None
+    return e.logprob if e is not None else None
 
 
 class _SSE:
@@ -209,6 +215,9 @@ class OpenAIServer:
         self._warned_fields: set[str] = set()
 
     def build_app(self) -> web.Application:
+        """The aiohttp application. Serve it with ``auto_decompress=False`` (an ``AppRunner`` /
+        ``TestServer`` keyword, as :func:`serve` does): request bodies' Content-Encoding is undone
+        here, by :meth:`_read`; left to aiohttp it would be undone twice."""
         app = web.Application(middlewares=[self._middleware], client_max_size=self.max_request_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -240,7 +249,9 @@ class OpenAIServer:
             raise
         except (ProtocolError, RequestError, SamplingParamsError, EngineDeadError) as e:
             status, err_type, param = _classify(e)
-            return _error(_message(e), status, err_type, param, getattr(e, "code", None))
+            resp = _error(_message(e), status, err_type, param, getattr(e, "code", None))
+            resp.headers.update(getattr(e, "headers", None) or {})
+            return resp
         except Exception as e:  # a bug: answer in the API's shape and keep serving
             logger.exception("error handling %s", request.path)
             return _error(_message(e), 500, "server_error")
@@ -317,18 +328,26 @@ class OpenAIServer:
                                 "model", 404, "invalid_request_error", "model_not_found")
 
     async def _read(self, request: web.Request, kind):
-        """The request body decoded into ``kind``. Raises ProtocolError (413 past
-        --max-request-body-bytes: told from Content-Length before reading when it is sent; a
-        chunked or compressed body is cut off as soon as it passes the limit)."""
+        """The request body, its ``Content-Encoding`` undone, decoded into ``kind``.
+
+        Raises ProtocolError: 415 for a Content-Encoding other than identity, gzip, deflate (told
+        before reading); 413 past --max-request-body-bytes (told from Content-Length before
+        reading when it is sent; a chunked body is cut off as soon as it passes the limit, a
+        compressed one as soon as its decoded bytes do); 400 for a body that cannot be read or
+        decoded, or is not a valid request.
+        """
         limit = self.max_request_body_bytes
-        too_large = ProtocolError(f"the request body is larger than this server accepts ({limit} bytes; "
-                                  "see --max-request-body-bytes)", None, 413)
+        codings = content_codings(request.headers.getall(hdrs.CONTENT_ENCODING, ()))
         if request.content_length is not None and request.content_length > limit:
-            raise too_large
+            raise body_too_large(limit)
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise too_large from None
+            raise body_too_large(limit) from None
+        except web.RequestPayloadError as e:  # the body arrived malformed (HTTP framing): the client's fault
+            raise ProtocolError(f"the request body could not be read: {e}") from None
+        if codings:
+            body = undo_content_encoding(body, codings, limit)
         try:
             req = decode_request(body, kind)
         except ProtocolError as e:
@@ -423,9 +442,9 @@ class OpenAIServer:
         except RequestError as e:
             raise ProtocolError(str(e), e.param) from None
 
-    def _completion_logprobs(self, k: int, pairs: list[tuple[int, Optional[dict[int, float]]]],
+    def _completion_logprobs(self, k: int, pairs: list[tuple[int, Optional[dict[int, Logprob]]]],
                              offset: int) -> dict:
-        """OpenAI's completions ``logprobs`` object for (token id, {id: logprob} or None) pairs;
+        """OpenAI's completions ``logprobs`` object for (token id, {id: Logprob} or None) pairs;
         ``text_offset`` counts characters from ``offset``."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, lp in pairs:
@@ -435,9 +454,9 @@ class OpenAIServer:
                 token_lps.append(None)
                 tops.append(None)
             else:
-                token_lps.append(lp.get(tid))
+                token_lps.append(_logprob_of(lp, tid))
                 top = dict((self.tokens.text(t), v) for t, v in _top(lp, k))
-                top.setdefault(s, lp.get(tid))  # the chosen token is always listed, as in vLLM
+                top.setdefault(s, _logprob_of(lp, tid))  # the chosen token is always listed, as in vLLM
                 tops.append(top)
             offsets.append(offset)
             offset += len(s)
@@ -663,7 +682,7 @@ class OpenAIServer:
         for j in range(len(ids)):
             lp = lps[j] if lps and j < len(lps) else None
             out.append(None if lp is None else
-                       {str(t): {"logprob": v, "decoded_token": self.tokens.text(t)} for t, v in lp.items()})
+                       {str(t): {"logprob": e.logprob, "decoded_token": self.tokens.text(t)} for t, e in lp.items()})
         return out
 
     def _chat_logprobs(self, k: int, token_ids: list[int], lps) -> dict:
@@ -671,7 +690,7 @@ class OpenAIServer:
         for tid, lp in zip(token_ids, lps or []):
             top = [{"token": self.tokens.text(t), "logprob": v, "bytes": self.tokens.bytes(t)}
                    for t, v in _top(lp, k)] if lp else []
-            content.append({"token": self.tokens.text(tid), "logprob": lp.get(tid) if lp else None,
+            content.append({"token": self.tokens.text(tid), "logprob": _logprob_of(lp, tid),
                             "bytes": self.tokens.bytes(tid), "top_logprobs": top})
         return {"content": content}
 
@@ -875,31 +894,63 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
 
     On the first SIGINT/SIGTERM, requests in progress are ended at once (streams get an error event
     and ``[DONE]``, others HTTP 503) and the server stops within seconds; a second signal stops it
-    immediately.
+    immediately. During start-up (the core and workers starting, weights loading) the first
+    SIGINT/SIGTERM aborts it: the core and every worker started so far are stopped, one line
+    (``zpp: start-up interrupted (SIGINT); ...``) goes to stderr, and then SIGINT returns 130 while
+    SIGTERM ends the process by its default action (as an unhandled SIGTERM did before); a second
+    signal exits at once (the kernel then kills the core, and the core's death its workers:
+    ``PR_SET_PDEATHSIG``).
 
-    Returns the process exit status: 0 after a signal, 1 if the engine (or a front end) died.
+    Returns the process exit status: 0 after a signal, 1 if the engine (or a front end) died,
+    130 after SIGINT during start-up.
     Raises:
         ConfigError: the chat template file cannot be read, or the engine configuration is bad.
         WorkerDiedError: a worker or the engine core failed to start.
     """
     template = load_chat_template(chat_template)
-    engine = await AsyncEngine.start(config, in_process=False)
-    freeze_gc()
+    loop = asyncio.get_running_loop()
+    starting = asyncio.current_task()
+    signalled: list[int] = []
+
+    def on_signal_during_start_up(sig: int) -> None:
+        if signalled:
+            os._exit(128 + signalled[0])
+        signalled.append(sig)
+        starting.cancel()
+
+    # Until _run_front_end installs its own handlers. Without these, SIGTERM killed this process
+    # outright (leaving the core and workers to PR_SET_PDEATHSIG) and SIGINT left it waiting, at
+    # exit, for a core that went on loading.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal_during_start_up, sig)
     extra: list = []
     try:
-        if api_server_count > 1:
-            extra = _start_front_ends(config, engine.client.address, api_server_count, host, port, api_key,
-                                      template, server_options)
-        return await _run_front_end(engine, config, host, port, api_key, template,
-                                    log_stats_interval, extra, reuse_port=api_server_count > 1, **server_options)
-    finally:
-        for p in extra:
-            if p.is_alive():
-                p.terminate()
-        for p in extra:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+        engine = await AsyncEngine.start(config, in_process=False)  # cancelled: core and workers stopped
+        freeze_gc()
+        try:
+            if api_server_count > 1:
+                extra = _start_front_ends(config, engine.client.address, api_server_count, host, port, api_key,
+                                          template, server_options)
+            return await _run_front_end(engine, config, host, port, api_key, template, log_stats_interval,
+                                        extra, reuse_port=api_server_count > 1, **server_options)
+        finally:
+            for p in extra:
+                if p.is_alive():
+                    p.terminate()
+            for p in extra:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+    except asyncio.CancelledError:
+        if not signalled:
+            raise
+        sig = signalled[0]
+        print(f"zpp: start-up interrupted ({signal.Signals(sig).name}); everything it started is stopped",
+              file=sys.stderr, flush=True)
+        if sig == signal.SIGTERM:  # end by the signal, as before: service managers read that as a clean stop
+            loop.remove_signal_handler(sig)
+            os.kill(os.getpid(), sig)
+        return 128 + sig
 
 
 async def _run_front_end(engine: AsyncEngine, config, host: str, port: int, api_key: Optional[str],
@@ -929,7 +980,12 @@ async def _run_front_end(engine: AsyncEngine, config, host: str, port: int, api_
             stop.set()
         loop.add_reader(p.sentinel, gone)
     server = OpenAIServer(engine, config.model.name, api_key, template, **server_options)
-    runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    # auto_decompress off: OpenAIServer._read undoes Content-Encoding itself, so that an unknown or
+    # unsupported coding and a corrupt body get answers in OpenAI's shape (aiohttp's parser
+    # answered br / zstd with plain text before any handler ran, took unknown codings for identity
+    # and failed corrupt bodies as a payload error).
+    runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                           auto_decompress=False)
     status = 0
     stats_task = None
     try:
@@ -978,13 +1034,13 @@ def _start_front_ends(config, core_address: str, count: int, host: str, port: in
 
     import msgspec
 
-    from zpp.engine.executor import _main_module_hidden
+    from zpp.engine.executor import _main_module_hidden, _sigint_blocked
     ctx = mp.get_context("spawn")
     level = logging.getLogger("zpp").getEffectiveLevel()
     args = json.dumps({"host": host, "port": port, "api_key": api_key, "template": template,
                        "options": server_options, "level": level})
     procs = []
-    with _main_module_hidden():
+    with _main_module_hidden(), _sigint_blocked():  # the first front end decides when to stop
         for i in range(1, count):
             p = ctx.Process(target=_front_end_main, name=f"zpp-api-server-{i}", daemon=True,
                             args=(msgspec.msgpack.encode(config), core_address, i, args))

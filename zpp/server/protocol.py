@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
+import zlib
 from typing import Any, Optional, Union
 
 import msgspec
@@ -185,14 +186,105 @@ class DetokenizeRequest(_Request, kw_only=True, forbid_unknown_fields=True):
 
 class ProtocolError(ValueError):
     """A malformed request; becomes HTTP ``status`` with OpenAI's error body. ``unknown_fields``
-    lists the top-level fields the request type does not know (the server logs them)."""
+    lists the top-level fields the request type does not know (the server logs them); ``headers``
+    go on the error response."""
 
     def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
                  err_type: str = "invalid_request_error", code: Optional[str] = None,
-                 unknown_fields: tuple[str, ...] = ()):
+                 unknown_fields: tuple[str, ...] = (), headers: Optional[dict[str, str]] = None):
         super().__init__(message)
         self.param, self.status, self.err_type, self.code = param, status, err_type, code
         self.unknown_fields = unknown_fields
+        self.headers = headers or {}
+
+
+# --- Content-Encoding of request bodies -----------------------------------------------------------
+CONTENT_CODINGS = ("gzip", "deflate")
+"""The request-body codings the server undoes (besides ``identity``); ``x-gzip`` is gzip (RFC 9110)."""
+MAX_CONTENT_CODINGS = 4
+"""Most codings one ``Content-Encoding`` may stack (each is undone in turn)."""
+
+
+def body_too_large(limit: int) -> ProtocolError:
+    """The 413 for a body over ``limit`` bytes (``--max-request-body-bytes``), decoded or not."""
+    return ProtocolError(f"the request body is larger than this server accepts ({limit} bytes; "
+                         "see --max-request-body-bytes)", None, 413)
+
+
+def content_codings(values) -> list[str]:
+    """The codings named by a request's ``Content-Encoding`` header values, in the order they were
+    applied (``identity`` and empty entries dropped, names lower-cased, ``x-gzip`` -> ``gzip``).
+
+    Raises:
+        ProtocolError: HTTP 415 for a coding this server cannot undo (``br``, ``zstd``, ``compress``,
+            an unknown name: never taken for identity) or more than MAX_CONTENT_CODINGS of them;
+            the message lists the supported ones, the ``Accept-Encoding`` header too (RFC 7694).
+    """
+    codings = []
+    for value in values:
+        for name in value.split(","):
+            name = name.strip().lower()
+            if name and name != "identity":
+                codings.append("gzip" if name == "x-gzip" else name)
+    unsupported = [c for c in codings if c not in CONTENT_CODINGS]
+    if unsupported or len(codings) > MAX_CONTENT_CODINGS:
+        msg = (f"Content-Encoding {unsupported[0][:40]!r} is not supported: this server accepts request "
+               "bodies in identity, gzip or deflate encoding" if unsupported else
+               f"Content-Encoding stacks {len(codings)} codings: this server undoes at most "
+               f"{MAX_CONTENT_CODINGS} (each gzip or deflate)")
+        raise ProtocolError(msg, None, 415, headers={"Accept-Encoding": "gzip, deflate"})
+    return codings
+
+
+def undo_content_encoding(body: bytes, codings: list[str], limit: int) -> bytes:
+    """``body`` with its ``codings`` (from :func:`content_codings`) undone, last applied first.
+
+    gzip may hold several members (RFC 1952); deflate is a zlib stream (RFC 1950) or, as some
+    clients send it, raw deflate. Decoding stops as soon as the output passes ``limit`` bytes.
+    An empty body stays empty.
+
+    Raises:
+        ProtocolError: HTTP 413 past ``limit``; HTTP 400 when the body is not valid data of its
+            coding (corrupt, truncated, or followed by other bytes).
+    """
+    for coding in reversed(codings):
+        body = _inflate(body, coding, limit)
+    return body
+
+
+def _inflate(data: bytes, coding: str, limit: int) -> bytes:
+    out: list[bytes] = []
+    size = 0
+
+    def bad(why: str) -> ProtocolError:
+        return ProtocolError(f"the request body could not be decoded as {coding} (its Content-Encoding): {why}")
+
+    while data:
+        if coding == "gzip":
+            wbits = 16 + zlib.MAX_WBITS
+        else:  # a zlib header has compression method 8 in its low nibble; else raw deflate
+            wbits = zlib.MAX_WBITS if data[0] & 0x0F == 8 else -zlib.MAX_WBITS
+        d = zlib.decompressobj(wbits)
+        pending = data
+        try:
+            while not d.eof:
+                piece = d.decompress(pending, limit - size + 1)
+                size += len(piece)
+                if size > limit:
+                    raise body_too_large(limit)
+                out.append(piece)
+                pending = d.unconsumed_tail
+                if not pending and not piece:
+                    break
+        except zlib.error as e:
+            raise bad(str(e)) from None
+        if not d.eof:
+            raise bad("the data ends early (truncated)")
+        data = d.unused_data
+        if data and coding == "deflate":
+            raise bad(f"{len(data)} bytes follow the end of the compressed data")
+        # gzip: what follows must be another member (else its header check fails above)
+    return b"".join(out)
 
 
 _PATH_RE = re.compile(r"at `\$\.([A-Za-z_]+)")
