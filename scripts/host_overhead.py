@@ -63,7 +63,7 @@ class InstantExecutor:
         self.sent.append(payload)
         t = time.perf_counter()
         b = m.to_worker_decoder.decode(payload)
-        res = m.encode(m.StepResult(b.batch_id, [m.SampledOutput(c.req_id, 7) for c in b.chunks if c.sample]))
+        res = m.encode(m.StepResult(b.batch_id, m.pack_int32([7] * int(m.BatchColumns(b).sample.sum()))))
         self.worker_s += time.perf_counter() - t
         self.results.put_nowait(m.from_worker_decoder.decode(res))  # the executor's read loop
 
@@ -190,26 +190,27 @@ class _HostEvent:
         pass
 
 
-def _runner(pp_rank: int):
+def _runner(pp_rank: int, max_num_seqs: int):
     import torch
     from zpp.models.base import StageInfo
     from zpp.workers.model_runner import ModelRunner
     stage = StageInfo(pp_rank, 2, pp_rank, pp_rank + 1)
     model = _StubModel(stage)
-    r = ModelRunner(model, torch.device("cpu"), torch.float32, 16, _StubLink(), {0})
+    r = ModelRunner(model, torch.device("cpu"), torch.float32, 16, _StubLink(), {0}, max_model_len=4096,
+                    max_num_seqs=max_num_seqs)
     r.graphs = _StubGraphs(stage, model.vocab)
     r._pinned = [torch.empty(1 << 16, dtype=torch.int64) for _ in range(2)]  # no pinned memory on the CPU
     return r
 
 
-def worker_side(sent: list[bytes], profile: bool) -> tuple[list[float], list[float], list[int]]:
+def worker_side(sent: list[bytes], num_seqs: int, profile: bool) -> tuple[list[float], list[float], list[int]]:
     """Replays every message through stage 0 and the last stage. Returns the seconds of each decode
     micro-batch on each stage (message decoding included; on the last stage the result's encoding
     too) and its number of sequences."""
     import torch
     from zpp.workers.model_runner import PendingResult
     torch.cuda.Event = _HostEvent
-    first, last = _runner(0), _runner(1)
+    first, last = _runner(0, num_seqs), _runner(1, num_seqs)
     t0s, t1s, sizes = [], [], []
     prof = cProfile.Profile() if profile else None
     for payload in sent:
@@ -237,11 +238,12 @@ def worker_side(sent: list[bytes], profile: bool) -> tuple[list[float], list[flo
 
 
 def _is_decode(batch: m.ExecuteBatch) -> bool:
-    return bool(batch.chunks) and all(c.num_tokens == 1 for c in batch.chunks)
+    n = m.int32s(batch.num_tokens)
+    return len(n) > 0 and bool((n == 1).all())
 
 
 def _size(batch: m.ExecuteBatch) -> int:
-    return len(batch.chunks)
+    return len(batch.slots) // 4
 
 
 def main() -> None:
@@ -257,7 +259,7 @@ def main() -> None:
     for k in range(a.repeat):
         elapsed, sent = engine_side(a.num_seqs, a.input_len, a.output_len, a.pipeline_depth, a.profile and k == 0)
         engine.append(elapsed)
-        worker.append(worker_side(sent, a.profile and k == 0))
+        worker.append(worker_side(sent, a.num_seqs, a.profile and k == 0))
     n = len(sent)
     seqs = sum(_size(m.to_worker_decoder.decode(p)) for p in sent)
     print(f"{a.num_seqs} sequences, {a.input_len}/{a.output_len} tokens, depth {a.pipeline_depth}: {n} micro-batches "
