@@ -118,6 +118,19 @@ def test_slot_table_applies_a_batch():
     free = m.BatchBuilder().build(2, freed_slots=[0, 3])
     t.apply(_wire(free))
     assert t.live.tolist() == [False, True, False, False] and t.sampling[3] is None
+    # slot 0 reused by a request with fewer blocks: nothing of the previous one shows
+    b = m.BatchBuilder()
+    b.new_request(0, "reuse", [5, 6], 2, [30], None)
+    b.add(0, 0, 2, m.SAMPLE)
+    t.apply(_wire(b.build(3)))
+    assert t.block_rows(np.array([0]), 3).tolist() == [[30, 0, 0]] and t.num_tokens[0] == 2
+    # several new tokens for one chunk (async scheduling catching up), none for another, blocks for one
+    b = m.BatchBuilder()
+    b.add(1, 11, 1, m.SAMPLE, new_tokens=[61, 62, 63])
+    b.add(0, 2, 1, m.SAMPLE, new_tokens=[7], new_blocks=[31])
+    t.apply(_wire(b.build(4)))
+    assert t.tokens[1, 9:12].tolist() == [61, 62, 63] and t.num_tokens[1] == 12 and t.tokens[0, :3].tolist() == [5, 6, 7]
+    assert t.blocks[0, :3].tolist() == [30, 31, 0] and t.num_blocks[1] == 3
 
 
 @pytest.mark.parametrize("chunk, match", [

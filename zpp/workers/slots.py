@@ -20,7 +20,7 @@ class SlotTable:
         tokens ``int32[S, max_model_len]``: row ``s`` holds the request's known tokens, the first
             ``num_tokens[s]`` of it valid (with async scheduling the newest may be on the device only).
         blocks ``int32[S, ceil(max_model_len / block_size)]``: its KV block table, the first
-            ``num_blocks[s]`` valid.
+            ``num_blocks[s]`` valid and the rest 0 (so a row's prefix is a block table as is).
         num_tokens, num_blocks, num_prompt ``int64[S]``; live ``bool[S]`` (the slot holds a request);
         plain ``bool[S]`` (it samples greedily with nothing to adjust or report:
             :func:`~zpp.workers.sampler.is_plain_greedy`).
@@ -94,6 +94,7 @@ class SlotTable:
                              f"{len(blks)} blocks do not fit max_model_len {self.max_model_len}")
         self.tokens[s, :len(toks)] = toks
         self.blocks[s, :len(blks)] = blks
+        self.blocks[s, len(blks):max(len(blks), int(self.num_blocks[s]))] = 0  # the slot's previous request's
         self.num_tokens[s] = len(toks)
         self.num_blocks[s] = len(blks)
         self.num_prompt[s] = r.num_prompt_tokens
@@ -120,13 +121,21 @@ class SlotTable:
         ``slots[i]`` of ``table`` after its first ``lengths[slot]`` entries."""
         if not len(values):
             return
+        if len(values) == len(slots):  # maybe one each (a decode's last token)
+            gaining = None if bool((counts == 1).all()) else np.flatnonzero(counts)
+        else:
+            gaining = np.flatnonzero(counts)
+        if gaining is not None:
+            slots, counts = slots[gaining], counts[gaining]
         have = lengths[slots]
         if int((have + counts).max()) > table.shape[1]:
             raise ValueError(f"new {what} past a row of {table.shape[1]} (max_model_len)")
-        ends = np.cumsum(counts, dtype=np.int64)
-        owner = np.repeat(np.arange(len(slots)), counts)
-        cols = np.arange(len(values)) - (ends - counts)[owner] + have[owner]
-        table[slots[owner], cols] = values
+        if len(values) == len(slots):  # one entry each: the usual case (a token, or a new block)
+            table[slots, have] = values
+        else:
+            ends = np.cumsum(counts, dtype=np.int64)
+            owner = np.repeat(np.arange(len(slots)), counts)
+            table[slots[owner], np.arange(len(values)) - (ends - counts)[owner] + have[owner]] = values
         lengths[slots] = have + counts
 
     def _check_chunks(self, cols: m.BatchColumns) -> None:
@@ -151,9 +160,7 @@ class SlotTable:
     def block_rows(self, slots: np.ndarray, width: int) -> np.ndarray:
         """``int32[len(slots), width]``: the first ``width`` entries of each slot's block table, 0
         past its blocks."""
-        rows = self.blocks[:, :width][slots]
-        rows[np.arange(width)[None, :] >= self.num_blocks[slots][:, None]] = 0
-        return rows
+        return self.blocks[:, :width][slots]
 
     def seq_states(self, slots: np.ndarray, sample_ends: np.ndarray) -> list[SeqState]:
         """What the sampler reads of each slot's request, sampling after position ``sample_ends[i] - 1``
