@@ -26,7 +26,8 @@ dev = torch.device("cuda")
 max_len = int(cfg.get("max_position_embeddings", 4096))
 model = load_stage_model(cfg_dir, cfg, StageInfo(0, 1, 0, cfg["num_hidden_layers"]), torch.bfloat16, dev, max_len,
                          "dummy")
-r = ModelRunner(model, dev, torch.bfloat16, 16, None, {0}, async_scheduling=True)
+r = ModelRunner(model, dev, torch.bfloat16, 16, None, {0}, async_scheduling=True, max_model_len=max_len,
+                max_num_seqs=max(256, B))
 r.init_kv_cache(num_blocks)
 r.capture_graphs(max_len, max(256, B))
 if B > 1:
@@ -34,11 +35,12 @@ if B > 1:
     L, per = 256, 20  # prompt tokens, KV blocks per request (room for 64 decodes)
     ids = [f"r{i}" for i in range(B)]
     for j in range(0, B, 32):
-        part = ids[j:j + 32]
-        res = r.execute(m.ExecuteBatch(j, [m.ScheduledChunk(q, 0, L, True) for q in part],
-                                       new_reqs=[m.NewRequest(q, list(range(1000 + k, 1000 + k + L)), L,
-                                                              list(range(int(q[1:]) * per, (int(q[1:]) + 1) * per)), sp)
-                                                 for k, q in enumerate(part)]))
+        b = m.BatchBuilder()
+        for k, slot in enumerate(range(j, min(j + 32, B))):  # request i in slot i
+            b.add(slot, 0, L, m.SAMPLE)
+            b.new_request(slot, ids[slot], list(range(1000 + k, 1000 + k + L)), L,
+                          list(range(slot * per, (slot + 1) * per)), sp)
+        res = r.execute(b.build(j))
         res = res.finish(r) if isinstance(res, PendingResult) else res
     pos = L
     bid = [10_000]
@@ -46,7 +48,10 @@ if B > 1:
     def dstep():
         global pos
         bid[0] += 1
-        out = r.execute(m.ExecuteBatch(bid[0], [m.ScheduledChunk(q, pos, 1, True, False, True) for q in ids]))
+        b = m.BatchBuilder()
+        for slot in range(B):
+            b.add(slot, pos, 1, m.SAMPLE | m.FROM_PREV)
+        out = r.execute(b.build(bid[0]))
         pos += 1
         return out
     for i in range(5):
@@ -77,15 +82,19 @@ if B > 1:
 sp = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
 prompt = list(range(1000, 1128))
 blocks = list(range(64))
-res = r.execute(m.ExecuteBatch(0, [m.ScheduledChunk("a", 0, 128, True)],
-                               new_reqs=[m.NewRequest("a", prompt, 128, blocks, sp)]))
+b0 = m.BatchBuilder()
+b0.add(0, 0, 128, m.SAMPLE)
+b0.new_request(0, "a", prompt, 128, blocks, sp)
+res = r.execute(b0.build(0))
 res = res.finish(r) if isinstance(res, PendingResult) else res
 pos = 128
 
 
 def step(bid):
     global pos
-    out = r.execute(m.ExecuteBatch(bid, [m.ScheduledChunk("a", pos, 1, True, False, True)]))
+    b = m.BatchBuilder()
+    b.add(0, pos, 1, m.SAMPLE | m.FROM_PREV)
+    out = r.execute(b.build(bid))
     pos += 1
     return out
 

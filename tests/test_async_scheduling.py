@@ -23,7 +23,7 @@ def _count_async_chunks(llm) -> list[int]:
     def schedule():
         out = orig()
         if out is not None:
-            counter[0] += sum(1 for c in out.batch.chunks if c.from_prev)
+            counter[0] += sum(1 for c in out.chunks if c.from_prev)
         return out
 
     sched.schedule = schedule
@@ -93,8 +93,7 @@ def _req(rid: str, n_prompt: int, max_tokens: int, **sp) -> Request:
 
 
 def _result(sched, tokens: dict[str, int]) -> m.StepResult:
-    return m.StepResult(sched.batch.batch_id, [m.SampledOutput(c.req_id, tokens[c.req_id])
-                                               for c in sched.batch.chunks if c.sample])
+    return m.StepResult(sched.batch.batch_id, m.pack_int32([tokens[c.req_id] for c in sched.chunks if c.sample]))
 
 
 def test_scheduler_async_decode_while_in_flight():
@@ -104,23 +103,23 @@ def test_scheduler_async_decode_while_in_flight():
     s.add_request(a)
     s.add_request(p)
     b0 = s.schedule()  # both prompts, each sampling its first token
-    assert [(c.req_id, c.start, c.num_tokens, c.sample, c.from_prev) for c in b0.batch.chunks] == \
+    assert [(c.req_id, c.start, c.num_tokens, c.sample, c.from_prev) for c in b0.chunks] == \
         [("a", 0, 5, True, False), ("p", 0, 5, True, False)]
     b1 = s.schedule()  # "a" again at once, for position 5, whose token is still in flight; "p" waits
-    assert [(c.req_id, c.start, c.num_tokens, c.sample, c.from_prev) for c in b1.batch.chunks] == \
+    assert [(c.req_id, c.start, c.num_tokens, c.sample, c.from_prev) for c in b1.chunks] == \
         [("a", 5, 1, True, True)]
     b2 = s.schedule()  # and again (the engine's depth bounds this): position 6, sampled by b1
-    assert [(c.req_id, c.start, c.from_prev) for c in b2.batch.chunks] == [("a", 6, True)]
+    assert [(c.req_id, c.start, c.from_prev) for c in b2.chunks] == [("a", 6, True)]
     assert s.schedule() is None  # b2 samples "a"'s third and last token (max_tokens 3): no extra step
     s.update(b0, _result(b0, {"a": 50, "p": 60}))
     assert a.token_ids[5:] == [50] and a.num_computed_tokens == 5
     b3 = s.schedule()  # "p" synchronously (penalties), with its first token
-    assert {c.req_id: (c.start, c.from_prev) for c in b3.batch.chunks} == {"p": (5, False)}
-    assert [c.new_token_ids for c in b3.batch.cached_reqs] == [[60]]
+    assert {c.req_id: (c.start, c.from_prev) for c in b3.chunks} == {"p": (5, False)}
+    assert [c.new_token_ids for c in b3.chunks] == [[60]]
     s.update(b1, _result(b1, {"a": 51}))
     out = s.update(b2, _result(b2, {"a": 52}))
     assert a.token_ids[5:] == [50, 51, 52] and a.status.finished
-    s.release_finished([r for r, _ in out])
+    s.release_finished([r for r, _, _ in out])
     assert "a" not in s.requests
 
 
@@ -131,10 +130,10 @@ def test_scheduler_async_drops_the_step_after_a_stop():
     s.add_request(a)
     b0 = s.schedule()
     b1 = s.schedule()
-    assert b1.batch.chunks[0].from_prev
+    assert b1.chunks[0].from_prev
     out = s.update(b0, _result(b0, {"a": 0}))  # EOS: finished while b1 is in flight
     assert a.status.finished
-    s.release_finished([r for r, _ in out])
+    s.release_finished([r for r, _, _ in out])
     assert kv.num_free_blocks < 16, "freed while a micro-batch in flight still writes its blocks"
     assert s.update(b1, _result(b1, {"a": 9})) == []  # the extra step's token is dropped
     assert a.token_ids == [1, 2, 3, 0] and kv.num_free_blocks == 16 and not s.has_work()
@@ -153,9 +152,9 @@ def test_scheduler_async_every_request_in_every_batch():
         for _ in range(12):  # the engine's loop: keep 2 in flight, apply the oldest
             while len(inflight) < 2 and (b := s.schedule()) is not None:
                 inflight.append(b)
-                sizes.append(sum(1 for c in b.batch.chunks if c.num_tokens == 1 and c.start >= 4))
+                sizes.append(sum(1 for c in b.chunks if c.num_tokens == 1 and c.start >= 4))
             b = inflight.pop(0)
-            s.update(b, _result(b, {c.req_id: 7 for c in b.batch.chunks if c.sample}))
+            s.update(b, _result(b, {c.req_id: 7 for c in b.chunks if c.sample}))
         assert sizes[-4:] == [want] * 4, sizes
 
 

@@ -92,7 +92,7 @@ def test_eos_text_hidden_n_fanout_logprobs_and_prompt_logprobs(tokenizer):
         op.add(g)
         lp = lambda t, v: TokenLogprobs(t, v, 1, [t], [v])  # noqa: E731
         other = tokenizer.encode(" there")[0]
-        plp = PromptLogprobsOutput("q#1", 1, [lp(t, -0.5) for t in prompt[1:]])
+        plp = PromptLogprobsOutput(0, 1, [lp(t, -0.5) for t in prompt[1:]])
         eos = tokenizer.eos_token_id
         hi = tokenizer.encode(" hi")[0]
         op.process(_step(cm.SeqDelta("q#0", prompt_logprobs=None), cm.SeqDelta("q#1", hi, lp(hi, -1.0), prompt_logprobs=plp)))
@@ -143,8 +143,8 @@ class _StandInStages:
     def send(self, batch, grammar_rows=(), grammar_bitmask=b""):
         from zpp.transport import messages as m
         self.sent += 1
-        self.queue.put_nowait(m.StepResult(batch.batch_id, [m.SampledOutput(c.req_id, 7 + c.start + c.num_tokens)
-                                                            for c in batch.chunks if c.sample]))
+        c = m.BatchColumns(batch)
+        self.queue.put_nowait(m.StepResult(batch.batch_id, m.pack_int32((7 + c.starts + c.num_tokens)[c.sample])))
 
     async def next_result(self):
         item = await self.queue.get()

@@ -270,7 +270,7 @@ def test_send_to_a_dead_worker_names_it(tiny_model):
         async def send_until_refused():
             for i in range(200):  # ZeroMQ drops the connection a moment after the process is gone
                 try:
-                    ex.send(m.ExecuteBatch(10_000 + i, []))
+                    ex.send(m.ExecuteBatch(10_000 + i))
                 except WorkerDiedError as e:
                     return str(e)
                 await asyncio.sleep(0.05)

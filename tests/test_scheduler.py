@@ -19,34 +19,40 @@ def fake_token(tokens: list[int]) -> int:
 
 
 class SimWorkers:
-    """Mirrors what the workers keep (token lists, block tables) and checks every batch against it."""
+    """Mirrors what the workers keep (token lists, block tables, by slot) from the encoded messages
+    alone and checks every batch against it."""
 
-    def __init__(self, kv: KVCacheManager):
+    def __init__(self, kv: KVCacheManager, max_slots: int = 1 << 20):
         self.kv = kv
-        self.state: dict[str, tuple[list[int], list[int]]] = {}
-        self.computed: dict[str, int] = {}  # positions with KV, once known (not after a prefix hit)
+        self.max_slots = max_slots
+        self.state: dict[int, tuple[list[int], list[int]]] = {}
+        self.computed: dict[int, int] = {}  # positions with KV, once known (not after a prefix hit)
 
     def run(self, batch: m.ExecuteBatch) -> m.StepResult:
-        for rid in batch.finished_req_ids:
-            self.state.pop(rid, None)
+        batch = m.to_worker_decoder.decode(m.encode(batch))
+        for slot in m.int32s(batch.freed_slots).tolist():
+            assert slot in self.state, "a freed slot that holds no request"
+            del self.state[slot]
+            self.computed.pop(slot, None)
         for r in batch.new_reqs:
-            self.state[r.req_id] = (list(r.token_ids), list(r.block_ids))
-            self.computed.pop(r.req_id, None)
-        for c in batch.cached_reqs:
-            toks, blocks = self.state[c.req_id]
+            assert r.slot not in self.state, "a new request in a slot still held"
+            assert 0 <= r.slot < self.max_slots, "slot past max_num_seqs"
+            self.state[r.slot] = (m.int32s(r.token_ids).tolist(), m.int32s(r.block_ids).tolist())
+        sampled = []
+        chunks = m.chunks_of(batch)
+        assert len({c.slot for c in chunks}) == len(chunks), "a request twice in one batch"
+        for c in chunks:
+            toks, blocks = self.state[c.slot]
             toks.extend(c.new_token_ids)
             blocks.extend(c.new_block_ids)
-        sampled = []
-        for c in batch.chunks:
-            toks, blocks = self.state[c.req_id]
             assert c.start + c.num_tokens <= len(toks)
             assert len(blocks) * self.kv.block_size >= c.start + c.num_tokens, "KV slots missing"
-            assert self.computed.get(c.req_id, c.start) == c.start, "a chunk does not follow the last one"
-            self.computed[c.req_id] = c.start + c.num_tokens
+            assert self.computed.get(c.slot, c.start) == c.start, "a chunk does not follow the last one"
+            self.computed[c.slot] = c.start + c.num_tokens
             if c.sample:
                 assert c.start + c.num_tokens == len(toks)
-                sampled.append(m.SampledOutput(c.req_id, fake_token(toks)))
-        return m.StepResult(batch.batch_id, sampled)
+                sampled.append(fake_token(toks))
+        return m.StepResult(batch.batch_id, m.pack_int32(sampled))
 
 
 def expected_output(prompt: list[int], n: int) -> list[int]:
@@ -74,8 +80,8 @@ def drive(sched: Scheduler, workers: SimWorkers, depth: int, max_steps: int = 10
                 break
             # a request is in several in-flight batches only for consecutive prefill chunks, of
             # which only the last may sample (a decode waits for its previous token)
-            ends = {c.req_id: (c.start + c.num_tokens, c.sample) for b2 in inflight for c in b2.batch.chunks}
-            for c in b.batch.chunks:
+            ends = {c.req_id: (c.start + c.num_tokens, c.sample) for b2 in inflight for c in b2.chunks}
+            for c in b.chunks:
                 if c.req_id in ends:
                     assert c.start == ends[c.req_id][0] and not ends[c.req_id][1], (c, ends[c.req_id])
             assert b.num_tokens <= sched.max_num_batched_tokens
@@ -84,7 +90,7 @@ def drive(sched: Scheduler, workers: SimWorkers, depth: int, max_steps: int = 10
         b = inflight.pop(0)
         res = workers.run(b.batch)
         updates = sched.update(b, res)
-        sched.release_finished([r for r, _ in updates])
+        sched.release_finished([r for r, _, _ in updates])
         steps += 1
         assert steps < max_steps, f"no finish within {max_steps} steps ({sched.stats.num_preemptions} preemptions)"
     return steps
@@ -106,7 +112,7 @@ def test_outputs_survive_preemption_and_chunking(depth, num_blocks, chunked):
                     arrival=float(i))
         reqs.append(r)
         sched.add_request(r)
-    drive(sched, SimWorkers(kv), depth)
+    drive(sched, SimWorkers(kv, 8), depth)
     for r in reqs:
         assert r.status == RequestStatus.FINISHED_LENGTH
         assert r.output_token_ids == expected_output(r.prompt_token_ids, 60)
@@ -124,10 +130,10 @@ def test_abort_in_flight_frees_after_return():
     assert r.in_flight and kv.num_free_blocks < 20
     sched.abort("a")
     assert kv.num_free_blocks < 20, "blocks freed while a batch in flight still writes them"
-    sched.update(b, m.StepResult(b.batch.batch_id, [m.SampledOutput("a", 5)]))
+    sched.update(b, m.StepResult(b.batch.batch_id, m.pack_int32([5])))
     assert kv.num_free_blocks == 20
     b2 = sched.schedule()
-    assert b2 is None and sched._finished_ids == ["a"]
+    assert b2 is None and sched._freed_slots == [0]  # told to the workers with the next batch
 
 
 def test_prefix_cache_hits_and_eviction():
@@ -207,7 +213,7 @@ def _pressure_case(seed: int):
         cost += -(-total // budget) + max_tokens
     bound = steps_in[-1] + (depth + 1) * cost
     try:
-        return drive(sched, SimWorkers(kv), depth, max_steps=bound + 1, arrivals=arrivals), \
+        return drive(sched, SimWorkers(kv, sched.max_num_seqs), depth, max_steps=bound + 1, arrivals=arrivals), \
             bound, sched, kv, reqs
     except AssertionError as e:
         raise AssertionError(f"seed {seed}: {e}") from None
@@ -270,7 +276,7 @@ def _policy_run(shorts_every: int, depth: int, short_len: int = 20):
             b = sched.schedule()
             if b is None:
                 break
-            chunks = b.batch.chunks
+            chunks = b.chunks
             dec = [c for c in chunks if c.req_id in ready]
             assert b.num_tokens <= budget
             # decodes first: the batch's share of the ready decodes is in, listed first, and the
@@ -280,8 +286,8 @@ def _policy_run(shorts_every: int, depth: int, short_len: int = 20):
             assert sum(c.num_tokens for c in chunks[len(dec):]) <= budget - len(dec)
             inflight.append(b)
         b = inflight.pop(0)
-        for r, s in sched.update(b, workers.run(b.batch)):
-            if s is not None:
+        for r, _, tok in sched.update(b, workers.run(b.batch)):
+            if tok >= 0:
                 token_steps.setdefault(r.req_id, []).append(step)
         sched.release_finished(list(b.reqs))
         step += 1
@@ -302,9 +308,9 @@ def _policy_run(shorts_every: int, depth: int, short_len: int = 20):
                 sched.add_request(r)
                 shorts[r.req_id] = (step, r)
         b = one_step()
-        for c in b.batch.chunks:
+        for c in b.chunks:
             if c.req_id == "long":
-                n_dec = sum(1 for c2 in b.batch.chunks if c2.req_id.startswith("s") and c2.num_tokens == 1
+                n_dec = sum(1 for c2 in b.chunks if c2.req_id.startswith("s") and c2.num_tokens == 1
                             and c2.start >= 8)
                 long_chunks.append((c.num_tokens, n_dec, b.num_tokens - c.num_tokens - n_dec))
     assert sum(n for n, _, _ in long_chunks) == 1200
@@ -392,13 +398,13 @@ def test_attention_budget_shrinks_chunks_at_long_context_only(depth):
                 b = sched.schedule()
                 if b is None:
                     break
-                n_dec = sum(1 for c in b.batch.chunks if c.num_tokens == 1 and c.req_id != "long")
-                for c in b.batch.chunks:
+                n_dec = sum(1 for c in b.chunks if c.num_tokens == 1 and c.req_id != "long")
+                for c in b.chunks:
                     if c.req_id == "long" and not c.sample or (c.req_id == "long" and c.start < len(long.prompt_token_ids)):
                         chunks.append((c.start, c.num_tokens, n_dec))
                 inflight.append(b)
             b = inflight.pop(0)
-            sched.release_finished([r for r, _ in sched.update(b, workers.run(b.batch))])
+            sched.release_finished([r for r, _, _ in sched.update(b, workers.run(b.batch))])
         assert long.output_token_ids == expected_output(long.prompt_token_ids, 2)
         assert sum(n for _, n, _ in chunks) == len(long.prompt_token_ids)
         for start, n, n_dec in chunks:

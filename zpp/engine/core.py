@@ -192,9 +192,9 @@ class EngineCore:
                 (the scheduler keeps a decoding sequence in one micro-batch at a time; this checks it).
         """
         rows, grammars = [], []
-        for i, (req, chunk) in enumerate(zip(sched.reqs, sched.batch.chunks)):
+        for i, (req, sample) in enumerate(zip(sched.reqs, sched.sample)):
             g = req.grammar
-            if g is None or not chunk.sample:
+            if g is None or not sample:
                 continue
             if g.num_accepted != req.num_output_tokens:
                 raise RuntimeError(f"sequence {req.req_id}: scheduled to sample with {req.num_output_tokens} "
@@ -207,20 +207,22 @@ class EngineCore:
 
     def _apply(self, sched: ScheduledBatch, result) -> StepOutputs:
         updates = self.scheduler.update(sched, result)
-        plp = {p.req_id: p for p in result.prompt_logprobs} if result.prompt_logprobs else {}
+        # Logprobs and prompt logprobs come only for the chunks that asked, named by chunk index.
+        plp = {p.chunk: p for p in result.prompt_logprobs} if result.prompt_logprobs else None
+        lps = dict(zip(result.logprob_chunks, result.logprobs)) if result.logprobs else None
         deltas = []
         finished = []
-        for req, sampled in updates:
-            p = plp.get(req.req_id)
-            if sampled is None:
+        for req, i, token_id in updates:
+            p = plp.get(i) if plp else None
+            if token_id < 0:
                 if p is not None:
                     deltas.append(SeqDelta(req.req_id, prompt_logprobs=p))
                 continue
-            if req.grammar is not None and not self._advance_grammar(req, sampled.token_id):
+            if req.grammar is not None and not self._advance_grammar(req, token_id):
                 deltas.append(SeqDelta(req.req_id, finish_reason="abort", prompt_logprobs=p))
                 finished.append(req)
                 continue
-            d = SeqDelta(req.req_id, sampled.token_id, sampled.logprobs, prompt_logprobs=p)
+            d = SeqDelta(req.req_id, token_id, lps.get(i) if lps else None, prompt_logprobs=p)
             self.num_generation_tokens += 1
             if req.status.finished:
                 d.finish_reason = req.status.finish_reason

@@ -297,8 +297,8 @@ class Executor:
         if self.dead:
             raise WorkerDiedError(self.dead)
         if self.trace.enabled:
-            self.trace.mark("send", batch.batch_id, args={"tokens": sum(c.num_tokens for c in batch.chunks),
-                                                          "seqs": len(batch.chunks), "after_idle": batch.after_idle})
+            self.trace.mark("send", batch.batch_id, args={"tokens": int(m.int32s(batch.num_tokens).sum()),
+                                                          "seqs": len(batch.slots) // 4, "after_idle": batch.after_idle})
         now = time.monotonic()
         if not self.inflight:  # the pipeline was idle: the stall clock starts now
             self.last_progress = now

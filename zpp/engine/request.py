@@ -52,6 +52,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_sent_tokens = 0
         self.sent_to_workers = False
+        self.slot = -1
+        """The workers' slot holding this request while ``sent_to_workers`` (see
+        ``zpp.transport.messages``), else -1."""
         self.in_flight = 0
         self.num_in_flight_tokens = 0
         self.stop_reason = None

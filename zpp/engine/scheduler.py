@@ -36,7 +36,7 @@ decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
 * async scheduling (``async_scheduling``, PP=1 only; vLLM's ``--async-scheduling``): a decoding
   request whose newest micro-batch in flight samples its next token may be scheduled again at
   once, for the position of that token, which the engine does not know yet: the chunk carries
-  ``from_prev`` and the worker feeds it the token it sampled on the device (no host round trip
+  the FROM_PREV flag and the worker feeds it the token it sampled on the device (no host round trip
   per token). Every micro-batch then takes all such decodes (not ``1/depth`` of them). A request
   that finishes with the token in flight has the extra step's output dropped (the slot it wrote
   is in its own, private block). Requests whose sampling needs the previous token on the host
@@ -45,25 +45,51 @@ decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
 from zpp.transport import messages as m
 
 
+class ScheduledChunk(NamedTuple):
+    """One chunk of a scheduled micro-batch as its message carries it, with its request's id
+    (:attr:`ScheduledBatch.chunks`: tests and debugging)."""
+
+    req_id: str
+    slot: int
+    start: int
+    num_tokens: int
+    sample: bool
+    prompt_logprobs: bool
+    from_prev: bool
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+
+
 @dataclass
 class ScheduledBatch:
-    """A micro-batch in flight: the message every stage gets and the requests it holds."""
+    """A micro-batch in flight: the message every stage gets and the requests it holds, with what
+    the engine needs of each chunk when the result comes back (in chunk order, as Python lists:
+    the message's columns are for the workers)."""
 
     batch: m.ExecuteBatch
     reqs: list[Request]
     num_tokens: int
     num_prefill_tokens: int = 0  # of num_tokens, those of prompt (or recompute) chunks
+    chunk_tokens: Optional[list[int]] = None  # tokens each chunk computes
+    sample: Optional[list[bool]] = None  # whether each chunk samples
+    num_sampled: int = 0
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        """The chunks, decoded from the message (slow: for tests and debugging)."""
+        return [ScheduledChunk(r.req_id, *c) for r, c in zip(self.reqs, m.chunks_of(self.batch))]
 
 
 @dataclass
@@ -110,7 +136,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._finished_ids: list[str] = []  # to tell the workers with the next batch
+        # Worker slots (see zpp.transport.messages): the lowest free one goes to a request when it
+        # is first sent; freed ones are told to the workers with the next batch.
+        self._free_slots: list[int] = []  # a heap
+        self._num_slots = 0
+        self._freed_slots: list[int] = []
         self._batch_ids = itertools.count()
         self._order = itertools.count()  # tie-break for equal arrival times
         self._num_in_flight = 0  # micro-batches scheduled and not yet applied
@@ -154,8 +184,21 @@ class Scheduler:
                 pass
         self.kv.free(req)
         self.requests.pop(req.req_id, None)
+        self._free_slot(req)
+
+    def _take_slot(self) -> int:
+        if self._free_slots:
+            return heapq.heappop(self._free_slots)
+        self._num_slots += 1
+        return self._num_slots - 1
+
+    def _free_slot(self, req: Request) -> None:
+        """Give back the slot of a request the workers hold (they forget it with the next batch)."""
         if req.sent_to_workers:
-            self._finished_ids.append(req.req_id)
+            heapq.heappush(self._free_slots, req.slot)
+            self._freed_slots.append(req.slot)
+            req.sent_to_workers = False
+            req.slot = -1
 
     def abort(self, req_id: str) -> Optional[Request]:
         req = self.requests.get(req_id)
@@ -169,7 +212,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_sent_tokens = 0
-        req.sent_to_workers = False  # resent in full as a NewRequest (workers replace their state)
+        self._free_slot(req)  # resent in full as a NewRequest, maybe in another slot
         self.stats.num_preemptions += 1
         # Back to the head of the queue, keeping arrival order among preempted requests.
         i = 0
@@ -214,9 +257,6 @@ class Scheduler:
         decodes = set(plan)
         plan.update(self._plan_prefills(cands, budget - len(plan), streams_waiting=n_decoding > 0))
 
-        chunks: list[m.ScheduledChunk] = []
-        new_reqs: list[m.NewRequest] = []
-        cached_reqs: list[m.CachedRequest] = []
         reqs: list[Request] = []
         picked: list[tuple[Request, int, list[int]]] = []
         preempted = False
@@ -260,22 +300,24 @@ class Scheduler:
             reqs.append(req)
 
         if not picked:
-            return None  # finished ids (if any) ride on the next real batch
+            return None  # freed slots (if any) ride on the next real batch
         picked.sort(key=lambda p: p[1] > 1 or p[0].num_tokens - p[0].num_computed_tokens > 1)  # decodes first
         reqs = [p[0] for p in picked]
+        builder = m.BatchBuilder()
+        samples: list[bool] = []
+        num_prefill = 0
         for req, num_new, new_blocks in picked:
-            self._add_chunk(req, num_new, new_blocks, chunks, new_reqs, cached_reqs, req.req_id in async_ids)
-        batch = m.ExecuteBatch(batch_id=next(self._batch_ids), chunks=chunks, new_reqs=new_reqs,
-                               cached_reqs=cached_reqs, finished_req_ids=self._finished_ids)
-        self._finished_ids = []
-        for r, c in zip(reqs, chunks):
-            r.in_flight += 1
-            r.num_in_flight_tokens += c.num_tokens
+            samples.append(self._add_chunk(req, num_new, new_blocks, builder, req.req_id in async_ids))
+            req.in_flight += 1
+            req.num_in_flight_tokens += num_new
+            if req.req_id not in decodes:
+                num_prefill += num_new
+        batch = builder.build(next(self._batch_ids), self._freed_slots)
+        self._freed_slots = []
         self._num_in_flight += 1
-        num_tokens = sum(c.num_tokens for c in chunks)
-        num_prefill = sum(c.num_tokens for c in chunks if c.req_id not in decodes)
         self._num_prefill_in_flight += num_prefill
-        return ScheduledBatch(batch, reqs, num_tokens, num_prefill)
+        chunk_tokens = builder.num_tokens
+        return ScheduledBatch(batch, reqs, sum(chunk_tokens), num_prefill, chunk_tokens, samples, sum(samples))
 
     def _plan_prefills(self, cands: list[Request], budget: int, streams_waiting: bool = True) -> dict[str, int]:
         """Share ``budget`` tokens among prefill candidates (running requests with more than one
@@ -397,44 +439,74 @@ class Scheduler:
         n_after = req.num_scheduled_tokens + 1  # tokens known once the token in flight is back
         return n_after - req.num_prompt_tokens < req.max_tokens and n_after < self.max_model_len
 
-    def _add_chunk(self, req: Request, num_new: int, new_blocks: list[int], chunks, new_reqs, cached_reqs,
-                   from_prev: bool = False) -> None:
-        start = req.num_scheduled_tokens
-        sample = from_prev or start + num_new == req.num_tokens
-        want_plp = req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens
+    def _add_chunk(self, req: Request, num_new: int, new_blocks: list[int], b: m.BatchBuilder,
+                   from_prev: bool = False) -> bool:
+        """Write ``req``'s chunk of ``num_new`` tokens (and, the first time, the request itself) into
+        the batch. Returns whether the chunk samples. (The hot path of the message: it appends to the
+        builder's columns itself, as ``BatchBuilder.add`` would.)"""
+        start = req.num_computed_tokens + req.num_in_flight_tokens
+        known = len(req.token_ids)
+        sample = from_prev or start + num_new == known
+        flags = (m.SAMPLE if sample else 0) | (m.FROM_PREV if from_prev else 0)
+        if req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens:
+            flags |= m.PROMPT_LOGPROBS
         if not req.sent_to_workers:
-            new_reqs.append(m.NewRequest(req.req_id, list(req.token_ids), req.num_prompt_tokens,
-                                         list(self.kv.blocks_of(req)), req.sampling))
+            req.slot = self._take_slot()
+            b.new_request(req.slot, req.req_id, req.token_ids, req.num_prompt_tokens, self.kv.blocks_of(req),
+                          req.sampling)
             req.sent_to_workers = True
+            b.add(req.slot, start, num_new, flags)
         else:
-            new_tokens = req.token_ids[req.num_sent_tokens:]
-            if new_tokens or new_blocks:
-                cached_reqs.append(m.CachedRequest(req.req_id, new_tokens, new_blocks))
-        req.num_sent_tokens = req.num_tokens
-        chunks.append(m.ScheduledChunk(req.req_id, start, num_new, sample, want_plp, from_prev))
+            b.slots.append(req.slot)
+            b.starts.append(start)
+            b.num_tokens.append(num_new)
+            b.flags.append(flags)
+            sent = req.num_sent_tokens
+            if sent < known:
+                b.token_counts.append(known - sent)
+                b.tokens.extend(req.token_ids[sent:])
+            else:
+                b.token_counts.append(0)
+            b.block_counts.append(len(new_blocks))
+            if new_blocks:
+                b.blocks.extend(new_blocks)
+        req.num_sent_tokens = known
+        return sample
 
     # --- results ------------------------------------------------------------------------------
-    def update(self, sched: ScheduledBatch, result: m.StepResult) -> list[tuple[Request, Optional[m.SampledOutput]]]:
-        """Apply a returned batch. Returns (request, sampled output or None) for every request of
-        the batch that is still alive; finished / aborted ones are released here."""
+    def update(self, sched: ScheduledBatch, result: m.StepResult) -> list[tuple[Request, int, int]]:
+        """Apply a returned batch. Returns (request, chunk index, sampled token id or -1 when the
+        chunk does not sample) for every request of the batch that is still alive; finished /
+        aborted ones are released here.
+
+        Raises:
+            RuntimeError: the result holds more or fewer tokens than the batch has sampling chunks.
+        """
         self._num_in_flight -= 1
         self._num_prefill_in_flight -= sched.num_prefill_tokens
-        sampled = {s.req_id: s for s in result.sampled}
+        tokens = m.int32s(result.tokens).tolist()
+        if len(tokens) != sched.num_sampled:
+            raise RuntimeError(f"micro-batch {sched.batch.batch_id}: {len(tokens)} sampled tokens for "
+                               f"{sched.num_sampled} sampling chunks")
+        k = 0
         out = []
-        for req, chunk in zip(sched.reqs, sched.batch.chunks):
+        for i, (req, n, sample) in enumerate(zip(sched.reqs, sched.chunk_tokens, sched.sample)):
+            tok = -1
+            if sample:
+                tok = tokens[k]
+                k += 1
             req.in_flight -= 1
-            req.num_in_flight_tokens -= chunk.num_tokens
+            req.num_in_flight_tokens -= n
             if req.status.finished:  # aborted while in flight: free once no batch writes its blocks
                 if not req.in_flight:
                     self._release(req)
                 continue
-            req.num_computed_tokens += chunk.num_tokens
+            req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
-            s = sampled.get(req.req_id) if chunk.sample else None
-            if s is not None:
-                req.append_token(s.token_id)
+            if tok >= 0:
+                req.append_token(tok)
                 req.check_stop(self.max_model_len)
-            out.append((req, s))
+            out.append((req, i, tok))
         return out
 
     def release_finished(self, reqs: list[Request]) -> None:

@@ -17,12 +17,36 @@ Handshake (one path for local and remote workers)::
     engine -> worker   Shutdown()
 
 Any worker may send WorkerError at any time; the engine treats it as fatal.
+
+Micro-batches are columnar: the per-chunk data of an ExecuteBatch and the sampled tokens of a
+StepResult travel as arrays, not as one struct per request: a sequence adds a few bytes to each
+column (encoded and decoded as one copy) instead of a struct to build, encode, decode and walk, and
+workers read the columns whole with numpy.
+
+* Chunk order: ExecuteBatch's ``B`` chunks are numbered ``0..B-1`` in the order the engine
+  scheduled them; every other index in a batch or its result (``grammar_rows``,
+  ``StepResult.logprob_chunks``, ``PromptLogprobsOutput.chunk``) is such a chunk index, and
+  ``StepResult.tokens`` follows it.
+* Columns: a numeric column is a ``bytes`` field holding a C array of fixed type and byte
+  order whatever the host's: ``int32`` little-endian (numpy ``'<i4'``; written by
+  :func:`pack_int32`, read by :func:`int32s`) or ``uint8`` (``flags``). An empty field is an
+  empty array. Each field's docstring gives its type and length. :class:`BatchColumns` reads and
+  cross-checks a batch's columns (a malformed one is a ValueError, never a silent misread);
+  :class:`BatchBuilder` writes one.
+* Slots: hot messages name a request by its *slot*, a small integer the engine assigns when
+  the request first reaches the workers (``NewRequest.slot``: the lowest free one, so
+  ``0 <= slot < max_num_seqs``) and takes back when the request finishes, is aborted or is
+  preempted (``ExecuteBatch.freed_slots``; a preempted request comes back as a NewRequest,
+  maybe in another slot). Workers keep per-request state in arrays indexed by slot. Request ids
+  travel only in NewRequest (for error messages).
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+import struct
+from typing import NamedTuple, Optional, Sequence, Union
 
 import msgspec
+import numpy as np
 
 from zpp.config import EngineConfig
 from zpp.sampling_params import SamplingParams
@@ -97,61 +121,234 @@ class CacheReady(msgspec.Struct, tag=True, array_like=True):
     rank: int
 
 
-class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A request the workers have not seen (or see again after preemption: state is replaced)."""
+INT32 = np.dtype("<i4")
+"""Every int column's element type: 4-byte signed, little-endian."""
 
+# ExecuteBatch.flags bits, one byte per chunk.
+SAMPLE = 1
+"""Sample the next token after this chunk (it reaches the end of the known tokens, or is FROM_PREV)."""
+PROMPT_LOGPROBS = 2
+"""Return prompt logprobs for the positions of this chunk."""
+FROM_PREV = 4
+"""Async scheduling: the chunk is one decode token (``num_tokens`` 1, SAMPLE set) whose input, the
+token at ``start``, is the one this worker sampled for the request in its previous micro-batch
+holding it; the engine does not know it yet (it is not among the worker's known tokens). The
+worker takes it from the device."""
+_ALL_FLAGS = SAMPLE | PROMPT_LOGPROBS | FROM_PREV
+
+
+def pack_int32(values) -> bytes:
+    """An int column's bytes (``int32``, little-endian) from a sequence of ints (``struct.pack``:
+    twice as fast as numpy from a list; raises ``struct.error`` for a value outside int32) or from an
+    integer numpy array (converted with ``astype``: its values must fit)."""
+    if isinstance(values, np.ndarray):
+        return values.astype(INT32, copy=False).tobytes()
+    return struct.pack(f"<{len(values)}i", *values)
+
+
+def int32s(data: bytes) -> np.ndarray:
+    """An int column's values: a read-only ``int32`` view of ``data``. Raises ValueError when its
+    length is not a multiple of 4."""
+    return np.frombuffer(data, dtype=INT32)
+
+
+class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the workers do not hold: sent for the first time, or again after preemption
+    (maybe in another slot; whatever the slot held is replaced). Its chunk in the same micro-batch
+    has no new tokens or blocks: they are all here."""
+
+    slot: int
     req_id: str
-    token_ids: list[int]
-    """Every token known so far (prompt, then outputs when resumed)."""
+    """For error messages only: the hot messages name the request by ``slot``."""
+    token_ids: bytes
+    """``int32[n]``: every token known so far (prompt, then outputs when resumed)."""
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_ids: bytes
+    """``int32[k]``: its KV blocks, in order."""
     sampling: Optional[SamplingParams] = None
 
 
-class CachedRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """What changed for a request the workers already hold."""
-
-    req_id: str
-    new_token_ids: list[int] = []
-    new_block_ids: list[int] = []
-
-
-class ScheduledChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Run tokens ``[start, start + num_tokens)`` of a request in this micro-batch."""
-
-    req_id: str
-    start: int
-    num_tokens: int
-    sample: bool = False
-    """Sample the next token after this chunk (the chunk reaches the end of the known tokens)."""
-    prompt_logprobs: bool = False
-    """Return prompt logprobs for the positions of this chunk."""
-    from_prev: bool = False
-    """Async scheduling: the chunk is one decode token (``num_tokens`` 1, ``sample`` set) whose
-    input, the token at ``start``, is the one this worker sampled for the request in its previous
-    micro-batch holding it; the engine does not know it yet (it is not in the worker's token ids).
-    The worker takes it from the device."""
-
-
 class ExecuteBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
-    """One micro-batch, decided once by the engine's scheduler and run by every stage in order."""
+    """One micro-batch, decided once by the engine's scheduler and run by every stage in order.
+
+    Chunk ``i`` runs tokens ``[starts[i], starts[i] + num_tokens[i])`` of the request in slot
+    ``slots[i]``; a request has at most one chunk in a micro-batch. Before running the chunks a
+    worker applies ``freed_slots``, then ``new_reqs``, then each chunk's new tokens and blocks. See
+    the module docstring for the column encoding (``int32`` little-endian unless said otherwise;
+    ``B`` = number of chunks)."""
 
     batch_id: int
-    chunks: list[ScheduledChunk]
+    slots: bytes = b""
+    """``int32[B]``: each chunk's request slot."""
+    starts: bytes = b""
+    """``int32[B]``: the position of each chunk's first token."""
+    num_tokens: bytes = b""
+    """``int32[B]``: how many tokens each chunk runs (>= 1)."""
+    flags: bytes = b""
+    """``uint8[B]``: each chunk's bits: SAMPLE, PROMPT_LOGPROBS, FROM_PREV (module constants)."""
+    new_token_counts: bytes = b""
+    """``int32[B]``, or empty when no chunk has any: how many tokens each chunk's request gained
+    since the workers last heard of it (sampled by earlier micro-batches), appended to its known
+    tokens before the chunk runs; 0 for a request in ``new_reqs``."""
+    new_tokens: bytes = b""
+    """``int32[sum(new_token_counts)]``: those tokens, chunk after chunk."""
+    new_block_counts: bytes = b""
+    """``int32[B]``, or empty when no chunk has any: how many KV blocks each chunk's request
+    gained, appended to its block table before the chunk runs."""
+    new_blocks: bytes = b""
+    """``int32[sum(new_block_counts)]``: those block ids, chunk after chunk."""
     new_reqs: list[NewRequest] = []
-    cached_reqs: list[CachedRequest] = []
-    finished_req_ids: list[str] = []
+    freed_slots: bytes = b""
+    """``int32[F]``: slots whose request finished, was aborted or was preempted since the previous
+    micro-batch: the workers forget their state (before ``new_reqs``, which may reuse them)."""
     after_idle: bool = False
     """The engine had nothing in flight and nothing to schedule before this micro-batch: the gap
     before it on each stage is a pause in the work, not pipeline idle time (``StepResult.idle_s``)."""
     grammar_rows: list[int] = []
-    """Structured outputs: indices into ``chunks`` of the sampling chunks whose next token is
-    constrained (the other rows are sampled untouched). Sent to the result rank only (TP rank 0 of
-    the last stage): the other stages get the batch without it."""
+    """Structured outputs: indices of the sampling chunks whose next token is constrained (the other
+    rows are sampled untouched), increasing. Sent to the result rank only (TP rank 0 of the last
+    stage): the other stages get the batch without it."""
     grammar_bitmask: bytes = b""
     """The allowed tokens of those rows: ``int32[len(grammar_rows), ceil(vocab_size / 32)]``,
     C order, little-endian; bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed
     (xgrammar's layout)."""
+
+
+class ChunkView(NamedTuple):
+    """One chunk of an ExecuteBatch as Python values (:func:`chunks_of`; tests and tools, not the
+    hot path)."""
+
+    slot: int
+    start: int
+    num_tokens: int
+    sample: bool
+    prompt_logprobs: bool
+    from_prev: bool
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+
+
+def _counted(counts: bytes, flat: bytes, size: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+    c, v = int32s(counts), int32s(flat)
+    if not len(c):
+        if len(v):
+            raise ValueError(f"ExecuteBatch: {len(v)} {name}s without counts")
+        return np.zeros(size, dtype=INT32), v
+    if len(c) != size or int(c.min()) < 0 or int(c.sum(dtype=np.int64)) != len(v):
+        raise ValueError(f"ExecuteBatch: {name} counts ({len(c)}, sum {int(c.sum(dtype=np.int64))}) do not match "
+                         f"{size} chunks and {len(v)} {name}s")
+    return c, v
+
+
+class BatchColumns:
+    """An ExecuteBatch's columns as numpy arrays (read-only views of the message's bytes), checked
+    against each other. Raises ValueError for a malformed batch: a column's length not a multiple of
+    its element size, columns of different lengths, counts that do not add up to their flat array, a
+    negative slot or start, an empty chunk, or an unknown flag bit."""
+
+    __slots__ = ("size", "slots", "starts", "num_tokens", "flags", "new_token_counts", "new_tokens",
+                 "new_block_counts", "new_blocks", "freed_slots")
+
+    def __init__(self, batch: ExecuteBatch):
+        self.slots = int32s(batch.slots)
+        self.size = B = len(self.slots)
+        self.starts = int32s(batch.starts)
+        self.num_tokens = int32s(batch.num_tokens)
+        self.flags = np.frombuffer(batch.flags, dtype=np.uint8)
+        if not len(self.starts) == len(self.num_tokens) == len(self.flags) == B:
+            raise ValueError(f"ExecuteBatch: columns of {B} slots, {len(self.starts)} starts, "
+                             f"{len(self.num_tokens)} token counts, {len(self.flags)} flags")
+        self.new_token_counts, self.new_tokens = _counted(batch.new_token_counts, batch.new_tokens, B, "new token")
+        self.new_block_counts, self.new_blocks = _counted(batch.new_block_counts, batch.new_blocks, B, "new block")
+        self.freed_slots = int32s(batch.freed_slots)
+        if B and (int(self.slots.min()) < 0 or int(self.starts.min()) < 0 or int(self.num_tokens.min()) < 1
+                  or int(self.flags.max()) & ~_ALL_FLAGS):
+            raise ValueError("ExecuteBatch: a negative slot or start, an empty chunk or an unknown flag bit")
+        if len(self.freed_slots) and int(self.freed_slots.min()) < 0:
+            raise ValueError("ExecuteBatch: a negative freed slot")
+
+    @property
+    def sample(self) -> np.ndarray:
+        """``bool[B]``: the chunks with SAMPLE."""
+        return (self.flags & SAMPLE) != 0
+
+    @property
+    def from_prev(self) -> np.ndarray:
+        """``bool[B]``: the chunks with FROM_PREV."""
+        return (self.flags & FROM_PREV) != 0
+
+    @property
+    def prompt_logprobs(self) -> np.ndarray:
+        """``bool[B]``: the chunks with PROMPT_LOGPROBS."""
+        return (self.flags & PROMPT_LOGPROBS) != 0
+
+
+def chunks_of(batch: ExecuteBatch) -> list[ChunkView]:
+    """Every chunk of ``batch`` as a :class:`ChunkView`, in chunk order (raises ValueError as
+    :class:`BatchColumns` does)."""
+    c = BatchColumns(batch)
+    tok_end, blk_end = np.cumsum(c.new_token_counts).tolist(), np.cumsum(c.new_block_counts).tolist()
+    toks, blks = c.new_tokens.tolist(), c.new_blocks.tolist()
+    out = []
+    for i, (slot, start, n, f) in enumerate(zip(c.slots.tolist(), c.starts.tolist(), c.num_tokens.tolist(),
+                                                 c.flags.tolist())):
+        t0 = tok_end[i - 1] if i else 0
+        b0 = blk_end[i - 1] if i else 0
+        out.append(ChunkView(slot, start, n, bool(f & SAMPLE), bool(f & PROMPT_LOGPROBS), bool(f & FROM_PREV),
+                             toks[t0:tok_end[i]], blks[b0:blk_end[i]]))
+    return out
+
+
+class BatchBuilder:
+    """Writes an ExecuteBatch chunk by chunk: the scheduler's producer (tests and tools use it too).
+    ``add`` one chunk per request, ``new_request`` for a request the workers have not seen (before
+    or after its chunk), then ``build``."""
+
+    __slots__ = ("slots", "starts", "num_tokens", "flags", "token_counts", "tokens", "block_counts", "blocks",
+                 "new_reqs")
+
+    def __init__(self):
+        self.slots: list[int] = []
+        self.starts: list[int] = []
+        self.num_tokens: list[int] = []
+        self.flags: list[int] = []
+        self.token_counts: list[int] = []
+        self.tokens: list[int] = []
+        self.block_counts: list[int] = []
+        self.blocks: list[int] = []
+        self.new_reqs: list[NewRequest] = []
+
+    def add(self, slot: int, start: int, num_tokens: int, flags: int = 0, new_tokens: Sequence[int] = (),
+            new_blocks: Sequence[int] = ()) -> None:
+        """One chunk: tokens ``[start, start + num_tokens)`` of the request in ``slot``, with the
+        tokens and blocks it gained since the workers last heard of it."""
+        self.slots.append(slot)
+        self.starts.append(start)
+        self.num_tokens.append(num_tokens)
+        self.flags.append(flags)
+        self.token_counts.append(len(new_tokens))
+        if new_tokens:
+            self.tokens.extend(new_tokens)
+        self.block_counts.append(len(new_blocks))
+        if new_blocks:
+            self.blocks.extend(new_blocks)
+
+    def new_request(self, slot: int, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
+                    block_ids: Sequence[int], sampling: Optional[SamplingParams]) -> None:
+        self.new_reqs.append(NewRequest(slot, req_id, pack_int32(token_ids), num_prompt_tokens,
+                                        pack_int32(block_ids), sampling))
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def build(self, batch_id: int, freed_slots: Sequence[int] = (), after_idle: bool = False) -> ExecuteBatch:
+        """The message. Raises ``struct.error`` for a value outside int32 (or a flag outside a byte:
+        ValueError)."""
+        return ExecuteBatch(batch_id, pack_int32(self.slots), pack_int32(self.starts), pack_int32(self.num_tokens),
+                            bytes(self.flags),
+                            pack_int32(self.token_counts) if self.tokens else b"", pack_int32(self.tokens),
+                            pack_int32(self.block_counts) if self.blocks else b"", pack_int32(self.blocks),
+                            self.new_reqs, pack_int32(freed_slots), after_idle)
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
@@ -169,24 +366,26 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     top_logprobs: list[float]
 
 
-class SampledOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    req_id: str
-    token_id: int
-    logprobs: Optional[TokenLogprobs] = None
-
-
 class PromptLogprobsOutput(msgspec.Struct, array_like=True, gc=False):
-    req_id: str
+    chunk: int
+    """The chunk (index in its ExecuteBatch) that computed them. The engine core hands the struct on
+    to the front end as it is; there only ``start`` and ``entries`` mean anything."""
     start: int
     """Position of the first token these logprobs are for (position 0 never has one)."""
     entries: list[TokenLogprobs]
 
 
 class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
-    """The last stage's answer to one ExecuteBatch."""
+    """The last stage's answer to one ExecuteBatch. Indices are chunk indices of that batch."""
 
     batch_id: int
-    sampled: list[SampledOutput]
+    tokens: bytes = b""
+    """``int32[S]``, little-endian: the token sampled for each chunk with SAMPLE, in chunk order
+    (``S`` = the number of such chunks)."""
+    logprob_chunks: list[int] = []
+    """The sampling chunks whose token comes with logprobs, increasing (empty when none asked)."""
+    logprobs: list[TokenLogprobs] = []
+    """Their logprobs, one per entry of ``logprob_chunks``."""
     prompt_logprobs: list[PromptLogprobsOutput] = []
     busy_s: float = 0.0
     """Seconds the last stage has spent computing so far (cumulative)."""

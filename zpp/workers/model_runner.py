@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -24,7 +23,8 @@ from zpp.models.layers.attention import build_attention_metadata, triton_metadat
 from zpp.trace import Trace
 from zpp.transport import messages as m
 from zpp.transport.p2p import StageLink
-from zpp.workers.sampler import Sampler, SeqState, apply_allowed, token_logprobs, unpack_bitmask
+from zpp.workers.sampler import Sampler, token_logprobs, unpack_bitmask
+from zpp.workers.slots import SlotTable
 from zpp.workers.staging import PinnedStaging
 
 logger = logging.getLogger(__name__)
@@ -47,27 +47,13 @@ def logit_buckets(max_rows: int) -> list[int]:
     return sorted(set(out + [max_rows]))
 
 
-@dataclass
-class LogitPlan:
-    """The rows of a step's hidden states that need logits (``ModelRunner._logit_plan``).
-
-    rows: indices into the step's flat tokens ``[T]``; sample_rows: for each sampling chunk (in
-    chunk order) its index into ``rows``; plp_spans: ``(chunk index, first index into rows, count)``
-    of each prompt-logprobs chunk."""
-
-    rows: list[int]
-    sample_rows: list[int]
-    plp_spans: list[tuple[int, int, int]]
-
-
 class PendingResult:
     """A last-stage result still on the GPU: token ids copied to pinned memory asynchronously.
     ``finish(runner)`` waits for them and builds the StepResult."""
 
-    def __init__(self, batch_id: int, req_ids: list[str], tokens: torch.Tensor, host_buf: torch.Tensor):
+    def __init__(self, batch_id: int, tokens: torch.Tensor, host_buf: torch.Tensor):
         self.batch_id = batch_id
-        self.tokens = tokens  # int64[N] on the device, kept alive until the copy is done
-        self.req_ids = req_ids
+        self.tokens = tokens  # int64[N] on the device (the sampling chunks' tokens), kept alive until the copy is done
         self.host = host_buf[: tokens.shape[0]]
         self.host.copy_(tokens, non_blocking=True)
         self.event = torch.cuda.Event()
@@ -80,8 +66,7 @@ class PendingResult:
     def finish(self, runner: "ModelRunner") -> m.StepResult:
         self.event.synchronize()
         runner.reap_timings()
-        return m.StepResult(self.batch_id, [m.SampledOutput(r, t) for r, t in zip(self.req_ids, self.host.tolist())],
-                            busy_s=runner.busy_s, idle_s=runner.idle_s)
+        return m.StepResult(self.batch_id, m.pack_int32(self.host.numpy()), busy_s=runner.busy_s, idle_s=runner.idle_s)
 
 
 class Activity:
@@ -120,18 +105,21 @@ class ModelRunner:
 
     def __init__(self, model: StageModel, device: torch.device, dtype: torch.dtype, block_size: int,
                  link: Optional[StageLink], eos_token_ids: set[int], seed: int = 0, trace_name: str = "stage",
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, max_model_len: int = 4096, max_num_seqs: int = 256):
         self.model = model
         self.async_scheduling = async_scheduling
-        # Async scheduling: request id -> (the device tensor of sampled ids int64[N] of the last
-        # micro-batch that sampled for it, its row): the input of its next ``from_prev`` chunk.
-        self._sampled: dict[str, tuple[torch.Tensor, int]] = {}
+        # Async scheduling: the device tensors of sampled ids (int64[N]) of recent micro-batches, by
+        # key; ``table.prev_src`` / ``prev_row`` name each request's (the input of its next
+        # FROM_PREV chunk). Tensors no slot names any more are dropped (see _keep_sampled).
+        self._kept: dict[int, torch.Tensor] = {}
+        self._next_key = 0
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.link = link
         self.stage = model.stage
-        self.seqs: dict[str, SeqState] = {}
+        # The requests this worker holds, by the engine's slots (--max-num-seqs of them).
+        self.table = SlotTable(max_num_seqs, max_model_len, block_size)
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler(device, seed) if self.stage.produces_results else None
         self.eos_token_ids = eos_token_ids
@@ -234,62 +222,53 @@ class ModelRunner:
         return peak
 
     # --- per-batch state ----------------------------------------------------------------------
-    def _update_states(self, batch: m.ExecuteBatch) -> None:
-        for rid in batch.finished_req_ids:
-            self.seqs.pop(rid, None)
-            self._sampled.pop(rid, None)
-        for r in batch.new_reqs:
-            self.seqs[r.req_id] = SeqState(list(r.token_ids), r.num_prompt_tokens, r.sampling, list(r.block_ids))
-            self._sampled.pop(r.req_id, None)
-        for c in batch.cached_reqs:
-            s = self.seqs[c.req_id]
-            s.token_ids.extend(c.new_token_ids)
-            s.block_ids.extend(c.new_block_ids)
+    def _update_states(self, batch: m.ExecuteBatch) -> m.BatchColumns:
+        """Apply the batch to the slot table (freed slots, new requests, new tokens and blocks);
+        returns its columns. Raises ValueError for a batch that is malformed or does not fit the
+        state (``SlotTable.apply``)."""
+        return self.table.apply(batch)
 
     @torch.inference_mode()
     def execute(self, batch: m.ExecuteBatch) -> Optional[m.StepResult]:
         """Run one micro-batch. Returns the StepResult (or a PendingResult) on the result rank (TP
         rank 0 of the last stage), None elsewhere."""
-        self._update_states(batch)
+        cols = self._update_states(batch)
         self._batch_id = batch.batch_id
         self._after_idle = batch.after_idle
         self.activity.start(batch.batch_id)
-        if not batch.chunks:
-            return m.StepResult(batch.batch_id, [], busy_s=self.busy_s, idle_s=self.idle_s) \
+        if not cols.size:
+            return m.StepResult(batch.batch_id, busy_s=self.busy_s, idle_s=self.idle_s) \
                 if self.stage.produces_results else None
-        seqs = [self.seqs[c.req_id] for c in batch.chunks]
-        starts = [c.start for c in batch.chunks]
-        q_lens = [c.num_tokens for c in batch.chunks]
-        if self.async_scheduling:  # the token before the sampled one may be on the device only
-            for c, s in zip(batch.chunks, seqs):
-                if c.sample:
-                    s.sample_end = c.start + c.num_tokens
-        T = sum(q_lens)
-        B = len(seqs)
+        starts = cols.starts.astype(np.int64)
+        q_lens = cols.num_tokens.astype(np.int64)
+        T = int(q_lens.sum())
+        B = cols.size
         if (self.graphs is not None and T == B and self.graphs.bucket(B) is not None
-                and not any(c.prompt_logprobs for c in batch.chunks)):
-            return self._execute_graph(batch, seqs, starts)
+                and not cols.prompt_logprobs.any()):
+            return self._execute_graph(batch, cols)
         # Every index array of the step goes to the device in one pinned upload, before the
         # forward is queued (see zpp/workers/staging.py): positions, input ids, the rows fed from
         # tokens sampled on the device, the rows whose logits are needed, attention metadata.
-        st = np.asarray(starts, dtype=np.int64)
-        ql = np.asarray(q_lens, dtype=np.int64)
-        offsets = np.cumsum(ql) - ql
-        host = [np.arange(T, dtype=np.int64) + np.repeat(st - offsets, ql)]  # positions [T]
+        offsets = np.cumsum(q_lens) - q_lens  # each chunk's first row in the step's flat tokens
+        owner = np.repeat(np.arange(B), q_lens)
+        pos = np.arange(T) - offsets[owner] + starts[owner]
+        host = [pos]
         prev = []
         if self.stage.is_first:
-            host.append(np.fromiter((t for c, s, a, n in zip(batch.chunks, seqs, starts, q_lens)
-                                     for t in ((0,) if c.from_prev else s.token_ids[a:a + n])),
-                                    dtype=np.int64, count=T))
-            if self.async_scheduling:  # from_prev chunks: their token is on the device
-                prev = self._prev_sources(batch, offsets.tolist())
+            ids = self.table.tokens[cols.slots[owner], pos].astype(np.int64)
+            ids[offsets[cols.from_prev]] = 0  # FROM_PREV chunks: their token is on the device
+            host.append(ids)
+            if self.async_scheduling:
+                prev = self._prev_sources(cols, offsets)
                 for _, dst, rows in prev:
                     host += [np.asarray(dst, dtype=np.int64), np.asarray(rows, dtype=np.int64)]
-        plan = self._logit_plan(batch, seqs) if self.stage.produces_results else None
-        if plan is not None and plan.rows:
-            padded = self._logit_bucket(len(plan.rows))  # the last row repeated up to a warmed-up shape
-            host.append(np.asarray(plan.rows + plan.rows[-1:] * (padded - len(plan.rows)), dtype=np.int64))
-        tables = [s.block_ids for s in seqs]
+        plan = self._logit_plan(cols) if self.stage.produces_results else None
+        if plan is not None and plan[0]:
+            rows = plan[0]
+            padded = self._logit_bucket(len(rows))  # the last row repeated up to a warmed-up shape
+            host.append(np.asarray(rows + rows[-1:] * (padded - len(rows)), dtype=np.int64))
+        width = -(-int((starts + q_lens).max()) // self.block_size)
+        tables = self.table.block_rows(cols.slots, width)
         tmeta = None
         if self.device.type == "cuda":
             tmeta = triton_metadata_arrays(starts, q_lens, tables, self.block_size, self.group,
@@ -305,10 +284,10 @@ class ModelRunner:
                 input_ids[dev[i]] = src[dev[i + 1]]
                 i += 2
         logit_rows = None
-        if plan is not None and plan.rows:
+        if plan is not None and plan[0]:
             logit_rows, i = dev[i], i + 1
         meta = tmeta.to_device(dev[i:]) if tmeta is not None else build_attention_metadata(
-            starts, q_lens, tables, self.block_size, self.device, self.group)
+            starts.tolist(), q_lens.tolist(), tables, self.block_size, self.device, self.group)
 
         acts = None
         if not self.stage.is_first:  # time blocked on the previous stage is not busy time
@@ -323,33 +302,32 @@ class ModelRunner:
         if not self.stage.produces_results:  # a last-stage TP rank > 0: forward only
             self._end(t0)
             return None
-        result = self._sample(batch, seqs, out, plan, logit_rows)
+        result = self._sample(batch, cols, out, plan, logit_rows)
         self.trace.mark("sample_queued", batch.batch_id)
         self._end(t0)
         if not isinstance(result, PendingResult):
             result.busy_s, result.idle_s = self.busy_s, self.idle_s
         return result
 
-    def _execute_graph(self, batch: m.ExecuteBatch, seqs: list[SeqState], starts: list[int]):
+    def _execute_graph(self, batch: m.ExecuteBatch, cols: m.BatchColumns):
         """Decode batch through a captured CUDA graph."""
-        B = len(seqs)
+        B = cols.size
         bs = self.block_size
-        pos = np.asarray(starts, dtype=np.int64)
+        pos = cols.starts.astype(np.int64)
         w = int(pos.max()) // bs + 1
-        bt = np.zeros((B, w), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            n = min(len(s.block_ids), w)
-            bt[i, :n] = s.block_ids[:n]
+        bt = self.table.block_rows(cols.slots, w)
         slots = bt[np.arange(B), pos // bs].astype(np.int64) * bs + pos % bs
-        ids = np.asarray([0 if c.from_prev else s.token_ids[p] for c, s, p in zip(batch.chunks, seqs, starts)],
-                         dtype=np.int64) if self.stage.is_first else None
+        ids = None
+        if self.stage.is_first:
+            ids = self.table.tokens[cols.slots, pos].astype(np.int64)
+            ids[cols.from_prev] = 0  # their token is on the device (prev)
         acts = None
         if not self.stage.is_first:
             acts = self._recv_acts((self.model.num_acts, B, self.model.hidden_size))
-        rows = [i for i, c in enumerate(batch.chunks) if c.sample] if self.stage.produces_results else []
-        rows_dev = self.staging.upload([np.asarray(rows, dtype=np.int64)])[0] if 0 < len(rows) < B else None
+        rows = np.flatnonzero(cols.sample) if self.stage.produces_results else np.zeros(0, dtype=np.int64)
+        rows_dev = self.staging.upload([rows.astype(np.int64)])[0] if 0 < len(rows) < B else None
         t0 = self._begin()
-        prev = self._prev_sources(batch, range(B)) if self.stage.is_first and self.async_scheduling else []
+        prev = self._prev_sources(cols, np.arange(B)) if self.stage.is_first and self.async_scheduling else []
         out = self.graphs.run(B, ids, pos, slots, bt, acts, prev)
         self.trace.mark("forward_queued", batch.batch_id)
         if not self.stage.is_last:
@@ -359,72 +337,87 @@ class ModelRunner:
         if not self.stage.produces_results:
             self._end(t0)
             return None
-        if not rows:
+        if not len(rows):
             self._end(t0)
-            return m.StepResult(batch.batch_id, [], busy_s=self.busy_s, idle_s=self.idle_s)
+            return m.StepResult(batch.batch_id, busy_s=self.busy_s, idle_s=self.idle_s)
         if rows_dev is not None:
             out = out[rows_dev]
-        row_seqs = [seqs[i] for i in rows]
-        allowed = self._allowed(batch, out.shape[1])
-        if self.sampler.plain_greedy(row_seqs):  # the graph's logits are bf16: argmax needs no upcast
-            pending = self._greedy_pending(batch, rows, out, allowed)
+        row_slots = cols.slots[rows]
+        allowed = self._allowed(batch, cols, out.shape[1])
+        if self.table.plain[row_slots].all():  # the graph's logits are bf16: argmax needs no upcast
+            pending = self._greedy_pending(batch, row_slots, out, allowed)
             self._end(t0)
             return pending
         keep = [] if self.async_scheduling else None
-        tokens, lps = self.sampler(out.float(), row_seqs, self.eos_token_ids, allowed, keep)
+        seqs = self.table.seq_states(row_slots, pos[rows] + 1)
+        tokens, lps = self.sampler(out.float(), seqs, self.eos_token_ids, allowed, keep)
         if keep:
-            self._keep_sampled(batch, rows, keep[0])
-        sampled = [m.SampledOutput(batch.chunks[i].req_id, tok, lp) for i, tok, lp in zip(rows, tokens, lps)]
+            self._keep_sampled(row_slots, keep[0])
         self._end(t0)
-        return m.StepResult(batch.batch_id, sampled, busy_s=self.busy_s, idle_s=self.idle_s)
+        return self._result(batch.batch_id, rows, tokens, lps)
 
-    def _greedy_pending(self, batch: m.ExecuteBatch, rows: list[int], logits: torch.Tensor, allowed) -> PendingResult:
+    def _result(self, batch_id: int, rows: np.ndarray, tokens: list[int], lps: list,
+                plps: Optional[list] = None) -> m.StepResult:
+        """The StepResult of sampled chunks ``rows`` (chunk indices, increasing), their ``tokens``
+        and logprobs (None where not asked), and prompt logprobs."""
+        lp_chunks = [int(ci) for ci, lp in zip(rows.tolist(), lps) if lp is not None]
+        return m.StepResult(batch_id, m.pack_int32(tokens), lp_chunks, [lp for lp in lps if lp is not None],
+                            plps or [], busy_s=self.busy_s, idle_s=self.idle_s)
+
+    def _greedy_pending(self, batch: m.ExecuteBatch, row_slots: np.ndarray, logits: torch.Tensor,
+                        allowed) -> PendingResult:
         """Plain greedy rows (CUDA): argmax on the device and leave the GPU running; the worker
-        finishes this result after launching the next batch. ``rows``: chunk indices of the sampled
-        rows, ``logits [len(rows), V]`` in that order. Two pinned buffers, alternating: at most one
+        finishes this result after launching the next batch. ``logits [N, V]``: the sampling chunks'
+        rows in chunk order, ``row_slots`` their slots. Two pinned buffers, alternating: at most one
         result is pending while the next is made."""
-        apply_allowed(logits, allowed)
+        n = logits.shape[0]
         self._pin_idx ^= 1
-        if self._pinned[self._pin_idx].shape[0] < len(rows):
-            self._pinned[self._pin_idx] = torch.empty(max(len(rows), 1024), dtype=torch.int64, pin_memory=True)
-        tokens = logits.argmax(dim=-1)
+        if self._pinned[self._pin_idx].shape[0] < n:
+            self._pinned[self._pin_idx] = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
+        tokens = Sampler.greedy(logits, allowed)
         self.trace.mark("argmax_queued", batch.batch_id)
-        self._keep_sampled(batch, rows, tokens)
-        return PendingResult(batch.batch_id, [batch.chunks[i].req_id for i in rows], tokens,
-                             self._pinned[self._pin_idx])
+        self._keep_sampled(row_slots, tokens)
+        return PendingResult(batch.batch_id, tokens, self._pinned[self._pin_idx])
 
     # --- async scheduling ----------------------------------------------------------------------
-    def _keep_sampled(self, batch: m.ExecuteBatch, rows, tokens: torch.Tensor) -> None:
+    def _keep_sampled(self, row_slots: np.ndarray, tokens: torch.Tensor) -> None:
         """Async scheduling: remember where each sampled row's token lies on the device.
-        ``rows``: chunk indices of the sampled rows, in the order of ``tokens`` (int64[len(rows)])."""
+        ``row_slots``: the slots of the sampled rows, in the order of ``tokens`` (int64[N])."""
         if not self.async_scheduling:
             return
-        for i, ci in enumerate(rows):
-            self._sampled[batch.chunks[ci].req_id] = (tokens, i)
+        key = self._next_key
+        self._next_key += 1
+        self._kept[key] = tokens
+        self.table.prev_src[row_slots] = key
+        self.table.prev_row[row_slots] = np.arange(len(row_slots))
+        if len(self._kept) > 8:  # drop the tensors no request's next token comes from any more
+            named = self.table.prev_src
+            live = set(np.unique(named[named >= 0]).tolist())
+            for k in [k for k in self._kept if k not in live]:
+                del self._kept[k]
 
-    def _prev_sources(self, batch: m.ExecuteBatch, dst_index) -> list[tuple[torch.Tensor, list[int], list[int]]]:
-        """The device-side inputs of the batch's ``from_prev`` chunks, grouped by the tensor of
-        sampled ids they come from: ``[(tokens int64[N], dst positions, rows of tokens)]``;
-        ``dst_index[ci]`` is chunk ``ci``'s position in the step's flat token ids.
+    def _prev_sources(self, cols: m.BatchColumns, dst_index: np.ndarray) -> list[tuple[torch.Tensor, np.ndarray, np.ndarray]]:
+        """The device-side inputs of the batch's FROM_PREV chunks, grouped by the tensor of sampled
+        ids they come from: ``[(tokens int64[N], dst positions, rows of tokens)]``; ``dst_index[ci]``
+        is chunk ``ci``'s position in the step's flat token ids.
 
         Raises:
-            RuntimeError: a ``from_prev`` chunk for a request this worker has sampled nothing for
+            RuntimeError: a FROM_PREV chunk for a request this worker has sampled nothing for
                 (an engine bug: such a chunk must follow one that samples)."""
-        groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-        for ci, c in enumerate(batch.chunks):
-            if not c.from_prev:
-                continue
-            try:
-                src, row = self._sampled[c.req_id]
-            except KeyError:
-                raise RuntimeError(f"sequence {c.req_id}: asked for its previous sampled token, which this "
-                                   f"worker does not hold") from None
-            g = groups.get(id(src))
-            if g is None:
-                g = groups[id(src)] = (src, [], [])
-            g[1].append(dst_index[ci])
-            g[2].append(row)
-        return list(groups.values())
+        fp = np.flatnonzero(cols.from_prev)
+        if not len(fp):
+            return []
+        slots = cols.slots[fp]
+        src = self.table.prev_src[slots]
+        if (src < 0).any():
+            slot = int(slots[np.argmax(src < 0)])
+            raise RuntimeError(f"sequence {self.table.req_ids[slot]}: asked for its previous sampled token, which "
+                               f"this worker does not hold")
+        rows, dst = self.table.prev_row[slots], dst_index[fp]
+        keys = np.unique(src)
+        if len(keys) == 1:
+            return [(self._kept[int(keys[0])], dst, rows)]
+        return [(self._kept[k], dst[src == k], rows[src == k]) for k in keys.tolist()]
 
     # --- busy-time accounting -----------------------------------------------------------------
     def _recv_acts(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -473,14 +466,18 @@ class ModelRunner:
             self._prev_end = end
             self.trace.gpu_interval(batch_id, start, end)
 
-    def _allowed(self, batch: m.ExecuteBatch, vocab_size: int):
+    def _allowed(self, batch: m.ExecuteBatch, cols: m.BatchColumns, vocab_size: int):
         """Structured outputs: ``(rows int64[R], disallowed bool[R, vocab_size])`` over the batch's
-        sampled rows (in chunk order, one per chunk with ``sample``; ``rows`` increasing, as
-        ``grammar_rows`` is), from the batch's token bitmask; None when no row is constrained."""
+        sampled rows (in chunk order, one per chunk with SAMPLE; ``rows`` increasing, as
+        ``grammar_rows`` is), from the batch's token bitmask; None when no row is constrained.
+        Raises ValueError when a grammar row is not a sampling chunk."""
         if not batch.grammar_rows:
             return None
-        pos = {ci: k for k, ci in enumerate(i for i, c in enumerate(batch.chunks) if c.sample)}
-        rows = self.staging.upload([np.asarray([pos[ci] for ci in batch.grammar_rows], dtype=np.int64)])[0]
+        sample = cols.sample
+        grows = np.asarray(batch.grammar_rows, dtype=np.int64)
+        if int(grows.min()) < 0 or int(grows.max()) >= cols.size or not sample[grows].all():
+            raise ValueError(f"ExecuteBatch: grammar rows {batch.grammar_rows} are not all sampling chunks")
+        rows = self.staging.upload([(np.cumsum(sample) - 1)[grows].astype(np.int64)])[0]
         staging = None
         if self.device.type == "cuda":
             self._mask_idx ^= 1
@@ -490,59 +487,71 @@ class ModelRunner:
             staging = self._mask_pinned[self._mask_idx]
         return rows, unpack_bitmask(batch.grammar_bitmask, len(batch.grammar_rows), vocab_size, self.device, staging)
 
-    def _logit_plan(self, batch: m.ExecuteBatch, seqs: list[SeqState]) -> "LogitPlan":
-        """Which hidden rows of the step need logits: the last row of each sampling chunk, and the
-        rows of prompt-logprob chunks (position p predicts token p + 1; prompt tokens only)."""
-        plan = LogitPlan([], [], [])
-        offset = 0
-        for ci, c in enumerate(batch.chunks):
-            s = seqs[ci]
-            if c.prompt_logprobs:
-                n = max(0, min(c.start + c.num_tokens, s.num_prompt_tokens - 1) - c.start)
+    def _logit_plan(self, cols: m.BatchColumns) -> tuple[list[int], list[int], list[tuple[int, int, int]]]:
+        """Which hidden rows of the step need logits: ``(rows, sample_rows, plp_spans)`` -- rows into
+        the step's flat tokens (the last of each sampling chunk, and the prompt positions of
+        prompt-logprobs chunks), for each sampling chunk its index into ``rows``, and
+        ``(chunk index, first index into rows, count)`` of each prompt-logprobs chunk."""
+        q_lens = cols.num_tokens.astype(np.int64)
+        ends = np.cumsum(q_lens)  # each chunk's end in the step's flat tokens
+        plp_spans: list[tuple[int, int, int]] = []
+        if not cols.prompt_logprobs.any():
+            rows = (ends - 1)[np.flatnonzero(cols.sample)].tolist()
+            return rows, list(range(len(rows))), plp_spans
+        rows, sample_rows = [], []
+        num_prompt = self.table.num_prompt[cols.slots]
+        for ci, (start, n_tok, f, end) in enumerate(zip(cols.starts.tolist(), q_lens.tolist(),
+                                                        cols.flags.tolist(), ends.tolist())):
+            if f & m.PROMPT_LOGPROBS:
+                # Position p predicts token p + 1; only prompt tokens get prompt logprobs.
+                n = max(0, min(start + n_tok, int(num_prompt[ci]) - 1) - start)
                 if n:
-                    plan.plp_spans.append((ci, len(plan.rows), n))
-                    plan.rows.extend(range(offset, offset + n))
-            if c.sample:
-                plan.sample_rows.append(len(plan.rows))
-                plan.rows.append(offset + c.num_tokens - 1)
-            offset += c.num_tokens
-        return plan
+                    plp_spans.append((ci, len(rows), n))
+                    rows.extend(range(end - n_tok, end - n_tok + n))
+            if f & m.SAMPLE:
+                sample_rows.append(len(rows))
+                rows.append(end - 1)
+        return rows, sample_rows, plp_spans
 
-    def _sample(self, batch: m.ExecuteBatch, seqs: list[SeqState], hidden: torch.Tensor, plan: "LogitPlan",
+    def _sample(self, batch: m.ExecuteBatch, cols: m.BatchColumns, hidden: torch.Tensor, plan,
                 logit_rows: Optional[torch.Tensor]) -> m.StepResult:
-        """Logits of ``plan``'s rows (``logit_rows``: the same indices, on the device), then sampling
-        and prompt logprobs."""
-        sample_rows, plp_spans = plan.sample_rows, plan.plp_spans
-        if not plan.rows:
-            return m.StepResult(batch.batch_id, [])
-        logits = self.model.compute_logits(hidden[logit_rows], upcast=False)[:len(plan.rows)]  # [N, V], model dtype
+        """Logits of ``plan``'s rows (:meth:`_logit_plan`; ``logit_rows``: the same indices padded to a
+        warmed-up count, on the device), then sampling and prompt logprobs."""
+        rows, sample_rows, plp_spans = plan
+        q_lens = cols.num_tokens.astype(np.int64)
+        sample_chunks = np.flatnonzero(cols.sample)
+        if not rows:
+            return m.StepResult(batch.batch_id)
+        logits = self.model.compute_logits(hidden[logit_rows], upcast=False)[:len(rows)]  # [N, V], model dtype
         self.trace.mark("logits_queued", batch.batch_id)
 
-        sampled: list[m.SampledOutput] = []
-        sample_chunks = [c for c in batch.chunks if c.sample]
+        tokens: list[int] = []
+        lps: list = []
         if sample_rows:
-            sample_seqs = [self.seqs[c.req_id] for c in sample_chunks]
-            if not plp_spans and self.device.type == "cuda" and self.sampler.plain_greedy(sample_seqs):
+            row_slots = cols.slots[sample_chunks]
+            allowed = self._allowed(batch, cols, logits.shape[1])
+            plain = bool(self.table.plain[row_slots].all())
+            if not plp_spans and self.device.type == "cuda" and plain:
                 # No host round trip for a prefill (or mixed) batch either: the next one is launched first.
-                return self._greedy_pending(batch, [i for i, c in enumerate(batch.chunks) if c.sample], logits,
-                                            self._allowed(batch, logits.shape[1]))
-            logits = logits.float()
+                return self._greedy_pending(batch, row_slots, logits, allowed)
             keep = [] if self.async_scheduling else None
-            tokens, lps = self.sampler(logits[sample_rows], sample_seqs, self.eos_token_ids,
-                                       self._allowed(batch, logits.shape[1]), keep)
+            sample_logits = logits[sample_rows]
+            if plain:  # argmax: the same on the model's dtype as on float32
+                tokens = Sampler.greedy(sample_logits, allowed, keep).tolist()
+                lps = [None] * len(tokens)
+            else:
+                seqs = self.table.seq_states(row_slots, cols.starts[sample_chunks] + q_lens[sample_chunks])
+                tokens, lps = self.sampler(sample_logits.float(), seqs, self.eos_token_ids, allowed, keep)
             if keep:
-                self._keep_sampled(batch, [i for i, c in enumerate(batch.chunks) if c.sample], keep[0])
-            for c, tok, lp in zip(sample_chunks, tokens, lps):
-                sampled.append(m.SampledOutput(c.req_id, tok, lp))
+                self._keep_sampled(row_slots, keep[0])
 
         plps: list[m.PromptLogprobsOutput] = []
-        if plp_spans:
-            logits = logits.float()
         for ci, first, n in plp_spans:
-            c, s = batch.chunks[ci], seqs[ci]
-            k = (s.sampling.prompt_logprobs if s.sampling else 0) or 0
-            lp = torch.log_softmax(logits[first:first + n], dim=-1)
-            targets = s.token_ids[c.start + 1:c.start + 1 + n]
+            slot, start = int(cols.slots[ci]), int(cols.starts[ci])
+            sp = self.table.sampling[slot]
+            k = (sp.prompt_logprobs if sp else 0) or 0
+            lp = torch.log_softmax(logits[first:first + n].float(), dim=-1)
+            targets = self.table.tokens[slot, start + 1:start + 1 + n].tolist()
             entries = [token_logprobs(lp[j], targets[j], k) for j in range(n)]
-            plps.append(m.PromptLogprobsOutput(c.req_id, c.start + 1, entries))
-        return m.StepResult(batch.batch_id, sampled, plps)
+            plps.append(m.PromptLogprobsOutput(ci, start + 1, entries))
+        return self._result(batch.batch_id, sample_chunks, tokens, lps, plps)

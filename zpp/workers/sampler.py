@@ -12,8 +12,8 @@ batch, and after preemption and recompute.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -26,16 +26,16 @@ _MASK64 = (1 << 63) - 1
 
 @dataclass
 class SeqState:
-    """What the last stage knows of a sequence: every token fed so far and how to sample."""
+    """What the sampler reads of a sequence: every token known so far and how to sample."""
 
-    token_ids: list[int]
+    token_ids: Sequence[int]
+    """A list, or on a worker a view of its slot table's row (``zpp.workers.slots``)."""
     num_prompt_tokens: int
     sampling: Optional[SamplingParams]
-    block_ids: list[int] = field(default_factory=list)
     sample_end: int = -1
-    """Tokens before the one being sampled now (the sampling chunk's end), set per micro-batch by
-    the model runner; -1: ``len(token_ids)``. With async scheduling the last of them may still be
-    on the device only, not in ``token_ids``."""
+    """Tokens before the one being sampled now (the sampling chunk's end), as the model runner sets
+    it; -1: ``len(token_ids)``. With async scheduling the last of them may still be on the device
+    only, not in ``token_ids``."""
 
     @property
     def num_output_tokens(self) -> int:
@@ -126,12 +126,17 @@ class Sampler:
     @staticmethod
     def plain_greedy(seqs: list[SeqState]) -> bool:
         """Every row is greedy with nothing to adjust or report: the token is just the argmax."""
-        for s in seqs:
-            p = s.sampling or _GREEDY
-            if (p.temperature != 0.0 or p.logprobs is not None or p.repetition_penalty != 1.0
-                    or p.frequency_penalty or p.presence_penalty or p.min_tokens):
-                return False
-        return True
+        return all(is_plain_greedy(s.sampling) for s in seqs)
+
+    @staticmethod
+    def greedy(logits: torch.Tensor, allowed=None, keep: Optional[list] = None) -> torch.Tensor:
+        """The plain greedy rows' tokens ``int64[N]`` on the device: ``allowed`` applied to
+        ``logits`` in place, then the argmax (appended to ``keep`` if given)."""
+        apply_allowed(logits, allowed)
+        tokens = logits.argmax(dim=-1)
+        if keep is not None:
+            keep.append(tokens)
+        return tokens
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, seqs: list[SeqState], eos_token_ids: set[int], allowed=None,
@@ -140,11 +145,7 @@ class Sampler:
         (async scheduling feeds them to the next step without a host round trip)."""
         N, V = logits.shape
         if self.plain_greedy(seqs):
-            apply_allowed(logits, allowed)
-            tokens = logits.argmax(dim=-1)
-            if keep is not None:
-                keep.append(tokens)
-            return tokens.tolist(), [None] * N  # one kernel, one copy
+            return self.greedy(logits, allowed, keep).tolist(), [None] * N  # one kernel, one copy
         params = [s.sampling or _GREEDY for s in seqs]
         want_lp = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
@@ -222,6 +223,13 @@ class Sampler:
                 g = _seeded_generator(p.seed, s.num_output_tokens, dev)
                 noise[i] = torch.empty(V, device=dev).exponential_(generator=g)
         return (probs / noise).argmax(dim=-1)
+
+
+def is_plain_greedy(p: Optional[SamplingParams]) -> bool:
+    """Greedy with nothing to adjust or report (None: greedy): the token is just the argmax."""
+    p = p or _GREEDY
+    return not (p.temperature != 0.0 or p.logprobs is not None or p.repetition_penalty != 1.0
+                or p.frequency_penalty or p.presence_penalty or p.min_tokens)
 
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)

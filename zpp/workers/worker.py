@@ -201,7 +201,8 @@ def _setup(init, sock):
     link = make_stage_link(init.rank, init.pp_rank, pp_size, tp_size, device, cfg_all.parallel.share_gpu) if pp_size > 1 else None
     runner = ModelRunner(model, device, dtype, block_size, link, set(init.eos_token_ids), seed,
                          trace_name=f"rank{init.rank}-stage{init.pp_rank}",
-                         async_scheduling=cfg_all.async_scheduling)
+                         async_scheduling=cfg_all.async_scheduling, max_model_len=max_model_len,
+                         max_num_seqs=cfg_all.scheduler.max_num_seqs)
     if runner.trace.enabled and device_kind == "cuda":
         runner.trace.cuda_clock()
 
