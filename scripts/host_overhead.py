@@ -146,7 +146,7 @@ class _StubModel:
         return torch.zeros(T, self.hidden_size) if self.stage.is_last else \
             torch.zeros(self.num_acts, T, self.hidden_size)
 
-    def compute_logits(self, hidden):
+    def compute_logits(self, hidden, upcast=True):
         import torch
         return torch.zeros(hidden.shape[0], self.vocab)
 
