@@ -160,3 +160,46 @@ class DecodeGraphs:
         self.graphs[bs].replay()
         out = self.outputs[bs]
         return out[:b] if self.stage.is_last else out[:, :b].clone()
+
+
+class EagerDecodeGraphs:
+    """Testing stand-in for :class:`DecodeGraphs` on the CPU (``ZPP_EAGER_GRAPHS``, set for the
+    workers by tests): the same interface (``sizes``, ``bucket``, ``run``), each "replay" an eager
+    forward of exactly the inputs the model runner hands a graph. So CI, which has no GPU, runs the
+    runner's decode-graph path (slots and block rows from the slot table, tokens of the previous
+    step taken on the device with async scheduling, the graph's logits in the model's dtype, the
+    greedy result left pending) and checks it against the eager path.
+
+    ``run`` also checks the runner's KV slots against the ones the attention metadata derives from
+    positions and block tables (a mismatch is an AssertionError, ending the worker). When
+    ``ZPP_EAGER_GRAPHS`` names a file (anything but ``1``), every replay appends a line to it, so a
+    test can tell that the path ran."""
+
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_num_seqs: int,
+                 device: torch.device, group: int, log_path: Optional[str] = None):
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.stage = model.stage
+        self.sizes = capture_sizes(max_num_seqs)
+        self.device, self.group, self.log_path = device, group, log_path
+
+    bucket = DecodeGraphs.bucket
+
+    def run(self, b: int, input_ids: Optional[np.ndarray], positions: np.ndarray, slots: np.ndarray,
+            block_tables: np.ndarray, acts: Optional[torch.Tensor], prev=()) -> torch.Tensor:
+        from zpp.models.layers.attention import build_attention_metadata
+        ids = None
+        if input_ids is not None:
+            ids = torch.from_numpy(np.array(input_ids, dtype=np.int64))
+            for tokens, dst, src in prev:
+                ids[torch.as_tensor(np.asarray(dst, dtype=np.int64))] = tokens[torch.as_tensor(np.asarray(src, dtype=np.int64))]
+        bs = self.block_size
+        tables = [row[:p // bs + 1].tolist() for row, p in zip(block_tables, positions)]
+        meta = build_attention_metadata(positions.tolist(), [1] * b, tables, bs, self.device, self.group)
+        assert np.array_equal(meta.slot_mapping.numpy(), slots), "decode-graph slots differ from the block tables'"
+        out = self.model(ids, torch.from_numpy(np.array(positions, dtype=np.int64)), acts, self.kv_caches, meta)
+        if self.log_path:
+            with open(self.log_path, "a") as f:
+                f.write(f"{b}\n")
+        if self.stage.produces_results:
+            return self.model.compute_logits(out, upcast=False)
+        return out if self.stage.is_last else out.clone()

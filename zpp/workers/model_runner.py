@@ -49,22 +49,26 @@ def logit_buckets(max_rows: int) -> list[int]:
 
 class PendingResult:
     """A last-stage result still on the GPU: token ids copied to pinned memory asynchronously.
-    ``finish(runner)`` waits for them and builds the StepResult."""
+    ``finish(runner)`` waits for them and builds the StepResult. (On the CPU, where only the
+    decode-graph stand-in of the tests makes one, the copy is done at once.)"""
 
     def __init__(self, batch_id: int, tokens: torch.Tensor, host_buf: torch.Tensor):
         self.batch_id = batch_id
         self.tokens = tokens  # int64[N] on the device (the sampling chunks' tokens), kept alive until the copy is done
         self.host = host_buf[: tokens.shape[0]]
         self.host.copy_(tokens, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record()
+        self.event = None
+        if tokens.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
 
     def done(self) -> bool:
         """Whether the GPU has finished the batch and the copy (never blocks)."""
-        return self.event.query()
+        return self.event is None or self.event.query()
 
     def finish(self, runner: "ModelRunner") -> m.StepResult:
-        self.event.synchronize()
+        if self.event is not None:
+            self.event.synchronize()
         runner.reap_timings()
         return m.StepResult(self.batch_id, m.pack_int32(self.host.numpy()), busy_s=runner.busy_s, idle_s=runner.idle_s)
 
@@ -373,7 +377,8 @@ class ModelRunner:
         n = logits.shape[0]
         self._pin_idx ^= 1
         if self._pinned[self._pin_idx].shape[0] < n:
-            self._pinned[self._pin_idx] = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
+            self._pinned[self._pin_idx] = torch.empty(max(n, 1024), dtype=torch.int64,
+                                                      pin_memory=self.device.type == "cuda")
         tokens = Sampler.greedy(logits, allowed)
         self.trace.mark("argmax_queued", batch.batch_id)
         self._keep_sampled(row_slots, tokens)

@@ -226,6 +226,11 @@ def _setup(init, sock):
             runner.capture_graphs(max_model_len, cfg_all.scheduler.max_num_seqs)
         else:
             logger.info("%s runs eagerly (no CUDA graphs)", type(model).__name__)
+    elif device_kind == "cpu" and os.environ.get("ZPP_EAGER_GRAPHS"):  # tests: the graph path on the CPU
+        from zpp.workers.cuda_graphs import EagerDecodeGraphs
+        flag = os.environ["ZPP_EAGER_GRAPHS"]
+        runner.graphs = EagerDecodeGraphs(model, runner.kv_caches, block_size, cfg_all.scheduler.max_num_seqs,
+                                          runner.device, runner.group, None if flag == "1" else flag)
     if device_kind == "cuda":  # the rows the memory profile covered (_cuda_kv_blocks)
         runner.warm_up_logits(min(cfg_all.scheduler.max_num_seqs, cfg_all.max_num_batched_tokens))
     sock.send(m.CacheReady(rank=init.rank))
