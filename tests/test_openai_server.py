@@ -673,7 +673,8 @@ def test_bench_serve_with_vllm_flags_saves_result(server, tmp_path):
 
 
 def test_prompt_logprobs_in_responses(server, tokenizer):
-    """vLLM's ``prompt_logprobs``: one entry per prompt token (None first) holding the prompt token."""
+    """vLLM's ``prompt_logprobs``: one entry per prompt token (None first) holding the prompt token,
+    each entry ``{"logprob", "rank", "decoded_token"}`` with the top-2 ranked 1 and 2."""
     async def go():
         async with aiohttp.ClientSession() as s:
             body = {"prompt": "The capital of France is", "max_tokens": 1, "prompt_logprobs": 2}
@@ -683,6 +684,11 @@ def test_prompt_logprobs_in_responses(server, tokenizer):
             ids = tokenizer.encode(body["prompt"])
             assert len(plp) == len(ids) and plp[0] is None
             assert all(str(t) in e for t, e in zip(ids[1:], plp[1:]))
+            for t, e in zip(ids[1:], plp[1:]):
+                assert all(set(v) == {"logprob", "rank", "decoded_token"} for v in e.values())
+                assert e[str(t)]["decoded_token"] == tokenizer.decode([t]) and e[str(t)]["rank"] >= 1
+                ranks = sorted(v["rank"] for v in e.values())  # the prompt token's, then the top-2's
+                assert ranks[:2] == [1, 2] and len(e) in (2, 3)
             body = {"messages": FRANCE, "max_tokens": 1, "prompt_logprobs": 0}
             async with s.post(server.url + "/v1/chat/completions", json=body) as r:
                 assert r.status == 200

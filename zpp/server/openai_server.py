@@ -677,12 +677,14 @@ class OpenAIServer:
 
     def _prompt_logprobs(self, ids: list[int], lps) -> list:
         """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else
-        ``{token_id: {"logprob", "decoded_token"}}`` (the prompt token first, then the top-k)."""
+        ``{token_id: {"logprob", "rank", "decoded_token"}}`` (the prompt token first, then the top-k;
+        ``rank`` 1-based in the distribution at that position)."""
         out = []
         for j in range(len(ids)):
             lp = lps[j] if lps and j < len(lps) else None
             out.append(None if lp is None else
-                       {str(t): {"logprob": e.logprob, "decoded_token": self.tokens.text(t)} for t, e in lp.items()})
+                       {str(t): {"logprob": e.logprob, "rank": e.rank, "decoded_token": self.tokens.text(t)}
+                        for t, e in lp.items()})
         return out
 
     def _chat_logprobs(self, k: int, token_ids: list[int], lps) -> dict:
