@@ -224,6 +224,92 @@ def test_core_bitmask_fill_threaded_equals_row_by_row(tokenizer):
             assert a.accept(t) and b.accept(t)
 
 
+HOSTILE_PATTERN = "^(a|b|c|d)*(a|b)*(c|d){3,30}[a-z]{5,50}$"  # ~0.5 MB of compiled grammar per property
+
+
+def _pattern_schema(n: int) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": HOSTILE_PATTERN} for i in range(n)},
+            "required": [f"p{i}" for i in range(n)]}
+
+
+def test_compiled_grammar_size_is_bounded_before_serializing(tokenizer):
+    """A small schema that compiles to a huge grammar (a newcomer's 18 KB schema of 200 such
+    properties made the server grow by tens of GB while serializing it) is refused with a 400
+    naming --max-structured-outputs-grammar-bytes, quickly and without serializing; a schema
+    under the limit still compiles."""
+    import asyncio as aio
+    import resource
+    import time
+
+    from zpp.engine.structured_output import GrammarCompiler
+
+    async def go():
+        gc = GrammarCompiler(tokenizer, 49152, {2}, 30.0, 1 << 20, max_grammar_bytes=4 << 20)
+        assert (await gc.compile(SO(json=_pattern_schema(2)))).compiled  # ~1 MB: accepted
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        t = time.monotonic()
+        with pytest.raises(RequestError, match=r"MiB; this server accepts at most 4.0 MiB "
+                                               r"\(--max-structured-outputs-grammar-bytes\)") as info:
+            await gc.compile(SO(json=_pattern_schema(200)))
+        assert info.value.param == "structured_outputs"
+        took, grew = time.monotonic() - t, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 2**10
+        gc.close()
+        return took, grew
+
+    took, grew_mib = aio.run(go())
+    assert took < 8 and grew_mib < 512, (took, grew_mib)
+
+
+def test_waiting_for_a_busy_compile_thread_says_so(tokenizer):
+    """Both compile threads held by slow grammars: a third request's timeout says it waited for
+    a thread (retry later), not that its grammar is too complex."""
+    import asyncio as aio
+    import threading
+
+    from zpp.engine.structured_output import GrammarCompiler
+
+    release = threading.Event()
+
+    async def go():
+        gc = GrammarCompiler(tokenizer, 49152, {2}, 0.5, 1 << 20)
+        real = gc._compile
+
+        def slow(kind, text, any_ws, started):
+            started.set()
+            release.wait(30)
+            return real(kind, text, any_ws, threading.Event())
+        gc._compile = slow
+        busy = [aio.ensure_future(gc.compile(SO(regex=f"a{{{i}}}"))) for i in (1, 2)]
+        await aio.sleep(0.1)
+        gc._compile = real
+        with pytest.raises(RequestError, match="waited 0.5 s for a compile thread, all busy"):
+            await gc.compile(SO(regex="b+"))
+        for f in busy:
+            with pytest.raises(RequestError, match="did not compile within 0.5 s"):
+                await f
+        release.set()
+        gc.close()
+
+    aio.run(go())
+
+
+def test_a_running_compile_does_not_keep_the_process_alive(tmp_path):
+    """The compile threads are daemons: a process whose grammar compile never returns still exits
+    at once (a stopping server waited minutes for xgrammar)."""
+    import subprocess
+    import sys
+    script = tmp_path / "exit_during_compile.py"
+    script.write_text(
+        "import threading, time\n"
+        "from zpp.engine.structured_output import GrammarCompiler\n"
+        "gc = GrammarCompiler(None, 10, set(), 1.0, 100)\n"
+        "gc._pool.submit(threading.Event().wait)\n"
+        "time.sleep(0.2)\n"
+        "print('exiting')\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "exiting", out.stderr
+
+
 # --- tool-call parsing (no engine) -----------------------------------------------------------------
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

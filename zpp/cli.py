@@ -145,6 +145,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
     g.add_argument("--max-structured-outputs-spec-bytes", default="256KiB",
                    help="largest JSON schema / regex / grammar / choice list accepted (default 256KiB; "
                         "larger: HTTP 400)")
+    g.add_argument("--max-structured-outputs-grammar-bytes", default="16MiB",
+                   help="largest compiled grammar accepted (xgrammar's memory size; default 16MiB; larger: HTTP 400 "
+                        "before it is serialized: a small schema can compile to a huge grammar)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="debug also prints the traceback of a start-up error")
 
@@ -188,7 +191,9 @@ def engine_config_from_args(args, streaming: bool = True) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         structured_outputs=StructuredOutputsConfig(
             compile_timeout=args.structured_outputs_compile_timeout,
-            max_spec_bytes=parse_size(args.max_structured_outputs_spec_bytes, "--max-structured-outputs-spec-bytes")))
+            max_spec_bytes=parse_size(args.max_structured_outputs_spec_bytes, "--max-structured-outputs-spec-bytes"),
+            max_grammar_bytes=parse_size(args.max_structured_outputs_grammar_bytes,
+                                         "--max-structured-outputs-grammar-bytes")))
 
 
 def _setup_logging(level: str) -> None:

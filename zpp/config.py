@@ -328,12 +328,19 @@ class StructuredOutputsConfig:
     max_spec_bytes: int = 256 << 10
     """Largest grammar specification accepted (the JSON schema as JSON text, the regex, the EBNF
     or the choices together), in bytes; larger ones are refused with HTTP 400 before compiling."""
+    max_grammar_bytes: int = 16 << 20
+    """Largest compiled grammar accepted (xgrammar's ``memory_size_bytes``), in bytes; larger ones
+    are refused with HTTP 400 before they are serialized for the engine core. A small schema can
+    compile to a huge grammar (200 properties with one bounded-repetition pattern each: ~100 MB,
+    whose serialization took tens of GB), so the specification's size alone bounds nothing."""
 
     def __post_init__(self):
         if not self.compile_timeout > 0:
             raise ConfigError(f"--structured-outputs-compile-timeout must be > 0 seconds, got {self.compile_timeout}")
         if self.max_spec_bytes < 1:
             raise ConfigError(f"--max-structured-outputs-spec-bytes must be >= 1, got {self.max_spec_bytes}")
+        if self.max_grammar_bytes < 1:
+            raise ConfigError(f"--max-structured-outputs-grammar-bytes must be >= 1, got {self.max_grammar_bytes}")
 
 
 @dataclass(frozen=True)

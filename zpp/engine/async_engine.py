@@ -121,7 +121,8 @@ class AsyncEngine:
             client = CoreProcessClient(core_address, front_end_index)
         engine = cls(config, tokenizer, eos, client)
         so = config.structured_outputs
-        engine.grammar = GrammarCompiler(tokenizer, engine.vocab_size, eos, so.compile_timeout, so.max_spec_bytes)
+        engine.grammar = GrammarCompiler(tokenizer, engine.vocab_size, eos, so.compile_timeout, so.max_spec_bytes,
+                                         so.max_grammar_bytes)
         warm = asyncio.ensure_future(engine.grammar.warm_up())  # while the workers load
         try:
             await client.start(config, eos, engine._on_step, engine._on_core_dead)

@@ -4,9 +4,12 @@ The shape vLLM V1 uses, kept to zpp's size:
 
 * **Front end** (:class:`GrammarCompiler`): a request's :class:`~zpp.sampling_params.StructuredOutputsParams`
   is compiled by xgrammar in a thread (never on the event loop), with a bounded time
-  (``--structured-outputs-compile-timeout``) and a size limit on the specification
-  (``--max-structured-outputs-spec-bytes``); compiled grammars are cached by a hash of the
-  specification. A grammar that does not compile is a :class:`~zpp.engine.inputs.RequestError`
+  (``--structured-outputs-compile-timeout``), a size limit on the specification
+  (``--max-structured-outputs-spec-bytes``) and one on the compiled grammar
+  (``--max-structured-outputs-grammar-bytes``, checked before the grammar is serialized: its
+  serialization takes a few times its size in memory); compiled grammars are cached by a hash of
+  the specification. The compile threads are daemon threads, so a compile still running never
+  keeps a stopping server alive. A grammar that does not compile is a :class:`~zpp.engine.inputs.RequestError`
   (HTTP 400) carrying xgrammar's message. The compiled grammar travels to the core serialized
   (:class:`~zpp.engine.core_messages.GrammarSpec`, msgpack text, no pickle).
 * **Engine core** (:class:`GrammarStore`, :class:`RequestGrammar`): the *only* grammar matcher of
@@ -83,25 +86,27 @@ class GrammarCompiler:
         stop_token_ids: the engine's EOS ids, the tokens a complete grammar allows.
         compile_timeout: seconds a compile may take, queueing for a thread included.
         max_spec_bytes: largest specification (UTF-8 bytes) accepted.
+        max_grammar_bytes: largest compiled grammar (xgrammar's ``memory_size_bytes``) accepted.
 
     xgrammar's ``TokenizerInfo`` (about 0.6 s for a 49k vocabulary) is built on first use, in the
     compile thread.
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], compile_timeout: float,
-                 max_spec_bytes: int):
+                 max_spec_bytes: int, max_grammar_bytes: int = 16 << 20):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.compile_timeout = compile_timeout
         self.max_spec_bytes = max_spec_bytes
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="zpp-grammar")
+        self.max_grammar_bytes = max_grammar_bytes
+        self._pool = _DaemonPool(2, "zpp-grammar")
         self._lock = threading.Lock()
         self._compiler = None
         self.tokenizer_info_json = ""
         self._tokenizer_info_sent = False
         self._cache: OrderedDict[str, str] = OrderedDict()  # key -> serialized CompiledGrammar
-        self._inflight: dict[str, asyncio.Future] = {}
+        self._inflight: dict[str, tuple[asyncio.Future, threading.Event]] = {}  # key -> (compile, started)
 
     def _xgr_compiler(self):
         with self._lock:
@@ -120,13 +125,17 @@ class GrammarCompiler:
         if self.tokenizer is None:
             return
         try:
-            await asyncio.get_running_loop().run_in_executor(self._pool, self._xgr_compiler)
+            await asyncio.wrap_future(self._pool.submit(self._xgr_compiler))
         except Exception as e:
             logger.warning("structured outputs are unavailable: xgrammar failed on this tokenizer: %s",
                            _library_message(e))
 
-    def _compile(self, kind: str, text: str, any_whitespace: bool) -> str:
-        """Compile in a worker thread; returns the serialized CompiledGrammar."""
+    def _compile(self, kind: str, text: str, any_whitespace: bool, started: threading.Event) -> str:
+        """Compile in a worker thread; returns the serialized CompiledGrammar.
+
+        Raises:
+            GrammarTooLarge: the compiled grammar exceeds ``max_grammar_bytes`` (not serialized)."""
+        started.set()
         c = self._xgr_compiler()
         if kind == "json":
             g = c.compile_json_schema(text, any_whitespace=any_whitespace, strict_mode=True)
@@ -139,6 +148,11 @@ class GrammarCompiler:
                                                            for x in json.loads(text)))
         else:
             g = c.compile_grammar(text)
+        size = g.memory_size_bytes
+        if size > self.max_grammar_bytes:
+            raise GrammarTooLarge(f"the compiled {kind} grammar takes {size / 2**20:.1f} MiB; this server accepts at "
+                                  f"most {self.max_grammar_bytes / 2**20:.1f} MiB "
+                                  f"(--max-structured-outputs-grammar-bytes): simplify it")
         return g.serialize_json()
 
     async def compile(self, params: StructuredOutputsParams) -> GrammarSpec:
@@ -162,16 +176,24 @@ class GrammarCompiler:
         if compiled is not None:
             self._cache.move_to_end(key)
             return GrammarSpec(key, compiled)
-        fut = self._inflight.get(key)
-        if fut is None:  # one compile per specification at a time, however many requests wait for it
-            fut = asyncio.get_running_loop().run_in_executor(self._pool, self._compile, kind, text, any_ws)
-            self._inflight[key] = fut
+        entry = self._inflight.get(key)
+        if entry is None:  # one compile per specification at a time, however many requests wait for it
+            started = threading.Event()
+            fut = asyncio.wrap_future(self._pool.submit(self._compile, kind, text, any_ws, started))
+            entry = self._inflight[key] = (fut, started)
             fut.add_done_callback(lambda f, key=key: self._compiled(key, f))
+        fut, started = entry
         try:
             compiled = await asyncio.wait_for(asyncio.shield(fut), self.compile_timeout)
         except asyncio.TimeoutError:
+            if not started.is_set():
+                raise RequestError(f"the {kind} waited {self.compile_timeout:g} s for a compile thread, all busy with "
+                                   "other grammars (--structured-outputs-compile-timeout): retry later",
+                                   "structured_outputs") from None
             raise RequestError(f"the {kind} did not compile within {self.compile_timeout:g} s "
                                "(--structured-outputs-compile-timeout): simplify it", "structured_outputs") from None
+        except GrammarTooLarge as e:
+            raise RequestError(str(e), "structured_outputs") from None
         except Exception as e:
             raise RequestError(f"the {kind} could not be compiled: {_library_message(e)}",
                                "structured_outputs") from None
@@ -195,7 +217,54 @@ class GrammarCompiler:
         return GrammarSpec(spec.key, spec.compiled, self.tokenizer_info_json)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
+
+
+class GrammarTooLarge(Exception):
+    """A compiled grammar over ``--max-structured-outputs-grammar-bytes`` (its message says so)."""
+
+
+class _DaemonPool:
+    """A fixed set of daemon threads running submitted calls in order (``submit`` returns a
+    ``concurrent.futures.Future``). Unlike ``ThreadPoolExecutor``, whose threads the interpreter
+    joins at exit, a compile still running here (xgrammar's C++ cannot be interrupted) does not
+    keep a stopping process alive."""
+
+    def __init__(self, num_threads: int, name: str):
+        import queue
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        for i in range(num_threads):
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # delivered to the waiting request
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Cancel the calls not started and let the threads end (a running call finishes in the
+        background)."""
+        while True:
+            try:
+                fut, _, _ = self._queue.get_nowait()
+            except Exception:
+                break
+            fut.cancel()
+        for _ in range(8):
+            self._queue.put(None)
 
 
 class RequestGrammar:
