@@ -17,8 +17,13 @@ from zpp.transport.messages import PromptLogprobsOutput, TokenLogprobs
 
 def test_validate_resolves_max_tokens_and_names_the_field():
     ip = InputProcessor(None, vocab_size=100, max_model_len=64, num_kv_blocks=3, block_size=16)
-    with pytest.raises(RequestError, match="needs 4 KV blocks"):  # the default fills max_model_len
-        ip.validate([1, 2, 3], SamplingParams(max_tokens=None))
+    # a KV cache of 48 tokens, below max_model_len: the default fills the cache, not max_model_len
+    assert ip.validate([1, 2, 3], SamplingParams(max_tokens=None)) == 45
+    with pytest.raises(RequestError, match="needs 4 KV blocks"):  # an explicit max_tokens is checked
+        ip.validate([1, 2, 3], SamplingParams(max_tokens=61))
+    with pytest.raises(RequestError, match="the KV cache holds only 3 blocks of 16") as e:
+        ip.validate([1] * 48, SamplingParams(max_tokens=None))
+    assert e.value.param == "prompt"
     ip.num_kv_blocks = 10
     assert ip.validate([1, 2, 3], SamplingParams(max_tokens=None)) == 61
     assert ip.validate([1, 2, 3], SamplingParams(max_tokens=5)) == 5

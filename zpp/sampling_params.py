@@ -101,7 +101,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     seed: Optional[int] = None
     """Per-request seed: the same seed gives the same tokens at any PP size and batch mix."""
     max_tokens: Optional[int] = 16
-    """Most tokens to generate; None = the remaining room up to max_model_len."""
+    """Most tokens to generate; None = the remaining room up to max_model_len (or up to what the KV
+    cache holds, if that is less)."""
     min_tokens: int = 0
     """Stop tokens (EOS, stop_token_ids) are suppressed until this many tokens are generated."""
     stop: Union[None, str, list[str]] = None

@@ -1,8 +1,8 @@
 """Request input processing in the front end: tokenization and validation against the limits,
 shared by ``zpp serve`` and the offline ``LLM`` (so the two cannot drift).
 
-The one place ``max_tokens`` is resolved: omitted (None) means the room left in
-``max_model_len`` after the prompt.
+The one place ``max_tokens`` is resolved: omitted (None) means the room left after the prompt in
+``max_model_len``, or in the KV cache when that holds fewer tokens.
 """
 from __future__ import annotations
 
@@ -55,8 +55,9 @@ class InputProcessor:
         """Check a request against the limits; return its effective max_tokens.
 
         Rules: the prompt needs >= 1 token, every id in ``[0, vocab_size)``; ``max_tokens`` omitted
-        (None) means the remaining room ``max_model_len - prompt_len``; prompt + max_tokens must not
-        exceed ``max_model_len`` nor the KV cache; ``max_tokens == 0`` returns at once with no output.
+        (None) means the remaining room ``min(max_model_len, KV cache tokens) - prompt_len``; prompt +
+        max_tokens must not exceed ``max_model_len`` nor the KV cache; ``max_tokens == 0`` returns at
+        once with no output.
 
         Raises:
             RequestError: naming the numbers.
@@ -71,7 +72,12 @@ class InputProcessor:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
-        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else self.max_model_len - n
+        room = min(self.max_model_len, self.num_kv_blocks * self.block_size) - n
+        if sampling.max_tokens is None and room < 1:
+            raise RequestError(
+                f"the prompt has {n} tokens, but the KV cache holds only {self.num_kv_blocks} blocks of "
+                f"{self.block_size} tokens (room for at least 1 generated token is needed)", "prompt")
+        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else room
         if n + max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
