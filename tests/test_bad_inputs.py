@@ -226,6 +226,13 @@ CORPUS = [
     ("structured-outputs-two-kinds", "POST", C, comp(structured_outputs={"regex": "a", "choice": ["a"]}), {}, 400,
      "structured_outputs"),
     ("unknown-functions", "POST", H, chat(functions=[{"name": "f"}]), {}, 400, "functions"),
+    ("function-call", "POST", H, chat(function_call="auto"), {}, 400, "function_call"),
+    ("modalities-audio", "POST", H, chat(modalities=["text", "audio"]), {}, 400, "modalities"),
+    ("audio", "POST", H, chat(audio={"voice": "alloy", "format": "wav"}), {}, 400, "audio"),
+    ("reasoning-effort", "POST", H, chat(reasoning_effort="high"), {}, 400, "reasoning_effort"),
+    ("prediction", "POST", H, chat(prediction={"type": "content", "content": "x"}), {}, 400, "prediction"),
+    ("web-search-options", "POST", H, chat(web_search_options={}), {}, 400, "web_search_options"),
+    ("n-wrong-type-null-ok-but-not-string", "POST", H, chat(n="2"), {}, 400, "n"),
     ("suffix", "POST", C, comp(suffix="!"), {}, 400, "suffix"),
     ("best-of", "POST", C, comp(best_of=3), {}, 400, "best_of"),
     ("logit-bias", "POST", C, comp(logit_bias={"1": 5}), {}, 400, "logit_bias"),
@@ -335,6 +342,24 @@ def test_supported_content_encodings_are_undone(server, coding, body):
     status, _, out = _post_raw(server, C, body, {"Content-Encoding": coding})
     assert status == 200, out
     assert out["choices"][0]["text"] == server.reference[1]["choices"][0]["text"]
+
+
+def test_openai_optional_fields_null_and_no_op_fields_are_accepted(server):
+    """OpenAI's schema allows null for n, stream, echo and chat logprobs (the default then), and
+    knows metadata, store, service_tier, prompt_cache_key, safety_identifier and modalities
+    ["text"], which change nothing here: all accepted (a newcomer got "unrecognized request
+    argument" for them), with the reference answer; chat without max_tokens fills what the KV
+    cache holds (here 512 tokens, under max_model_len 1024) instead of failing."""
+    no_ops = dict(n=None, stream=None, metadata={"team": "a"}, store=False, service_tier="auto",
+                  prompt_cache_key="k", safety_identifier="u1", user="u1")
+    status, out = _post_json(server, C, {**GREEDY, "echo": None, **no_ops})
+    assert status == 200, out
+    assert out["choices"][0]["text"] == server.reference[1]["choices"][0]["text"]
+    status, out = _post_json(server, H, {"messages": FR, "max_tokens": 3, "logprobs": None, "modalities": ["text"],
+                                         "functions": None, "function_call": None, **no_ops})
+    assert status == 200 and len(out["choices"]) == 1, out
+    status, out = _post_json(server, H, {"messages": FR, "temperature": 0, "stop": ["."]})
+    assert status == 200 and out["choices"][0]["finish_reason"] == "stop", out
 
 
 def test_server_unharmed_after_corpus(server):

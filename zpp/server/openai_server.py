@@ -29,6 +29,7 @@ from zpp.outputs import CompletionOutput, Logprob, RequestOutput
 from zpp.sampling_params import SamplingParams, SamplingParamsError
 from zpp.server.metrics import DEFAULT_LOG_STATS_INTERVAL_S, Metrics, StatsLogger
 from zpp.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ProtocolError,
+                                 check_unsupported_chat_fields,
                                  TokenizeRequest, body_too_large, content_codings, decode_request, error_body,
                                  new_id, now, structured_outputs_of, to_sampling_params, undo_content_encoding)
 from zpp.server.tools import ToolPlan, ToolStream, parse_output, parse_tools
@@ -699,6 +700,7 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request):
         req: ChatCompletionRequest = await self._read(request, ChatCompletionRequest)
         self._check_model(req.model)
+        check_unsupported_chat_fields(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise ProtocolError("top_logprobs needs logprobs: true", "top_logprobs")
         use_mct = req.max_completion_tokens is not None

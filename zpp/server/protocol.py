@@ -93,8 +93,8 @@ class _SamplingFields(_Request, kw_only=True, forbid_unknown_fields=True):
     max_tokens: Optional[Int64] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    n: whole_int(1, MAX_N) = 1
-    stream: bool = False
+    n: Optional[whole_int(1, MAX_N)] = 1
+    stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[None, str, list[str]] = None
     seed: Optional[Int64] = None
@@ -120,6 +120,20 @@ class _SamplingFields(_Request, kw_only=True, forbid_unknown_fields=True):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    # OpenAI fields with no effect on a self-hosted server, accepted as vLLM does.
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        # OpenAI's schema allows null for these optional fields: null means the default.
+        if self.n is None:
+            self.n = 1
+        if self.stream is None:
+            self.stream = False
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -127,10 +141,15 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     list of token-id lists."""
 
     prompt: Union[str, list[Union[str, int, list[int]]], None] = None
-    echo: bool = False
+    echo: Optional[bool] = False
     logprobs: Optional[Int64] = None
     suffix: Optional[str] = None
     best_of: Optional[Int64] = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.echo is None:
+            self.echo = False
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
@@ -149,7 +168,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
     messages: list[ChatMessage] = []
     max_completion_tokens: Optional[Int64] = None
-    logprobs: bool = False
+    logprobs: Optional[bool] = False
     top_logprobs: Optional[whole_int(0, 20)] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -159,6 +178,39 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: Optional[list[Any]] = None
     tool_choice: Union[None, str, dict[str, Any]] = None
     parallel_tool_calls: Optional[bool] = None
+    # OpenAI fields that would change the output and that zpp does not implement: null is accepted,
+    # anything else refused naming the field (check_unsupported_chat_fields), not silently ignored.
+    modalities: Optional[list[str]] = None
+    audio: Optional[dict[str, Any]] = None
+    prediction: Optional[dict[str, Any]] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
+    web_search_options: Optional[dict[str, Any]] = None
+    functions: Optional[list[Any]] = None
+    function_call: Union[None, str, dict[str, Any]] = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.logprobs is None:
+            self.logprobs = False
+
+
+UNSUPPORTED_CHAT_FIELDS = ("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options",
+                           "functions", "function_call")
+
+
+def check_unsupported_chat_fields(req: "ChatCompletionRequest") -> None:
+    """Refuse OpenAI chat fields zpp does not implement (``modalities`` other than ``["text"]``,
+    audio, predicted outputs, reasoning effort, verbosity, web search, the deprecated functions).
+
+    Raises:
+        ProtocolError: naming the field (``functions`` / ``function_call``: use ``tools``)."""
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise ProtocolError(f"modalities {req.modalities} are not supported by this server (text only)", "modalities")
+    for name in UNSUPPORTED_CHAT_FIELDS:
+        if getattr(req, name) is not None:
+            hint = ": use tools / tool_choice" if name.startswith("function") else ""
+            raise ProtocolError(f"{name} is not supported by this server{hint}", name)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
