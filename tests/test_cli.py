@@ -89,4 +89,5 @@ def test_no_room_for_kv_cache_is_one_line_with_no_worker_error(demo_model):
     r = zpp("serve", demo_model, "--kv-cache-memory", "1KiB", "--log-level", "warning")
     assert r.returncode == 2, r.stderr
     assert r.stderr.splitlines() == [
-        "zpp: error: no memory left for the KV cache: raise --kv-cache-memory / --gpu-memory-utilization"], r.stderr
+        "zpp: error: no memory left for the KV cache (not one block fits): raise --kv-cache-memory / "
+        "--gpu-memory-utilization"], r.stderr

@@ -23,7 +23,7 @@ from typing import Optional, Protocol
 
 import msgspec
 
-from zpp.config import EngineConfig, cpu_threads_per_worker
+from zpp.config import ConfigError, EngineConfig, cpu_threads_per_worker
 from zpp.models.partition import AUTO, balanced_partition, partition_layers, stage_times
 from zpp.transport import messages as m
 from zpp.transport.channels import EngineSocket, PeerUnreachable, local_ipc_address, tcp_address
@@ -201,9 +201,10 @@ class Executor:
         fit = min(r.num_kv_blocks_fit for r in ready.values())
         num_blocks = cfg.cache.num_kv_blocks if cfg.cache.num_kv_blocks is not None else fit
         if num_blocks > fit:
-            raise ValueError(f"--num-kv-blocks {num_blocks} does not fit: a stage can hold only {fit} blocks")
-        if num_blocks < 1:
-            raise ValueError("no memory left for the KV cache: raise --kv-cache-memory / --gpu-memory-utilization")
+            raise ConfigError(f"--num-kv-blocks {num_blocks} does not fit: a stage can hold only {fit} blocks")
+        if num_blocks < 1:  # the workers measured it: a setting error found once they have loaded
+            raise ConfigError("no memory left for the KV cache (not one block fits): raise --kv-cache-memory / "
+                              "--gpu-memory-utilization")
         self.num_blocks = num_blocks
         for rank in range(self.world):
             self.socket.send(rank, m.InitKVCache(num_blocks=num_blocks))
