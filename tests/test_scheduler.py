@@ -157,6 +157,25 @@ def test_prefix_cache_hits_and_eviction():
     assert kv.num_free_blocks == 0
 
 
+def test_prefix_cache_counts_each_admitted_request_once():
+    """Prefix-cache statistics count a request's prompt once, when it is first admitted: not each
+    time a waiting request is looked at and does not fit, nor its recompute after a preemption (a
+    newcomer saw queries rise 140x faster than prompt tokens with a small cache)."""
+    bs = 16
+    kv = KVCacheManager(12, bs, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256, depth=2)
+    shared = list(range(100, 132))
+    reqs = [Request(f"r{i}", shared + [200 + i] * 8, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                    100, set(), arrival=float(i)) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    drive(sched, SimWorkers(kv, 8), 2)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert sched.stats.num_preemptions > 0, "the cache was meant to be too small for all three"
+    assert kv.prefix_queries == sum(len(r.prompt_token_ids) for r in reqs)
+    assert 0 <= kv.prefix_hits <= kv.prefix_queries
+
+
 def test_kv_refuses_without_side_effects():
     kv = KVCacheManager(4, 16)
     r = Request("x", list(range(70)), SamplingParams(), 1, set())

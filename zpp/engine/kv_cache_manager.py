@@ -80,9 +80,17 @@ class KVCacheManager:
             if b is None:
                 break
             blocks.append(b)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
+
+    def record_prefix_lookup(self, req: Request, num_cached: int) -> None:
+        """Count one admitted request's lookup in the prefix-cache statistics (``prefix_queries``:
+        its tokens, ``prefix_hits``: those served from the cache). The scheduler calls it once per
+        request, when it is admitted for the first time: a lookup for a request that then does not
+        fit and waits, or for the recompute after a preemption, is not a query (vLLM counts the same
+        way), else the hit rate counted every retry of a waiting request."""
+        if self.enable_prefix_caching and not req.skip_prefix_cache:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += num_cached
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register the request's newly computed full blocks in the prefix cache."""

@@ -292,6 +292,8 @@ class Scheduler:
             new_blocks = self.kv.allocate_slots(req, reserve, computed)
             if new_blocks is None:
                 break
+            if req.status != RequestStatus.PREEMPTED:
+                self.kv.record_prefix_lookup(req, num_cached)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
