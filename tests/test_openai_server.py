@@ -361,6 +361,34 @@ def _collect_chat(chunks):
     return text, finishes, roles
 
 
+def test_continuous_usage_stats_in_every_chunk(server):
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk with
+    choices carries the usage so far, completion tokens never decrease and end at the final
+    usage; an unknown ``stream_options`` key is refused (it was silently ignored)."""
+    async def go():
+        c = client(server)
+        out = {}
+        for path, kw in (("completions", dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)),
+                         ("chat", dict(model=MODEL, messages=FRANCE, max_tokens=8, temperature=0))):
+            api = c.completions if path == "completions" else c.chat.completions
+            stream = await api.create(stream=True, stream_options={"include_usage": True,
+                                                                   "continuous_usage_stats": True}, **kw)
+            out[path] = [ch async for ch in stream]
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True,
+                                       stream_options={"include_usage": True, "bogus": 1})
+        assert "bogus" in str(e.value)
+        return out
+
+    for path, chunks in run(go()).items():
+        body, last = chunks[:-1], chunks[-1]
+        assert body and all(ch.usage is not None for ch in body), path
+        done = [ch.usage.completion_tokens for ch in body]
+        assert done == sorted(done) and done[-1] == last.usage.completion_tokens, (path, done)
+        assert 1 <= done[-1] <= 8 and done[0] < done[-1], (path, done)
+        assert {ch.usage.prompt_tokens for ch in body} == {last.usage.prompt_tokens}, path
+
+
 def test_chat_stream_matches_non_stream(server):
     async def go():
         c = client(server)

@@ -538,10 +538,17 @@ class OpenAIServer:
         finished: set[tuple[int, int]] = set()
         completion_tokens = 0
 
+        continuous = bool(req.stream_options and req.stream_options.include_usage
+                          and req.stream_options.continuous_usage_stats)
+        prompt_total = sum(len(ids) for _, ids in prompts)
+
         def chunk(index: int, text: str, lp, finish_reason=None, stop_reason=None) -> dict:
-            return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+            body = {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
                     "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
                                  "stop_reason": stop_reason}]}
+            if continuous:  # vLLM's continuous_usage_stats: the usage so far in every chunk
+                body["usage"] = _usage_counts(prompt_total, sum(sent_tok.values()))
+            return body
 
         try:
             async with aclosing(self._run_all([ids for _, ids in prompts], sampling, cid)) as outs:
@@ -574,11 +581,8 @@ class OpenAIServer:
         except Exception as e:
             return await sse.fail(e)
         if req.stream_options and req.stream_options.include_usage:
-            prompt_tokens = sum(len(ids) for _, ids in prompts)
             await sse.send({"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                            "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                     "completion_tokens": completion_tokens,
-                                                     "total_tokens": prompt_tokens + completion_tokens}})
+                            "choices": [], "usage": _usage_counts(prompt_total, completion_tokens)})
         return await sse.done()
 
     # --- /v1/chat/completions -----------------------------------------------------------------
@@ -762,9 +766,15 @@ class OpenAIServer:
         completion_tokens = 0
         tool_streams = {j: ToolStream(plan) for j in range(sampling.n)} if plan is not None else {}
 
+        continuous = bool(req.stream_options and req.stream_options.include_usage
+                          and req.stream_options.continuous_usage_stats)
+
         def chunk(choices: list) -> dict:
-            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+            body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                     "choices": choices}
+            if continuous and choices:  # vLLM's continuous_usage_stats: the usage so far in every chunk
+                body["usage"] = _usage_counts(len(prompt_ids), sum(sent_tok.values()))
+            return body
 
         try:
             async with aclosing(self._run_all([prompt_ids], sampling, cid)) as outs:
@@ -802,10 +812,13 @@ class OpenAIServer:
         except Exception as e:
             return await sse.fail(e)
         if req.stream_options and req.stream_options.include_usage:
-            await sse.send({**chunk([]), "usage": {"prompt_tokens": len(prompt_ids),
-                                                   "completion_tokens": completion_tokens,
-                                                   "total_tokens": len(prompt_ids) + completion_tokens}})
+            await sse.send({**chunk([]), "usage": _usage_counts(len(prompt_ids), completion_tokens)})
         return await sse.done()
+
+
+def _usage_counts(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 _LARGE_TEXT = 100_000  # characters; tokenizing more than this runs in a thread, off the event loop

@@ -83,9 +83,15 @@ Int64 = whole_int(-(2 ** 63), 2 ** 63 - 1)
 MAX_N = 128  # OpenAI's limit on completions per prompt
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """``stream_options``: OpenAI's ``include_usage`` (a last chunk with the usage) and
+    ``include_obfuscation`` (accepted; zpp adds no obfuscation field), vLLM's
+    ``continuous_usage_stats`` (with ``include_usage``: the usage so far in every chunk). Unknown
+    keys are refused, as at the top level."""
+
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False
+    include_obfuscation: Optional[bool] = None
 
 
 class _SamplingFields(_Request, kw_only=True, forbid_unknown_fields=True):
