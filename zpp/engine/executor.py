@@ -34,8 +34,9 @@ from zpp.transport.security import RunKeys, keys_for_run
 logger = logging.getLogger(__name__)
 
 
-_ROOT_CAUSE_GRACE_S = 1.0
-"""How long a worker's own error report waits for a process death or a lost node to explain it."""
+_ROOT_CAUSE_GRACE_S = 2.0
+"""How long a worker's own error report waits for a process death or a lost node to explain it
+(the node agent's report of a remote worker's death took over a second on a loaded 2-core CI VM)."""
 
 
 _START_ABORT_GRACE_S = 1.0
@@ -112,6 +113,7 @@ class Executor:
         self.stage_batches = [0] * self.pp
         self.stage_idle_s = [0.0] * self.pp
         self.dead: Optional[str] = None
+        self._errored: set[int] = set()  # ranks that sent a WorkerError (their exit is not reported apart)
         self.num_blocks = 0
         self.layer_ranges = partition_layers(
             _num_layers(config), self.pp, config.parallel.pp_layer_partition)
@@ -360,6 +362,7 @@ class Executor:
                     # next stage died): give the process / node monitor a moment to report the
                     # root cause first; whichever reason arrives first is the one reported.
                     reason = f"{self.describe_rank(rank)} failed: {msg.message}\n{msg.traceback}"
+                    self._errored.add(rank)  # its own exit, next, is part of this report, not a root cause
                     asyncio.get_running_loop().call_later(_ROOT_CAUSE_GRACE_S, self._fail, reason)
                     return
         except asyncio.CancelledError:
@@ -432,9 +435,15 @@ class Executor:
             ready = mp_wait(list(sentinels), timeout=0.5) if sentinels else time.sleep(0.5) or []
             for s in ready:
                 p = sentinels.pop(s)
-                if not self._stopping:
-                    msg = self._death_of(int(p.name.rsplit("-", 1)[1]))
-                    self._loop.call_soon_threadsafe(self._fail, msg)
+                rank = int(p.name.rsplit("-", 1)[1])
+                if not self._stopping and rank not in self._errored:  # an errored worker exits after its report
+                    msg = self._death_of(rank)
+                    if p.exitcode == 1:  # a worker that failed by itself (its WorkerError may still be queued):
+                        # often the echo of a neighbour's death (a remote stage's, reported by its node
+                        # agent later), so the root cause gets the same grace as a WorkerError
+                        self._loop.call_soon_threadsafe(self._loop.call_later, _ROOT_CAUSE_GRACE_S, self._fail, msg)
+                    else:
+                        self._loop.call_soon_threadsafe(self._fail, msg)
             if self.nodes is not None and not self._stopping:
                 err = self.nodes.poll()
                 if err:
@@ -448,6 +457,12 @@ class Executor:
             if p.name.rsplit("-", 1)[1] == str(rank):
                 p.join(1.0)
                 code = p.exitcode
+                deadline = time.monotonic() + 1.0
+                while code is None and time.monotonic() < deadline:
+                    # Another thread may have reaped the process and not yet stored its code
+                    # (multiprocessing's poll reads None meanwhile): look again shortly.
+                    time.sleep(0.02)
+                    code = p.exitcode
                 if code is None:
                     return f"{self.describe_rank(rank)}: its worker process (pid {p.pid}) closed its connection to the engine"
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
