@@ -287,6 +287,7 @@ def test_llm_chat(engines, tokenizer):
     assert "Paris" in outs[0].outputs[0].text
     assert outs[1].prompt_token_ids == ref.prompt_token_ids
     assert outs[1].outputs[0].token_ids == ref.outputs[0].token_ids
+    assert outs[1].prompt == ids  # as vLLM: the rendered conversation
 
 
 def test_chunked_prefill_long_prompt(engines, tokenizer):

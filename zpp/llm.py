@@ -181,10 +181,12 @@ class LLM:
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template; pass chat_template=...")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [tok.encode(tok.apply_chat_template(c, chat_template=chat_template, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt),
-                              add_special_tokens=False) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        texts = [tok.apply_chat_template(c, chat_template=chat_template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt) for c in conversations]
+        outs = self.generate([tok.encode(t, add_special_tokens=False) for t in texts], sampling_params, use_tqdm)
+        for out, text in zip(outs, texts):  # as vLLM: the rendered conversation is the prompt
+            out.prompt = text
+        return outs
 
     async def _generate_all(self, prompts, params, use_tqdm):
         engine = self.engine
