@@ -441,14 +441,22 @@ class Executor:
                     if p.exitcode == 1:  # a worker that failed by itself (its WorkerError may still be queued):
                         # often the echo of a neighbour's death (a remote stage's, reported by its node
                         # agent later), so the root cause gets the same grace as a WorkerError
-                        self._loop.call_soon_threadsafe(self._loop.call_later, _ROOT_CAUSE_GRACE_S, self._fail, msg)
+                        self._notify(self._loop.call_later, _ROOT_CAUSE_GRACE_S, self._fail, msg)
                     else:
-                        self._loop.call_soon_threadsafe(self._fail, msg)
+                        self._notify(self._fail, msg)
             if self.nodes is not None and not self._stopping:
                 err = self.nodes.poll()
                 if err:
-                    self._loop.call_soon_threadsafe(self._fail, err)
+                    self._notify(self._fail, err)
                     return
+
+    def _notify(self, fn, *args) -> None:
+        """From the watcher thread: run ``fn(*args)`` on the engine's loop; nothing once that loop is
+        closed (the engine stopped while a death was being looked into)."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed
+            pass
 
     def _death_of(self, rank: int) -> str:
         """Why ``rank`` is gone: its local process's exit (waited for up to 1 s: the sentinel, or a
