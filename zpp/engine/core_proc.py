@@ -99,6 +99,9 @@ class _CoreServer:
                 return self.status
             try:
                 self.core = starting.result()
+                # A stage's busy / idle report that comes after the last step (stages before the last
+                # report after 250 ms idle) reaches /metrics now, not with the next request.
+                self.core.executor.on_stage_stats = self._push_stats_soon
                 self.ready = cm.CoreReady(self.core.kv.num_blocks, self.config.cache.block_size, self.core.depth)
                 from zpp.workers.worker import freeze_gc
                 freeze_gc()

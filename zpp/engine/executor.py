@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from multiprocessing.connection import wait as mp_wait
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import msgspec
 
@@ -114,6 +114,8 @@ class Executor:
         self.stage_idle_s = [0.0] * self.pp
         self.dead: Optional[str] = None
         self._errored: set[int] = set()  # ranks that sent a WorkerError (their exit is not reported apart)
+        self.on_stage_stats: Optional[Callable[[], None]] = None
+        """Called (on the engine's loop) after a stage's StageStats updated the busy / idle figures."""
         self.num_blocks = 0
         self.layer_ranges = partition_layers(
             _num_layers(config), self.pp, config.parallel.pp_layer_partition)
@@ -357,6 +359,8 @@ class Executor:
                     self.stage_busy_s[stage] = msg.busy_s
                     self.stage_idle_s[stage] = msg.idle_s
                     self.stage_batches[stage] = msg.batches
+                    if self.on_stage_stats is not None:
+                        self.on_stage_stats()
                 elif isinstance(msg, m.WorkerError):
                     # Often the echo of another failure (gloo: "connection closed by peer" when the
                     # next stage died): give the process / node monitor a moment to report the
