@@ -36,10 +36,12 @@ def server(demo_model):
     srv = ServerProcess([demo_model, "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "32",
                          "--max-request-body-bytes", "1MiB", "--max-stop-sequences", "16",
                          "--log-level", "warning"])
-    srv.reference = _post_json(srv, C, GREEDY)  # before any bad request
-    assert srv.reference[0] == 200, srv.reference
-    yield srv
-    srv.stop()
+    try:
+        srv.reference = _post_json(srv, C, GREEDY)  # before any bad request
+        assert srv.reference[0] == 200, srv.reference
+        yield srv
+    finally:  # also when the reference request fails: no server left behind
+        srv.stop()
 
 
 def _post_json(server, path, body) -> tuple[int, dict]:
