@@ -113,7 +113,6 @@ class Executor:
         self.stage_batches = [0] * self.pp
         self.stage_idle_s = [0.0] * self.pp
         self.dead: Optional[str] = None
-        self._errored: set[int] = set()  # ranks that sent a WorkerError (their exit is not reported apart)
         self.on_stage_stats: Optional[Callable[[], None]] = None
         """Called (on the engine's loop) after a stage's StageStats updated the busy / idle figures."""
         self.num_blocks = 0
@@ -366,7 +365,6 @@ class Executor:
                     # next stage died): give the process / node monitor a moment to report the
                     # root cause first; whichever reason arrives first is the one reported.
                     reason = f"{self.describe_rank(rank)} failed: {msg.message}\n{msg.traceback}"
-                    self._errored.add(rank)  # its own exit, next, is part of this report, not a root cause
                     asyncio.get_running_loop().call_later(_ROOT_CAUSE_GRACE_S, self._fail, reason)
                     return
         except asyncio.CancelledError:
@@ -440,11 +438,12 @@ class Executor:
             for s in ready:
                 p = sentinels.pop(s)
                 rank = int(p.name.rsplit("-", 1)[1])
-                if not self._stopping and rank not in self._errored:  # an errored worker exits after its report
+                if not self._stopping:
                     msg = self._death_of(rank)
-                    if p.exitcode == 1:  # a worker that failed by itself (its WorkerError may still be queued):
-                        # often the echo of a neighbour's death (a remote stage's, reported by its node
-                        # agent later), so the root cause gets the same grace as a WorkerError
+                    if p.exitcode == 1:  # a worker that failed by itself, after its WorkerError: often the
+                        # echo of a neighbour's death (a remote stage's, reported by its node agent
+                        # later), so the root cause gets the same grace as that WorkerError (the earlier
+                        # of the two reasons is the one reported)
                         self._notify(self._loop.call_later, _ROOT_CAUSE_GRACE_S, self._fail, msg)
                     else:
                         self._notify(self._fail, msg)

@@ -48,28 +48,19 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
+from collections import deque, namedtuple
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Optional
 
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
 from zpp.transport import messages as m
 
 
-class ScheduledChunk(NamedTuple):
-    """One chunk of a scheduled micro-batch as its message carries it, with its request's id
-    (:attr:`ScheduledBatch.chunks`: tests and debugging)."""
-
-    req_id: str
-    slot: int
-    start: int
-    num_tokens: int
-    sample: bool
-    prompt_logprobs: bool
-    from_prev: bool
-    new_token_ids: list[int]
-    new_block_ids: list[int]
+ScheduledChunk = namedtuple("ScheduledChunk", ("req_id",) + m.ChunkView._fields)
+ScheduledChunk.__doc__ = """One chunk of a scheduled micro-batch as its message carries it (the fields of
+:class:`~zpp.transport.messages.ChunkView`) after its request's id (:attr:`ScheduledBatch.chunks`:
+tests and debugging)."""
 
 
 @dataclass
@@ -87,7 +78,7 @@ class ScheduledBatch:
     num_sampled: int = 0
 
     @property
-    def chunks(self) -> list[ScheduledChunk]:
+    def chunks(self) -> list:
         """The chunks, decoded from the message (slow: for tests and debugging)."""
         return [ScheduledChunk(r.req_id, *c) for r, c in zip(self.reqs, m.chunks_of(self.batch))]
 
@@ -444,8 +435,7 @@ class Scheduler:
     def _add_chunk(self, req: Request, num_new: int, new_blocks: list[int], b: m.BatchBuilder,
                    from_prev: bool = False) -> bool:
         """Write ``req``'s chunk of ``num_new`` tokens (and, the first time, the request itself) into
-        the batch. Returns whether the chunk samples. (The hot path of the message: it appends to the
-        builder's columns itself, as ``BatchBuilder.add`` would.)"""
+        the batch. Returns whether the chunk samples."""
         start = req.num_computed_tokens + req.num_in_flight_tokens
         known = len(req.token_ids)
         sample = from_prev or start + num_new == known
@@ -458,20 +448,9 @@ class Scheduler:
                           req.sampling)
             req.sent_to_workers = True
             b.add(req.slot, start, num_new, flags)
-        else:
-            b.slots.append(req.slot)
-            b.starts.append(start)
-            b.num_tokens.append(num_new)
-            b.flags.append(flags)
+        else:  # what the workers have not heard of yet: tokens since the last chunk, new blocks
             sent = req.num_sent_tokens
-            if sent < known:
-                b.token_counts.append(known - sent)
-                b.tokens.extend(req.token_ids[sent:])
-            else:
-                b.token_counts.append(0)
-            b.block_counts.append(len(new_blocks))
-            if new_blocks:
-                b.blocks.extend(new_blocks)
+            b.add(req.slot, start, num_new, flags, req.token_ids[sent:] if sent < known else (), new_blocks)
         req.num_sent_tokens = known
         return sample
 

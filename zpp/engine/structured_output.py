@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import re
 import threading
 from collections import OrderedDict
@@ -231,8 +232,8 @@ class _DaemonPool:
     keep a stopping process alive."""
 
     def __init__(self, num_threads: int, name: str):
-        import queue
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._num_threads = num_threads
         for i in range(num_threads):
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True).start()
 
@@ -259,11 +260,12 @@ class _DaemonPool:
         background)."""
         while True:
             try:
-                fut, _, _ = self._queue.get_nowait()
-            except Exception:
+                item = self._queue.get_nowait()
+            except queue.Empty:
                 break
-            fut.cancel()
-        for _ in range(8):
+            if item is not None:
+                item[0].cancel()
+        for _ in range(self._num_threads):
             self._queue.put(None)
 
 

@@ -66,9 +66,23 @@ def _plain_int(v: Any) -> Any:
     return v
 
 
+_NULL_DEFAULTS: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
+def _null_defaults(kind: type) -> tuple[tuple[str, Any], ...]:
+    """``(name, default)`` of the fields of ``kind`` whose default is a value, not None."""
+    got = _NULL_DEFAULTS.get(kind)
+    if got is None:
+        got = _NULL_DEFAULTS[kind] = tuple((f.name, f.default) for f in msgspec.structs.fields(kind)
+                                           if f.default is not None and f.default is not msgspec.NODEFAULT)
+    return got
+
+
 class _Request(msgspec.Struct):
-    """Base of the request structs: the integer fields hold plain ints after decoding (msgpack,
-    on the way to the engine, encodes no int subclass)."""
+    """Base of the request structs: after decoding, the integer fields hold plain ints (msgpack,
+    on the way to the engine, encodes no int subclass), and a null sent for a field whose default
+    is a value (``n``, ``stream``, ``echo``, chat ``logprobs``: OpenAI's schema allows null there)
+    means that default."""
 
     def __post_init__(self):
         for name in self.__struct_fields__:
@@ -76,6 +90,9 @@ class _Request(msgspec.Struct):
             w = _plain_int(v)
             if w is not v:
                 setattr(self, name, w)
+        for name, default in _null_defaults(type(self)):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
 
 
 # Every integer that reaches the engine crosses a msgpack socket: it must fit in 64 bits.
@@ -133,14 +150,6 @@ class _SamplingFields(_Request, kw_only=True, forbid_unknown_fields=True):
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
 
-    def __post_init__(self):
-        super().__post_init__()
-        # OpenAI's schema allows null for these optional fields: null means the default.
-        if self.n is None:
-            self.n = 1
-        if self.stream is None:
-            self.stream = False
-
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     """``POST /v1/completions``; ``prompt`` is a string, a list of strings, a token-id list or a
@@ -151,11 +160,6 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     logprobs: Optional[Int64] = None
     suffix: Optional[str] = None
     best_of: Optional[Int64] = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.echo is None:
-            self.echo = False
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
@@ -194,11 +198,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     web_search_options: Optional[dict[str, Any]] = None
     functions: Optional[list[Any]] = None
     function_call: Union[None, str, dict[str, Any]] = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.logprobs is None:
-            self.logprobs = False
 
 
 UNSUPPORTED_CHAT_FIELDS = ("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options",

@@ -10,6 +10,7 @@ samples and returns a StepResult, the others return None.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -174,10 +175,8 @@ class ModelRunner:
     def _logit_bucket(self, n: int) -> int:
         """The row count ``n`` rows of logits are computed at (see :func:`logit_buckets`); ``n`` itself
         past the largest bucket or before :meth:`warm_up_logits`."""
-        for b in self._logit_buckets:
-            if b >= n:
-                return b
-        return n
+        i = bisect.bisect_left(self._logit_buckets, n)
+        return self._logit_buckets[i] if i < len(self._logit_buckets) else n
 
     @torch.inference_mode()
     def warm_up_logits(self, max_rows: int) -> None:

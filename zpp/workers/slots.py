@@ -121,11 +121,8 @@ class SlotTable:
         ``slots[i]`` of ``table`` after its first ``lengths[slot]`` entries."""
         if not len(values):
             return
-        if len(values) == len(slots):  # maybe one each (a decode's last token)
-            gaining = None if bool((counts == 1).all()) else np.flatnonzero(counts)
-        else:
-            gaining = np.flatnonzero(counts)
-        if gaining is not None:
+        gaining = counts != 0
+        if not gaining.all():
             slots, counts = slots[gaining], counts[gaining]
         have = lengths[slots]
         if int((have + counts).max()) > table.shape[1]:

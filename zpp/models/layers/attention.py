@@ -81,10 +81,25 @@ class AttentionMetadata:
         return self.block_tables is not None
 
 
-def build_attention_metadata(starts: list[int], q_lens: list[int], block_tables: list[list[int]],
+def _padded_block_tables(block_tables, num_seqs: int, width: int, dtype) -> np.ndarray:
+    """``[num_seqs, width]`` block tables, 0 past each sequence's blocks: ``block_tables`` as is when
+    it is already such an array (the model runner's slot-table rows), else built from lists."""
+    if isinstance(block_tables, np.ndarray) and block_tables.shape == (num_seqs, width):
+        return block_tables.astype(dtype, copy=False)
+    bt = np.zeros((num_seqs, width), dtype=dtype)
+    for i, blocks in enumerate(block_tables):
+        n = min(len(blocks), width)
+        bt[i, :n] = blocks[:n]
+    return bt
+
+
+def build_attention_metadata(starts: list[int], q_lens: list[int], block_tables,
                              block_size: int, device: torch.device, group: int = 1) -> AttentionMetadata:
     """Build :class:`AttentionMetadata` for one micro-batch (host-side index math, then copies to
-    ``device``). On CUDA the Triton layout is built (``group`` = query heads per KV head)."""
+    ``device``). On CUDA the Triton layout is built (``group`` = query heads per KV head), without
+    the mixed-batch split (the model runner builds that itself: :func:`triton_metadata_arrays`).
+    ``block_tables``: one list of block ids per sequence, or a ``[B, ceil(max seq len / block_size)]``
+    array."""
     if device.type == "cuda":
         return _build_triton_metadata(starts, q_lens, block_tables, block_size, device, group)
     st = np.asarray(starts, dtype=np.int64)
@@ -93,10 +108,7 @@ def build_attention_metadata(starts: list[int], q_lens: list[int], block_tables:
     T = int(ql.sum())
     first_tok = np.cumsum(ql) - ql                                              # [B] first flat index
     nblk = int(-(-seq_lens.max() // block_size))
-    bt = np.zeros((len(starts), nblk), dtype=np.int64)
-    for i, blocks in enumerate(block_tables):
-        n = min(len(blocks), nblk)
-        bt[i, :n] = blocks[:n]
+    bt = _padded_block_tables(block_tables, len(starts), nblk, np.int64)
     seq_of_tok = np.repeat(np.arange(len(starts)), ql)
     pos = np.arange(T) - first_tok[seq_of_tok] + st[seq_of_tok]
     slot_mapping = bt[seq_of_tok, pos // block_size] * block_size + pos % block_size
@@ -188,8 +200,8 @@ class TritonMetadataHost:
                                  decode_only=self.decode_only, **named)
 
 
-def triton_metadata_arrays(starts, q_lens, block_tables, block_size, group: int,
-                           split_mixed: Optional[bool] = None, num_kv_heads: int = 8) -> TritonMetadataHost:
+def triton_metadata_arrays(starts, q_lens, block_tables, block_size, group: int, *, num_kv_heads: int,
+                           split_mixed: Optional[bool] = None) -> TritonMetadataHost:
     """Host-side index math of the Triton path (see :class:`AttentionMetadata`): slot of every new
     token, padded block tables, sequence lengths, query offsets and the query tiles. With
     ``split_mixed`` (default: ``ZPP_SPLIT_MIXED_ATTENTION``, on) a batch holding both decodes
@@ -209,10 +221,7 @@ def triton_metadata_arrays(starts, q_lens, block_tables, block_size, group: int,
     qstart = np.zeros(B + 1, dtype=np.int64)
     np.cumsum(ql, out=qstart[1:])
     W = max(1, int(-(-seq_lens.max() // block_size)))
-    bt = np.zeros((B, W), dtype=np.int32)
-    for i, blocks in enumerate(block_tables):
-        n = min(len(blocks), W)
-        bt[i, :n] = blocks[:n]
+    bt = _padded_block_tables(block_tables, B, W, np.int32)
     seq_of_tok = np.repeat(np.arange(B), ql)
     pos = np.arange(T) - qstart[seq_of_tok] + st[seq_of_tok]
     slots = bt[seq_of_tok, pos // block_size].astype(np.int64) * block_size + pos % block_size
@@ -238,9 +247,8 @@ def triton_metadata_arrays(starts, q_lens, block_tables, block_size, group: int,
     return TritonMetadataHost(arrays, block_m, decode_block_m, bool(is_dec.all()))
 
 
-def _build_triton_metadata(starts, q_lens, block_tables, block_size, device, group,
-                           num_kv_heads: int = 8) -> AttentionMetadata:
-    host = triton_metadata_arrays(starts, q_lens, block_tables, block_size, group, num_kv_heads=num_kv_heads)
+def _build_triton_metadata(starts, q_lens, block_tables, block_size, device, group) -> AttentionMetadata:
+    host = triton_metadata_arrays(starts, q_lens, block_tables, block_size, group, num_kv_heads=0, split_mixed=False)
     return host.to_device([torch.from_numpy(a).to(device, non_blocking=True) for a in host.array_list()])
 
 
