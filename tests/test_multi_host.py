@@ -197,7 +197,7 @@ def _node_pids(h, needle: str) -> list[int]:
 @pytest.mark.parametrize("victim", ["worker", "agent"])
 def test_remote_death_fails_fast(two_hosts, demo_model, victim):
     h = two_hosts
-    s = _Server(h, demo_model)
+    s = _Server(h, demo_model, "--max-stage-restarts", "0")
     try:
         client = h.run_in_head([sys.executable, "-c", STREAM_CLIENT, s.url], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

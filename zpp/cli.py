@@ -96,6 +96,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
     g.add_argument("--stage-timeout", type=float, default=60.0,
                    help="seconds a micro-batch may go without any stage finishing it before the engine fails "
                         "(warning at half); raise it for big models on the CPU")
+    g.add_argument("--max-stage-restarts", type=int, default=3,
+                   help="stage workers that die, go silent or stall are restarted in place (requests resume) at "
+                        "most this many times in 10 minutes; 0: fail-stop, every request ends with an error")
     g.add_argument("--node-keys-file", default=None,
                    help="multi-host: a 0600 file holding the run's control-plane keys for agents started by "
                         "hand (read if it exists, else written with fresh keys)")
@@ -178,7 +181,7 @@ def engine_config_from_args(args, streaming: bool = True) -> EngineConfig:
                                 distributed_port=args.distributed_port, node_command=args.node_command,
                                 node_launcher=args.node_launcher, node_keys_file=args.node_keys_file,
                                 worker_heartbeat_timeout=args.worker_heartbeat_timeout,
-                                stage_timeout=args.stage_timeout),
+                                stage_timeout=args.stage_timeout, max_stage_restarts=args.max_stage_restarts),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory=parse_size(args.kv_cache_memory),
                           gpu_memory_utilization=args.gpu_memory_utilization,

@@ -132,6 +132,10 @@ class ModelConfig:
         return self.served_model_name or os.path.basename(os.path.normpath(self.model))
 
 
+STAGE_RESTART_WINDOW_S = 600.0
+"""The window ``--max-stage-restarts`` counts restarts in (seconds)."""
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is split across processes."""
@@ -169,6 +173,12 @@ class ParallelConfig:
     more at long contexts (about 10 ms per prompt token at context 6000, README); raise it for big
     models on the CPU, whose longest micro-batch (a full prefill chunk on the slowest stage) must
     stay below it."""
+    max_stage_restarts: int = 3
+    """Stage restarts allowed within ``STAGE_RESTART_WINDOW_S`` (10 minutes): a stage worker that dies,
+    goes silent or stalls is started again where it ran while the other stages keep their processes,
+    and every running request is recomputed (clients see a pause, not an error). Once spent, or when
+    a restart fails that many times, the engine fails as it does with 0 (fail-stop: every request
+    ends with an error naming the stage)."""
     node_keys_file: Optional[str] = None
     """Multi-host: a 0600 file with the run's control-plane keys, for agents not started over SSH.
     Read if it exists, else written with fresh keys."""
@@ -197,6 +207,8 @@ class ParallelConfig:
             raise ConfigError(f"--worker-heartbeat-timeout must be > 0, got {self.worker_heartbeat_timeout}")
         if not self.stage_timeout > 0:
             raise ConfigError(f"--stage-timeout must be > 0, got {self.stage_timeout}")
+        if self.max_stage_restarts < 0:
+            raise ConfigError(f"--max-stage-restarts must be >= 0, got {self.max_stage_restarts}")
         if not 0 <= self.distributed_port <= 65535:
             raise ConfigError(f"--distributed-port must be in [0, 65535], got {self.distributed_port}")
         if self.pp_layer_partition is not None and not isinstance(self.pp_layer_partition, tuple) \

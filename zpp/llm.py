@@ -50,7 +50,7 @@ class LLM:
         ``pp_layer_partition`` (a list of layers per stage or ``"auto"``), ``pipeline_depth``,
         ``load_format``, ``seed``, ``tokenizer``,
         ``gpu_memory_utilization``, ``enforce_eager``, ``nodes``: extra hosts for ``zpp-node``,
-        ``distributed_host``, ``node_command``, ``worker_heartbeat_timeout``, ``stage_timeout``,
+        ``distributed_host``, ``node_command``, ``worker_heartbeat_timeout``, ``stage_timeout``, ``max_stage_restarts``,
         ``async_scheduling``: None = on for CUDA at PP=1 and TP=1, True / False to force).
 
     The workers stop on :meth:`shutdown`, at the end of a ``with LLM(...)`` block, when the object
@@ -73,7 +73,7 @@ class LLM:
                  tokenizer: Optional[str] = None, enforce_eager: bool = False, nodes: Sequence[str] = (),
                  distributed_host: Optional[str] = None, node_command: str = "zpp-node",
                  worker_heartbeat_timeout: float = 10.0, stage_timeout: float = 60.0,
-                 async_scheduling: Optional[bool] = None):
+                 max_stage_restarts: int = 3, async_scheduling: Optional[bool] = None):
         if model is None:
             from zpp.demo import prepare_demo_model
             model = prepare_demo_model()
@@ -84,7 +84,7 @@ class LLM:
                                     tensor_parallel_size=tensor_parallel_size, device=resolve_device(device),
                                     nodes=tuple(nodes), distributed_host=distributed_host,
                                     node_command=node_command, worker_heartbeat_timeout=worker_heartbeat_timeout,
-                                    stage_timeout=stage_timeout,
+                                    stage_timeout=stage_timeout, max_stage_restarts=max_stage_restarts,
                                     pp_layer_partition=pp_layer_partition if isinstance(pp_layer_partition, str)
                                     else tuple(pp_layer_partition) if pp_layer_partition else None),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,

@@ -270,10 +270,12 @@ class OpenAIServer:
         return _json(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while the engine runs; 503 once a worker died (the server then exits)."""
+        """200 while the engine runs, also while a lost stage restarts (requests then wait; the
+        body is ``{"status": "recovering"}``, else ``{"status": "ok"}``); 503 once the engine is
+        dead (the server then exits)."""
         if not self.engine.is_healthy:
             return web.Response(status=503, text=f"engine dead: {self.engine.dead}")
-        return web.Response(status=200)
+        return _json({"status": "recovering" if self.engine.stats().recovering else "ok"})
 
     async def version(self, request: web.Request) -> web.Response:
         return _json({"version": zpp.__version__})

@@ -151,6 +151,18 @@ class ModelRunner:
         self._logit_buckets: list[int] = []  # CUDA: row counts the LM head is padded to (warm_up_logits)
         self._batch_id = -1
 
+    def forget_requests(self) -> None:
+        """After a stage restart (the engine recomputes every request from its tokens): drop every
+        request this worker holds and every device tensor kept for async scheduling. The KV cache
+        stays allocated; its contents are stale and the engine's block tables start afresh."""
+        t = self.table
+        self.table = SlotTable(t.num_slots, t.max_model_len, t.block_size)
+        self._kept.clear()
+        self._timings.clear()
+        self._prev_end = None
+        self._after_idle = True
+        self.activity.state = (-1, False, time.monotonic())
+
     # --- KV cache -----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         """Bytes one block takes across this stage's layers (K and V) on this worker: with tensor
