@@ -5,8 +5,9 @@ A micro-batch of ``T`` tokens routed to ``k`` experts each makes ``M = T * k`` *
 whatever the number of experts, with no host synchronisation (so they can be captured in a CUDA
 graph):
 
-1. :func:`moe_align` sorts the assignments by expert (stable) and pads each expert's run to a
-   multiple of ``BLOCK_M``, so every ``BLOCK_M``-row block belongs to one expert. It writes
+1. :func:`moe_align` groups the assignments by expert (counts and in-run positions by atomics,
+   run offsets by a prefix sum, then a scatter) and pads each expert's run to a multiple of
+   ``BLOCK_M``, so every ``BLOCK_M``-row block belongs to one expert. It writes
    fixed-size device buffers sized for the worst case (``M + min(E, M) * (BLOCK_M - 1)`` rows), so
    their shapes depend only on ``T``, never on the routing; blocks past the last expert's run are
    marked with expert ``E`` and do nothing.
@@ -39,6 +40,47 @@ def max_padded_rows(num_assignments: int, num_experts: int, block_m: int) -> int
     return -(-rows // block_m) * block_m
 
 
+@triton.jit
+def _moe_count_kernel(ids, counts, rank, M, BLOCK: tl.constexpr):
+    """``rank[a]`` = how many assignments of ``a``'s expert were counted before it (atomics: the
+    order inside an expert's run is arbitrary, which changes no result: a GEMM row depends on
+    its own inputs only)."""
+    a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = a < M
+    e = tl.load(ids + a, mask=ok, other=0).to(tl.int32)
+    r = tl.atomic_add(counts + e, tl.full([BLOCK], 1, tl.int32), mask=ok)
+    tl.store(rank + a, r, mask=ok)
+
+
+@triton.jit
+def _moe_offsets_kernel(counts, run_start, block_expert, sorted_ids, M, E, P,
+                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One program: each expert's first padded row, the expert of every block (``E`` past the
+    end) and every row of ``sorted_ids`` set to the invalid ``M`` (the scatter fills the rest)."""
+    e = tl.arange(0, BLOCK_E)
+    c = tl.load(counts + e, mask=e < E, other=0)
+    padded = (c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)
+    tl.store(run_start + e, pad_end - padded, mask=e < E)
+    pad_end = tl.where(e < E, pad_end, 2147483647)
+    for b0 in range(0, P // BLOCK_M, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        owner = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)  # experts ended before
+        tl.store(block_expert + b, owner, mask=b < P // BLOCK_M)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        tl.store(sorted_ids + p, tl.full([BLOCK_P], 0, tl.int32) + M, mask=p < P)
+
+
+@triton.jit
+def _moe_scatter_kernel(ids, rank, run_start, sorted_ids, M, BLOCK: tl.constexpr):
+    a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = a < M
+    e = tl.load(ids + a, mask=ok, other=0)
+    dest = tl.load(run_start + e, mask=ok, other=0) + tl.load(rank + a, mask=ok, other=0)
+    tl.store(sorted_ids + dest, a.to(tl.int32), mask=ok)
+
+
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort assignments by expert into ``block_m``-row blocks, each block one expert's.
 
@@ -49,28 +91,28 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
 
     Returns:
         ``sorted_ids`` ``[P]`` int32: assignment index (``t * k + j``) of each row, experts in
-        increasing order, each expert's assignments in increasing order (a stable sort), runs padded
-        to a multiple of ``block_m`` with ``M = T * k`` (an invalid row); ``P`` =
-        :func:`max_padded_rows`. ``block_expert`` ``[P / block_m]`` int32: the expert of each block,
-        ``E`` for blocks past the end. Device tensors only; no host synchronisation.
+        increasing order (inside an expert's run in no particular order), runs padded to a
+        multiple of ``block_m`` with ``M = T * k`` (an invalid row); ``P`` = :func:`max_padded_rows`.
+        ``block_expert`` ``[P / block_m]`` int32: the expert of each block, ``E`` for blocks past
+        the end. Device tensors only: a memset and three small Triton launches, no host
+        synchronisation.
     """
     device = ids.device
     flat = ids.reshape(-1)                                                   # [M]
     M = flat.numel()
     P = max_padded_rows(M, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))                      # [E] (bincount syncs on CUDA)
-    padded = (counts + (block_m - 1)) // block_m * block_m                   # [E]
-    pad_end = torch.cumsum(padded, 0)                                        # [E] end row of each expert's run
-    run_start = pad_end - padded                                             # [E]
-    first = torch.cumsum(counts, 0) - counts                                 # [E] first sorted position
-    order = torch.argsort(flat, stable=True)                                 # [M] assignments by expert
-    expert = flat[order]                                                     # [M]
-    dest = run_start[expert] + torch.arange(M, device=device) - first[expert]  # [M] padded row
-    sorted_ids = torch.full((P,), M, dtype=torch.int32, device=device)
-    sorted_ids[dest] = order.to(torch.int32)
-    block_start = torch.arange(0, P, block_m, device=device)                 # [P / block_m]
-    block_expert = torch.searchsorted(pad_end, block_start, right=True).to(torch.int32)  # E past the end
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    rank = torch.empty(M, dtype=torch.int32, device=device)
+    run_start = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(P, dtype=torch.int32, device=device)
+    block_expert = torch.empty(P // block_m, dtype=torch.int32, device=device)
+    BLOCK = 256
+    grid = (triton.cdiv(M, BLOCK),)
+    _moe_count_kernel[grid](flat, counts, rank, M, BLOCK=BLOCK, num_warps=4)
+    BLOCK_E = triton.next_power_of_2(num_experts + 1)
+    _moe_offsets_kernel[(1,)](counts, run_start, block_expert, sorted_ids, M, num_experts, P, BLOCK_M=block_m,
+                              BLOCK_E=BLOCK_E, BLOCK_B=max(1, min(64, 8192 // BLOCK_E)), BLOCK_P=1024, num_warps=4)
+    _moe_scatter_kernel[grid](flat, rank, run_start, sorted_ids, M, BLOCK=BLOCK, num_warps=4)
     return sorted_ids, block_expert
 
 
