@@ -238,6 +238,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
     k = ids.shape[1]
     E, I2, _ = w_gate_up.shape
     M = T * k
+    if M == 0:
+        return torch.zeros_like(x)
     cfg = moe_block_config(M, E)
     sorted_ids, block_expert = moe_align(ids, E, cfg["BLOCK_M"])
     x = x if x.stride(1) == 1 else x.contiguous()
