@@ -373,4 +373,4 @@ def test_auto_partition_times_dense_and_moe_layers(model_dir_of, prompts, caplog
             start += n
         return out
     best = min(max(times((a, 5 - a))) for a in range(1, 5))
-    assert max(times(sizes)) <= best + 2e-3  # the logged costs are rounded to the microsecond
+    assert max(times(sizes)) <= best + 5e-3  # the logged costs are rounded to the microsecond (5 layers, 2 splits)
