@@ -271,19 +271,32 @@ class Executor:
         """``--pp-layer-partition auto``: every worker measured its stage's costs before loading
         weights (StageCost); choose the split that makes the slowest stage fastest, log it with the
         costs in one line, and send every rank its stage's layer range (AssignLayers)."""
+        from zpp.models.registry import resolve_model_class
+        from zpp.workers.stage_cost import distinct_kinds
         costs = await self._expect_all(m.StageCost, timeout=1800)
-        # A stage is as slow as its slowest TP rank.
-        layer_s = [max(costs[r].layer_s for r in range(s * self.tp, (s + 1) * self.tp)) for s in range(self.pp)]
+        cfg = self.config.model.hf_config
+        kinds = resolve_model_class(cfg).layer_kinds(cfg)
+        names = distinct_kinds(kinds)
+        # A stage is as slow as its slowest TP rank; kind_s[s][j]: a layer of kind names[j] on stage s.
+        kind_s = [[max(costs[r].layer_s[j] for r in range(s * self.tp, (s + 1) * self.tp)) for j in range(len(names))]
+                  for s in range(self.pp)]
         extra_s = [max(costs[r].extra_s for r in range(s * self.tp, (s + 1) * self.tp)) for s in range(self.pp)]
+        if len(names) == 1:
+            layer_s = [ks[0] for ks in kind_s]
+        else:  # per stage, the cost of every global layer by its kind
+            index = [names.index(k) for k in kinds]
+            layer_s = [[ks[j] for j in index] for ks in kind_s]
         even = [b - a for a, b in self.layer_ranges]
-        sizes = balanced_partition(_num_layers(self.config), layer_s, extra_s)
-        self.layer_ranges = partition_layers(_num_layers(self.config), self.pp, sizes)
+        sizes = balanced_partition(len(kinds), layer_s, extra_s)
+        self.layer_ranges = partition_layers(len(kinds), self.pp, sizes)
 
         def ms(xs) -> str:
             return ",".join(f"{x * 1e3:.3f}" for x in xs)
+        per_kind = ms(k[0] for k in kind_s) if len(names) == 1 else "; ".join(
+            f"{name} {ms(k[j] for k in kind_s)}" for j, name in enumerate(names))
         logger.info("pp layer partition auto: %s (even %s); per stage, for a micro-batch of %d decode tokens: "
                     "layer ms %s, embedding / LM head + sampling ms %s; slowest stage %.2f ms (even split %.2f ms)",
-                    ",".join(map(str, sizes)), ",".join(map(str, even)), costs[0].num_tokens, ms(layer_s),
+                    ",".join(map(str, sizes)), ",".join(map(str, even)), costs[0].num_tokens, per_kind,
                     ms(extra_s), max(stage_times(sizes, layer_s, extra_s)) * 1e3,
                     max(stage_times(even, layer_s, extra_s)) * 1e3)
         for rank in range(self.world):

@@ -101,6 +101,13 @@ class StageModel(nn.Module):
     def num_layers_of(cfg: dict[str, Any]) -> int:
         return int(cfg["num_hidden_layers"])
 
+    @classmethod
+    def layer_kinds(cls, cfg: dict[str, Any]) -> list[str]:
+        """The kind of every decoder layer, by global index (``--pp-layer-partition auto`` times one
+        layer of each kind). Layers of one kind cost the same; families whose layers differ
+        (dense vs mixture-of-experts MLPs) override this. Default: one kind, ``"decoder"``."""
+        return ["decoder"] * cls.num_layers_of(cfg)
+
     def stage_owns(self, name: str) -> bool:
         """Does this stage hold checkpoint tensor ``name``? (Embedding on the first stage,
         final norm / lm_head on the last, layers by index.)"""

@@ -52,14 +52,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; ``mlp`` replaces the gated MLP (Mixtral passes its sparse MoE block).
+    """Pre-norm block; ``mlp`` replaces the gated MLP (Mixtral passes its sparse MoE block),
+    ``attn`` the attention (Qwen3 passes its QK-normed one).
     ``tp_rank`` / ``tp_size``: this rank's tensor-parallel slice of attention and MLP."""
 
     def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool, mlp: Optional[nn.Module] = None,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, attn: Optional[nn.Module] = None):
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, max_positions, qkv_bias, tp_rank, tp_size)
+        self.self_attn = attn if attn is not None else LlamaAttention(cfg, max_positions, qkv_bias, tp_rank, tp_size)
         self.mlp = mlp if mlp is not None else GatedMLP(
             cfg["hidden_size"], cfg["intermediate_size"], cfg.get("hidden_act", "silu"),
             bias=bool(cfg.get("mlp_bias", False)), tp_rank=tp_rank, tp_size=tp_size)
@@ -120,14 +121,15 @@ class LlamaForCausalLM(StageModel):
         if stage.is_first:
             self.model.embed_tokens = VocabEmbedding(cfg["vocab_size"], self.hidden_size)
         self.model.layers = nn.ModuleList(
-            self.make_layer(cfg, max_positions) if stage.owns_layer(i) else MissingLayer() for i in range(n_layers))
+            self.make_layer(cfg, max_positions, i) if stage.owns_layer(i) else MissingLayer() for i in range(n_layers))
         if stage.is_last:
             self.model.norm = RMSNorm(self.hidden_size, cfg.get("rms_norm_eps", 1e-6))
             self.lm_head = LMHead(cfg["vocab_size"], self.hidden_size)
         self.num_kv_heads = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // stage.tp_size
         self.head_dim = cfg.get("head_dim") or self.hidden_size // cfg["num_attention_heads"]
 
-    def make_layer(self, cfg: dict[str, Any], max_positions: int) -> nn.Module:
+    def make_layer(self, cfg: dict[str, Any], max_positions: int, layer_idx: int) -> nn.Module:
+        """Decoder layer ``layer_idx`` (global index) of this stage."""
         return LlamaDecoderLayer(cfg, max_positions, self.qkv_bias or bool(cfg.get("attention_bias", False)),
                                  tp_rank=self.stage.tp_rank, tp_size=self.stage.tp_size)
 

@@ -12,6 +12,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("zpp.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("zpp.models.llama", "Qwen2ForCausalLM"),
     "MixtralForCausalLM": ("zpp.models.mixtral", "MixtralForCausalLM"),
+    "Qwen3ForCausalLM": ("zpp.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("zpp.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GPT2LMHeadModel": ("zpp.models.gpt2", "GPT2LMHeadModel"),
     "OPTForCausalLM": ("zpp.models.opt", "OPTForCausalLM"),
 }

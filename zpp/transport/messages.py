@@ -94,8 +94,9 @@ class StageCost(msgspec.Struct, tag=True, array_like=True):
     (``zpp.workers.stage_cost.measure_stage_cost``)."""
 
     rank: int
-    layer_s: float
-    """Seconds one decoder layer takes."""
+    layer_s: list[float]
+    """Seconds one decoder layer of each kind takes, kinds in the order of their first appearance
+    in the model's ``StageModel.layer_kinds`` (one entry for most families)."""
     extra_s: float
     """Seconds of the stage's other work: embedding (first stage); final norm, LM head and
     sampling (last stage); 0 in between."""

@@ -280,9 +280,9 @@ def _measure_and_assign(init, sock, cfg: dict, device, dtype) -> tuple[int, int]
             layer_s, extra_s = measure_stage_cost(c.model.model, cfg, stage, dtype, device, c.max_model_len,
                                                   c.cache.block_size, num_seqs, ctx, c.model.seed)
         dist.barrier()
-    logger.info("stage %d: a layer takes %.3f ms, the stage's other work %.3f ms (%d decode tokens at context "
-                "%d; measured in %.1fs)", init.pp_rank, layer_s * 1e3, extra_s * 1e3, num_seqs, ctx,
-                time.perf_counter() - t)
+    logger.info("stage %d: a layer takes %s ms, the stage's other work %.3f ms (%d decode tokens at context "
+                "%d; measured in %.1fs)", init.pp_rank, " / ".join(f"{x * 1e3:.3f}" for x in layer_s), extra_s * 1e3,
+                num_seqs, ctx, time.perf_counter() - t)
     sock.send(m.StageCost(rank=init.rank, layer_s=layer_s, extra_s=extra_s, num_tokens=num_seqs))
     msg = sock.recv(timeout_s=600)
     if isinstance(msg, m.Shutdown):

@@ -362,3 +362,42 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, 
                                              BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even,
                                              num_warps=num_warps, num_stages=num_stages)
     return y
+
+
+# --- per-head RMSNorm of q and k (Qwen3's QK norm) ------------------------------------------------
+@triton.jit
+def _qk_rms_norm_kernel(Q, K, WQ, WK, QO, KO, stride_qt, stride_kt, eps,
+                        HQ: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    if h < HQ:
+        x = tl.load(Q + t * stride_qt + h * D + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(WQ + cols, mask=mask, other=0.0)
+        y = (x * tl.math.rsqrt(tl.sum(x * x, 0) / D + eps)).to(QO.dtype.element_ty)
+        tl.store(QO + (t * HQ + h) * D + cols, (w * y).to(QO.dtype.element_ty), mask=mask)
+    else:
+        hk = h - HQ
+        HK = tl.num_programs(1) - HQ
+        x = tl.load(K + t * stride_kt + hk * D + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(WK + cols, mask=mask, other=0.0)
+        y = (x * tl.math.rsqrt(tl.sum(x * x, 0) / D + eps)).to(KO.dtype.element_ty)
+        tl.store(KO + (t * HK + hk) * D + cols, (w * y).to(KO.dtype.element_ty), mask=mask)
+
+
+def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over each head of ``q [T, Hq * D]`` and ``k [T, Hk * D]`` (rows may be strided, e.g.
+    column slices of a fused qkv output; unit stride inside a row), one launch for both, as HF
+    ``Qwen3RMSNorm`` on ``[..., D]``: statistics in float32, the normed value cast to the input dtype
+    before the weight ``[D]`` multiplies. Returns new contiguous ``(q [T, Hq * D], k [T, Hk * D])``."""
+    T = q.shape[0]
+    D = head_dim
+    HQ, HK = q.shape[1] // D, k.shape[1] // D
+    qo = torch.empty((T, HQ * D), dtype=q.dtype, device=q.device)
+    ko = torch.empty((T, HK * D), dtype=k.dtype, device=k.device)
+    if T:
+        _qk_rms_norm_kernel[(T, HQ + HK)](q, k, q_weight, k_weight, qo, ko, q.stride(0), k.stride(0), eps,
+                                          HQ=HQ, D=D, BLOCK=triton.next_power_of_2(D), num_warps=1 if D <= 128 else 2)
+    return qo, ko
