@@ -14,6 +14,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("zpp.models.mixtral", "MixtralForCausalLM"),
     "GPT2LMHeadModel": ("zpp.models.gpt2", "GPT2LMHeadModel"),
     "OPTForCausalLM": ("zpp.models.opt", "OPTForCausalLM"),
+    "DeepseekV2ForCausalLM": ("zpp.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("zpp.models.deepseek", "DeepseekV3ForCausalLM"),
 }
 
 

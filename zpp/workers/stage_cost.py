@@ -56,7 +56,7 @@ def measure_stage_cost(model_dir: str, cfg: dict, stage: StageInfo, dtype: torch
 
     B, ctx = num_seqs, context_len
     per_seq = -(-(ctx + 1) // block_size)
-    kv = [torch.zeros((2, B * per_seq + 1, block_size, mid.num_kv_heads, mid.head_dim), dtype=dtype, device=device)]
+    kv = [torch.zeros(mid.kv_cache_shape(B * per_seq + 1, block_size), dtype=dtype, device=device)]
     heads = int(cfg.get("num_attention_heads") or cfg.get("n_head") or 1)
     group = max(1, heads // max(1, mid.num_kv_heads * stage.tp_size))
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(B)]
