@@ -370,6 +370,8 @@ class DeepseekV2ForCausalLM(StageModel):
         if not self.stage_owns(name):
             return None
         prefix, e, w = name[:match.start()], int(match.group(1)), match.group(2)
+        if e >= int(self.cfg["n_routed_experts"]):
+            return [(name, None)]  # no such parameter: reported as unexpected
         if w == "down_proj":
             return [(f"{prefix}.mlp.experts.down_proj", e)]
         return [(f"{prefix}.mlp.experts.gate_up_proj", 2 * e + (0 if w == "gate_proj" else 1))]
