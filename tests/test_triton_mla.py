@@ -80,15 +80,17 @@ def test_shared_rows_need_one_cache():
                             i32([0]), 1.0, 16)
 
 
-def test_latent_attention_layer_triton_equals_cpu_path():
+@pytest.mark.parametrize("h,split", [(4, True), (32, True), (48, False), (48, True), (32, "decode")])
+def test_latent_attention_layer_triton_equals_cpu_path(h, split):
     """The attention layer in shared-row mode (``v=None``): the Triton path (cache write + kernel,
-    decodes apart from prompt chunks) gives the CPU path's (SDPA) output and cache contents."""
+    decodes apart from prompt chunks or not; more than 16 heads: one launch per 16 heads) gives the
+    CPU path's (SDPA) output and cache contents."""
     from zpp.models.layers.attention import Attention, build_attention_metadata, triton_metadata_arrays
     torch.manual_seed(0)
     rng = random.Random(3)
-    h, dv, dr, bs, nblocks = 4, 32, 16, 16, 40
+    dv, dr, bs, nblocks = 32, 16, 16, 40
     d = dv + dr
-    q_lens = [1, 23, 1, 9]
+    q_lens = [1, 1, 1, 1] if split == "decode" else [1, 23, 1, 9]  # decode: flash-decoding splits
     seq_lens = [n + rng.randrange(0, 40) for n in q_lens]
     starts = [L - n for L, n in zip(seq_lens, q_lens)]
     tables = _tables(rng, seq_lens, bs, nblocks)
@@ -99,8 +101,8 @@ def test_latent_attention_layer_triton_equals_cpu_path():
     attn = Attention(h, d, 1, scale=0.3, v_head_dim=dv)
     cpu_cache = base.clone()
     cpu_out = attn(q, k, None, cpu_cache, build_attention_metadata(starts, q_lens, tables, bs, torch.device("cpu")))
-    host = triton_metadata_arrays(starts, q_lens, tables, bs, h, split_mixed=True, num_kv_heads=512)
-    assert "decode_tile_seq" in host.arrays
+    host = triton_metadata_arrays(starts, q_lens, tables, bs, h, split_mixed=bool(split), num_kv_heads=512)
+    assert ("decode_tile_seq" in host.arrays) == (split is True)
     meta = host.to_device([torch.from_numpy(a).to(DEV) for a in host.array_list()])
     dev_cache = base.to(DEV)
     dev_out = attn(q.to(DEV), k.to(DEV), None, dev_cache, meta)

@@ -254,6 +254,12 @@ def _build_triton_metadata(starts, q_lens, block_tables, block_size, device, gro
     return host.to_device([torch.from_numpy(a).to(device, non_blocking=True) for a in host.array_list()])
 
 
+# Shared K/V rows (MLA) on CUDA with more query heads than this per KV row: the kernel runs once per
+# chunk of this many heads (each launch a tile of LATENT_HEAD_CHUNK heads x the metadata's tokens per
+# tile), so a 512-dim fp32 accumulator stays at <= 64 rows (128 heads in one tile would need 256 KiB).
+LATENT_HEAD_CHUNK = 16
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query attention reading and writing one layer's paged KV cache.
 
@@ -302,6 +308,9 @@ class Attention(nn.Module):
                     v_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v)
             out = torch.empty((T, H, Dv), dtype=q.dtype, device=q.device)
             splits = triton_ops.decode_splits(meta.seq_lens.shape[0], Hk) if meta.decode_only else 1
+            if shared and H > LATENT_HEAD_CHUNK and H % LATENT_HEAD_CHUNK == 0:
+                self._shared_rows_by_head_chunks(q, kv_cache, out, meta, splits)
+                return out.view(T, H * Dv)
             if meta.decode_tile_seq is not None:  # a mixed batch: its decodes at the decode tile shape
                 triton_ops.paged_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
                                            meta.query_start, meta.decode_tile_seq, meta.decode_tile_qstart,
@@ -345,3 +354,20 @@ class Attention(nn.Module):
                 out = q.new_empty(T, H * Dv)
             out[g.tok_index] = o
         return out
+
+    def _shared_rows_by_head_chunks(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                                    meta: AttentionMetadata, splits: int) -> None:
+        """Triton path, shared rows, ``H > LATENT_HEAD_CHUNK`` heads: one kernel launch per chunk of
+        heads (``q[:, h0:h1]`` / ``out[:, h0:h1]`` views) with the metadata's query tiles; a tile's
+        rows are its tokens (``block_m // H`` of them) times the chunk's heads."""
+        from zpp.models.layers import triton_ops
+        H, c = self.num_heads, LATENT_HEAD_CHUNK
+        launches = [(meta.decode_tile_seq, meta.decode_tile_qstart, meta.decode_block_m, 1)] \
+            if meta.decode_tile_seq is not None else []
+        launches.append((meta.tile_seq, meta.tile_qstart, meta.block_m, splits))
+        for tile_seq, tile_qstart, block_m, n_splits in launches:
+            block_m = max(1, block_m // H) * c
+            for h0 in range(0, H, c):
+                triton_ops.paged_attention(q[:, h0:h0 + c], kv_cache, kv_cache, out[:, h0:h0 + c], meta.block_tables,
+                                           meta.seq_lens, meta.query_start, tile_seq, tile_qstart, self.scale, block_m,
+                                           n_splits)
