@@ -197,6 +197,38 @@ def v3_dir(model_of):
     return model_of("v3")[0]
 
 
+@pytest.mark.parametrize("name,kw", [("v3", {"rope_interleave": False}), ("v3", {"q_lora_rank": None}),
+                                     ("v3", {"norm_topk_prob": False, "rope_scaling": None}),
+                                     ("v2-lite", {"topk_method": "greedy", "q_lora_rank": 24}),
+                                     ("v2-qlora", {"rope_scaling": {"type": "linear", "factor": 2.0}})])
+def test_variants_logits_match_hf(tmp_path, name, kw):
+    """Options the engine runs above do not cover (V3's rotate-half RoPE, V3 without q LoRA, ...),
+    in-process: a 30-token prefill and a 14-token chunk over the latent cache give HF's logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from zpp.models.layers.attention import build_attention_metadata
+    d = str(tmp_path)
+    cls, cfg = CONFIGS[name](**kw)
+    torch.manual_seed(0)
+    model = cls(cfg).to(torch.float32).eval()
+    model.save_pretrained(d)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ids = torch.randint(3, VOCAB, (44,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    stage = _stage(d)
+    kv = [torch.zeros(stage.kv_cache_shape(4, 16)) for _ in range(cfg.num_hidden_layers)]
+    got = []
+    for start, n in ((0, 30), (30, 14)):
+        meta = build_attention_metadata([start], [n], [[2, 0, 3]], 16, torch.device("cpu"))
+        with torch.no_grad():
+            got.append(stage.compute_logits(stage(ids[start:start + n], torch.arange(start, start + n), None, kv, meta)))
+    got = torch.cat(got)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-4 * ref.abs().max().item())
+
+
 def test_kv_cache_holds_latent_rows(v3_dir):
     """Bytes per block = layers x block_size x (kv_lora_rank + qk_rope_head_dim) x 4 (fp32), one
     tensor per layer of ``[blocks, block_size, 1, kv_lora_rank + rope]``; the engine's block count
