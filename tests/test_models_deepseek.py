@@ -223,7 +223,8 @@ def test_variants_logits_match_hf(tmp_path, name, kw):
     for start, n in ((0, 30), (30, 14)):
         meta = build_attention_metadata([start], [n], [[2, 0, 3]], 16, torch.device("cpu"))
         with torch.no_grad():
-            got.append(stage.compute_logits(stage(ids[start:start + n], torch.arange(start, start + n), None, kv, meta)))
+            h = stage(ids[start:start + n], torch.arange(start, start + n), None, kv, meta)
+            got.append(stage.compute_logits(h))
     got = torch.cat(got)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-4 * ref.abs().max().item())
@@ -264,7 +265,8 @@ def test_routers_match_hf():
     from zpp.models.deepseek import DeepseekRouter
     torch.manual_seed(0)
     x = torch.randn(50, 64)
-    cases = [(_v3, DeepseekV3TopkRouter, "noaux_tc", {}), (_v3, DeepseekV3TopkRouter, "noaux_tc", {"norm_topk_prob": False}),
+    cases = [(_v3, DeepseekV3TopkRouter, "noaux_tc", {}),
+             (_v3, DeepseekV3TopkRouter, "noaux_tc", {"norm_topk_prob": False}),
              (_v2_lite, DeepseekV2TopkRouter, "group_limited_greedy", {}),
              (_v2_qlora, DeepseekV2TopkRouter, "greedy", {"routed_scaling_factor": 0.5})]
     for maker, hf_cls, method, kw in cases:
@@ -325,7 +327,8 @@ def test_mtp_layer_and_fused_experts_load(v3_dir, tmp_path):
     from safetensors.torch import load_file, save_file
     src = load_file(os.path.join(v3_dir, "model.safetensors"))
     n = _config(v3_dir)["num_hidden_layers"]
-    mtp = {k.replace("model.layers.1.", f"model.layers.{n}."): v.clone() for k, v in src.items() if "model.layers.1." in k}
+    mtp = {k.replace("model.layers.1.", f"model.layers.{n}."): v.clone()
+           for k, v in src.items() if "model.layers.1." in k}
     mtp[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(64, 128)
     mtp[f"model.layers.{n}.shared_head.head.weight"] = torch.zeros(VOCAB, 64)
     fused = {k: v for k, v in src.items() if ".mlp.experts." not in k}
