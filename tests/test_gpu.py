@@ -402,3 +402,84 @@ def test_nccl_tensor_parallel_moe_equals_tp1(small_qwen3_moe):
                  kv_cache_memory="1GiB", max_num_seqs=16) as llm:
             res[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert res[2] == res[1]
+
+
+
+
+# --- DeepSeek (multi-head latent attention, latent KV cache, DeepSeekMoE) --------------------------
+def _save_deepseek(d, first_k_dense_replace: int, heads: int) -> str:
+    """A small DeepSeek-V3 with the real MLA widths (kv_lora_rank 512, rope 64: the kernel's
+    512-dim latent rows), YaRN, noaux_tc routing with a random score-correction bias. More than 16
+    heads: the attention kernel runs once per 16 heads (``LATENT_HEAD_CHUNK``)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    cfg = DeepseekV3Config(vocab_size=49152, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                           num_hidden_layers=4, num_attention_heads=heads, num_key_value_heads=heads, kv_lora_rank=512,
+                           q_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                           n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, n_shared_experts=1,
+                           first_k_dense_replace=first_k_dense_replace, max_position_embeddings=2048,
+                           initializer_range=0.1, tie_word_embeddings=False,
+                           rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256,
+                                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, t in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                t.normal_(0.0, 0.05)
+    model.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def small_deepseek(tmp_path_factory):
+    return _save_deepseek(tmp_path_factory.mktemp("deepseek-moe"), first_k_dense_replace=1, heads=32)
+
+
+@pytest.fixture(scope="module")
+def small_deepseek_dense(tmp_path_factory):
+    """No MoE layer (first_k_dense_replace = all layers): the stage captures decode CUDA graphs."""
+    return _save_deepseek(tmp_path_factory.mktemp("deepseek-dense"), first_k_dense_replace=4, heads=16)
+
+
+def test_deepseek_bf16_matches_hf(small_deepseek):
+    """bf16 on the GPU (latent cache, absorbed MLA in the Triton kernel, MoE eager): HF's greedy tokens
+    under the top-5 rule of test_bf16_matches_hf."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts()
+    ref = _hf_greedy_with_logprobs(small_deepseek, prompts, 24)
+    with LLM(small_deepseek, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3) as llm:
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=TOP_K))
+    for (ref_toks, ref_lps), o in zip(ref, got):
+        toks, lps = o.outputs[0].token_ids, o.outputs[0].logprobs
+        for j, (a, b) in enumerate(zip(toks, ref_toks)):
+            if a != b:
+                hf_top = set(ref_lps[j].topk(TOP_K).indices.tolist())
+                assert a in hf_top, f"step {j}: zpp's token {a} is not in HF's top-{TOP_K}"
+                assert b in lps[j], f"step {j}: HF's token {b} is not in zpp's top-{TOP_K}"
+                break
+
+
+def test_deepseek_fp32_mixed_batches_equal_hf(small_deepseek):
+    """float32 on the GPU, prompt chunks next to decodes (a 48-token budget): HF's greedy tokens."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts() + [p[::-1] for p in _prompts()]
+    ref = _hf_greedy_with_logprobs(small_deepseek, prompts, 16, torch.float32)
+    with LLM(small_deepseek, device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_num_seqs=16,
+             max_num_batched_tokens=48) as llm:
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [r[0] for r in ref]
+
+
+def test_deepseek_cuda_graphs_equal_eager(small_deepseek_dense):
+    """Decode graphs over the latent cache (a dense-only DeepSeek: stages with MoE layers run eagerly
+    until the experts stop reading counts on the host) give eager mode's tokens, and HF's (fp32)."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts()
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = _hf_greedy_with_logprobs(small_deepseek_dense, prompts, 24, torch.float32)
+    res = {}
+    for eager in (True, False):
+        with LLM(small_deepseek_dense, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+                 enforce_eager=eager, max_num_seqs=16) as llm:
+            res[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert res[True] == res[False] == [r[0] for r in ref]

@@ -16,6 +16,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("zpp.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GPT2LMHeadModel": ("zpp.models.gpt2", "GPT2LMHeadModel"),
     "OPTForCausalLM": ("zpp.models.opt", "OPTForCausalLM"),
+    "DeepseekV2ForCausalLM": ("zpp.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("zpp.models.deepseek", "DeepseekV3ForCausalLM"),
 }
 
 

@@ -4,7 +4,9 @@ A micro-batch is a flat list of ``T`` tokens from ``B`` sequences; sequence ``i`
 chunk of ``q_len[i]`` new tokens at positions ``[start[i], start[i] + q_len[i])`` and attends to
 its cached context plus the chunk (prefill, chunked prefill and decode are the same case).
 
-KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; token at position
+KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (or, for attention
+whose values are a prefix of its keys -- DeepSeek's latent cache -- one ``[num_blocks, block_size,
+num_kv_heads, head_dim]`` tensor, see :class:`Attention`); token at position
 ``p`` of a sequence with block table ``bt`` lives in slot ``bt[p // block_size] * block_size +
 p % block_size`` (the paged layout of vLLM, Kwon et al. 2023, "PagedAttention").
 
@@ -252,53 +254,80 @@ def _build_triton_metadata(starts, q_lens, block_tables, block_size, device, gro
     return host.to_device([torch.from_numpy(a).to(device, non_blocking=True) for a in host.array_list()])
 
 
+# Shared K/V rows (MLA) on CUDA with more query heads than this per KV row: the kernel runs once per
+# chunk of this many heads (each launch a tile of LATENT_HEAD_CHUNK heads x the metadata's tokens per
+# tile), so a 512-dim fp32 accumulator stays at <= 64 rows (128 heads in one tile would need 256 KiB).
+LATENT_HEAD_CHUNK = 16
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query attention reading and writing one layer's paged KV cache.
 
     ``forward(q [T, Hq*D], k [T, Hk*D], v [T, Hk*D], kv_cache, meta)`` -> ``[T, Hq*D]``.
     ``kv_cache`` is ``[2, num_blocks, block_size, Hk, D]`` or None (profiling pass: no cache, the
     batch attends only to itself).
+
+    Shared K/V rows (``v_head_dim < head_dim``; multi-head latent attention in its absorbed form,
+    DeepSeek-V2, arXiv:2405.04434): the cache is ONE tensor ``[num_blocks, block_size, Hk, D]``,
+    each row a key whose first ``v_head_dim`` dims are also the value; ``forward(q, k, None, ...)``
+    writes ``k`` only and returns ``[T, Hq*v_head_dim]``.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: Optional[float] = None):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: Optional[float] = None,
+                 v_head_dim: Optional[int] = None):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.v_head_dim = v_head_dim or head_dim
         self.scale = scale if scale is not None else head_dim ** -0.5
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
                 kv_cache: Optional[torch.Tensor], meta: AttentionMetadata,
                 positions: Optional[torch.Tensor] = None, rotary=None) -> torch.Tensor:
         """With ``rotary`` (a RotaryEmbedding) and ``positions [T]``, RoPE is applied to q and k
-        first (fused with the cache write on CUDA)."""
+        first (fused with the cache write on CUDA). ``v`` None: values are the first ``v_head_dim``
+        dims of the keys (one cache tensor, see the class docstring; no ``rotary``)."""
         T = q.shape[0]
-        H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+        H, Hk, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
         q = q.view(T, H, D)
         k = k.view(T, Hk, D)
-        v = v.view(T, Hk, D)
+        shared = v is None
+        if not shared:
+            v = v.view(T, Hk, D)
         if meta.triton and kv_cache is not None:
             from zpp.models.layers import triton_ops
-            if rotary is not None:  # q stays a strided view of the qkv output: rotated in place there
-                triton_ops.rope_and_cache(q, k, v, positions, rotary.cos, rotary.sin, kv_cache[0], kv_cache[1],
-                                          meta.slot_mapping)
+            if shared:
+                k_cache = v_cache = kv_cache
+                k_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, k)
             else:
-                kv_cache[0].view(-1, Hk, D).index_copy_(0, meta.slot_mapping, k)
-                kv_cache[1].view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v)
-            out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+                k_cache, v_cache = kv_cache[0], kv_cache[1]
+                if rotary is not None:  # q stays a strided view of the qkv output: rotated in place there
+                    triton_ops.rope_and_cache(q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache,
+                                              meta.slot_mapping)
+                else:
+                    k_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, k)
+                    v_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v)
+            out = torch.empty((T, H, Dv), dtype=q.dtype, device=q.device)
             splits = triton_ops.decode_splits(meta.seq_lens.shape[0], Hk) if meta.decode_only else 1
+            if shared and H > LATENT_HEAD_CHUNK and H % LATENT_HEAD_CHUNK == 0:
+                self._shared_rows_by_head_chunks(q, kv_cache, out, meta, splits)
+                return out.view(T, H * Dv)
             if meta.decode_tile_seq is not None:  # a mixed batch: its decodes at the decode tile shape
-                triton_ops.paged_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables, meta.seq_lens,
+                triton_ops.paged_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
                                            meta.query_start, meta.decode_tile_seq, meta.decode_tile_qstart,
                                            self.scale, meta.decode_block_m, 1)
-            triton_ops.paged_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables, meta.seq_lens,
+            triton_ops.paged_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
                                        meta.query_start, meta.tile_seq, meta.tile_qstart, self.scale, meta.block_m,
                                        splits)
-            return out.view(T, H * D)
+            return out.view(T, H * Dv)
         if rotary is not None:
             q, k = rotary(positions, q, k)
         if kv_cache is not None:
-            k_cache, v_cache = kv_cache[0], kv_cache[1]                         # [N, bs, Hk, D]
+            if shared:
+                k_cache = v_cache = kv_cache                                    # [N, bs, Hk, D]
+            else:
+                k_cache, v_cache = kv_cache[0], kv_cache[1]                     # [N, bs, Hk, D]
+                v_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v)
             k_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, k)
-            v_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v)
         else:  # profiling: a single sequence attending to itself
             k_cache = v_cache = None
         q_z = torch.cat([q, q.new_zeros(1, H, D)])
@@ -306,20 +335,39 @@ class Attention(nn.Module):
         for g in meta.groups:
             q_pad = q_z[g.q_index]                                              # [Bg, Lq, H, D]
             if k_cache is None:
-                k_ctx, v_ctx = k.unsqueeze(0), v.unsqueeze(0)
+                k_ctx, v_ctx = k.unsqueeze(0), (k if shared else v).unsqueeze(0)
             else:
                 Bg = g.ctx_blocks.shape[0]
                 blocks = g.ctx_blocks.view(-1)
                 k_ctx = k_cache.index_select(0, blocks).view(Bg, -1, Hk, D)[:, :g.num_keys]  # [Bg, Lk, Hk, D]
-                v_ctx = v_cache.index_select(0, blocks).view(Bg, -1, Hk, D)[:, :g.num_keys]
+                v_ctx = k_ctx if shared else v_cache.index_select(0, blocks).view(Bg, -1, Hk, D)[:, :g.num_keys]
+            if shared:
+                v_ctx = v_ctx[..., :Dv]                                         # [Bg, Lk, Hk, Dv]
             o = F.scaled_dot_product_attention(
                 q_pad.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
                 attn_mask=g.mask, is_causal=g.mask is None, scale=self.scale,
-                enable_gqa=(H != Hk))                                           # [Bg, H, Lq, D]
-            o = o.transpose(1, 2).reshape(-1, H * D)[g.out_index]               # [Tg, H*D]
+                enable_gqa=(H != Hk))                                           # [Bg, H, Lq, Dv]
+            o = o.transpose(1, 2).reshape(-1, H * Dv)[g.out_index]              # [Tg, H*Dv]
             if g.tok_index is None:
                 return o
             if out is None:
-                out = q.new_empty(T, H * D)
+                out = q.new_empty(T, H * Dv)
             out[g.tok_index] = o
         return out
+
+    def _shared_rows_by_head_chunks(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                                    meta: AttentionMetadata, splits: int) -> None:
+        """Triton path, shared rows, ``H > LATENT_HEAD_CHUNK`` heads: one kernel launch per chunk of
+        heads (``q[:, h0:h1]`` / ``out[:, h0:h1]`` views) with the metadata's query tiles; a tile's
+        rows are its tokens (``block_m // H`` of them) times the chunk's heads."""
+        from zpp.models.layers import triton_ops
+        H, c = self.num_heads, LATENT_HEAD_CHUNK
+        launches = [(meta.decode_tile_seq, meta.decode_tile_qstart, meta.decode_block_m, 1)] \
+            if meta.decode_tile_seq is not None else []
+        launches.append((meta.tile_seq, meta.tile_qstart, meta.block_m, splits))
+        for tile_seq, tile_qstart, block_m, n_splits in launches:
+            block_m = max(1, block_m // H) * c
+            for h0 in range(0, H, c):
+                triton_ops.paged_attention(q[:, h0:h0 + c], kv_cache, kv_cache, out[:, h0:h0 + c], meta.block_tables,
+                                           meta.seq_lens, meta.query_start, tile_seq, tile_qstart, self.scale, block_m,
+                                           n_splits)

@@ -27,7 +27,10 @@ def _paged_attention_kernel(
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HQ: tl.constexpr,
+    D_EXTRA: tl.constexpr = 0, BLOCK_DE: tl.constexpr = 16, V_FROM_K: tl.constexpr = False,
 ):
+    # D_EXTRA > 0: queries and keys have D + D_EXTRA dims, values D (their scores add the extra
+    # dims' dot product). V_FROM_K: the value of a key row is its first D dims (MLA's latent cache).
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -47,6 +50,11 @@ def _paged_attention_kernel(
     d_ok = d < D
     q = tl.load(Q + (qs + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if D_EXTRA > 0:
+        de = tl.arange(0, BLOCK_DE)
+        de_ok = de < D_EXTRA
+        q_ext = tl.load(Q + (qs + tok)[:, None] * stride_qt + head[:, None] * stride_qh + D + de[None, :],
+                        mask=row_ok[:, None] & de_ok[None, :], other=0.0)
     qpos = ctx + tok
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -66,13 +74,19 @@ def _paged_attention_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2e                       # [BLOCK_M, BLOCK_N], log2 units
+        if D_EXTRA > 0:
+            k_ext = tl.load(K_cache + off[:, None] + D + de[None, :], mask=n_ok[:, None] & de_ok[None, :], other=0.0)
+            s += tl.dot(q_ext, tl.trans(k_ext), input_precision=PREC) * scale_log2e
         s = tl.where((n[None, :] <= qpos[:, None]) & n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if V_FROM_K:
+            v = k
+        else:
+            v = tl.load(V_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -124,13 +138,16 @@ def pick_block_m(max_q_len: int, group: int) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                     tile_seq: torch.Tensor, tile_qstart: torch.Tensor, scale: float, block_m: int,
-                    num_splits: int = 1, block_n: Optional[int] = None, num_warps: int = 4,
+                    num_splits: int = 1, block_n: Optional[int] = None, num_warps: Optional[int] = None,
                     num_stages: Optional[int] = None) -> torch.Tensor:
     """Causal attention of new query tokens over the paged KV cache (their own K/V already written).
 
     Args:
         q: ``[T, Hq, D]`` queries (rotary applied). out: ``[T, Hq, D]`` result buffer.
         k_cache, v_cache: ``[num_blocks, block_size, Hk, D]``.
+            Shared rows (multi-head latent attention): ``out`` ``[T, Hq, Dv]`` with ``Dv < D`` means
+            the value of each key row is its first ``Dv`` dims; ``v_cache`` must then be ``k_cache``
+            (ValueError otherwise).
         block_tables: ``[B, max_blocks]`` int32. seq_lens: ``[B]`` int32 (context + new tokens).
         query_start: ``[B + 1]`` int32 offsets of each sequence's new tokens in ``q``.
         tile_seq, tile_qstart: ``[num_tiles]`` int32 from :func:`attention_tiles` with
@@ -143,11 +160,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             KV at 3.38 (3.96) TB/s against 3.06 (3.76) with 32 and 2
             (``scripts/kernel_bench.py attn``, ``benchmarks/results/h200_async_kernels_attn.txt``).
     """
-    T, Hq, D = q.shape
+    T, Hq, Dq = q.shape
     _, kv_block, Hk, _ = k_cache.shape
+    D = out.shape[2]  # the value dim: Dq, or its prefix for shared K/V rows
+    d_extra = Dq - D
+    if d_extra and v_cache is not k_cache:
+        raise ValueError(f"paged_attention: a value dim {D} below the key dim {Dq} needs v_cache to be k_cache")
     G = Hq // Hk
     block_q = max(1, block_m // G)
     BLOCK_D = triton.next_power_of_2(D)
+    if d_extra and BLOCK_D >= 256:  # MLA's 512-dim latent rows: smaller key tiles, so K fits in shared memory
+        block_n = block_n or 32
+        num_stages = num_stages or 1
+        num_warps = num_warps or 8
+    num_warps = num_warps or 4
     splits = num_splits if block_m <= 16 else 1
     if splits > 1:
         part_o = torch.empty((T * Hq * splits, BLOCK_D), dtype=torch.float32, device=q.device)
@@ -166,7 +192,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=G, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         KV_BLOCK=kv_block, D=D, BLOCK_D=BLOCK_D, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        NUM_SPLITS=splits, HQ=Hq, num_warps=num_warps, num_stages=num_stages)
+        NUM_SPLITS=splits, HQ=Hq, D_EXTRA=d_extra, BLOCK_DE=max(16, triton.next_power_of_2(max(d_extra, 1))),
+        V_FROM_K=bool(d_extra), num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge_splits_kernel[(T, Hq)](part_o, part_ml, out, out.stride(0), out.stride(1), HQ=Hq,
                                       NUM_SPLITS=splits, D=D, BLOCK_D=BLOCK_D, num_warps=4)
