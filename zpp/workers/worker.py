@@ -357,12 +357,21 @@ def _rejoin(runner, sock, init, generation: int) -> None:
     rejoins), form generation ``generation``'s with the restarted ranks, forget every request, and
     answer Rejoined. Weights, KV cache memory and (without tensor parallelism) CUDA graphs stay."""
     from zpp.transport import messages as m
+    import gc
+
     from zpp.transport.p2p import REJOIN_RENDEZVOUS, leave_process_group
+    from zpp.transport.tensor_parallel import release_tp_group
     t = time.perf_counter()
     tp_size = init.config.parallel.tensor_parallel_size
     if runner.link is not None:
         runner.link.drop()
+    # Every reference to the old groups must go: only then are their connections closed, which is
+    # what wakes a neighbour still blocked receiving from this worker (destroying the world group
+    # alone leaves the pair groups' sockets open while something holds them).
+    runner.link = None
+    release_tp_group()
     leave_process_group()
+    gc.collect()
     runner.link = _form_groups(init, runner.device, generation, REJOIN_RENDEZVOUS)
     runner.forget_requests()
     if runner.graphs is not None and tp_size > 1 and runner.device.type == "cuda":
