@@ -21,12 +21,12 @@ import triton.language as tl
 @triton.jit
 def _paged_attention_kernel(
     Q, K_cache, V_cache, Out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
-    Part_O, Part_ML, scale_log2e,
+    Part_O, Part_ML, Sinks, scale_log2e, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HQ: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HQ: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -51,12 +51,22 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        # The sink joins the softmax as one more logit with a zero value: start the running max at
+        # it with a running sum of exp2(0) = 1. With split-KV only split 0 counts it; the merge of
+        # the splits then carries it exactly like any key.
+        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634                  # [BLOCK_M], log2 units
+        first = split == 0
+        m_i = tl.where(first, sink, m_i)
+        l_i = tl.where(first, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)
     lo = 0
-    if NUM_SPLITS > 1:  # flash-decoding: this program covers one slice of the context
-        chunk = tl.cdiv(tl.cdiv(end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+    if SLIDING:  # keys before the tile's first query's window are invisible to every row: not read
+        lo = tl.maximum(ctx + q0 - window + 1, 0)
+    if NUM_SPLITS > 1:  # flash-decoding: this program covers one slice of the (visible) context
+        chunk = tl.cdiv(tl.cdiv(end - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo + split * chunk
         end = tl.minimum(end, lo + chunk)
     for start in range(lo, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
@@ -66,7 +76,10 @@ def _paged_attention_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2e                       # [BLOCK_M, BLOCK_N], log2 units
-        s = tl.where((n[None, :] <= qpos[:, None]) & n_ok[None, :], s, float("-inf"))
+        visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
+        if SLIDING:
+            visible = visible & (n[None, :] > qpos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_safe[:, None])
@@ -125,7 +138,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                     tile_seq: torch.Tensor, tile_qstart: torch.Tensor, scale: float, block_m: int,
                     num_splits: int = 1, block_n: Optional[int] = None, num_warps: int = 4,
-                    num_stages: Optional[int] = None) -> torch.Tensor:
+                    num_stages: Optional[int] = None, window: Optional[int] = None,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of new query tokens over the paged KV cache (their own K/V already written).
 
     Args:
@@ -142,6 +156,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             batches): on the H200 a decode batch of 256 (1024) sequences at context 384 read its
             KV at 3.38 (3.96) TB/s against 3.06 (3.76) with 32 and 2
             (``scripts/kernel_bench.py attn``, ``benchmarks/results/h200_async_kernels_attn.txt``).
+        window: sliding window ``W`` (None: full causal): the query at position ``i`` sees keys
+            ``i - W < j <= i`` (HF's ``sliding_window_overlay``); each tile's key loop starts at its
+            first query's first visible key, so blocks wholly outside the window are never read.
+        sinks: ``[Hq]`` attention-sink logits (gpt-oss), any float dtype, or None.
     """
     T, Hq, D = q.shape
     _, kv_block, Hk, _ = k_cache.shape
@@ -161,12 +179,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (tile_seq.shape[0], Hk, splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
-        part_o, part_ml, scale * 1.4426950408889634,
+        part_o, part_ml, sinks if sinks is not None else out, scale * 1.4426950408889634, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=G, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         KV_BLOCK=kv_block, D=D, BLOCK_D=BLOCK_D, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        NUM_SPLITS=splits, HQ=Hq, num_warps=num_warps, num_stages=num_stages)
+        NUM_SPLITS=splits, HQ=Hq, SLIDING=window is not None, HAS_SINKS=sinks is not None,
+        num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge_splits_kernel[(T, Hq)](part_o, part_ml, out, out.stride(0), out.stride(1), HQ=Hq,
                                       NUM_SPLITS=splits, D=D, BLOCK_D=BLOCK_D, num_warps=4)
