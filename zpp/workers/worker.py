@@ -160,6 +160,7 @@ def _setup(init, sock):
     from zpp.config import parse_dtype
     from zpp.models.base import StageInfo
     from zpp.models.loader import load_stage_model
+    from zpp.models.registry import normalize_config
     from zpp.transport import messages as m
     from zpp.transport.p2p import init_process_group, make_stage_link
     from zpp.transport.tensor_parallel import init_tp_group
@@ -184,7 +185,7 @@ def _setup(init, sock):
         init_process_group(init.dist_store, init.rank, pp_size * tp_size, device_kind, cfg_all.parallel.share_gpu)
         init_tp_group(init.rank, pp_size, tp_size)
     with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
+        cfg = normalize_config(json.load(f))
     layer_start, layer_end = init.layer_start, init.layer_end
     if cfg_all.parallel.pp_layer_partition == "auto" and pp_size > 1:
         layer_start, layer_end = _measure_and_assign(init, sock, cfg, device, dtype)

@@ -36,6 +36,23 @@ class RMSNorm(nn.Module):
         return self._norm(residual), residual
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm (HF ``Gemma3RMSNorm``): ``x * rsqrt(mean(x^2) + eps) * (1 + weight)``, all in
+    float32, cast back to ``x``'s dtype at the end (LLaMA's casts before the weight). The weight is
+    stored as the offset from 1 (zeros = identity scale). ``forward(x [..., dim])`` -> same shape;
+    used on ``[T, hidden]`` and, for the QK norms, on ``[T, heads, head_dim]``."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` with the same ``(x, residual)`` calling convention as :class:`RMSNorm`."""
 
