@@ -16,6 +16,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "OPTForCausalLM": ("zpp.models.opt", "OPTForCausalLM"),
     "Gemma3ForCausalLM": ("zpp.models.gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("zpp.models.gemma3", "Gemma3ForCausalLM"),  # its language model only
+    "GptOssForCausalLM": ("zpp.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

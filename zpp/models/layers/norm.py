@@ -13,21 +13,26 @@ class RMSNorm(nn.Module):
 
     ``forward(x)`` -> normed ``x``; ``forward(x, residual)`` -> ``(norm(x + residual), x + residual)``,
     the pre-norm residual pattern of vLLM's fused add-norm. Shapes: ``[num_tokens, hidden_size]``.
+    ``weight_in_float32``: multiply by the weight in float32 and cast after (HF ``GptOssRMSNorm``),
+    not cast and then multiply (LLaMA); the same in float32, not in bfloat16.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, weight_in_float32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.weight_in_float32 = weight_in_float32
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_float32:
+            return (self.weight.float() * h).to(dtype)
         return self.weight * h.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if x.is_cuda:
+        if x.is_cuda and not self.weight_in_float32:  # the Triton kernel has LLaMA's order
             from zpp.models.layers.triton_ops import rms_norm
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
