@@ -260,3 +260,37 @@ def test_window_skips_blocks_outside_it():
         ref = ref_attention(q, kc, vc, tables, seq_lens, q_lens, d ** -0.5, window)
         assert not out.isnan().any(), (q_lens, ctx, splits)
         assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("variant", ["gemma", "gpt-oss"])
+def test_rms_norm_weight_orders(variant):
+    """Gemma's ``(1 + weight)`` and gpt-oss's weight-in-float32 norms against HF's formulas, alone
+    and with the residual added first (rounded to the model's dtype, as HF's ``residual + h``)."""
+    x = torch.randn(5, 96, device=DEV, dtype=DT)
+    r = torch.randn(5, 96, device=DEV, dtype=DT)
+    w = torch.randn(96, device=DEV, dtype=DT)
+    gemma = variant == "gemma"
+
+    def ref(h):
+        hf = h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (hf * ((1.0 + w.float()) if gemma else w.float())).to(DT)
+
+    kw = dict(offset=True) if gemma else dict(weight_in_float32=True)
+    assert rel_err(ops.rms_norm(x, w, 1e-6, **kw), ref(x)) < TOL
+    y, r2 = ops.rms_norm(x, w, 1e-6, r, **kw)
+    assert torch.equal(r2, x + r) and rel_err(y, ref(x + r)) < TOL
+
+
+def test_gemma_norm_module_triton_path():
+    """GemmaRMSNorm's CUDA path equals its PyTorch path: on a [T, H, D] view of a strided q slice
+    (the QK norm) and with a residual."""
+    from zpp.models.layers.norm import GemmaRMSNorm
+    norm = GemmaRMSNorm(16, 1e-6).to(DEV, DT)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16))
+    qkv = torch.randn(5, 8 * 16, device=DEV, dtype=DT)
+    q = qkv[:, :4 * 16].reshape(5, 4, 16)                                    # strided rows
+    assert rel_err(norm.triton_forward(q), norm._norm(q)) < TOL
+    x, r = torch.randn(5, 16, device=DEV, dtype=DT), torch.randn(5, 16, device=DEV, dtype=DT)
+    y, r2 = norm.triton_forward(x, r)
+    assert torch.equal(r2, x + r) and rel_err(y, norm._norm(x + r)) < TOL

@@ -143,8 +143,8 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, positions, x, kv_cache, meta):
         h = self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
+        h, x = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), x)  # x += post-norm(attn)
+        h = self.mlp(h)
         return x + self.post_feedforward_layernorm(h)
 
 

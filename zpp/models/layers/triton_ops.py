@@ -202,7 +202,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> int:
 # --- fused add + RMSNorm ----------------------------------------------------------------------
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, R_out, stride_x, stride_r, stride_y, N, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, W_F32: tl.constexpr, OFFSET: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -213,24 +213,35 @@ def _rms_norm_kernel(X, R, W, Y, R_out, stride_x, stride_r, stride_y, N, eps,
         tl.store(R_out + row * stride_r + cols, x_round, mask=mask)
         x = x_round.to(tl.float32)
     var = tl.sum(x * x, 0) / N
-    y = (x * tl.math.rsqrt(var + eps)).to(Y.dtype.element_ty)
-    w = tl.load(W + cols, mask=mask, other=0.0)
-    tl.store(Y + row * stride_y + cols, (w * y).to(Y.dtype.element_ty), mask=mask)
+    if W_F32:  # Gemma / gpt-oss: the weight (1 + weight for Gemma) multiplies in float32, cast last
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if OFFSET:
+            w = w + 1.0
+        tl.store(Y + row * stride_y + cols, (x * tl.math.rsqrt(var + eps) * w).to(Y.dtype.element_ty), mask=mask)
+    else:  # LLaMA: cast, then multiply by the weight
+        y = (x * tl.math.rsqrt(var + eps)).to(Y.dtype.element_ty)
+        w = tl.load(W + cols, mask=mask, other=0.0)
+        tl.store(Y + row * stride_y + cols, (w * y).to(Y.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
-    """``[T, H]`` RMSNorm; with ``residual``: returns ``(norm(x + residual), x + residual)``."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None,
+             weight_in_float32: bool = False, offset: bool = False):
+    """``[T, H]`` RMSNorm; with ``residual``: returns ``(norm(x + residual), x + residual)`` (the sum
+    rounded to ``residual``'s dtype first). LLaMA's order by default (normalise, cast, multiply by
+    the weight); ``weight_in_float32``: multiply by the weight in float32 and cast last (HF
+    ``GptOssRMSNorm``), with ``offset`` by ``1 + weight`` (HF ``Gemma3RMSNorm``)."""
     T, N = x.shape
     y = torch.empty_like(x)
     BLOCK = triton.next_power_of_2(N)
     warps = 4 if BLOCK <= 2048 else 8
+    flags = dict(W_F32=weight_in_float32 or offset, OFFSET=offset)
     if residual is None:
         _rms_norm_kernel[(T,)](x, x, weight, y, x, x.stride(0), 0, y.stride(0), N, eps,
-                               HAS_RES=False, BLOCK=BLOCK, num_warps=warps)
+                               HAS_RES=False, BLOCK=BLOCK, num_warps=warps, **flags)
         return y
     r_out = torch.empty_like(residual)
     _rms_norm_kernel[(T,)](x, residual, weight, y, r_out, x.stride(0), residual.stride(0), y.stride(0), N, eps,
-                           HAS_RES=True, BLOCK=BLOCK, num_warps=warps)
+                           HAS_RES=True, BLOCK=BLOCK, num_warps=warps, **flags)
     return y, r_out
 
 
