@@ -160,6 +160,7 @@ def _setup(init, sock):
     from zpp.config import parse_dtype
     from zpp.models.base import StageInfo
     from zpp.models.loader import load_stage_model
+    from zpp.models.registry import normalize_config
     from zpp.transport import messages as m
     from zpp.transport.p2p import RESTART_RENDEZVOUS
     from zpp.workers.model_runner import ModelRunner
@@ -181,7 +182,7 @@ def _setup(init, sock):
     dtype = parse_dtype(cfg_all.model.dtype, device_kind)
     link = _form_groups(init, device, init.generation, RESTART_RENDEZVOUS if init.generation else None)
     with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
+        cfg = normalize_config(json.load(f))
     layer_start, layer_end = init.layer_start, init.layer_end
     if cfg_all.parallel.pp_layer_partition == "auto" and pp_size > 1 and init.generation == 0:
         layer_start, layer_end = _measure_and_assign(init, sock, cfg, device, dtype)
