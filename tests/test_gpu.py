@@ -550,8 +550,8 @@ def _assert_top5_agree(ref, got):
 
 @pytest.mark.parametrize("family", ["small_gemma3", "small_gpt_oss"])
 def test_sliding_window_families_bf16_match_hf(request, family):
-    """bf16 on the GPU (CUDA graphs on for Gemma 3; gpt-oss's stand-in experts run eagerly) against
-    HF bf16 on the GPU under the top-5 rule."""
+    """bf16 on the GPU, CUDA graphs on (the default; gpt-oss's experts are the grouped Triton GEMMs),
+    against HF bf16 on the GPU under the top-5 rule."""
     from zpp import LLM, SamplingParams
     model_dir = request.getfixturevalue(family)
     prompts = _prompts()
@@ -566,7 +566,8 @@ def test_sliding_window_families_bf16_match_hf(request, family):
 def test_sliding_window_families_fp32_equal_hf(request, family, monkeypatch):
     """float32 on the GPU: greedy tokens equal HF's, with prompt chunks (a 48-token budget, chunks
     crossing the window) next to decodes in their own launch (ZPP_SPLIT_MIXED_ATTENTION=all), blocks
-    of 16, prefix caching on (the reversed prompts share nothing; the repeated one shares all)."""
+    of 16, prefix caching on (the reversed prompts share nothing; the repeated one shares all), CUDA
+    graphs on for the pure decode steps."""
     from zpp import LLM, SamplingParams
     monkeypatch.setenv("ZPP_SPLIT_MIXED_ATTENTION", "all")
     model_dir = request.getfixturevalue(family)
@@ -594,3 +595,42 @@ def test_gemma3_cuda_graphs_equal_eager(small_gemma3):
                  max_num_seqs=16) as llm:
             res[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert res[True] == res[False]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpt_oss_cuda_graphs_equal_eager(small_gpt_oss, dtype):
+    """gpt-oss decode replayed from CUDA graphs (router, expert sort, both grouped expert GEMMs with
+    their biases and the clamped SwiGLU, attention with windows and sinks, all captured) gives the
+    tokens of eager mode (enforce_eager); in float32 both give HF's greedy tokens too. 8 sequences:
+    decode replays the batch-8 graph, the GEMM shapes of eager decode; the short prompts' contexts
+    grow past the window (16) during the run."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts() * 2
+    n = 24
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    res = {}
+    for eager in (True, False):
+        with LLM(small_gpt_oss, device="cuda", dtype=dtype, gpu_memory_utilization=0.3, enforce_eager=eager,
+                 max_num_seqs=16) as llm:
+            res[eager] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert res[True] == res[False]
+    if dtype == "float32":
+        ref = _hf_greedy_with_logprobs(small_gpt_oss, _prompts(), n, torch.float32)
+        assert res[False] == [r[0] for r in ref] * 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one per tensor-parallel rank, NCCL)")
+def test_nccl_tensor_parallel_gpt_oss_equals_tp1(small_gpt_oss):
+    """gpt-oss at TP=2 over NCCL (8 heads / 2 KV heads and their sinks split 2 ways, every expert's
+    intermediate dim split, the down bias added by rank 0 only), float32: exactly the tokens of
+    TP=1, CUDA graphs on (the all-reduces captured) and off."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts() * 2
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    res = {}
+    for tp, eager in ((1, False), (2, False), (2, True)):
+        with LLM(small_gpt_oss, device="cuda", dtype="float32", tensor_parallel_size=tp, enforce_eager=eager,
+                 kv_cache_memory="1GiB", max_num_seqs=16) as llm:
+            res[tp, eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert res[2, False] == res[1, False]
+    assert res[2, True] == res[1, False]

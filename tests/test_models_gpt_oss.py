@@ -1,9 +1,11 @@
 """gpt-oss (``GptOssForCausalLM``) on small random-weight checkpoints written by HF transformers:
 greedy tokens equal HF's (fp32, CPU) with attention sinks, sliding-window layers (window 8)
 alternating with full ones, YaRN RoPE and the biased, clamped-SwiGLU experts, prompts of up to 60
-tokens and 20 generated, at PP = 1, 2, 3 (uneven split), batched and alone, with chunked prefill
-(chunks of 6, smaller than the window, and of 16, crossing it), KV blocks of 4 tokens and prefix
-caching. Refused in one line: MXFP4 checkpoints, tensor parallelism."""
+tokens and 20 generated, at PP = 1, 2, 3 (uneven split), TP = 2 and TP = 2 x PP = 2, batched and
+alone, with chunked prefill (chunks of 6, smaller than the window, of 10 and of 16, crossing it), KV
+blocks of 4 tokens and prefix caching, and through the model runner's decode-graph path on the CPU
+(``ZPP_EAGER_GRAPHS``). Refused in one line: MXFP4 checkpoints, a tensor-parallel size that does not
+divide the heads."""
 from __future__ import annotations
 
 import json
@@ -115,17 +117,24 @@ def test_hf_reference_depends_on_window_and_sinks(oss_dir, prompts, reference, t
 
 ENGINES = {
     "pp1": dict(pipeline_parallel_size=1),
-    "pp2-chunks6-blocks4-prefix": dict(pipeline_parallel_size=2, max_num_batched_tokens=6, block_size=4,
-                                       enable_prefix_caching=True),
+    "pp2-chunks6-blocks4-prefix-graphpath": dict(pipeline_parallel_size=2, max_num_batched_tokens=6, block_size=4,
+                                                 enable_prefix_caching=True),
     "pp3-uneven-chunks16-prefix": dict(pipeline_parallel_size=3, pp_layer_partition=(1, 3, 1),
                                        max_num_batched_tokens=16, enable_prefix_caching=True),
+    "tp2-chunks10-blocks4-prefix-graphpath": dict(tensor_parallel_size=2, max_num_batched_tokens=10, block_size=4,
+                                                  enable_prefix_caching=True),
+    "tp2-pp2-uneven": dict(tensor_parallel_size=2, pipeline_parallel_size=2, pp_layer_partition=(3, 2),
+                           max_num_batched_tokens=16),
 }
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
-def test_greedy_matches_hf(oss_dir, prompts, reference, engine):
+def test_greedy_matches_hf(oss_dir, prompts, reference, engine, tmp_path, monkeypatch):
     from zpp import LLM, SamplingParams
     kw = ENGINES[engine]
+    replays = tmp_path / "replays"
+    if "graphpath" in engine:  # the decode-graph path of the model runner, on the CPU
+        monkeypatch.setenv("ZPP_EAGER_GRAPHS", str(replays))
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     with LLM(oss_dir, kv_cache_memory="16MiB", **kw) as llm:
         alone = llm.generate([prompts[2]], sp, use_tqdm=False)[0].outputs[0].token_ids
@@ -137,9 +146,11 @@ def test_greedy_matches_hf(oss_dir, prompts, reference, engine):
         assert list(batched[i]) == ref, f"{engine}: prompt {i} ({len(prompts[i])} tokens) batched"
     if kw.get("enable_prefix_caching"):
         assert hits >= 40 // kw.get("block_size", 16) * kw.get("block_size", 16), f"prefix cache hits: {hits}"
+    if "graphpath" in engine:
+        assert replays.exists() and len(replays.read_text().split()) >= MAX_NEW, "the graph path did not run"
 
 
-@pytest.mark.parametrize("case", ["mxfp4", "tp2"])
+@pytest.mark.parametrize("case", ["mxfp4", "tp3"])
 def test_refused_in_one_line(oss_dir, tmp_path, case):
     from zpp import LLM
     from zpp.config import ConfigError
@@ -150,8 +161,11 @@ def test_refused_in_one_line(oss_dir, tmp_path, case):
         (tmp_path / "config.json").write_text(json.dumps(cfg))
         model, word = str(tmp_path), "mxfp4"
     else:
-        model, word, kw = oss_dir, "--tensor-parallel-size", dict(tensor_parallel_size=2)
+        model, word, kw = oss_dir, "--tensor-parallel-size 3 does not divide the model's num_attention_heads (4)", \
+            dict(tensor_parallel_size=3)
     with pytest.raises(ConfigError) as info:
         LLM(model, **kw)
     msg = str(info.value)
-    assert "\n" not in msg and word in msg and "GptOssForCausalLM" in msg
+    assert "\n" not in msg and word in msg
+    if case == "mxfp4":
+        assert "GptOssForCausalLM" in msg

@@ -19,25 +19,30 @@ Checkpoints as ``save_pretrained`` writes them: fused experts ``mlp.experts.gate
 ``[E, H]``), ``mlp.router.weight`` / ``.bias``. An MXFP4 checkpoint (``quantization_config``, the
 openai/gpt-oss-* originals) is refused in one line: dequantize it to bf16 first.
 
-The experts here are a plain PyTorch stand-in (:class:`GptOssExperts`: tokens sorted by expert, one
-pair of matmuls per expert, the per-expert counts read on the host), so no CUDA graphs and no tensor
-parallelism for this family yet; the generalised MoE layer (``zpp/models/layers/moe.py``, branch
-``moe``) is meant to replace it.
+The MoE block is the shared one (:mod:`zpp.models.layers.moe`): :class:`TopKRouter` (``topk_softmax``
+scoring, biased) and :class:`FusedExperts` (biases, :class:`ClampedSwiGLU`, the gpt-oss checkpoint
+layout de-interleaved at load); on CUDA its grouped Triton GEMMs never read device values on the
+host, so decode runs in CUDA graphs.
+
+Tensor parallelism (Megatron-LM): query and KV heads split over the ranks as in the LLaMA family,
+each rank holding the sinks of its own query heads; every expert's intermediate dim split
+(:class:`FusedExperts`); ``num_attention_heads``, ``num_key_value_heads`` and ``intermediate_size``
+must divide. The router, norms, embedding and LM head are replicated.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from zpp.config import ConfigError
 from zpp.models.base import MissingLayer, StageInfo, StageModel, layer_index
 from zpp.models.layers.attention import Attention, AttentionMetadata
 from zpp.models.layers.linear import LMHead, MergedLinear, RowParallelLinear, VocabEmbedding, default_weight_loader
+from zpp.models.layers.moe import ClampedSwiGLU, FusedExperts, TopKRouter
 from zpp.models.layers.norm import RMSNorm
-from zpp.models.layers.rotary import SUPPORTED_ROPE_TYPES, get_rope, rope_params
+from zpp.models.layers.rotary import get_rope, rope_params
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -70,22 +75,37 @@ def rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 class GptOssAttention(nn.Module):
     """``forward(positions [T], x [T, hidden])`` -> ``[T, hidden]``: biased q/k/v/o, YaRN RoPE,
-    the layer's window (sliding layers) and its sinks ``[H]``."""
+    the layer's window (sliding layers) and its sinks.
 
-    def __init__(self, cfg: dict[str, Any], layer: int, max_positions: int):
+    With ``tp_size > 1`` this rank computes query heads ``[tp_rank * H / tp, (tp_rank + 1) * H / tp)``
+    (and the KV heads they read), as :class:`zpp.models.llama.LlamaAttention`; ``sinks`` holds the
+    same heads' sink logits ``[H / tp]``, and ``o_proj`` all-reduces the partial outputs (its bias
+    added once)."""
+
+    def __init__(self, cfg: dict[str, Any], layer: int, max_positions: int, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         hidden = cfg["hidden_size"]
         H, Hk, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-        self.q_size, self.kv_size = H * D, Hk * D
+        self.num_heads, self.num_kv_heads = H // tp_size, Hk // tp_size    # this rank's heads
+        self.q_size, self.kv_size = self.num_heads * D, self.num_kv_heads * D
+        self.tp_rank = tp_rank
         bias = bool(cfg["attention_bias"])
-        self.qkv_proj = MergedLinear(hidden, [H * D, Hk * D, Hk * D], bias=bias)
-        self.o_proj = RowParallelLinear(H * D, hidden, bias=bias)
-        self.sinks = nn.Parameter(torch.empty(H))
-        self.sinks.weight_loader = default_weight_loader
+        self.qkv_proj = MergedLinear(hidden, [H * D, Hk * D, Hk * D], bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.o_proj = RowParallelLinear(H * D, hidden, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads))             # [H / tp]
+        self.sinks.weight_loader = self._load_sinks
         theta, scaling = rope(cfg)
         self.rotary = get_rope(D, max_positions, theta, scaling)
         window = int(cfg["sliding_window"]) if layer_types(cfg)[layer] == SLIDING else None
-        self.attn = Attention(H, D, Hk, scale=D ** -0.5, sliding_window=window)
+        self.attn = Attention(self.num_heads, D, self.num_kv_heads, scale=D ** -0.5, sliding_window=window)
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """The checkpoint's ``[H]`` sinks -> this rank's heads. Raises ValueError on a shape mismatch."""
+        n = self.num_heads
+        if loaded.dim() != 1 or loaded.shape[0] % n or loaded.shape[0] // n <= self.tp_rank:
+            raise ValueError(f"shape mismatch: sinks of {n} local heads (rank {self.tp_rank}) vs checkpoint "
+                             f"{tuple(loaded.shape)}")
+        default_weight_loader(param, loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -94,89 +114,39 @@ class GptOssAttention(nn.Module):
         return self.o_proj(out)                                            # [T, hidden]
 
 
-class GptOssRouter(nn.Module):
-    """``forward(x [T, H])`` -> ``(weights [T, k] in x's dtype, expert ids [T, k] int64)``: the top-k
-    experts by logit (``x W^T + b``), their logits softmaxed (HF ``GptOssTopKRouter``)."""
-
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int):
-        super().__init__()
-        self.top_k = top_k
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        self.bias = nn.Parameter(torch.empty(num_experts))
-        self.weight.weight_loader = self.bias.weight_loader = default_weight_loader
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight, self.bias)                       # [T, E]
-        top, ids = torch.topk(logits, self.top_k, dim=-1)                  # [T, k]
-        return F.softmax(top, dim=1, dtype=top.dtype), ids
-
-
-class GptOssExperts(nn.Module):
-    """gpt-oss's experts (HF ``GptOssExperts``), a plain PyTorch stand-in until the shared MoE layer
-    covers them. ``forward(x [T, H], weights [T, k], ids [T, k])`` -> ``[T, H]`` in ``x.dtype``.
-
-    Parameters: ``gate_up_proj`` ``[E, H, 2I]`` (gate = even columns, up = odd), ``gate_up_proj_bias``
-    ``[E, 2I]``, ``down_proj`` ``[E, I, H]``, ``down_proj_bias`` ``[E, H]``. Tokens are sorted by expert
-    once (the per-expert counts come to the host: no CUDA graphs); each expert with tokens runs its
-    two matmuls; each token's k weighted outputs are summed in slot order, as HF's default experts
-    implementation (``grouped_mm``) does."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float):
-        super().__init__()
-        E, H, inter = num_experts, hidden_size, intermediate_size
-        self.num_experts, self.alpha, self.limit = E, alpha, limit
-        self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * inter))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * inter))
-        self.down_proj = nn.Parameter(torch.empty(E, inter, H))
-        self.down_proj_bias = nn.Parameter(torch.empty(E, H))
-        for p in (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias):
-            p.weight_loader = default_weight_loader
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        T, k = ids.shape
-        flat = ids.reshape(-1)                                                # [T*k]
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        x_sorted = x[order // k]                                              # [T*k, H] by expert
-        y = torch.empty_like(x_sorted)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            xs = x_sorted[start:start + n]
-            gate_up = xs @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]      # [n, 2I]
-            gate = gate_up[:, ::2].clamp(max=self.limit)
-            up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
-            h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))              # [n, I]
-            y[start:start + n] = h @ self.down_proj[e] + self.down_proj_bias[e]   # [n, H]
-            start += n
-        y = y * weights.reshape(-1)[order, None]
-        out = torch.empty_like(y)
-        out[order] = y                                                        # back to (token, slot) order
-        return out.view(T, k, -1).sum(dim=1).to(x.dtype)                      # [T, H]
-
-
 class GptOssMoE(nn.Module):
-    """Router + experts: ``forward(x [T, H])`` -> ``[T, H]``."""
+    """gpt-oss's MoE block (HF ``GptOssMLP``): ``forward(x [T, H])`` -> ``[T, H]`` (summed over the
+    TP group).
 
-    def __init__(self, cfg: dict[str, Any]):
+    ``router``: :class:`~zpp.models.layers.moe.TopKRouter` with a bias, top-k of the logits then a
+    softmax over those k (HF ``GptOssTopKRouter``; its weights stay float32 here, where HF keeps
+    them in the model dtype). ``experts``: :class:`~zpp.models.layers.moe.FusedExperts` with
+    biases, the clamped SwiGLU and the checkpoint's transposed, interleaved gate/up layout
+    (``checkpoint_layout="gpt_oss"``); every expert's intermediate dim split over the TP ranks."""
+
+    def __init__(self, cfg: dict[str, Any], tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
-        E, k = int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"])
-        self.router = GptOssRouter(cfg["hidden_size"], E, k)
-        self.experts = GptOssExperts(E, cfg["hidden_size"], cfg["intermediate_size"], float(cfg["swiglu_alpha"]),
-                                     float(cfg["swiglu_limit"]))
+        E, k, H = int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]), cfg["hidden_size"]
+        self.router = TopKRouter(H, E, k, scoring="topk_softmax", bias=True)
+        self.experts = FusedExperts(E, H, cfg["intermediate_size"],
+                                    act=ClampedSwiGLU(float(cfg["swiglu_alpha"]), float(cfg["swiglu_limit"])),
+                                    bias=True, tp_rank=tp_rank, tp_size=tp_size, checkpoint_layout="gpt_oss")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.router(x)
-        return self.experts(x, weights, ids)
+        weights, ids = self.router(x)                                      # [T, k] float32, [T, k] int64
+        return self.experts(x, weights, ids)                               # [T, H]
 
 
 class GptOssDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer: int, max_positions: int):
+    """Pre-norm block ``forward(positions [T], x [T, H], residual [T, H] | None, kv_cache, meta)`` ->
+    ``(mlp output [T, H], residual [T, H])``; ``tp_rank`` / ``tp_size``: this rank's slice of
+    attention heads and of every expert."""
+
+    def __init__(self, cfg: dict[str, Any], layer: int, max_positions: int, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         H, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
-        self.self_attn = GptOssAttention(cfg, layer, max_positions)
-        self.mlp = GptOssMoE(cfg)
+        self.self_attn = GptOssAttention(cfg, layer, max_positions, tp_rank, tp_size)
+        self.mlp = GptOssMoE(cfg, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(H, eps, weight_in_float32=True)
         self.post_attention_layernorm = RMSNorm(H, eps, weight_in_float32=True)
 
@@ -194,11 +164,11 @@ class GptOssDecoderLayer(nn.Module):
 class GptOssForCausalLM(StageModel):
     """One stage of gpt-oss. forward(input_ids [T] | None, positions [T], acts [2, T, H] | None,
     kv_caches, meta) -> ``[2, T, H]`` (hidden, residual) on non-last stages, the final normed
-    hidden ``[T, H]`` on the last."""
+    hidden ``[T, H]`` on the last; with tensor parallelism the same, whole, on every TP rank."""
 
     num_acts = 2
-    supports_cuda_graphs = False  # the stand-in experts read per-expert counts on the host
-    supports_tensor_parallel = False
+    supports_cuda_graphs = True  # the CUDA experts (grouped Triton GEMMs) never read device values on the host
+    supports_tensor_parallel = True  # heads (and their sinks) and every expert's intermediate dim split
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
     tied_names = ("model.embed_tokens.weight",)
 
@@ -234,6 +204,13 @@ class GptOssForCausalLM(StageModel):
             raise ConfigError(f"num_experts_per_tok={k} must be between 1 and num_local_experts={e}")
         rope(cfg)
 
+    @classmethod
+    def check_tensor_parallel(cls, cfg: dict[str, Any], tp_size: int) -> None:
+        cfg = cls.normalize_config(cfg)
+        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if int(cfg[key]) % tp_size:
+                raise ConfigError(f"--tensor-parallel-size {tp_size} does not divide the model's {key} ({cfg[key]})")
+
     def __init__(self, cfg: dict[str, Any], stage: StageInfo, max_positions: int):
         cfg = self.normalize_config(cfg)
         super().__init__(cfg, stage)
@@ -242,12 +219,13 @@ class GptOssForCausalLM(StageModel):
         if stage.is_first:
             self.model.embed_tokens = VocabEmbedding(cfg["vocab_size"], H)
         self.model.layers = nn.ModuleList(
-            GptOssDecoderLayer(cfg, i, max_positions) if stage.owns_layer(i) else MissingLayer()
+            GptOssDecoderLayer(cfg, i, max_positions, stage.tp_rank, stage.tp_size) if stage.owns_layer(i)
+            else MissingLayer()
             for i in range(cfg["num_hidden_layers"]))
         if stage.is_last:
             self.model.norm = RMSNorm(H, cfg["rms_norm_eps"], weight_in_float32=True)
             self.lm_head = LMHead(cfg["vocab_size"], H)
-        self.num_kv_heads = cfg["num_key_value_heads"]
+        self.num_kv_heads = cfg["num_key_value_heads"] // stage.tp_size  # this rank's
         self.head_dim = cfg["head_dim"]
 
     def stage_owns(self, name: str) -> bool:
