@@ -170,7 +170,8 @@ class DeepseekRouter(nn.Module):
         """``[T, n_group]`` scores -> ``[T, E]`` bool, True for the experts of each token's kept groups."""
         idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
         mask = torch.zeros_like(group_scores).scatter_(1, idx, 1).bool()              # [T, G]
-        return mask.repeat_interleave(self.num_experts // self.num_groups, dim=1)     # [T, E]
+        T, G = mask.shape  # expand, not repeat_interleave (which may read its output size on the host)
+        return mask[:, :, None].expand(T, G, self.num_experts // G).reshape(T, -1)   # [T, E]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T, E, G = x.shape[0], self.num_experts, self.num_groups
