@@ -272,7 +272,7 @@ REFUSALS = {
     "sliding-layer-types": ({**BASE, "layer_types": ["full_attention", "sliding_attention"]}, {}, "layer_types"),
     "moe-sliding-window": ({**MOE, "use_sliding_window": True}, {}, "use_sliding_window"),
     "moe-top-k": ({**MOE, "num_experts_per_tok": 5}, {}, "num_experts_per_tok=5"),
-    "moe-yarn": ({**MOE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, {}, "yarn"),
+    "moe-dynamic-rope": ({**MOE, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, {}, "dynamic"),
     "moe-tp-intermediate": ({**MOE, "moe_intermediate_size": 51}, {"tensor_parallel_size": 2},
                             "--tensor-parallel-size 2 does not divide the model's moe_intermediate_size (51)"),
 }
