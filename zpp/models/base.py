@@ -99,6 +99,13 @@ class StageModel(nn.Module):
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     @classmethod
+    def normalize_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """``config.json`` as the rest of zpp reads it (``vocab_size``, ``num_attention_heads``,
+        ``max_position_embeddings``, ...): a family whose configs nest the text model or omit keys
+        with class defaults returns a flat dict with them filled in. Default: unchanged."""
+        return cfg
+
+    @classmethod
     def check_config(cls, cfg: dict[str, Any]) -> None:
         """Raise ConfigError for options this implementation does not support."""
 

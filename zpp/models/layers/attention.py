@@ -14,17 +14,44 @@ The portable path (CPU) gathers each sequence's context into a padded ``[B, L_k]
 ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask, one call per layer for
 each group of sequences (decodes together; prefill chunks of similar size together, so that a
 decode is never padded to a long prefill chunk's query length, see ``_attention_groups``).
+
+Sliding-window attention (Mistral, Gemma 2/3, gpt-oss; HF ``masking_utils.sliding_window_overlay``):
+a layer with window ``W`` lets the query at position ``i`` see the key at position ``j`` iff
+``i - W < j <= i`` (``W`` keys, the query's own included). The window is a property of the layer,
+not of the micro-batch, so one :class:`AttentionMetadata` serves every layer of a stage: the CPU
+path builds each group's view of the context for a window on first use and keeps it for the other
+layers with that window (:meth:`AttentionGroup.view`); the Triton path takes the window as a kernel
+argument and starts each query tile's key loop at its first visible key.
+
+Attention sinks (gpt-oss, HF ``modeling_gpt_oss.eager_attention_forward``): a learned logit per
+query head joins the softmax's denominator and contributes no value, i.e.
+``out = sum_j exp(s_j) v_j / (exp(sink_h) + sum_j exp(s_j))``.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass
+class KeyView:
+    """What one SDPA call of a group reads for one (window, sinks) setting.
+
+    ctx_blocks: ``[B_g, W]`` int64 KV-cache blocks gathered per sequence (padding -> block 0, masked).
+    num_keys: ``L_k``, keys kept after the gather (the rest are sliced off).
+    mask: ``[B_g, 1, L_q, L_k (+1 with sinks)]`` bool, True where the query may attend the key (with
+        sinks the last column is the sink key, always True); None: plain causal (``is_causal``).
+    """
+
+    ctx_blocks: torch.Tensor
+    num_keys: int
+    mask: Optional[torch.Tensor]
 
 
 @dataclass
@@ -41,6 +68,9 @@ class AttentionGroup:
     out_index: ``[T_g]`` int64 into the flattened ``[B_g * L_q]`` padded output.
     tok_index: ``[T_g]`` int64, the flat token of each ``out_index`` row; None when the group is
         the whole batch in order.
+    starts, q_lens: ``[B_g]`` int64 host arrays, each sequence's first new position and new tokens;
+    tables: ``[B_g, >= W]`` int64 host block-table rows. From these :meth:`view` builds the
+        sliding-window / sink views, once per window per micro-batch (cached in ``views``).
     """
 
     q_index: torch.Tensor
@@ -49,6 +79,59 @@ class AttentionGroup:
     mask: Optional[torch.Tensor]
     out_index: torch.Tensor
     tok_index: Optional[torch.Tensor]
+    starts: Optional[np.ndarray] = None
+    q_lens: Optional[np.ndarray] = None
+    tables: Optional[np.ndarray] = None
+    block_size: int = 16
+    views: dict = field(default_factory=dict)
+
+    def view(self, window: Optional[int], sinks: bool) -> KeyView:
+        """The keys and mask for layers with sliding window ``window`` (None: full causal) and,
+        with ``sinks``, one extra always-visible key column at the end for the sink (its key and
+        value are filled in by the caller). Built on the first layer that asks, then cached.
+
+        With a window, each sequence's gather starts at the block of the first key its first new
+        token sees (``start - window + 1``), so keys before that block are never read; a key's
+        position is then ``first_block * block_size + column``.
+        """
+        key = (window, sinks)
+        v = self.views.get(key)
+        if v is not None:
+            return v
+        if window is None and not sinks:
+            v = KeyView(self.ctx_blocks, self.num_keys, self.mask)
+        else:
+            v = self._build_view(window, sinks)
+        self.views[key] = v
+        return v
+
+    def _build_view(self, window: Optional[int], sinks: bool) -> KeyView:
+        bs = self.block_size
+        st, ql = self.starts, self.q_lens
+        sl = st + ql                                                               # [Bg] context + new
+        first_blk = np.zeros_like(st) if window is None else np.maximum(st - window + 1, 0) // bs
+        key0 = first_blk * bs                                                      # [Bg] position of column 0
+        Lk = int((sl - key0).max())
+        W = -(-Lk // bs)
+        nb = -(-sl // bs)                                                          # [Bg] blocks used
+        cols = first_blk[:, None] + np.arange(W)[None, :]                          # [Bg, W]
+        padded = np.zeros((len(st), int(cols.max()) + 1), dtype=np.int64)
+        n = min(padded.shape[1], self.tables.shape[1])
+        padded[:, :n] = self.tables[:, :n]
+        ctx_blocks = np.where(cols < nb[:, None], np.take_along_axis(padded, cols, 1), 0)
+        Lq = int(ql.max())
+        j = np.arange(Lq)
+        valid_q = j[None, :] < ql[:, None]
+        qpos = np.where(valid_q, st[:, None] + j[None, :], st[:, None])            # pad rows: first query's
+        kpos = key0[:, None] + np.arange(Lk)[None, :]                              # [Bg, Lk]
+        mask = kpos[:, None, :] <= qpos[:, :, None]                                # [Bg, Lq, Lk]
+        if window is not None:
+            mask &= kpos[:, None, :] > qpos[:, :, None] - window
+        if sinks:
+            mask = np.concatenate([mask, np.ones((*mask.shape[:2], 1), dtype=bool)], axis=2)
+        dev = self.q_index.device
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+        return KeyView(to(ctx_blocks), Lk, to(mask[:, None]))
 
 
 @dataclass
@@ -137,7 +220,8 @@ def build_attention_metadata(starts: list[int], q_lens: list[int], block_tables,
             mask = to((kpos[None, None, :] <= qpos[:, :, None])[:, None])          # [Bg, 1, Lq, Lk]
         whole = len(groups) == 1 and members == list(range(len(starts)))
         built.append(AttentionGroup(q_index=to(q_index), ctx_blocks=to(ctx_blocks), num_keys=Lk, mask=mask,
-                                    out_index=to(out_index), tok_index=None if whole else to(tok_index)))
+                                    out_index=to(out_index), tok_index=None if whole else to(tok_index),
+                                    starts=g_st, q_lens=g_ql, tables=bt[idx], block_size=block_size))
     return AttentionMetadata(slot_mapping=to(slot_mapping), groups=built, decode_only=bool((ql == 1).all()))
 
 
@@ -271,23 +355,33 @@ class Attention(nn.Module):
     DeepSeek-V2, arXiv:2405.04434): the cache is ONE tensor ``[num_blocks, block_size, Hk, D]``,
     each row a key whose first ``v_head_dim`` dims are also the value; ``forward(q, k, None, ...)``
     writes ``k`` only and returns ``[T, Hq*v_head_dim]``.
+
+    ``sliding_window``: this layer's window ``W`` (None: full causal attention); the query at
+    position ``i`` sees keys ``i - W < j <= i``. ``forward(..., sinks=[Hq])``: attention-sink logits
+    (gpt-oss), one per query head of this rank.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: Optional[float] = None,
-                 v_head_dim: Optional[int] = None):
+                 v_head_dim: Optional[int] = None, sliding_window: Optional[int] = None):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.v_head_dim = v_head_dim or head_dim
         self.scale = scale if scale is not None else head_dim ** -0.5
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
                 kv_cache: Optional[torch.Tensor], meta: AttentionMetadata,
-                positions: Optional[torch.Tensor] = None, rotary=None) -> torch.Tensor:
+                positions: Optional[torch.Tensor] = None, rotary=None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """With ``rotary`` (a RotaryEmbedding) and ``positions [T]``, RoPE is applied to q and k
         first (fused with the cache write on CUDA). ``v`` None: values are the first ``v_head_dim``
-        dims of the keys (one cache tensor, see the class docstring; no ``rotary``)."""
+        dims of the keys (one cache tensor, see the class docstring; no ``rotary``). ``sinks``:
+        ``[Hq]`` sink logits or None."""
         T = q.shape[0]
         H, Hk, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
+        window = self.sliding_window
         q = q.view(T, H, D)
         k = k.view(T, Hk, D)
         shared = v is None
@@ -314,10 +408,10 @@ class Attention(nn.Module):
             if meta.decode_tile_seq is not None:  # a mixed batch: its decodes at the decode tile shape
                 triton_ops.paged_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
                                            meta.query_start, meta.decode_tile_seq, meta.decode_tile_qstart,
-                                           self.scale, meta.decode_block_m, 1)
+                                           self.scale, meta.decode_block_m, 1, window=window, sinks=sinks)
             triton_ops.paged_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
                                        meta.query_start, meta.tile_seq, meta.tile_qstart, self.scale, meta.block_m,
-                                       splits)
+                                       splits, window=window, sinks=sinks)
             return out.view(T, H * Dv)
         if rotary is not None:
             q, k = rotary(positions, q, k)
@@ -331,21 +425,35 @@ class Attention(nn.Module):
         else:  # profiling: a single sequence attending to itself
             k_cache = v_cache = None
         q_z = torch.cat([q, q.new_zeros(1, H, D)])
+        if sinks is not None:
+            # The sink as one more key, seen by every query: its logit must be sinks[h] for query head
+            # h whatever the query, so q gets one more dimension holding sinks[h] / scale and that key
+            # is the unit vector of it (every real key has 0 there); its value is 0. Exact up to one
+            # rounding of sinks[h] / scale * scale.
+            q_z = torch.cat([q_z, (sinks.to(q.dtype) / self.scale).view(1, H, 1).expand(T + 1, H, 1)], dim=2)
         out = None
         for g in meta.groups:
-            q_pad = q_z[g.q_index]                                              # [Bg, Lq, H, D]
+            view = g.view(window, sinks is not None)
+            q_pad = q_z[g.q_index]                                              # [Bg, Lq, H, D(+1)]
             if k_cache is None:
-                k_ctx, v_ctx = k.unsqueeze(0), (k if shared else v).unsqueeze(0)
+                k_ctx, v_ctx = k.unsqueeze(0), (k if shared else v).unsqueeze(0)  # one sequence from 0
             else:
-                Bg = g.ctx_blocks.shape[0]
-                blocks = g.ctx_blocks.view(-1)
-                k_ctx = k_cache.index_select(0, blocks).view(Bg, -1, Hk, D)[:, :g.num_keys]  # [Bg, Lk, Hk, D]
-                v_ctx = k_ctx if shared else v_cache.index_select(0, blocks).view(Bg, -1, Hk, D)[:, :g.num_keys]
+                Bg = view.ctx_blocks.shape[0]
+                blocks = view.ctx_blocks.view(-1)
+                k_ctx = k_cache.index_select(0, blocks).view(Bg, -1, Hk, D)[:, :view.num_keys]  # [Bg, Lk, Hk, D]
+                v_ctx = k_ctx if shared else v_cache.index_select(0, blocks).view(Bg, -1, Hk, D)[:, :view.num_keys]
             if shared:
                 v_ctx = v_ctx[..., :Dv]                                         # [Bg, Lk, Hk, Dv]
+            if sinks is not None:
+                Bg, Lk = k_ctx.shape[0], k_ctx.shape[1]
+                k_s = k_ctx.new_zeros(Bg, Lk + 1, Hk, D + 1)
+                k_s[:, :Lk, :, :D] = k_ctx
+                k_s[:, Lk, :, D] = 1.0
+                v_ctx = torch.cat([v_ctx, v_ctx.new_zeros(Bg, 1, Hk, v_ctx.shape[-1])], dim=1)  # [Bg, Lk+1, Hk, Dv]
+                k_ctx = k_s                                                        # [Bg, Lk+1, Hk, D+1]
             o = F.scaled_dot_product_attention(
                 q_pad.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-                attn_mask=g.mask, is_causal=g.mask is None, scale=self.scale,
+                attn_mask=view.mask, is_causal=view.mask is None, scale=self.scale,
                 enable_gqa=(H != Hk))                                           # [Bg, H, Lq, Dv]
             o = o.transpose(1, 2).reshape(-1, H * Dv)[g.out_index]              # [Tg, H*Dv]
             if g.tok_index is None:

@@ -19,31 +19,40 @@ from zpp.config import ConfigError
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+def rope_params(cfg: dict[str, Any], default_theta: float = 10000.0,
+                types: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> tuple[float, dict[str, Any]]:
     """(theta, scaling dict) from an HF config, old (``rope_theta``/``rope_scaling``) or new
-    (``rope_parameters``) style. Raises ConfigError for unsupported scaling types."""
+    (``rope_parameters``) style. Raises ConfigError for scaling types not in ``types``."""
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
     merged = {**scaling, **params}
+    if cfg.get("original_max_position_embeddings") and merged.get("rope_type", merged.get("type")) == "yarn":
+        # HF's standardize_rope_params: a top-level original_max_position_embeddings wins.
+        merged["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    return theta, check_rope_scaling(merged, cfg.get("max_position_embeddings"), types)
+
+
+def check_rope_scaling(scaling: dict[str, Any], max_position_embeddings: Optional[int] = None,
+                       types: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> dict[str, Any]:
+    """The scaling dict with ``rope_type`` set (``type`` is its old name) and, for YaRN, HF's defaults
+    filled in (``original_max_position_embeddings`` = ``max_position_embeddings``; ``factor`` = their
+    ratio). Raises ConfigError for a type not in ``types`` or a YaRN setting without its lengths."""
+    merged = dict(scaling)
     rtype = merged.get("rope_type", merged.get("type", "default")) or "default"
-    if rtype not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(
-            f"rope scaling type {rtype!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rtype not in types:
+        raise ConfigError(f"rope scaling type {rtype!r} is not supported (supported: {', '.join(types)})")
     merged["rope_type"] = rtype
     if rtype == "yarn":
-        # HF's standardize_rope_params: a top-level original_max_position_embeddings wins, else the
-        # rope dict's, else max_position_embeddings; a missing factor is their ratio.
-        max_pos = cfg.get("max_position_embeddings")
-        orig = cfg.get("original_max_position_embeddings") or merged.get("original_max_position_embeddings") or max_pos
+        orig = merged.get("original_max_position_embeddings") or max_position_embeddings
         if orig is None:
             raise ConfigError("yarn rope scaling needs original_max_position_embeddings or max_position_embeddings")
         merged["original_max_position_embeddings"] = orig
         if merged.get("factor") is None:
-            if max_pos is None:
+            if max_position_embeddings is None:
                 raise ConfigError("yarn rope scaling without a factor needs max_position_embeddings")
-            merged["factor"] = max_pos / orig
-    return theta, merged
+            merged["factor"] = max_position_embeddings / orig
+    return merged
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -21,12 +21,12 @@ import triton.language as tl
 @triton.jit
 def _paged_attention_kernel(
     Q, K_cache, V_cache, Out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
-    Part_O, Part_ML, scale_log2e,
+    Part_O, Part_ML, Sinks, scale_log2e, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HQ: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HQ: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
     D_EXTRA: tl.constexpr = 0, BLOCK_DE: tl.constexpr = 16, V_FROM_K: tl.constexpr = False,
 ):
     # D_EXTRA > 0: queries and keys have D + D_EXTRA dims, values D (their scores add the extra
@@ -59,12 +59,22 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        # The sink joins the softmax as one more logit with a zero value: start the running max at
+        # it with a running sum of exp2(0) = 1. With split-KV only split 0 counts it; the merge of
+        # the splits then carries it exactly like any key.
+        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634                  # [BLOCK_M], log2 units
+        first = split == 0
+        m_i = tl.where(first, sink, m_i)
+        l_i = tl.where(first, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)
     lo = 0
-    if NUM_SPLITS > 1:  # flash-decoding: this program covers one slice of the context
-        chunk = tl.cdiv(tl.cdiv(end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+    if SLIDING:  # keys before the tile's first query's window are invisible to every row: not read
+        lo = tl.maximum(ctx + q0 - window + 1, 0)
+    if NUM_SPLITS > 1:  # flash-decoding: this program covers one slice of the (visible) context
+        chunk = tl.cdiv(tl.cdiv(end - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo + split * chunk
         end = tl.minimum(end, lo + chunk)
     for start in range(lo, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
@@ -77,7 +87,10 @@ def _paged_attention_kernel(
         if D_EXTRA > 0:
             k_ext = tl.load(K_cache + off[:, None] + D + de[None, :], mask=n_ok[:, None] & de_ok[None, :], other=0.0)
             s += tl.dot(q_ext, tl.trans(k_ext), input_precision=PREC) * scale_log2e
-        s = tl.where((n[None, :] <= qpos[:, None]) & n_ok[None, :], s, float("-inf"))
+        visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
+        if SLIDING:
+            visible = visible & (n[None, :] > qpos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_safe[:, None])
@@ -139,7 +152,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                     tile_seq: torch.Tensor, tile_qstart: torch.Tensor, scale: float, block_m: int,
                     num_splits: int = 1, block_n: Optional[int] = None, num_warps: Optional[int] = None,
-                    num_stages: Optional[int] = None) -> torch.Tensor:
+                    num_stages: Optional[int] = None, window: Optional[int] = None,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of new query tokens over the paged KV cache (their own K/V already written).
 
     Args:
@@ -159,6 +173,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             batches): on the H200 a decode batch of 256 (1024) sequences at context 384 read its
             KV at 3.38 (3.96) TB/s against 3.06 (3.76) with 32 and 2
             (``scripts/kernel_bench.py attn``, ``benchmarks/results/h200_async_kernels_attn.txt``).
+        window: sliding window ``W`` (None: full causal): the query at position ``i`` sees keys
+            ``i - W < j <= i`` (HF's ``sliding_window_overlay``); each tile's key loop starts at its
+            first query's first visible key, so blocks wholly outside the window are never read.
+        sinks: ``[Hq]`` attention-sink logits (gpt-oss), any float dtype, or None.
     """
     T, Hq, Dq = q.shape
     _, kv_block, Hk, _ = k_cache.shape
@@ -187,12 +205,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (tile_seq.shape[0], Hk, splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
-        part_o, part_ml, scale * 1.4426950408889634,
+        part_o, part_ml, sinks if sinks is not None else out, scale * 1.4426950408889634, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=G, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         KV_BLOCK=kv_block, D=D, BLOCK_D=BLOCK_D, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        NUM_SPLITS=splits, HQ=Hq, D_EXTRA=d_extra, BLOCK_DE=max(16, triton.next_power_of_2(max(d_extra, 1))),
+        NUM_SPLITS=splits, HQ=Hq, SLIDING=window is not None, HAS_SINKS=sinks is not None,
+        D_EXTRA=d_extra, BLOCK_DE=max(16, triton.next_power_of_2(max(d_extra, 1))),
         V_FROM_K=bool(d_extra), num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge_splits_kernel[(T, Hq)](part_o, part_ml, out, out.stride(0), out.stride(1), HQ=Hq,
@@ -210,7 +229,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> int:
 # --- fused add + RMSNorm ----------------------------------------------------------------------
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, R_out, stride_x, stride_r, stride_y, N, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, W_F32: tl.constexpr, OFFSET: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -221,24 +240,35 @@ def _rms_norm_kernel(X, R, W, Y, R_out, stride_x, stride_r, stride_y, N, eps,
         tl.store(R_out + row * stride_r + cols, x_round, mask=mask)
         x = x_round.to(tl.float32)
     var = tl.sum(x * x, 0) / N
-    y = (x * tl.math.rsqrt(var + eps)).to(Y.dtype.element_ty)
-    w = tl.load(W + cols, mask=mask, other=0.0)
-    tl.store(Y + row * stride_y + cols, (w * y).to(Y.dtype.element_ty), mask=mask)
+    if W_F32:  # Gemma / gpt-oss: the weight (1 + weight for Gemma) multiplies in float32, cast last
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if OFFSET:
+            w = w + 1.0
+        tl.store(Y + row * stride_y + cols, (x * tl.math.rsqrt(var + eps) * w).to(Y.dtype.element_ty), mask=mask)
+    else:  # LLaMA: cast, then multiply by the weight
+        y = (x * tl.math.rsqrt(var + eps)).to(Y.dtype.element_ty)
+        w = tl.load(W + cols, mask=mask, other=0.0)
+        tl.store(Y + row * stride_y + cols, (w * y).to(Y.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
-    """``[T, H]`` RMSNorm; with ``residual``: returns ``(norm(x + residual), x + residual)``."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None,
+             weight_in_float32: bool = False, offset: bool = False):
+    """``[T, H]`` RMSNorm; with ``residual``: returns ``(norm(x + residual), x + residual)`` (the sum
+    rounded to ``residual``'s dtype first). LLaMA's order by default (normalise, cast, multiply by
+    the weight); ``weight_in_float32``: multiply by the weight in float32 and cast last (HF
+    ``GptOssRMSNorm``), with ``offset`` by ``1 + weight`` (HF ``Gemma3RMSNorm``)."""
     T, N = x.shape
     y = torch.empty_like(x)
     BLOCK = triton.next_power_of_2(N)
     warps = 4 if BLOCK <= 2048 else 8
+    flags = dict(W_F32=weight_in_float32 or offset, OFFSET=offset)
     if residual is None:
         _rms_norm_kernel[(T,)](x, x, weight, y, x, x.stride(0), 0, y.stride(0), N, eps,
-                               HAS_RES=False, BLOCK=BLOCK, num_warps=warps)
+                               HAS_RES=False, BLOCK=BLOCK, num_warps=warps, **flags)
         return y
     r_out = torch.empty_like(residual)
     _rms_norm_kernel[(T,)](x, residual, weight, y, r_out, x.stride(0), residual.stride(0), y.stride(0), N, eps,
-                           HAS_RES=True, BLOCK=BLOCK, num_warps=warps)
+                           HAS_RES=True, BLOCK=BLOCK, num_warps=warps, **flags)
     return y, r_out
 
 
