@@ -256,10 +256,15 @@ def test_tensor_parallel_refused_with_shared_gpu(small_llama, monkeypatch):
 
 
 # --- Qwen3, Qwen3-MoE and the fused-MoE kernels (branch moe) ---------------------------------------
-def _save_small(tmp_path_factory, name, cls, cfg):
+def _save_small(tmp_path_factory, name, cls, cfg, edit=None):
+    """Random weights (seed 0) saved with ``save_pretrained``; ``edit(model)`` may change them first."""
     torch.manual_seed(0)
     d = tmp_path_factory.mktemp(name)
-    cls(cfg).save_pretrained(d)
+    model = cls(cfg)
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
+    model.save_pretrained(d)
     return str(d)
 
 
@@ -390,27 +395,28 @@ def test_fused_moe_kernel_matches_pytorch_path(T, act):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one per tensor-parallel rank, NCCL)")
-def test_nccl_tensor_parallel_moe_equals_tp1(small_qwen3_moe):
-    """Qwen3-MoE at TP=2 over NCCL (every expert's intermediate dim split, one all-reduce per MoE
-    block, captured in the decode graphs), float32: exactly the tokens of TP=1."""
+@pytest.mark.parametrize("model", ["small_qwen3_moe", "small_deepseek"])
+def test_nccl_tensor_parallel_moe_equals_tp1(request, model):
+    """Qwen3-MoE / DeepSeek-V3 at TP=2 over NCCL (every routed expert's intermediate dim split;
+    DeepSeek: heads split, latent cache replicated, routed + shared experts' partial sums in one
+    all-reduce; all captured in the decode graphs), float32: exactly the tokens of TP=1."""
     from zpp import LLM, SamplingParams
+    model_dir = request.getfixturevalue(model)
     prompts = _prompts() * 3
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     res = {}
     for tp in (1, 2):
-        with LLM(small_qwen3_moe, device="cuda", dtype="float32", tensor_parallel_size=tp,
+        with LLM(model_dir, device="cuda", dtype="float32", tensor_parallel_size=tp,
                  kv_cache_memory="1GiB", max_num_seqs=16) as llm:
             res[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert res[2] == res[1]
 
 
-
-
 # --- DeepSeek (multi-head latent attention, latent KV cache, DeepSeekMoE) --------------------------
-def _save_deepseek(d, first_k_dense_replace: int, heads: int) -> str:
+def _save_deepseek(tmp_path_factory, name: str, first_k_dense_replace: int, heads: int) -> str:
     """A small DeepSeek-V3 with the real MLA widths (kv_lora_rank 512, rope 64: the kernel's
-    512-dim latent rows), YaRN, noaux_tc routing with a random score-correction bias. More than 16
-    heads: the attention kernel runs once per 16 heads (``LATENT_HEAD_CHUNK``)."""
+    512-dim latent rows), YaRN, noaux_tc routing with a random score-correction bias (HF zeroes it).
+    More than 16 heads: the attention kernel runs once per 16 heads (``LATENT_HEAD_CHUNK``)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     cfg = DeepseekV3Config(vocab_size=49152, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                            num_hidden_layers=4, num_attention_heads=heads, num_key_value_heads=heads, kv_lora_rank=512,
@@ -420,43 +426,35 @@ def _save_deepseek(d, first_k_dense_replace: int, heads: int) -> str:
                            initializer_range=0.1, tie_word_embeddings=False,
                            rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256,
                                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, t in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+
+    def randomise_bias(model):
+        for n, t in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
                 t.normal_(0.0, 0.05)
-    model.save_pretrained(d)
-    return str(d)
+    return _save_small(tmp_path_factory, name, DeepseekV3ForCausalLM, cfg, randomise_bias)
 
 
 @pytest.fixture(scope="module")
 def small_deepseek(tmp_path_factory):
-    return _save_deepseek(tmp_path_factory.mktemp("deepseek-moe"), first_k_dense_replace=1, heads=32)
+    """Layer 0 dense, layers 1-3 DeepSeekMoE (top-4 of 16 routed experts + 1 shared); 32 heads."""
+    return _save_deepseek(tmp_path_factory, "deepseek-moe", first_k_dense_replace=1, heads=32)
 
 
 @pytest.fixture(scope="module")
 def small_deepseek_dense(tmp_path_factory):
-    """No MoE layer (first_k_dense_replace = all layers): the stage captures decode CUDA graphs."""
-    return _save_deepseek(tmp_path_factory.mktemp("deepseek-dense"), first_k_dense_replace=4, heads=16)
+    """No MoE layer (first_k_dense_replace = all layers); 16 heads (one attention launch per layer)."""
+    return _save_deepseek(tmp_path_factory, "deepseek-dense", first_k_dense_replace=4, heads=16)
 
 
 def test_deepseek_bf16_matches_hf(small_deepseek):
-    """bf16 on the GPU (latent cache, absorbed MLA in the Triton kernel, MoE eager): HF's greedy tokens
-    under the top-5 rule of test_bf16_matches_hf."""
+    """bf16 on the GPU (latent cache, absorbed MLA in the Triton kernel, grouped expert GEMMs, CUDA
+    graphs on: the default) against HF bf16 on the GPU under the top-5 rule (:func:`_assert_top5`)."""
     from zpp import LLM, SamplingParams
     prompts = _prompts()
     ref = _hf_greedy_with_logprobs(small_deepseek, prompts, 24)
     with LLM(small_deepseek, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3) as llm:
         got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=TOP_K))
-    for (ref_toks, ref_lps), o in zip(ref, got):
-        toks, lps = o.outputs[0].token_ids, o.outputs[0].logprobs
-        for j, (a, b) in enumerate(zip(toks, ref_toks)):
-            if a != b:
-                hf_top = set(ref_lps[j].topk(TOP_K).indices.tolist())
-                assert a in hf_top, f"step {j}: zpp's token {a} is not in HF's top-{TOP_K}"
-                assert b in lps[j], f"step {j}: HF's token {b} is not in zpp's top-{TOP_K}"
-                break
+    _assert_top5(ref, got)
 
 
 def test_deepseek_fp32_mixed_batches_equal_hf(small_deepseek):
@@ -470,21 +468,66 @@ def test_deepseek_fp32_mixed_batches_equal_hf(small_deepseek):
     assert [o.outputs[0].token_ids for o in got] == [r[0] for r in ref]
 
 
-def test_deepseek_cuda_graphs_equal_eager(small_deepseek_dense):
-    """Decode graphs over the latent cache (a dense-only DeepSeek: stages with MoE layers run eagerly
-    until the experts stop reading counts on the host) give eager mode's tokens, and HF's (fp32)."""
+@pytest.mark.parametrize("model", ["small_deepseek", "small_deepseek_dense"])
+def test_deepseek_cuda_graphs_equal_eager(request, model):
+    """Decode graphs over the latent cache -- with MoE layers captured (router, expert sort, grouped
+    GEMMs, shared expert), 32 heads in two attention launches; and dense-only with 16 heads -- give
+    eager mode's tokens, and HF's (fp32)."""
     from zpp import LLM, SamplingParams
-    prompts = _prompts()
+    model_dir = request.getfixturevalue(model)
+    prompts = _prompts()  # 4 sequences: decode replays the batch-4 graph (the eager GEMM shapes)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = _hf_greedy_with_logprobs(small_deepseek_dense, prompts, 24, torch.float32)
+    ref = _hf_greedy_with_logprobs(model_dir, prompts, 24, torch.float32)
     res = {}
     for eager in (True, False):
-        with LLM(small_deepseek_dense, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+        with LLM(model_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
                  enforce_eager=eager, max_num_seqs=16) as llm:
             res[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert res[True] == res[False] == [r[0] for r in ref]
 
 
+@pytest.mark.parametrize("method", ["noaux_tc", "group_limited_greedy", "greedy"])
+@torch.inference_mode()
+def test_deepseek_moe_layer_in_cuda_graph(method):
+    """One DeepSeekMoE layer (router, grouped expert GEMMs, shared expert), float32: no host
+    synchronisation (sync debug mode "error"), equal to the per-expert PyTorch loop, and captured in
+    a CUDA graph whose replay on new tokens (so new routing) equals eager mode."""
+    from zpp.models.deepseek import DeepseekMoE
+    cfg = dict(hidden_size=512, moe_intermediate_size=256, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+               topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, hidden_act="silu")
+    torch.manual_seed(0)
+    moe = DeepseekMoE(cfg, method, method == "noaux_tc", mlp_bias=False).cuda()
+    for p in moe.parameters():
+        p.data.normal_(0, 0.05)
+
+    def reference(x):
+        w, ids = moe.gate(x)
+        return moe.experts.forward_loop(x, w, ids) + moe.shared_experts(x)
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    x = torch.randn(8, 512, device="cuda")
+    moe(x)  # compile the kernels outside the sync check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = moe(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert rel(out, reference(x)) < 1e-4
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe(x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe(x)
+    x.copy_(torch.randn(8, 512, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel(static_out, moe(x)) < 1e-5 and rel(static_out, reference(x)) < 1e-4
 
 
 # --- sliding-window attention and attention sinks: Gemma 3 and gpt-oss ---------------------------
@@ -537,17 +580,6 @@ def small_gpt_oss(tmp_path_factory):
     return _save_random(tmp_path_factory, "gpt-oss-small", GptOssForCausalLM, cfg, randomize)
 
 
-def _assert_top5_agree(ref, got):
-    """vLLM's check_logprobs_close rule (see TOP_K above), prompt by prompt."""
-    for (ref_toks, ref_lps), o in zip(ref, got):
-        toks, lps = o.outputs[0].token_ids, o.outputs[0].logprobs
-        for j, (a, b) in enumerate(zip(toks, ref_toks)):
-            if a != b:
-                assert a in set(ref_lps[j].topk(TOP_K).indices.tolist()), f"step {j}: {a} not in HF's top-{TOP_K}"
-                assert b in lps[j], f"step {j}: HF's token {b} not in zpp's top-{TOP_K}"
-                break
-
-
 @pytest.mark.parametrize("family", ["small_gemma3", "small_gpt_oss"])
 def test_sliding_window_families_bf16_match_hf(request, family):
     """bf16 on the GPU, CUDA graphs on (the default; gpt-oss's experts are the grouped Triton GEMMs),
@@ -559,7 +591,7 @@ def test_sliding_window_families_bf16_match_hf(request, family):
     with LLM(model_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, max_num_seqs=16) as llm:
         got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=TOP_K),
                            use_tqdm=False)
-    _assert_top5_agree(ref, got)
+    _assert_top5(ref, got)
 
 
 @pytest.mark.parametrize("family", ["small_gemma3", "small_gpt_oss"])

@@ -136,24 +136,64 @@ def test_pipeline_parallel_matches_hf(model_of, prompts, shared_prefix, name, pp
         _check(_generate(llm, prompts[:2], one_by_one=True), ref, f"{name} PP={pp} alone")
 
 
-@pytest.mark.parametrize("name", ["v3", "v2-lite"])
+@pytest.mark.parametrize("name", ["v3", "v2-lite", "v2-qlora"])
 def test_tensor_parallel_2_matches_hf(model_of, prompts, name):
-    """TP=2: 2 of 4 heads per rank, the latent cache replicated, dense / shared-expert MLPs split."""
+    """TP=2: 2 of 4 heads per rank, the latent cache replicated, dense MLPs, shared and routed
+    experts split (one all-reduce per MoE layer; v2-qlora: the MLP biases added once)."""
     from zpp import LLM
     model_dir, ref = model_of(name)
     with LLM(model_dir, tensor_parallel_size=2, kv_cache_memory="16MiB", max_num_batched_tokens=24) as llm:
         _check(_generate(llm, prompts), ref, f"{name} TP=2")
 
 
-def test_decode_graph_path_on_cpu(model_of, prompts, tmp_path, monkeypatch):
-    """The model runner's decode-graph path (``ZPP_EAGER_GRAPHS`` stand-in) over the latent cache."""
+@pytest.mark.parametrize("name,pp,async_on", [("v2-lite", 1, True), ("v3", 2, False)])
+def test_decode_graph_path_on_cpu(model_of, prompts, tmp_path, monkeypatch, name, pp, async_on):
+    """The model runner's decode-graph path (``ZPP_EAGER_GRAPHS`` stand-in for CUDA graphs) over the
+    latent cache, on every stage -- MoE layers included (V2-Lite with async scheduling: the previous
+    step's tokens fed on the device; V3 at PP=2: a dense and two MoE layers, then two MoE layers)."""
     from zpp import LLM
-    model_dir, ref = model_of("v2-lite")
+    model_dir, ref = model_of(name)
     replays = tmp_path / "replays"
     monkeypatch.setenv("ZPP_EAGER_GRAPHS", str(replays))
-    with LLM(model_dir, kv_cache_memory="16MiB", max_num_seqs=8) as llm:
-        _check(_generate(llm, prompts), ref, "graph path")
-    assert replays.exists() and len(replays.read_text().split()) >= MAX_NEW - 2, "the graph path did not run"
+    with LLM(model_dir, pipeline_parallel_size=pp, async_scheduling=async_on, kv_cache_memory="16MiB",
+             max_num_seqs=8) as llm:
+        _check(_generate(llm, prompts), ref, f"{name} PP={pp} graph path")
+    assert replays.exists(), "the graph path did not run"
+    stages = [int(line.split()[1]) for line in replays.read_text().splitlines()]
+    for s in range(pp):
+        assert stages.count(s) >= MAX_NEW - 2, f"stage {s} did not take the graph path"
+
+
+def test_auto_partition_times_dense_and_moe_layers(model_of, prompts, caplog):
+    """``--pp-layer-partition auto`` at PP=2 on V3 (layer 0 dense, 1-4 MoE): each stage times a
+    dense and an MoE layer, the engine logs both costs per stage and picks the best split for
+    them; the output is HF's."""
+    import logging
+    import re
+
+    from zpp import LLM
+    model_dir, ref = model_of("v3")
+    with caplog.at_level(logging.INFO, logger="zpp.engine.executor"):
+        with LLM(model_dir, pipeline_parallel_size=2, pp_layer_partition="auto", kv_cache_memory="16MiB",
+                 max_num_seqs=8) as llm:
+            _check(_generate(llm, prompts), ref, "auto partition")
+    lines = [r.getMessage() for r in caplog.records if "pp layer partition auto" in r.getMessage()]
+    assert len(lines) == 1, lines
+    m = re.search(r"auto: (\d+),(\d+) \(even 3,2\).*layer ms dense ([\d.]+),([\d.]+); moe ([\d.]+),([\d.]+), "
+                  r"embedding / LM head \+ sampling ms ([\d.]+),([\d.]+)", lines[0])
+    assert m, lines[0]
+    sizes = [int(m[1]), int(m[2])]
+    dense, moe, extra = [float(m[3]), float(m[4])], [float(m[5]), float(m[6])], [float(m[7]), float(m[8])]
+    assert sum(sizes) == 5 and min(sizes) >= 1 and all(x > 0 for x in dense + moe)
+    kinds = ["dense", "moe", "moe", "moe", "moe"]
+
+    def slowest(split):
+        times, start = [], 0
+        for s, n in enumerate(split):
+            times.append(sum((dense if k == "dense" else moe)[s] for k in kinds[start:start + n]) + extra[s])
+            start += n
+        return max(times)
+    assert slowest(sizes) <= min(slowest((a, 5 - a)) for a in range(1, 5)) + 5e-3  # logged costs: rounded to 1 us
 
 
 def test_llama_yarn_matches_hf(tmp_path, demo_model, prompts):
@@ -353,15 +393,26 @@ def test_mtp_layer_and_fused_experts_load(v3_dir, tmp_path):
 
 
 def test_tensor_parallel_slices_rebuild_the_weights(v3_dir):
-    """TP=2: each rank's attention / MLP slices put back together are the TP=1 weights; the latent
-    projections, norms, router and routed experts are whole on both ranks."""
+    """TP=2: each rank's attention / MLP slices put back together are the TP=1 weights; each rank
+    holds half of every routed expert's intermediate dim (gate rows, up rows, down columns); the
+    latent projections, norms and router are whole on both ranks."""
     import torch
     full = _stage(v3_dir).state_dict()
     r0, r1 = _stage(v3_dir, tp_rank=0, tp_size=2).state_dict(), _stage(v3_dir, tp_rank=1, tp_size=2).state_dict()
-    kinds = {"column": 0, "row": 0, "merged": 0, "whole": 0}
+    inter, experts = _config(v3_dir)["moe_intermediate_size"], _config(v3_dir)["n_routed_experts"]
+    kinds = {"column": 0, "row": 0, "merged": 0, "experts": 0, "whole": 0}
     for k, v in full.items():
         routed = ".mlp.experts." in k
-        if k.endswith(("q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight")):
+        if routed:
+            kinds["experts"] += 1
+            if k.endswith("gate_up_proj"):  # [E, 2I, H]: [gate; up] per expert, each split
+                assert r0[k].shape == r1[k].shape == (experts, 2 * (inter // 2), 64), k
+                (g0, u0), (g1, u1) = r0[k].chunk(2, dim=1), r1[k].chunk(2, dim=1)
+                assert torch.equal(torch.cat([g0, g1, u0, u1], dim=1), v), k
+            else:                           # down_proj [E, H, I]
+                assert k.endswith("down_proj") and r0[k].shape == (experts, 64, inter // 2), k
+                assert torch.equal(torch.cat([r0[k], r1[k]], dim=2), v), k
+        elif k.endswith(("q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight")):
             kinds["column"] += 1
             assert torch.equal(torch.cat([r0[k], r1[k]]), v), k
         elif k.endswith("gate_up_proj.weight") and not routed:  # [gate; up], each split
@@ -374,7 +425,7 @@ def test_tensor_parallel_slices_rebuild_the_weights(v3_dir):
         else:
             kinds["whole"] += 1
             assert torch.equal(r0[k], v) and torch.equal(r1[k], v), k
-    assert kinds == {"column": 10, "row": 10, "merged": 5, "whole": kinds["whole"]}, kinds
+    assert kinds == {"column": 10, "row": 10, "merged": 5, "experts": 8, "whole": kinds["whole"]}, kinds
 
 
 # --- refusals -------------------------------------------------------------------------------------
@@ -407,11 +458,25 @@ def test_tensor_parallel_refused_when_heads_do_not_split():
         resolve_model_class(d, tensor_parallel_size=3)
 
 
-def test_cuda_graphs_only_for_dense_stages(v3_dir):
-    """FusedExperts reads expert counts on the host: a stage holding an MoE layer runs eagerly."""
+def test_cuda_graphs_on_moe_stages(v3_dir):
+    """Every stage is captured in CUDA graphs, MoE layers included: the CUDA experts are grouped
+    Triton GEMMs without a host sync, and the routers neither read a device value on the host nor
+    make a shape from data -- checked here by running them on the meta device, where ``.item()``,
+    ``.tolist()``, ``nonzero`` or ``bincount`` raise."""
+    import torch
+
+    from zpp.models.deepseek import DeepseekRouter, DeepseekV3ForCausalLM
     cfg = _config(v3_dir)
     assert cfg["first_k_dense_replace"] == 1
-    assert not _stage(v3_dir).supports_cuda_graphs
+    assert _stage(v3_dir).supports_cuda_graphs
     assert _stage(v3_dir, 0, 2, layers=(0, 1)).supports_cuda_graphs
-    assert not _stage(v3_dir, 1, 2, layers=(1, 5)).supports_cuda_graphs
+    assert _stage(v3_dir, 1, 2, layers=(1, 5)).supports_cuda_graphs
     assert math.prod(_stage(v3_dir).kv_cache_shape(1, 16)) == 16 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
+    for method in ("noaux_tc", "group_limited_greedy", "greedy"):
+        router = DeepseekRouter(64, 8, 3, method, 4, 2, True, 2.5).to("meta")
+        weights, ids = router(torch.empty(7, 64, device="meta"))
+        assert weights.shape == ids.shape == (7, 3) and weights.dtype == torch.float32 and ids.dtype == torch.int64
+    with pytest.raises(Exception):  # the check can fail: a host read on the meta device raises
+        torch.empty(3, device="meta").sum().item()
+    assert DeepseekV3ForCausalLM.layer_kinds(cfg) == ["dense"] + ["moe"] * 4
+    assert DeepseekV3ForCausalLM.layer_kinds({"num_hidden_layers": 5}) == ["dense"] * 3 + ["moe"] * 2  # HF default 3

@@ -199,13 +199,20 @@ def test_missing_tensor_is_named(model_dir_of, tmp_path, family, drop, word):
         _load(missing)
 
 
-def test_unexpected_expert_is_named(model_dir_of, tmp_path):
-    """An expert past num_experts, or experts in a dense (mlp_only) layer, name the tensor."""
-    src = model_dir_of("qwen3-moe")
-    t0 = "model.layers.0.mlp.experts.0.gate_proj.weight"
-    for extra in ("model.layers.0.mlp.experts.8.gate_proj.weight", "model.layers.1.mlp.experts.0.gate_proj.weight"):
-        bad = _rewrite_checkpoint(src, str(tmp_path / extra.split(".")[2] / "x"), lambda t: {**t, extra: t[t0].clone()})
-        with pytest.raises(ValueError, match=re.escape(extra)):
+@pytest.mark.parametrize("family, t0, extras", [
+    ("qwen3-moe", "model.layers.0.mlp.experts.0.gate_proj.weight",
+     ("model.layers.0.mlp.experts.8.gate_proj.weight", "model.layers.0.mlp.experts.8.down_proj.weight",
+      "model.layers.1.mlp.experts.0.gate_proj.weight")),
+    ("mixtral", "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+     ("model.layers.0.block_sparse_moe.experts.4.w1.weight", "model.layers.2.block_sparse_moe.experts.9.w2.weight"))])
+def test_unexpected_expert_is_named(model_dir_of, tmp_path, family, t0, extras):
+    """An expert past the layer's expert count (any of its tensors), or experts in a dense
+    (mlp_only) layer, are reported as unexpected tensors by name (the shared expert loader never
+    sees an expert id it does not hold)."""
+    src = model_dir_of(family)
+    for j, extra in enumerate(extras):
+        bad = _rewrite_checkpoint(src, str(tmp_path / str(j)), lambda t: {**t, extra: t[t0].clone()})
+        with pytest.raises(ValueError, match=r"unexpected checkpoint tensors for this model: " + re.escape(extra)):
             _load(bad)
 
 
@@ -265,7 +272,7 @@ REFUSALS = {
     "sliding-layer-types": ({**BASE, "layer_types": ["full_attention", "sliding_attention"]}, {}, "layer_types"),
     "moe-sliding-window": ({**MOE, "use_sliding_window": True}, {}, "use_sliding_window"),
     "moe-top-k": ({**MOE, "num_experts_per_tok": 5}, {}, "num_experts_per_tok=5"),
-    "moe-yarn": ({**MOE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, {}, "yarn"),
+    "moe-dynamic-rope": ({**MOE, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, {}, "dynamic"),
     "moe-tp-intermediate": ({**MOE, "moe_intermediate_size": 51}, {"tensor_parallel_size": 2},
                             "--tensor-parallel-size 2 does not divide the model's moe_intermediate_size (51)"),
 }

@@ -140,7 +140,8 @@ class StageModel(nn.Module):
         """Copy checkpoint tensors into this stage's parameters.
 
         Tensors other stages own are skipped. Raises ValueError naming any tensor this stage owns
-        that matches no parameter (unexpected) or any parameter that received nothing (missing).
+        that matches no parameter -- or a shard the parameter does not have, e.g. expert 8 of a
+        layer of 8 experts -- (unexpected), or any parameter that received nothing (missing).
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -151,7 +152,7 @@ class StageModel(nn.Module):
                 continue
             for pname, shard in targets:
                 param = params.get(pname)
-                if param is None:
+                if param is None or (shard is not None and not 0 <= shard < (self._num_shards(pname, param) or 0)):
                     unexpected.append(name)
                     continue
                 loader = getattr(param, "weight_loader", default_weight_loader)
@@ -170,19 +171,23 @@ class StageModel(nn.Module):
             raise ValueError(f"checkpoint is missing tensors: {', '.join(sorted(missing)[:10])}"
                              + (" ..." if len(missing) > 10 else ""))
 
-    def _missing(self, pname: str, param: nn.Parameter, loaded: set[str]) -> Optional[str]:
-        """None if ``pname`` was loaded whole (shard None) or in every shard, else its description.
-
-        Shard counts: ``param.num_shards`` if set (MoE experts), else ``len(owner.output_sizes)``
-        (merged linear layers); other parameters must be loaded whole.
-        """
-        if f"{pname}#None" in loaded:
-            return None
+    def _num_shards(self, pname: str, param: nn.Parameter) -> Optional[int]:
+        """How many shards ``pname`` loads in: ``param.num_shards`` if set (MoE experts:
+        :class:`zpp.models.layers.moe.FusedExperts`), else ``len(owner.output_sizes)`` (merged
+        linear layers); None for a parameter that loads whole only."""
         n = getattr(param, "num_shards", None)
         if n is None:
             owner = self.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else self
             sizes = getattr(owner, "output_sizes", None)
             n = len(sizes) if sizes is not None else None
+        return n
+
+    def _missing(self, pname: str, param: nn.Parameter, loaded: set[str]) -> Optional[str]:
+        """None if ``pname`` was loaded whole (shard None) or in every shard (:meth:`_num_shards`),
+        else its description."""
+        if f"{pname}#None" in loaded:
+            return None
+        n = self._num_shards(pname, param)
         if n is None:
             return pname
         absent = [i for i in range(n) if f"{pname}#{i}" not in loaded]

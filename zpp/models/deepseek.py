@@ -29,8 +29,16 @@ Language Model", arXiv:2405.04434; "DeepSeek-V3 Technical Report", arXiv:2412.19
 Tensor parallelism: the attention heads are split (``q_proj`` / ``q_b_proj`` / ``kv_b_proj``
 column-parallel by head, ``o_proj`` row-parallel); the latent projections and the KV cache are
 replicated on every TP rank (each holds the whole latent row); the dense MLPs and the shared
-experts are split as LLaMA's MLP; the routed experts are NOT split (each TP rank holds all of them
-and computes the routed sum whole, added after the shared experts' all-reduce).
+experts are split as LLaMA's MLP; every routed expert's intermediate dim is split too
+(:class:`zpp.models.layers.moe.FusedExperts`), and an MoE layer adds its routed and shared
+experts' partial sums before ONE all-reduce. The router is replicated (every rank routes alike).
+
+CUDA graphs: the router (top-k with masks, no indexing by data) and the CUDA experts (grouped
+Triton GEMMs, :mod:`zpp.models.layers.fused_moe`) never read device values on the host, so every
+stage, with or without MoE layers, is captured.
+
+``--pp-layer-partition auto`` times a dense and an MoE layer apart (:meth:`DeepseekV2ForCausalLM.
+layer_kinds`: the first ``first_k_dense_replace`` layers are ``"dense"``, the rest ``"moe"``).
 
 Checkpoints: the names HF's ``save_pretrained`` writes and the original DeepSeek checkpoints use
 (``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``, ``mlp.gate.weight``,
@@ -57,6 +65,7 @@ from zpp.models.layers.linear import default_weight_loader
 from zpp.models.layers.moe import FusedExperts
 from zpp.models.layers.norm import RMSNorm
 from zpp.models.layers.rotary import get_rope, rope_params, yarn_softmax_scale
+from zpp.transport.tensor_parallel import tp_all_reduce
 
 _EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -140,7 +149,9 @@ class DeepseekRouter(nn.Module):
         groups ranked by the sum of their top-2 choice scores, the ``topk_group`` best kept (others
         -inf); the top-k by choice score, weighted by their (uncorrected) scores, renormalised to
         sum to 1 (+1e-20) if ``norm_topk_prob``;
-    and every weight times ``routed_scaling_factor``.
+    and every weight times ``routed_scaling_factor``. Group limits are masks over all ``E``
+    experts (top-k of the group scores scattered into a ``[T, G]`` mask), never indexing by data:
+    no host read and shapes fixed by ``T``, so the router is captured in CUDA graphs.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, method: str, num_groups: int,
@@ -159,7 +170,8 @@ class DeepseekRouter(nn.Module):
         """``[T, n_group]`` scores -> ``[T, E]`` bool, True for the experts of each token's kept groups."""
         idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
         mask = torch.zeros_like(group_scores).scatter_(1, idx, 1).bool()              # [T, G]
-        return mask.repeat_interleave(self.num_experts // self.num_groups, dim=1)     # [T, E]
+        T, G = mask.shape  # expand, not repeat_interleave (which may read its output size on the host)
+        return mask[:, :, None].expand(T, G, self.num_experts // G).reshape(T, -1)   # [T, E]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T, E, G = x.shape[0], self.num_experts, self.num_groups
@@ -184,9 +196,11 @@ class DeepseekRouter(nn.Module):
 
 class DeepseekMoE(nn.Module):
     """``forward(x [T, H])`` -> routed experts' weighted sum + shared experts(x), ``[T, H]``.
-    Parameters: ``gate.weight`` ``[E, H]`` (+ ``gate.e_score_correction_bias`` ``[E]`` for V3),
-    ``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``,
-    ``shared_experts.gate_up_proj`` / ``down_proj`` (split over TP ranks; the routed experts are not)."""
+    Parameters (``I_l = moe_intermediate_size / tp_size``): ``gate.weight`` ``[E, H]`` (+
+    ``gate.e_score_correction_bias`` ``[E]`` for V3), ``experts.gate_up_proj`` ``[E, 2 I_l, H]``,
+    ``experts.down_proj`` ``[E, H, I_l]``, ``shared_experts.gate_up_proj`` / ``down_proj`` (the
+    shared experts' ``n_shared_experts * moe_intermediate_size`` split likewise). With
+    ``tp_size > 1`` each rank computes its partial sum of both and one all-reduce completes it."""
 
     def __init__(self, cfg: dict[str, Any], method: str, norm_topk_prob: bool, mlp_bias: bool,
                  tp_rank: int = 0, tp_size: int = 1):
@@ -197,17 +211,18 @@ class DeepseekMoE(nn.Module):
         self.gate = DeepseekRouter(hidden, num_experts, int(cfg["num_experts_per_tok"]), method,
                                    int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1), norm_topk_prob,
                                    float(cfg.get("routed_scaling_factor", 1.0)))
-        self.experts = FusedExperts(num_experts, hidden, inter, act)
+        self.experts = FusedExperts(num_experts, hidden, inter, act, tp_rank=tp_rank, tp_size=tp_size)
         n_shared = int(cfg.get("n_shared_experts") or 0)
         self.shared_experts = GatedMLP(hidden, inter * n_shared, act, bias=mlp_bias, tp_rank=tp_rank,
                                        tp_size=tp_size) if n_shared else None
+        self.tp_size = tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
+        weights, ids = self.gate(x)                                   # [T, k] float32, [T, k] int64
+        out = self.experts(x, weights, ids, reduce=False)             # [T, H] this rank's partial sum
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            out = out + self.shared_experts(x, reduce=False)          # HF: routed + shared
+        return tp_all_reduce(out) if self.tp_size > 1 else out
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -242,6 +257,7 @@ class DeepseekV2ForCausalLM(StageModel):
 
     num_acts = 2
     supports_tensor_parallel = True
+    supports_cuda_graphs = True  # router and CUDA experts never read device values on the host
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     tied_names = ("model.embed_tokens.weight",)
     version = 2
@@ -288,6 +304,13 @@ class DeepseekV2ForCausalLM(StageModel):
                               f"n_group={groups})")
 
     @classmethod
+    def layer_kinds(cls, cfg: dict[str, Any]) -> list[str]:
+        """``"dense"`` for the first ``first_k_dense_replace`` layers (gated MLP of
+        ``intermediate_size``), ``"moe"`` for the others (DeepSeekMoE)."""
+        first_dense = int(cls.with_defaults(cfg).get("first_k_dense_replace") or 0)
+        return ["dense" if i < first_dense else "moe" for i in range(cls.num_layers_of(cfg))]
+
+    @classmethod
     def _topk_method(cls, cfg: dict[str, Any]) -> str:
         method = cfg.get("topk_method") or "greedy"
         if method not in ("greedy", "group_limited_greedy"):
@@ -302,10 +325,11 @@ class DeepseekV2ForCausalLM(StageModel):
     def check_tensor_parallel(cls, cfg: dict[str, Any], tp_size: int) -> None:
         cfg = cls.with_defaults(cfg)
         sizes = {"num_attention_heads": cfg["num_attention_heads"]}
-        if int(cfg.get("first_k_dense_replace") or 0) > 0:
+        kinds = set(cls.layer_kinds(cfg))
+        if "dense" in kinds:
             sizes["intermediate_size"] = cfg["intermediate_size"]
-        if cfg.get("n_shared_experts"):
-            sizes["moe_intermediate_size * n_shared_experts"] = cfg["moe_intermediate_size"] * cfg["n_shared_experts"]
+        if "moe" in kinds:  # routed experts split; the shared experts' n_shared multiple then too
+            sizes["moe_intermediate_size"] = cfg["moe_intermediate_size"]
         for key, n in sizes.items():
             if n % tp_size:
                 raise ConfigError(f"--tensor-parallel-size {tp_size} does not divide the model's {key} ({n})")
@@ -315,7 +339,6 @@ class DeepseekV2ForCausalLM(StageModel):
         super().__init__(cfg, stage)
         self.hidden_size = cfg["hidden_size"]
         n_layers = cfg["num_hidden_layers"]
-        first_dense = int(cfg.get("first_k_dense_replace") or 0)
         self.model = nn.Module()
         if stage.is_first:
             self.model.embed_tokens = VocabEmbedding(cfg["vocab_size"], self.hidden_size)
@@ -327,9 +350,6 @@ class DeepseekV2ForCausalLM(StageModel):
         self.kv_lora_rank = int(cfg["kv_lora_rank"])
         self.num_kv_heads = 1  # the latent row, shared by every head (and replicated over TP ranks)
         self.head_dim = self.kv_lora_rank + int(cfg["qk_rope_head_dim"])
-        # FusedExperts reads per-expert token counts on the host: no CUDA graphs for a stage with an
-        # MoE layer (until a device-side grouped GEMM replaces it); a stage of dense layers has them.
-        self.supports_cuda_graphs = stage.layer_end <= first_dense
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """``[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``: the compressed latent
@@ -370,8 +390,6 @@ class DeepseekV2ForCausalLM(StageModel):
         if not self.stage_owns(name):
             return None
         prefix, e, w = name[:match.start()], int(match.group(1)), match.group(2)
-        if e >= int(self.cfg["n_routed_experts"]):
-            return [(name, None)]  # no such parameter: reported as unexpected
         if w == "down_proj":
             return [(f"{prefix}.mlp.experts.down_proj", e)]
         return [(f"{prefix}.mlp.experts.gate_up_proj", 2 * e + (0 if w == "gate_proj" else 1))]

@@ -222,7 +222,8 @@ def _setup(init, sock):
             runner.capture_graphs(max_model_len, cfg_all.scheduler.max_num_seqs)
         else:
             logger.info("%s runs eagerly (no CUDA graphs)", type(model).__name__)
-    elif device_kind == "cpu" and os.environ.get("ZPP_EAGER_GRAPHS"):  # tests: the graph path on the CPU
+    elif device_kind == "cpu" and os.environ.get("ZPP_EAGER_GRAPHS") and model.supports_cuda_graphs:
+        # tests: the graph path on the CPU, for the stages CUDA would capture
         from zpp.workers.cuda_graphs import EagerDecodeGraphs
         flag = os.environ["ZPP_EAGER_GRAPHS"]
         runner.graphs = EagerDecodeGraphs(model, runner.kv_caches, block_size, cfg_all.scheduler.max_num_seqs,

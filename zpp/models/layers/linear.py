@@ -165,9 +165,14 @@ class RowParallelLinear(Linear):
                              f"tensor-parallel split) vs checkpoint {tuple(loaded.shape)}")
         param.data.copy_(loaded.narrow(1, self.tp_rank * k, k) if self.tp_size > 1 else loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``reduce=False``: this rank's partial product ``[T, out_features]`` without the
+        all-reduce, the bias added on TP rank 0 only (so a caller summing several row-parallel
+        partials and all-reducing once adds it once)."""
         if self.tp_size == 1:
             return linear(x, self.weight, self.bias)
+        if not reduce:
+            return linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         y = tp_all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 

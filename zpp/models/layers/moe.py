@@ -164,11 +164,14 @@ class FusedExperts(nn.Module):
     ``down_proj_bias`` ``[E, H]``. Per-expert checkpoint tensors load by shard index:
     ``gate_up_proj`` shard ``2e`` / ``2e + 1`` = expert ``e``'s gate / up ``[I, H]`` (bias ``[I]``),
     ``down_proj`` shard ``e`` = its ``[H, I]`` (bias ``[H]``); every loader takes full
-    (unsplit) tensors and keeps this rank's slice.
+    (unsplit) tensors and keeps this rank's slice. Each parameter's ``num_shards`` (``2E`` /
+    ``E``) tells :meth:`zpp.models.base.StageModel.load_weights` which shards exist: a checkpoint
+    expert id ``>= num_experts`` is reported there as an unexpected tensor (for every MoE family),
+    never handed to a loader.
 
     Raises:
         ValueError: ``intermediate_size % tp_size``, an unknown layout (construction); a shape
-            mismatch (loading).
+            mismatch or an expert out of range (loading, called directly).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
