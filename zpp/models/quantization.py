@@ -681,7 +681,8 @@ def iter_planned(plan: CheckpointPlan, index: dict[str, TensorInfo], quant: Opti
 
 def load_kv_scales(model: nn.Module, plan: CheckpointPlan, index: dict[str, TensorInfo]) -> int:
     """Give each of this stage's attention layers the checkpoint's ``k_scale`` / ``v_scale``
-    (``Attention.k_scale`` / ``v_scale``, floats). Returns how many layers got a pair."""
+    (``Attention.k_scale`` / ``v_scale``, floats; used by an FP8 KV cache). Returns how many layers
+    got scales."""
     from zpp.models.layers.attention import Attention
     if not plan.kv_scales:
         return 0
@@ -697,6 +698,7 @@ def load_kv_scales(model: nn.Module, plan: CheckpointPlan, index: dict[str, Tens
             for kind in ("k", "v"):
                 if kind in names:
                     setattr(attn, f"{kind}_scale", float(reader.get(index, names[kind]).float().reshape(-1)[0]))
+            attn.kv_scales_loaded = "k" in names and "v" in names
             n += 1
     finally:
         reader.close()

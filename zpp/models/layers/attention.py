@@ -258,7 +258,16 @@ class Attention(nn.Module):
     ``forward(q [T, Hq*D], k [T, Hk*D], v [T, Hk*D], kv_cache, meta)`` -> ``[T, Hq*D]``.
     ``kv_cache`` is ``[2, num_blocks, block_size, Hk, D]`` or None (profiling pass: no cache, the
     batch attends only to itself).
+
+    FP8 KV cache (``--kv-cache-dtype fp8``: ``kv_cache`` float8_e4m3fn): K is stored as ``K / k_scale``
+    and V as ``V / v_scale`` (saturated to +-448), per-layer floats from the checkpoint's
+    ``self_attn.k_scale`` / ``v_scale`` (``kv_scales_loaded``) or 1.0 (vLLM's default), and read back
+    upcast and scaled (vLLM's ``fp8_e4m3`` cache).
     """
+
+    k_scale = 1.0
+    v_scale = 1.0
+    kv_scales_loaded = False
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: Optional[float] = None):
         super().__init__()
@@ -275,30 +284,32 @@ class Attention(nn.Module):
         q = q.view(T, H, D)
         k = k.view(T, Hk, D)
         v = v.view(T, Hk, D)
+        fp8_kv = kv_cache is not None and kv_cache.dtype == torch.float8_e4m3fn
+        ks, vs = (self.k_scale, self.v_scale) if fp8_kv else (1.0, 1.0)
         if meta.triton and kv_cache is not None:
             from zpp.models.layers import triton_ops
             if rotary is not None:  # q stays a strided view of the qkv output: rotated in place there
                 triton_ops.rope_and_cache(q, k, v, positions, rotary.cos, rotary.sin, kv_cache[0], kv_cache[1],
-                                          meta.slot_mapping)
+                                          meta.slot_mapping, ks, vs)
             else:
-                kv_cache[0].view(-1, Hk, D).index_copy_(0, meta.slot_mapping, k)
-                kv_cache[1].view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v)
+                _write_cache(kv_cache[0], meta.slot_mapping, k, ks)
+                _write_cache(kv_cache[1], meta.slot_mapping, v, vs)
             out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
             splits = triton_ops.decode_splits(meta.seq_lens.shape[0], Hk) if meta.decode_only else 1
             if meta.decode_tile_seq is not None:  # a mixed batch: its decodes at the decode tile shape
                 triton_ops.paged_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables, meta.seq_lens,
                                            meta.query_start, meta.decode_tile_seq, meta.decode_tile_qstart,
-                                           self.scale, meta.decode_block_m, 1)
+                                           self.scale, meta.decode_block_m, 1, k_scale=ks, v_scale=vs)
             triton_ops.paged_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables, meta.seq_lens,
                                        meta.query_start, meta.tile_seq, meta.tile_qstart, self.scale, meta.block_m,
-                                       splits)
+                                       splits, k_scale=ks, v_scale=vs)
             return out.view(T, H * D)
         if rotary is not None:
             q, k = rotary(positions, q, k)
         if kv_cache is not None:
             k_cache, v_cache = kv_cache[0], kv_cache[1]                         # [N, bs, Hk, D]
-            k_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, k)
-            v_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v)
+            _write_cache(k_cache, meta.slot_mapping, k, ks)
+            _write_cache(v_cache, meta.slot_mapping, v, vs)
         else:  # profiling: a single sequence attending to itself
             k_cache = v_cache = None
         q_z = torch.cat([q, q.new_zeros(1, H, D)])
@@ -310,8 +321,13 @@ class Attention(nn.Module):
             else:
                 Bg = g.ctx_blocks.shape[0]
                 blocks = g.ctx_blocks.view(-1)
-                k_ctx = k_cache.index_select(0, blocks).view(Bg, -1, Hk, D)[:, :g.num_keys]  # [Bg, Lk, Hk, D]
-                v_ctx = v_cache.index_select(0, blocks).view(Bg, -1, Hk, D)[:, :g.num_keys]
+                if fp8_kv:  # the portable path of an FP8 cache (tests): gathered as bytes, upcast and scaled
+                    k_ctx = k_cache.view(torch.uint8).index_select(0, blocks).view(k_cache.dtype).to(q.dtype) * ks
+                    v_ctx = v_cache.view(torch.uint8).index_select(0, blocks).view(v_cache.dtype).to(q.dtype) * vs
+                else:
+                    k_ctx, v_ctx = k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
+                k_ctx = k_ctx.view(Bg, -1, Hk, D)[:, :g.num_keys]                 # [Bg, Lk, Hk, D]
+                v_ctx = v_ctx.view(Bg, -1, Hk, D)[:, :g.num_keys]
             o = F.scaled_dot_product_attention(
                 q_pad.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
                 attn_mask=g.mask, is_causal=g.mask is None, scale=self.scale,
@@ -323,3 +339,15 @@ class Attention(nn.Module):
                 out = q.new_empty(T, H * D)
             out[g.tok_index] = o
         return out
+
+
+def _write_cache(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
+    """Write ``x [T, Hk, D]`` into ``cache [num_blocks, block_size, Hk, D]`` at ``slots [T]``; a
+    float8_e4m3fn cache receives ``x / scale`` saturated to +-448, copied as bytes (``index_copy_``
+    has no float8 kernel)."""
+    Hk, D = cache.shape[-2:]
+    if cache.dtype != torch.float8_e4m3fn:
+        cache.view(-1, Hk, D).index_copy_(0, slots, x)
+        return
+    q = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    cache.view(torch.uint8).view(-1, Hk, D).index_copy_(0, slots, q.view(torch.uint8))
