@@ -538,10 +538,10 @@ def _fp8_kind(index: dict[str, TensorInfo], name: str, block: Optional[tuple[int
         return None
     shape = index[s].shape
     n, k = info.shape
+    if block is not None and shape == (-(-n // block[0]), -(-k // block[1])):
+        return "block"                          # (a weight within one block has a [1, 1] grid: block too)
     if math.prod(shape) == 1 or shape in ((n,), (n, 1)):
         return "channel"
-    if block is not None and shape == (-(-n // block[0]), -(-k // block[1])):
-        return "block"
     return None
 
 
@@ -610,7 +610,8 @@ def plan_checkpoint(model: nn.Module, index: dict[str, TensorInfo], quant: Optio
         if target is not None and target.dtype == FP8_DTYPE:
             plan.tensors.append(PlannedTensor(name, "copy", name))
             if scale is not None:
-                plan.tensors.append(PlannedTensor(f"{base}.weight_scale", "scale", scale, rows=info.shape[0]))
+                op = "block_scale" if _fp8_kind(index, name, quant.block) == "block" else "scale"
+                plan.tensors.append(PlannedTensor(f"{base}.weight_scale", op, scale, rows=info.shape[0]))
             inp = _input_scale_name(base, index)
             mod = model.get_submodule(targets[0][0].rsplit(".", 1)[0])
             if inp is not None and getattr(mod, "input_scale", None) is not None:
@@ -666,6 +667,8 @@ def iter_planned(plan: CheckpointPlan, index: dict[str, TensorInfo], quant: Opti
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {t.scale!r}: {e}") from None
                 yield t.name, w
+            elif t.op == "block_scale":
+                yield t.name, x.float()
             elif t.op == "scale":
                 s = x.float()
                 if s.numel() == 1:
