@@ -402,3 +402,235 @@ def test_nccl_tensor_parallel_moe_equals_tp1(small_qwen3_moe):
                  kv_cache_memory="1GiB", max_num_seqs=16) as llm:
             res[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert res[2] == res[1]
+
+
+
+
+# --- DeepSeek (multi-head latent attention, latent KV cache, DeepSeekMoE) --------------------------
+def _save_deepseek(d, first_k_dense_replace: int, heads: int) -> str:
+    """A small DeepSeek-V3 with the real MLA widths (kv_lora_rank 512, rope 64: the kernel's
+    512-dim latent rows), YaRN, noaux_tc routing with a random score-correction bias. More than 16
+    heads: the attention kernel runs once per 16 heads (``LATENT_HEAD_CHUNK``)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    cfg = DeepseekV3Config(vocab_size=49152, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                           num_hidden_layers=4, num_attention_heads=heads, num_key_value_heads=heads, kv_lora_rank=512,
+                           q_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                           n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, n_shared_experts=1,
+                           first_k_dense_replace=first_k_dense_replace, max_position_embeddings=2048,
+                           initializer_range=0.1, tie_word_embeddings=False,
+                           rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256,
+                                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, t in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                t.normal_(0.0, 0.05)
+    model.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def small_deepseek(tmp_path_factory):
+    return _save_deepseek(tmp_path_factory.mktemp("deepseek-moe"), first_k_dense_replace=1, heads=32)
+
+
+@pytest.fixture(scope="module")
+def small_deepseek_dense(tmp_path_factory):
+    """No MoE layer (first_k_dense_replace = all layers): the stage captures decode CUDA graphs."""
+    return _save_deepseek(tmp_path_factory.mktemp("deepseek-dense"), first_k_dense_replace=4, heads=16)
+
+
+def test_deepseek_bf16_matches_hf(small_deepseek):
+    """bf16 on the GPU (latent cache, absorbed MLA in the Triton kernel, MoE eager): HF's greedy tokens
+    under the top-5 rule of test_bf16_matches_hf."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts()
+    ref = _hf_greedy_with_logprobs(small_deepseek, prompts, 24)
+    with LLM(small_deepseek, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3) as llm:
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=TOP_K))
+    for (ref_toks, ref_lps), o in zip(ref, got):
+        toks, lps = o.outputs[0].token_ids, o.outputs[0].logprobs
+        for j, (a, b) in enumerate(zip(toks, ref_toks)):
+            if a != b:
+                hf_top = set(ref_lps[j].topk(TOP_K).indices.tolist())
+                assert a in hf_top, f"step {j}: zpp's token {a} is not in HF's top-{TOP_K}"
+                assert b in lps[j], f"step {j}: HF's token {b} is not in zpp's top-{TOP_K}"
+                break
+
+
+def test_deepseek_fp32_mixed_batches_equal_hf(small_deepseek):
+    """float32 on the GPU, prompt chunks next to decodes (a 48-token budget): HF's greedy tokens."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts() + [p[::-1] for p in _prompts()]
+    ref = _hf_greedy_with_logprobs(small_deepseek, prompts, 16, torch.float32)
+    with LLM(small_deepseek, device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_num_seqs=16,
+             max_num_batched_tokens=48) as llm:
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [r[0] for r in ref]
+
+
+def test_deepseek_cuda_graphs_equal_eager(small_deepseek_dense):
+    """Decode graphs over the latent cache (a dense-only DeepSeek: stages with MoE layers run eagerly
+    until the experts stop reading counts on the host) give eager mode's tokens, and HF's (fp32)."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts()
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = _hf_greedy_with_logprobs(small_deepseek_dense, prompts, 24, torch.float32)
+    res = {}
+    for eager in (True, False):
+        with LLM(small_deepseek_dense, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+                 enforce_eager=eager, max_num_seqs=16) as llm:
+            res[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert res[True] == res[False] == [r[0] for r in ref]
+
+
+
+
+# --- sliding-window attention and attention sinks: Gemma 3 and gpt-oss ---------------------------
+# Windows of 16 tokens against prompts of up to 120 (+ 24 generated): every long sequence's
+# sliding layers skip KV blocks. The Triton kernel itself is checked against a reference on the GPU
+# by tests/test_triton_ops.py (its window / sink cases run there too, in bf16).
+def _save_random(tmp_path_factory, name, cls, cfg, randomize):
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            value = randomize(pname, p.shape, g)
+            if value is not None:
+                p.copy_(value)
+    d = tmp_path_factory.mktemp(name)
+    model.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def small_gemma3(tmp_path_factory):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    cfg = Gemma3TextConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=16,
+                           sliding_window_pattern=3, max_position_embeddings=2048,
+                           rope_scaling={"rope_type": "linear", "factor": 8.0}, initializer_range=0.1)
+    # Gemma's norms are 1 + weight: random offsets instead of HF's zeros.
+    return _save_random(tmp_path_factory, "gemma3-small", Gemma3ForCausalLM, cfg,
+                        lambda n, shape, g: torch.randn(shape, generator=g) * 0.3 if "norm" in n else None)
+
+
+@pytest.fixture(scope="module")
+def small_gpt_oss(tmp_path_factory):
+    from transformers import GptOssConfig, GptOssForCausalLM
+    cfg = GptOssConfig(vocab_size=49152, hidden_size=256, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=32, num_local_experts=8,
+                       num_experts_per_tok=2, sliding_window=16, max_position_embeddings=2048,
+                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "truncate": False, "original_max_position_embeddings": 512,
+                                        "rope_theta": 150000.0},
+                       initializer_range=0.1)
+
+    def randomize(n, shape, g):
+        if n.endswith("sinks"):
+            return torch.randn(shape, generator=g) * 2
+        if n.endswith("_bias") or n.endswith("router.bias"):
+            return torch.randn(shape, generator=g) * 0.1
+        return None
+    return _save_random(tmp_path_factory, "gpt-oss-small", GptOssForCausalLM, cfg, randomize)
+
+
+def _assert_top5_agree(ref, got):
+    """vLLM's check_logprobs_close rule (see TOP_K above), prompt by prompt."""
+    for (ref_toks, ref_lps), o in zip(ref, got):
+        toks, lps = o.outputs[0].token_ids, o.outputs[0].logprobs
+        for j, (a, b) in enumerate(zip(toks, ref_toks)):
+            if a != b:
+                assert a in set(ref_lps[j].topk(TOP_K).indices.tolist()), f"step {j}: {a} not in HF's top-{TOP_K}"
+                assert b in lps[j], f"step {j}: HF's token {b} not in zpp's top-{TOP_K}"
+                break
+
+
+@pytest.mark.parametrize("family", ["small_gemma3", "small_gpt_oss"])
+def test_sliding_window_families_bf16_match_hf(request, family):
+    """bf16 on the GPU, CUDA graphs on (the default; gpt-oss's experts are the grouped Triton GEMMs),
+    against HF bf16 on the GPU under the top-5 rule."""
+    from zpp import LLM, SamplingParams
+    model_dir = request.getfixturevalue(family)
+    prompts = _prompts()
+    ref = _hf_greedy_with_logprobs(model_dir, prompts, 24)
+    with LLM(model_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, max_num_seqs=16) as llm:
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=TOP_K),
+                           use_tqdm=False)
+    _assert_top5_agree(ref, got)
+
+
+@pytest.mark.parametrize("family", ["small_gemma3", "small_gpt_oss"])
+def test_sliding_window_families_fp32_equal_hf(request, family, monkeypatch):
+    """float32 on the GPU: greedy tokens equal HF's, with prompt chunks (a 48-token budget, chunks
+    crossing the window) next to decodes in their own launch (ZPP_SPLIT_MIXED_ATTENTION=all), blocks
+    of 16, prefix caching on (the reversed prompts share nothing; the repeated one shares all), CUDA
+    graphs on for the pure decode steps."""
+    from zpp import LLM, SamplingParams
+    monkeypatch.setenv("ZPP_SPLIT_MIXED_ATTENTION", "all")
+    model_dir = request.getfixturevalue(family)
+    prompts = _prompts() + [p[::-1] for p in _prompts()] + [_prompts()[3]]
+    ref = _hf_greedy_with_logprobs(model_dir, prompts, 20, torch.float32)
+    with LLM(model_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_num_seqs=16,
+             max_num_batched_tokens=48, enable_prefix_caching=True) as llm:
+        first = llm.generate(prompts[3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert list(first) == ref[3][0]
+    assert [o.outputs[0].token_ids for o in got] == [r[0] for r in ref]
+
+
+def test_gemma3_cuda_graphs_equal_eager(small_gemma3):
+    """Decode through captured graphs (the window a constant of each layer's kernel launch, the
+    sequence lengths read at replay) gives eager mode's tokens; 12 sequences replay the batch-16
+    graph, contexts growing past the window during the run."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts() * 3
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    res = {}
+    for eager in (True, False):
+        with LLM(small_gemma3, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, enforce_eager=eager,
+                 max_num_seqs=16) as llm:
+            res[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert res[True] == res[False]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpt_oss_cuda_graphs_equal_eager(small_gpt_oss, dtype):
+    """gpt-oss decode replayed from CUDA graphs (router, expert sort, both grouped expert GEMMs with
+    their biases and the clamped SwiGLU, attention with windows and sinks, all captured) gives the
+    tokens of eager mode (enforce_eager); in float32 both give HF's greedy tokens too. 8 sequences:
+    decode replays the batch-8 graph, the GEMM shapes of eager decode; the short prompts' contexts
+    grow past the window (16) during the run."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts() * 2
+    n = 24
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    res = {}
+    for eager in (True, False):
+        with LLM(small_gpt_oss, device="cuda", dtype=dtype, gpu_memory_utilization=0.3, enforce_eager=eager,
+                 max_num_seqs=16) as llm:
+            res[eager] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert res[True] == res[False]
+    if dtype == "float32":
+        ref = _hf_greedy_with_logprobs(small_gpt_oss, _prompts(), n, torch.float32)
+        assert res[False] == [r[0] for r in ref] * 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one per tensor-parallel rank, NCCL)")
+def test_nccl_tensor_parallel_gpt_oss_equals_tp1(small_gpt_oss):
+    """gpt-oss at TP=2 over NCCL (8 heads / 2 KV heads and their sinks split 2 ways, every expert's
+    intermediate dim split, the down bias added by rank 0 only), float32: exactly the tokens of
+    TP=1, CUDA graphs on (the all-reduces captured) and off."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts() * 2
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    res = {}
+    for tp, eager in ((1, False), (2, False), (2, True)):
+        with LLM(small_gpt_oss, device="cuda", dtype="float32", tensor_parallel_size=tp, enforce_eager=eager,
+                 kv_cache_memory="1GiB", max_num_seqs=16) as llm:
+            res[tp, eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert res[2, False] == res[1, False]
+    assert res[2, True] == res[1, False]

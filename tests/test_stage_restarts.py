@@ -161,14 +161,38 @@ def test_each_stage_restarts_and_every_request_resumes(demo_model, pp, hits):
 
 
 def test_crash_loop_ends_in_fail_stop(demo_model, monkeypatch):
+    """Also: while the stage restarts, a request past the bounded queue (4 x --max-num-seqs waiting)
+    is refused at once with 503 in OpenAI's shape, not queued."""
     monkeypatch.setenv("ZPP_FAULT_RESTART_CRASH", "1")  # rank 1 fails at every restart
-    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--max-model-len", "512",
+    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--max-model-len", "512", "--max-num-seqs", "4",
                        "--worker-heartbeat-timeout", str(HEARTBEAT_S), "--max-stage-restarts", "2"])
     try:
         kids = descendants(s.proc.pid)
         pids = stage_pids(s)
-        t0 = time.monotonic()
-        got, _, late = _round(s.url, (pids[1], signal.SIGKILL))
+
+        async def go():
+            streams = [_Stream(b) for b in _bodies()]  # 20 sequences: 4 run, 16 wait (the cap)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+                tasks = [asyncio.create_task(_stream(session, s.url, st)) for st in streams]
+                deadline = time.monotonic() + 120
+                while not any(st.tokens for st in streams):
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.02)
+                os.kill(pids[1], signal.SIGKILL)
+                t0 = time.monotonic()
+                while True:
+                    async with session.get(s.url + "/health") as r:
+                        if r.status == 200 and (await r.json())["status"] == "recovering":
+                            break
+                    assert time.monotonic() - t0 < 30
+                    await asyncio.sleep(0.02)
+                async with session.post(s.url + "/v1/completions", json={"prompt": "one more", "max_tokens": 4}) as r:
+                    busy = (r.status, await r.json())
+                await asyncio.gather(*tasks)
+            return streams, busy, t0
+        got, busy, t0 = asyncio.run(go())
+        assert busy[0] == 503 and "restarting" in busy[1]["error"]["message"], busy
+        assert set(busy[1]["error"]) == {"message", "type", "param", "code"}, busy
         errors = [st.error for st in got if st.error]
         assert len(errors) == len(got), [st.error for st in got]
         msg = errors[0]

@@ -132,8 +132,10 @@ class ModelConfig:
 
     @property
     def hf_config(self) -> dict[str, Any]:
+        """``config.json``, normalized for its family (``zpp.models.registry.normalize_config``)."""
+        from zpp.models.registry import normalize_config
         with open(os.path.join(self.model, "config.json")) as f:
-            return json.load(f)
+            return normalize_config(json.load(f))
 
     @property
     def name(self) -> str:

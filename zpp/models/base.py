@@ -87,6 +87,24 @@ class StageModel(nn.Module):
     """KV heads this worker holds (the model's count divided by ``stage.tp_size``); sizes the KV cache."""
     head_dim: int
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of ONE layer's KV cache on this worker for ``num_blocks`` blocks of ``block_size``
+        tokens; dim 1 (dim 0 for a layout without the K/V axis) indexes blocks. The model runner
+        allocates one such tensor per local layer, sizes the cache from it (bytes of a block = the
+        shape at ``num_blocks=1``) and hands it to the layer's attention unchanged.
+
+        Default: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K and V). A family with
+        another layout overrides this together with its attention (DeepSeek's latent cache:
+        ``[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``)."""
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    @classmethod
+    def normalize_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """``config.json`` as the rest of zpp reads it (``vocab_size``, ``num_attention_heads``,
+        ``max_position_embeddings``, ...): a family whose configs nest the text model or omit keys
+        with class defaults returns a flat dict with them filled in. Default: unchanged."""
+        return cfg
+
     @classmethod
     def check_config(cls, cfg: dict[str, Any]) -> None:
         """Raise ConfigError for options this implementation does not support."""

@@ -17,6 +17,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("zpp.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GPT2LMHeadModel": ("zpp.models.gpt2", "GPT2LMHeadModel"),
     "OPTForCausalLM": ("zpp.models.opt", "OPTForCausalLM"),
+    "DeepseekV2ForCausalLM": ("zpp.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("zpp.models.deepseek", "DeepseekV3ForCausalLM"),
+    "Gemma3ForCausalLM": ("zpp.models.gemma3", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("zpp.models.gemma3", "Gemma3ForCausalLM"),  # its language model only
+    "GptOssForCausalLM": ("zpp.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 
@@ -28,6 +33,17 @@ def tensor_parallel_architectures() -> list[str]:
     """Architectures that support ``--tensor-parallel-size > 1``."""
     return sorted(a for a, (module, name) in _MODELS.items()
                   if getattr(importlib.import_module(module), name).supports_tensor_parallel)
+
+
+def normalize_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``config.json`` of a supported architecture as zpp reads it everywhere (see
+    ``StageModel.normalize_config``: e.g. a multimodal Gemma 3 config's ``text_config`` flattened);
+    any other config unchanged (it is refused later, by :func:`resolve_model_class`)."""
+    for arch in cfg.get("architectures") or []:
+        if arch in _MODELS:
+            module, name = _MODELS[arch]
+            return getattr(importlib.import_module(module), name).normalize_config(cfg)
+    return cfg
 
 
 def resolve_model_class(cfg: dict[str, Any], tensor_parallel_size: int = 1):

@@ -43,6 +43,13 @@ def init_tp_group(rank: int, pp_size: int, tp_size: int, timeout=DIST_TIMEOUT) -
     return _GROUP
 
 
+def release_tp_group() -> None:
+    """Drop this module's reference to the TP group (before the groups are destroyed and formed
+    again after a stage restart)."""
+    global _GROUP
+    _GROUP = None
+
+
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` (any shape and dtype, on the group's device) over the TP group, in place; returns it.
 

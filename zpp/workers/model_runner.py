@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 from collections import deque
 from typing import Optional
@@ -169,16 +170,17 @@ class ModelRunner:
 
     # --- KV cache -----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        """Bytes one block takes across this stage's layers (K and V) on this worker: with tensor
-        parallelism only this rank's ``num_kv_heads / tp_size`` KV heads; 1 byte per element with an
-        FP8 KV cache (``--kv-cache-dtype fp8``), so twice the blocks fit."""
+        """Bytes one block takes across this stage's layers on this worker, from the model's
+        per-layer cache layout (:meth:`StageModel.kv_cache_shape`): K and V of this rank's
+        ``num_kv_heads / tp_size`` KV heads by default, the latent rows for DeepSeek's MLA; 1 byte
+        per element with an FP8 KV cache (``--kv-cache-dtype fp8``), so twice the blocks fit."""
         elem = torch.empty(0, dtype=self.kv_dtype).element_size()
-        return 2 * self.block_size * self.model.num_kv_heads * self.model.head_dim * elem * self.model.num_local_layers
+        return math.prod(self.model.kv_cache_shape(1, self.block_size)) * elem * self.model.num_local_layers
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer, plus one scratch block (id ``num_blocks``) that
         CUDA-graph padding rows write into."""
-        shape = (2, num_blocks + 1, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        shape = self.model.kv_cache_shape(num_blocks + 1, self.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(self.model.num_local_layers)]
         self.scratch_slot = num_blocks * self.block_size

@@ -95,7 +95,7 @@ def measure_stage_cost(model_dir: str, cfg: dict, stage: StageInfo, dtype: torch
         if not middle and i == a:
             own = load_stage_model(model_dir, cfg, StageInfo(stage.pp_rank, stage.pp_size, a, a + 1, stage.tp_rank,
                                                              stage.tp_size), dtype, device, max_model_len, "dummy", seed)
-        kv = [torch.zeros((2, B * per_seq + 1, block_size, mid.num_kv_heads, mid.head_dim), dtype=dtype, device=device)]
+        kv = [torch.zeros(mid.kv_cache_shape(B * per_seq + 1, block_size), dtype=dtype, device=device)]
         group = max(1, heads // max(1, mid.num_kv_heads * stage.tp_size))
         meta = build_attention_metadata([ctx] * B, [1] * B, tables, block_size, device, group)
         acts = torch.randn((mid.num_acts, B, mid.hidden_size), generator=gen, device=device).to(dtype)

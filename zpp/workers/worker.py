@@ -160,6 +160,7 @@ def _setup(init, sock):
     from zpp.config import parse_dtype
     from zpp.models.base import StageInfo
     from zpp.models.loader import load_stage_model
+    from zpp.models.registry import normalize_config
     from zpp.transport import messages as m
     from zpp.transport.p2p import RESTART_RENDEZVOUS
     from zpp.workers.model_runner import ModelRunner
@@ -181,7 +182,7 @@ def _setup(init, sock):
     dtype = parse_dtype(cfg_all.model.dtype, device_kind)
     link = _form_groups(init, device, init.generation, RESTART_RENDEZVOUS if init.generation else None)
     with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
+        cfg = normalize_config(json.load(f))
     layer_start, layer_end = init.layer_start, init.layer_end
     if cfg_all.parallel.pp_layer_partition == "auto" and pp_size > 1 and init.generation == 0:
         layer_start, layer_end = _measure_and_assign(init, sock, cfg, device, dtype)
@@ -371,12 +372,21 @@ def _rejoin(runner, sock, init, generation: int) -> None:
     rejoins), form generation ``generation``'s with the restarted ranks, forget every request, and
     answer Rejoined. Weights, KV cache memory and (without tensor parallelism) CUDA graphs stay."""
     from zpp.transport import messages as m
+    import gc
+
     from zpp.transport.p2p import REJOIN_RENDEZVOUS, leave_process_group
+    from zpp.transport.tensor_parallel import release_tp_group
     t = time.perf_counter()
     tp_size = init.config.parallel.tensor_parallel_size
     if runner.link is not None:
         runner.link.drop()
+    # Every reference to the old groups must go: only then are their connections closed, which is
+    # what wakes a neighbour still blocked receiving from this worker (destroying the world group
+    # alone leaves the pair groups' sockets open while something holds them).
+    runner.link = None
+    release_tp_group()
     leave_process_group()
+    gc.collect()
     runner.link = _form_groups(init, runner.device, generation, REJOIN_RENDEZVOUS)
     runner.forget_requests()
     if runner.graphs is not None and tp_size > 1 and runner.device.type == "cuda":

@@ -1,7 +1,10 @@
 """Rotary position embedding (Su et al. 2021, RoFormer), in HF transformers' "rotate_half" layout.
 
-Supported ``rope_scaling`` / ``rope_parameters`` types: ``default``, ``linear``, ``llama3``.
-Anything else raises :class:`zpp.config.ConfigError` when the model is resolved (before weights load).
+Supported ``rope_scaling`` / ``rope_parameters`` types: ``default``, ``linear``, ``llama3``, ``yarn``
+(Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models", computed as HF
+transformers' ``_compute_yarn_parameters``: blended inverse frequencies, and the attention factor
+folded into the cos/sin tables). Anything else raises :class:`zpp.config.ConfigError` when the
+model is resolved (before weights load).
 """
 from __future__ import annotations
 
@@ -13,22 +16,72 @@ from torch import nn
 
 from zpp.config import ConfigError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+def rope_params(cfg: dict[str, Any], default_theta: float = 10000.0,
+                types: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> tuple[float, dict[str, Any]]:
     """(theta, scaling dict) from an HF config, old (``rope_theta``/``rope_scaling``) or new
-    (``rope_parameters``) style. Raises ConfigError for unsupported scaling types."""
+    (``rope_parameters``) style. Raises ConfigError for scaling types not in ``types``."""
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
     merged = {**scaling, **params}
+    if cfg.get("original_max_position_embeddings") and merged.get("rope_type", merged.get("type")) == "yarn":
+        # HF's standardize_rope_params: a top-level original_max_position_embeddings wins.
+        merged["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    return theta, check_rope_scaling(merged, cfg.get("max_position_embeddings"), types)
+
+
+def check_rope_scaling(scaling: dict[str, Any], max_position_embeddings: Optional[int] = None,
+                       types: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> dict[str, Any]:
+    """The scaling dict with ``rope_type`` set (``type`` is its old name) and, for YaRN, HF's defaults
+    filled in (``original_max_position_embeddings`` = ``max_position_embeddings``; ``factor`` = their
+    ratio). Raises ConfigError for a type not in ``types`` or a YaRN setting without its lengths."""
+    merged = dict(scaling)
     rtype = merged.get("rope_type", merged.get("type", "default")) or "default"
-    if rtype not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(
-            f"rope scaling type {rtype!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rtype not in types:
+        raise ConfigError(f"rope scaling type {rtype!r} is not supported (supported: {', '.join(types)})")
     merged["rope_type"] = rtype
-    return theta, merged
+    if rtype == "yarn":
+        orig = merged.get("original_max_position_embeddings") or max_position_embeddings
+        if orig is None:
+            raise ConfigError("yarn rope scaling needs original_max_position_embeddings or max_position_embeddings")
+        merged["original_max_position_embeddings"] = orig
+        if merged.get("factor") is None:
+            if max_position_embeddings is None:
+                raise ConfigError("yarn rope scaling without a factor needs max_position_embeddings")
+            merged["factor"] = max_position_embeddings / orig
+    return merged
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature factor ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(scaling: dict[str, Any]) -> float:
+    """The factor HF multiplies cos and sin by (``attention_scaling`` of its rotary embedding): 1
+    except for YaRN, where it is ``attention_factor`` if given, else ``mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim)`` when both are set (DeepSeek), else ``mscale(factor)``."""
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def yarn_softmax_scale(scaling: dict[str, Any], scale: float) -> float:
+    """DeepSeek's attention scale (HF ``yarn_apply_mscale``): ``scale * mscale(factor, mscale_all_dim)^2``
+    when the rope type is not ``default`` and ``mscale_all_dim`` is set, else ``scale`` unchanged."""
+    if scaling.get("rope_type", "default") != "default" and scaling.get("mscale_all_dim"):
+        m = _yarn_mscale(float(scaling["factor"]), scaling["mscale_all_dim"])
+        scale = scale * m * m
+    return scale
 
 
 def _inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
@@ -49,14 +102,44 @@ def _inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
+    elif rtype == "yarn":
+        inv = _yarn_inv_freq(dim, theta, scaling)
     return inv
+
+
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN's inverse frequencies ``[dim / 2]`` float32, step for step as HF's
+    ``_compute_yarn_parameters``: interpolated (divided by ``factor``) below the ``beta_slow``
+    rotation count over the original context, extrapolated (unchanged) above ``beta_fast``, a
+    linear ramp between."""
+    factor = float(scaling["factor"])
+    orig = scaling["original_max_position_embeddings"]
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF: avoids a division by zero
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(torch.float32) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
 
 
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to query and key heads.
 
     ``forward(positions [T] int64, q [T, Hq, D], k [T, Hk, D])`` -> rotated ``(q, k)`` (new tensors,
-    same dtype). cos/sin are precomputed in float32 for ``max_positions`` and cast per call.
+    same dtype). cos/sin are precomputed in float32 for ``max_positions`` and cast per call; they
+    include the YaRN attention factor (:func:`rope_attention_factor`), as HF's do.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
@@ -67,8 +150,12 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = t[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, rotary_dim]
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        factor = rope_attention_factor(scaling or {})
+        cos, sin = emb.cos(), emb.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        self.register_buffer("cos", cos, persistent=False)  # [max_positions, rotary_dim]
+        self.register_buffer("sin", sin, persistent=False)
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
