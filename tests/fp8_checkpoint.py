@@ -24,7 +24,8 @@ import shutil
 import torch
 
 FP8 = torch.float8_e4m3fn
-_QUANTIZED = re.compile(r"\.layers\.\d+\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_QUANTIZED = re.compile(r"\.layers\.\d+\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3|"
+                        r"q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)\.weight$")
 
 
 def _amax_scale(t: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,9 @@ transformers' (fp32, CPU) on the same checkpoint dequantized, at PP = 1 and 2, w
 and prefix caching; HF itself reads the FP8 checkpoints to those same weights (compressed-tensors
 with ``dequantize=True``; block FP8 where its dequantizer is right, see ``test_hf_reads_fp8``).
 Tiny Llama dims are not multiples of 128 (partial blocks: 192, 320, 64); the Qwen3-MoE one's are
-(its FP8 experts are dequantized too); the real SmolLM2 (demo model) has 576 / 192 / 1536.
+(its FP8 experts are dequantized too); the real SmolLM2 (demo model) has 576 / 192 / 1536;
+DeepSeek-V3 (MLA: q_a / q_b / kv_a / kv_b projections FP8 too, kv_b kept in the model dtype on GPUs
+because MLA folds it into the attention).
 
 Also: the layer-by-layer FP8 loading a GPU with FP8 does (weights kept in e4m3 with canonical scales,
 merged q/k/v, tensor-parallel slices, block grids), run here on the CPU; a missing scale or weight is
@@ -65,6 +67,9 @@ def ckpt(tmp_path_factory, demo_model):
             if family not in srcs:
                 if family == "smollm2":
                     srcs[family] = demo_model
+                elif family == "deepseek-v3":
+                    from test_models_deepseek import _save, _v3
+                    srcs[family] = _save(_v3, str(tmp_path_factory.mktemp(family)), demo_model)
                 else:
                     cls, cfg = FAMILIES[family]()
                     torch.manual_seed(0)
@@ -90,7 +95,7 @@ def _greedy(llm, prompts, n=MAX_NEW):
 @pytest.mark.parametrize("family, layout, pp", [
     ("llama", "ct-channel", 1), ("llama", "ct-channel", 2), ("llama", "ct-tensor", 2), ("llama", "block", 1),
     ("llama", "block", 2), ("qwen3-moe", "block", 2), ("qwen3-moe", "ct-channel", 1),
-    ("smollm2", "ct-channel", 2), ("smollm2", "block", 1)])
+    ("smollm2", "ct-channel", 2), ("smollm2", "block", 1), ("deepseek-v3", "block", 2)])
 def test_greedy_matches_hf(ckpt, prompts, family, layout, pp):
     """Batched prompts cut into chunks of at most 16 tokens, prefix caching on (a request sharing 32
     tokens with an earlier one reads them from the cache)."""
