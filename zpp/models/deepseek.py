@@ -278,10 +278,6 @@ class DeepseekV2ForCausalLM(StageModel):
         cfg = cls.with_defaults(cfg)
         rope_params(cfg)
         check_activation(cfg, "hidden_act", "silu")
-        quant = cfg.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-            raise ConfigError(f"quantized checkpoints (quantization_config quant_method={method!r}) are not supported")
         if cfg.get("num_experts_per_tok") is None:
             raise ConfigError("num_experts_per_tok is not set")
         if int(cfg["qk_rope_head_dim"]) % 2:

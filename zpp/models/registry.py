@@ -5,6 +5,7 @@ import importlib
 from typing import Any
 
 from zpp.config import ConfigError
+from zpp.models.quantization import check_quantization
 
 # HF ``architectures`` entry -> (module, class). One line per supported architecture.
 _MODELS: dict[str, tuple[str, str]] = {
@@ -50,7 +51,9 @@ def resolve_model_class(cfg: dict[str, Any], tensor_parallel_size: int = 1):
 
     Raises:
         ConfigError: no/unknown ``architectures`` entry, an option the family does not support, or a
-            required field missing; one line, naming the architecture and listing the supported ones.
+            required field missing; one line, naming the architecture and listing the supported ones;
+            a quantized checkpoint zpp cannot load (``zpp.models.quantization.check_quantization``:
+            anything but FP8 compressed-tensors / block FP8), one line naming the method.
             With ``tensor_parallel_size > 1``: a family without tensor parallelism, or head / KV-head
             / intermediate sizes it does not divide (one line naming ``--tensor-parallel-size``).
     """
@@ -59,6 +62,10 @@ def resolve_model_class(cfg: dict[str, Any], tensor_parallel_size: int = 1):
         if arch in _MODELS:
             module, name = _MODELS[arch]
             cls = getattr(importlib.import_module(module), name)
+            try:
+                check_quantization(cfg)
+            except ConfigError as e:
+                raise ConfigError(f"{arch}: {e}") from None
             try:
                 cls.check_config(cfg)
                 cls.num_layers_of(cfg)

@@ -111,7 +111,8 @@ class ModelRunner:
 
     def __init__(self, model: StageModel, device: torch.device, dtype: torch.dtype, block_size: int,
                  link: Optional[StageLink], eos_token_ids: set[int], seed: int = 0, trace_name: str = "stage",
-                 async_scheduling: bool = False, max_model_len: int = 4096, max_num_seqs: int = 256):
+                 async_scheduling: bool = False, max_model_len: int = 4096, max_num_seqs: int = 256,
+                 kv_cache_dtype: Optional[torch.dtype] = None):
         self.model = model
         self.async_scheduling = async_scheduling
         # Async scheduling: the device tensors of sampled ids (int64[N]) of recent micro-batches, by
@@ -121,6 +122,9 @@ class ModelRunner:
         self._next_key = 0
         self.device = device
         self.dtype = dtype
+        # The KV cache's element type: the model's, or float8_e4m3fn (--kv-cache-dtype fp8, with the
+        # attention layers' k_scale / v_scale; zpp.models.layers.attention).
+        self.kv_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
         self.link = link
         self.stage = model.stage
@@ -168,15 +172,16 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """Bytes one block takes across this stage's layers on this worker, from the model's
         per-layer cache layout (:meth:`StageModel.kv_cache_shape`): K and V of this rank's
-        ``num_kv_heads / tp_size`` KV heads by default, the latent rows for DeepSeek's MLA."""
-        elem = torch.empty(0, dtype=self.dtype).element_size()
+        ``num_kv_heads / tp_size`` KV heads by default, the latent rows for DeepSeek's MLA; 1 byte
+        per element with an FP8 KV cache (``--kv-cache-dtype fp8``), so twice the blocks fit."""
+        elem = torch.empty(0, dtype=self.kv_dtype).element_size()
         return math.prod(self.model.kv_cache_shape(1, self.block_size)) * elem * self.model.num_local_layers
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer, plus one scratch block (id ``num_blocks``) that
         CUDA-graph padding rows write into."""
         shape = self.model.kv_cache_shape(num_blocks + 1, self.block_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(self.model.num_local_layers)]
         self.scratch_slot = num_blocks * self.block_size
 

@@ -190,7 +190,9 @@ def _setup(init, sock):
     _fault_crash_on_restart(init)
     t = time.perf_counter()
     model = load_stage_model(model_dir, cfg, stage, dtype, device, max_model_len,
-                             cfg_all.model.load_format, seed)
+                             cfg_all.model.load_format, seed, quantization=cfg_all.model.quantization)
+    if cfg_all.kv_cache_fp8:
+        _warn_kv_scales(model)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info("stage %d/%d%s: layers [%d, %d) loaded in %.1fs (%.1f MiB)", init.pp_rank, pp_size,
                 f" TP rank {init.tp_rank}/{tp_size}" if tp_size > 1 else "",
@@ -198,7 +200,8 @@ def _setup(init, sock):
     runner = ModelRunner(model, device, dtype, block_size, link, set(init.eos_token_ids), seed,
                          trace_name=f"rank{init.rank}-stage{init.pp_rank}",
                          async_scheduling=cfg_all.async_scheduling, max_model_len=max_model_len,
-                         max_num_seqs=cfg_all.scheduler.max_num_seqs)
+                         max_num_seqs=cfg_all.scheduler.max_num_seqs,
+                         kv_cache_dtype=torch.float8_e4m3fn if cfg_all.kv_cache_fp8 else None)
     if runner.trace.enabled and device_kind == "cuda":
         runner.trace.cuda_clock()
 
@@ -232,6 +235,17 @@ def _setup(init, sock):
         runner.warm_up_logits(min(cfg_all.scheduler.max_num_seqs, cfg_all.max_num_batched_tokens))
     sock.send(m.CacheReady(rank=init.rank))
     return runner
+
+
+def _warn_kv_scales(model) -> None:
+    """--kv-cache-dtype fp8: warn (as vLLM does) when attention layers lack the checkpoint's scales."""
+    from zpp.models.layers.attention import Attention
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    missing = sum(not a.kv_scales_loaded for a in layers)
+    if missing:
+        logger.warning("--kv-cache-dtype fp8: the checkpoint has no k_scale / v_scale for %d of this stage's %d "
+                       "attention layers: they use 1.0 (as vLLM does), so K/V values beyond +-448 saturate",
+                       missing, len(layers))
 
 
 def _form_groups(init, device, generation: int, rendezvous=None):

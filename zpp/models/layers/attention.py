@@ -359,7 +359,16 @@ class Attention(nn.Module):
     ``sliding_window``: this layer's window ``W`` (None: full causal attention); the query at
     position ``i`` sees keys ``i - W < j <= i``. ``forward(..., sinks=[Hq])``: attention-sink logits
     (gpt-oss), one per query head of this rank.
+
+    FP8 KV cache (``--kv-cache-dtype fp8``: ``kv_cache`` float8_e4m3fn): K is stored as ``K / k_scale``
+    and V as ``V / v_scale`` (saturated to +-448), per-layer floats from the checkpoint's
+    ``self_attn.k_scale`` / ``v_scale`` (``kv_scales_loaded``) or 1.0 (vLLM's default), and read back
+    upcast and scaled (vLLM's ``fp8_e4m3`` cache). Shared rows (MLA) use ``k_scale`` for both.
     """
+
+    k_scale = 1.0
+    v_scale = 1.0
+    kv_scales_loaded = False
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: Optional[float] = None,
                  v_head_dim: Optional[int] = None, sliding_window: Optional[int] = None):
@@ -387,31 +396,34 @@ class Attention(nn.Module):
         shared = v is None
         if not shared:
             v = v.view(T, Hk, D)
+        fp8_kv = kv_cache is not None and kv_cache.dtype == torch.float8_e4m3fn
+        ks, vs = (self.k_scale, self.k_scale if shared else self.v_scale) if fp8_kv else (1.0, 1.0)
         if meta.triton and kv_cache is not None:
             from zpp.models.layers import triton_ops
             if shared:
                 k_cache = v_cache = kv_cache
-                k_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, k)
+                _write_cache(k_cache, meta.slot_mapping, k, ks)
             else:
                 k_cache, v_cache = kv_cache[0], kv_cache[1]
                 if rotary is not None:  # q stays a strided view of the qkv output: rotated in place there
                     triton_ops.rope_and_cache(q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache,
-                                              meta.slot_mapping)
+                                              meta.slot_mapping, ks, vs)
                 else:
-                    k_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, k)
-                    v_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v)
+                    _write_cache(k_cache, meta.slot_mapping, k, ks)
+                    _write_cache(v_cache, meta.slot_mapping, v, vs)
             out = torch.empty((T, H, Dv), dtype=q.dtype, device=q.device)
             splits = triton_ops.decode_splits(meta.seq_lens.shape[0], Hk) if meta.decode_only else 1
             if shared and H > LATENT_HEAD_CHUNK and H % LATENT_HEAD_CHUNK == 0:
-                self._shared_rows_by_head_chunks(q, kv_cache, out, meta, splits)
+                self._shared_rows_by_head_chunks(q, kv_cache, out, meta, splits, ks)
                 return out.view(T, H * Dv)
             if meta.decode_tile_seq is not None:  # a mixed batch: its decodes at the decode tile shape
                 triton_ops.paged_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
                                            meta.query_start, meta.decode_tile_seq, meta.decode_tile_qstart,
-                                           self.scale, meta.decode_block_m, 1, window=window, sinks=sinks)
+                                           self.scale, meta.decode_block_m, 1, window=window, sinks=sinks,
+                                           k_scale=ks, v_scale=vs)
             triton_ops.paged_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
                                        meta.query_start, meta.tile_seq, meta.tile_qstart, self.scale, meta.block_m,
-                                       splits, window=window, sinks=sinks)
+                                       splits, window=window, sinks=sinks, k_scale=ks, v_scale=vs)
             return out.view(T, H * Dv)
         if rotary is not None:
             q, k = rotary(positions, q, k)
@@ -420,8 +432,8 @@ class Attention(nn.Module):
                 k_cache = v_cache = kv_cache                                    # [N, bs, Hk, D]
             else:
                 k_cache, v_cache = kv_cache[0], kv_cache[1]                     # [N, bs, Hk, D]
-                v_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v)
-            k_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, k)
+                _write_cache(v_cache, meta.slot_mapping, v, vs)
+            _write_cache(k_cache, meta.slot_mapping, k, ks)
         else:  # profiling: a single sequence attending to itself
             k_cache = v_cache = None
         q_z = torch.cat([q, q.new_zeros(1, H, D)])
@@ -440,8 +452,8 @@ class Attention(nn.Module):
             else:
                 Bg = view.ctx_blocks.shape[0]
                 blocks = view.ctx_blocks.view(-1)
-                k_ctx = k_cache.index_select(0, blocks).view(Bg, -1, Hk, D)[:, :view.num_keys]  # [Bg, Lk, Hk, D]
-                v_ctx = k_ctx if shared else v_cache.index_select(0, blocks).view(Bg, -1, Hk, D)[:, :view.num_keys]
+                k_ctx = _gather(k_cache, blocks, q.dtype, ks).view(Bg, -1, Hk, D)[:, :view.num_keys]  # [Bg, Lk, Hk, D]
+                v_ctx = k_ctx if shared else _gather(v_cache, blocks, q.dtype, vs).view(Bg, -1, Hk, D)[:, :view.num_keys]
             if shared:
                 v_ctx = v_ctx[..., :Dv]                                         # [Bg, Lk, Hk, Dv]
             if sinks is not None:
@@ -464,7 +476,7 @@ class Attention(nn.Module):
         return out
 
     def _shared_rows_by_head_chunks(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
-                                    meta: AttentionMetadata, splits: int) -> None:
+                                    meta: AttentionMetadata, splits: int, kv_scale: float = 1.0) -> None:
         """Triton path, shared rows, ``H > LATENT_HEAD_CHUNK`` heads: one kernel launch per chunk of
         heads (``q[:, h0:h1]`` / ``out[:, h0:h1]`` views) with the metadata's query tiles; a tile's
         rows are its tokens (``block_m // H`` of them) times the chunk's heads."""
@@ -478,4 +490,24 @@ class Attention(nn.Module):
             for h0 in range(0, H, c):
                 triton_ops.paged_attention(q[:, h0:h0 + c], kv_cache, kv_cache, out[:, h0:h0 + c], meta.block_tables,
                                            meta.seq_lens, meta.query_start, tile_seq, tile_qstart, self.scale, block_m,
-                                           n_splits)
+                                           n_splits, k_scale=kv_scale, v_scale=kv_scale)
+
+
+def _write_cache(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
+    """Write ``x [T, Hk, D]`` into ``cache [num_blocks, block_size, Hk, D]`` at ``slots [T]``; a
+    float8_e4m3fn cache receives ``x / scale`` saturated to +-448, copied as bytes (``index_copy_``
+    has no float8 kernel)."""
+    Hk, D = cache.shape[-2:]
+    if cache.dtype != torch.float8_e4m3fn:
+        cache.view(-1, Hk, D).index_copy_(0, slots, x)
+        return
+    q = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    cache.view(torch.uint8).view(-1, Hk, D).index_copy_(0, slots, q.view(torch.uint8))
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``cache[blocks]``; a float8_e4m3fn cache (the portable path of an FP8 cache, tests) gathered as
+    bytes, upcast to ``dtype`` and multiplied by ``scale``."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return cache.index_select(0, blocks)
+    return cache.view(torch.uint8).index_select(0, blocks).view(cache.dtype).to(dtype) * scale

@@ -28,9 +28,12 @@ def _paged_attention_kernel(
     KV_BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HQ: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
     D_EXTRA: tl.constexpr = 0, BLOCK_DE: tl.constexpr = 16, V_FROM_K: tl.constexpr = False,
+    v_scale=1.0, FP8_KV: tl.constexpr = False,
 ):
     # D_EXTRA > 0: queries and keys have D + D_EXTRA dims, values D (their scores add the extra
     # dims' dot product). V_FROM_K: the value of a key row is its first D dims (MLA's latent cache).
+    # FP8_KV: the caches hold float8_e4m3fn K / V (--kv-cache-dtype fp8), upcast to the query's dtype as
+    # they are read; K's scale is folded into scale_log2e by the caller, V's multiplies the output.
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -83,9 +86,13 @@ def _paged_attention_kernel(
         off = blk * stride_kb + (n % KV_BLOCK) * stride_ks + kvh * stride_kh
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8_KV:
+            k = k.to(Q.dtype.element_ty)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2e                       # [BLOCK_M, BLOCK_N], log2 units
         if D_EXTRA > 0:
             k_ext = tl.load(K_cache + off[:, None] + D + de[None, :], mask=n_ok[:, None] & de_ok[None, :], other=0.0)
+            if FP8_KV:
+                k_ext = k_ext.to(Q.dtype.element_ty)
             s += tl.dot(q_ext, tl.trans(k_ext), input_precision=PREC) * scale_log2e
         visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
         if SLIDING:
@@ -100,9 +107,13 @@ def _paged_attention_kernel(
             v = k
         else:
             v = tl.load(V_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if FP8_KV:
+                v = v.to(Q.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if FP8_KV:
+        out = out * v_scale
     if NUM_SPLITS == 1:
         tl.store(Out + (qs + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -153,7 +164,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     tile_seq: torch.Tensor, tile_qstart: torch.Tensor, scale: float, block_m: int,
                     num_splits: int = 1, block_n: Optional[int] = None, num_warps: Optional[int] = None,
                     num_stages: Optional[int] = None, window: Optional[int] = None,
-                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    sinks: Optional[torch.Tensor] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of new query tokens over the paged KV cache (their own K/V already written).
 
     Args:
@@ -177,6 +188,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             ``i - W < j <= i`` (HF's ``sliding_window_overlay``); each tile's key loop starts at its
             first query's first visible key, so blocks wholly outside the window are never read.
         sinks: ``[Hq]`` attention-sink logits (gpt-oss), any float dtype, or None.
+        k_scale, v_scale: an FP8 cache (float8_e4m3fn ``k_cache`` / ``v_cache``) holds ``K / k_scale`` and
+            ``V / v_scale``: K's scale multiplies the logits (not the sinks), V's the output (the cache
+            values are upcast to ``q``'s dtype for the products).
     """
     T, Hq, Dq = q.shape
     _, kv_block, Hk, _ = k_cache.shape
@@ -205,14 +219,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (tile_seq.shape[0], Hk, splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
-        part_o, part_ml, sinks if sinks is not None else out, scale * 1.4426950408889634, window or 0,
+        part_o, part_ml, sinks if sinks is not None else out, scale * k_scale * 1.4426950408889634, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=G, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         KV_BLOCK=kv_block, D=D, BLOCK_D=BLOCK_D, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=splits, HQ=Hq, SLIDING=window is not None, HAS_SINKS=sinks is not None,
         D_EXTRA=d_extra, BLOCK_DE=max(16, triton.next_power_of_2(max(d_extra, 1))),
-        V_FROM_K=bool(d_extra), num_warps=num_warps, num_stages=num_stages)
+        V_FROM_K=bool(d_extra), v_scale=v_scale, FP8_KV=k_cache.dtype == torch.float8_e4m3fn,
+        num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge_splits_kernel[(T, Hq)](part_o, part_ml, out, out.stride(0), out.stride(1), HQ=Hq,
                                       NUM_SPLITS=splits, D=D, BLOCK_D=BLOCK_D, num_warps=4)
@@ -277,7 +292,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Option
 def _rope_cache_kernel(Q, K, V, positions, cos_ptr, sin_ptr, k_cache, v_cache, slots,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_cs, stride_kcs, stride_kch,
-                       HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                       HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                       k_inv=1.0, v_inv=1.0, FP8_KV: tl.constexpr = False):
+    # FP8_KV: K and V are stored as float8_e4m3fn, K * k_inv and V * v_inv saturated to +-448.
     t = tl.program_id(0)
     pos = tl.load(positions + t).to(tl.int64)
     slot = tl.load(slots + t).to(tl.int64)
@@ -298,20 +315,30 @@ def _rope_cache_kernel(Q, K, V, positions, cos_ptr, sin_ptr, k_cache, v_cache, s
     k1 = tl.load(kp, mask=km, other=0.0).to(tl.float32)
     k2 = tl.load(kp + HALF, mask=km, other=0.0).to(tl.float32)
     cp = k_cache + slot * stride_kcs + h[:, None] * stride_kch + i[None, :]
-    tl.store(cp, (k1 * cos - k2 * sin).to(k_cache.dtype.element_ty), mask=km)
-    tl.store(cp + HALF, (k2 * cos + k1 * sin).to(k_cache.dtype.element_ty), mask=km)
+    kr1 = k1 * cos - k2 * sin
+    kr2 = k2 * cos + k1 * sin
     vp = V + t * stride_vt + h[:, None] * stride_vh + i[None, :]
     vc = v_cache + slot * stride_kcs + h[:, None] * stride_kch + i[None, :]
-    tl.store(vc, tl.load(vp, mask=km, other=0.0), mask=km)
-    tl.store(vc + HALF, tl.load(vp + HALF, mask=km, other=0.0), mask=km)
+    v1 = tl.load(vp, mask=km, other=0.0)
+    v2 = tl.load(vp + HALF, mask=km, other=0.0)
+    if FP8_KV:
+        kr1 = tl.clamp(kr1 * k_inv, -448.0, 448.0)
+        kr2 = tl.clamp(kr2 * k_inv, -448.0, 448.0)
+        v1 = tl.clamp(v1.to(tl.float32) * v_inv, -448.0, 448.0)
+        v2 = tl.clamp(v2.to(tl.float32) * v_inv, -448.0, 448.0)
+    tl.store(cp, kr1.to(k_cache.dtype.element_ty), mask=km)
+    tl.store(cp + HALF, kr2.to(k_cache.dtype.element_ty), mask=km)
+    tl.store(vc, v1.to(v_cache.dtype.element_ty), mask=km)
+    tl.store(vc + HALF, v2.to(v_cache.dtype.element_ty), mask=km)
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Rotate ``q [T, Hq, D]`` in place (rotate-half RoPE) and write rotated ``k`` and ``v``
     (``[T, Hk, D]``) into the caches (``[num_blocks, block_size, Hk, D]``) at ``slot_mapping [T]``.
-    ``cos``/``sin``: ``[max_pos, D]`` float32 tables."""
+    ``cos``/``sin``: ``[max_pos, D]`` float32 tables. A float8_e4m3fn cache receives ``k / k_scale``
+    and ``v / v_scale``, saturated to +-448."""
     T, HQ, D = q.shape
     HK = k.shape[1]
     kc = k_cache.view(-1, HK, D)
@@ -319,7 +346,9 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     _rope_cache_kernel[(T,)](q, k, v, positions, cos, sin, kc, vc, slot_mapping,
                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                              cos.stride(0), kc.stride(0), kc.stride(1),
-                             HQ=HQ, HK=HK, HALF=D // 2, BLOCK_H=triton.next_power_of_2(HQ), num_warps=4)
+                             HQ=HQ, HK=HK, HALF=D // 2, BLOCK_H=triton.next_power_of_2(HQ),
+                             k_inv=1.0 / k_scale, v_inv=1.0 / v_scale, FP8_KV=k_cache.dtype == torch.float8_e4m3fn,
+                             num_warps=4)
 
 
 # --- SiLU and mul -------------------------------------------------------------------------------
