@@ -44,9 +44,11 @@ EXACT = 2e-2 if ON_GPU else 1e-5   # products of the same FP8 operands (bf16 out
 
 def assert_e4m3_close(deq: torch.Tensor, x: torch.Tensor, s: torch.Tensor):
     """Every element within e4m3's rounding of ``x``: half a unit in the last place (3 mantissa bits,
-    1/16 relative) for normal values, half a subnormal step (``s * 2**-10``) for tiny ones."""
+    1/16 relative) for normal values, half a subnormal step (``s * 2**-10``) for tiny ones. On the
+    GPU ``x`` is a bf16 reference whose own rounding (and the kernel's fp32 rotary against PyTorch's
+    bf16 one) adds up to ``EXACT`` relative: seen on the H200, 0.0011 past the e4m3 bound alone."""
     err = (deq.float() - x.float()).abs()
-    bound = x.float().abs() / 16 + s.float() * 2 ** -10 + 1e-12
+    bound = x.float().abs() * (1 / 16 + (EXACT if ON_GPU else 0.0)) + s.float() * 2 ** -10 + 1e-12
     assert (err <= bound).all(), float((err - bound).max())
 
 
