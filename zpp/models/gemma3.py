@@ -217,7 +217,10 @@ class Gemma3ForCausalLM(StageModel):
         self.num_kv_heads = cfg["num_key_value_heads"] // stage.tp_size
         self.head_dim = cfg["head_dim"]
         self.softcap = cfg.get("final_logit_softcapping")
-        self.embed_scale = math.sqrt(H)
+        # sqrt(hidden) rounded to the model dtype, as HF does; a buffer on the stage's device (made at
+        # construction under the loader's default device and dtype): no host-to-device copy per step,
+        # which a CUDA-graph capture refuses.
+        self.register_buffer("embed_scale", torch.tensor(math.sqrt(H)), persistent=False)
 
     def stage_owns(self, name: str) -> bool:
         i = layer_index(name)
@@ -241,7 +244,7 @@ class Gemma3ForCausalLM(StageModel):
     def forward(self, input_ids, positions, acts, kv_caches, meta):
         if self.stage.is_first:
             h = self.model.embed_tokens(input_ids)                         # [T, H]
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype, device=h.device)  # the factor in the model dtype
+            h = h * self.embed_scale.to(h.dtype)                           # the factor in the model dtype
         else:
             h = acts[0]
         for j, i in enumerate(range(self.stage.layer_start, self.stage.layer_end)):
