@@ -44,7 +44,7 @@ def test_expand_hostlist_refuses(text):
 
 def test_slurm_srun_task():
     env = {"SLURM_NNODES": "3", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_NTASKS": "3",
-           "SLURM_PROCID": "2"}
+           "SLURM_PROCID": "2", "SLURM_STEP_ID": "0"}
     got = from_slurm(env)
     assert (got.source, got.nnodes, got.node_rank, got.master_addr, got.master_port) == ("Slurm", 3, 2, "gpu07", None)
     assert "SLURM_JOB_NODELIST=gpu[07-09]" in got.describe()
@@ -57,7 +57,18 @@ def test_slurm_srun_task():
 
 def test_slurm_refuses_several_tasks_per_node():
     with pytest.raises(ConfigError, match="--ntasks-per-node=1"):
-        from_slurm({"SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NTASKS": "4"})
+        from_slurm({"SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NTASKS": "4",
+                    "SLURM_STEP_ID": "0"})
+
+
+def test_slurm_batch_script_is_not_a_per_node_launch(caplog):
+    """The batch script runs on the first node only (no srun step): its variables are not used."""
+    env = {"SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "7"}
+    assert from_slurm(env).unused.startswith("not an srun task")
+    args = _serve_args("-pp", "2")
+    with caplog.at_level(logging.INFO, logger="zpp.cli"):
+        resolve_per_node(args, env)
+    assert args.nnodes is None and "srun --ntasks-per-node=1" in caplog.text
 
 
 def test_lws():
@@ -75,7 +86,7 @@ def test_torchrun_style():
 
 
 def test_launcher_order_and_malformed():
-    slurm = {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]"}
+    slurm = {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_STEP_ID": "0"}
     lws = {"LWS_LEADER_ADDRESS": "lead", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "0"}
     assert launcher_env({**slurm, **lws}).source == "LeaderWorkerSet"
     assert launcher_env({**slurm, "NNODES": "9"}).source == "Slurm"
@@ -89,7 +100,7 @@ def _serve_args(*argv):
 
 
 def test_flags_win_over_the_environment(caplog):
-    env = {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]"}
+    env = {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_STEP_ID": "0"}
     args = _serve_args("-pp", "2", "--master-addr", "10.1.1.1")
     with caplog.at_level(logging.INFO, logger="zpp.cli"):
         resolve_per_node(args, env)
@@ -105,7 +116,8 @@ def test_flags_win_over_the_environment(caplog):
 def test_single_worker_ignores_a_multi_node_job(caplog):
     args = _serve_args()  # -pp 1 -tp 1 inside a 2-node Slurm job: a server on this host alone
     with caplog.at_level(logging.INFO, logger="zpp.cli"):
-        resolve_per_node(args, {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]"})
+        resolve_per_node(args, {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]",
+                                "SLURM_STEP_ID": "0"})
     assert args.nnodes is None and "not used" in caplog.text
 
 

@@ -8,6 +8,9 @@ LeaderWorkerSet would, with --nnodes 2 and node rank 0 (head, API) or 1 (headles
 - Killing either side (SIGKILL) makes the other exit non-zero within 10 s; nothing is left.
 - A node holding another run's key file is refused in one line; the head then gives up at
   --node-join-timeout in one line naming the missing node rank and the refused connection.
+- A real Slurm (tests/slurm_cluster.py: munged, slurmctld and a slurmd per namespace, from Debian's
+  packages, installed when missing): examples/slurm/zpp.sbatch, submitted with sbatch, serves PP=2
+  across both "hosts" with PP=1's output; scancel leaves nothing.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import pytest
 
 from conftest import free_port
 
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time, in a small village"]
 MAX_TOKENS = 10
 HOSTS = ("zppn01", "zppn02")  # names of the head and the node, in both namespaces' /etc/hosts
@@ -115,7 +119,7 @@ def _launch(h, model: str, keys: str, how: str, extra=()) -> tuple[_Node, _Node,
                                   "--master-port", "29511"], {}
         elif how == "slurm":
             argv, env = common, {"SLURM_NNODES": "2", "SLURM_NODEID": str(rank), "SLURM_JOB_NODELIST": "zppn[01-02]",
-                                 "SLURM_NTASKS": "2", "SLURM_JOB_ID": "1"}
+                                 "SLURM_NTASKS": "2", "SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0"}
         else:
             argv, env = common, {"LWS_LEADER_ADDRESS": HOSTS[0], "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": str(rank),
                                  "LWS_NAME": "zpp"}
@@ -222,3 +226,36 @@ def test_wrong_keys_refused_in_one_line(hosts, demo_model, keys_file, tmp_path):
         assert not _wait_empty(h, h.node_ns, 10) and not _wait_empty(h, h.head_ns, 10)
     finally:
         head.stop()
+
+
+def test_slurm_sbatch_example(hosts, demo_model, reference, tmp_path):
+    """examples/slurm/zpp.sbatch under a real Slurm: sbatch -> srun starts `zpp serve` on both nodes,
+    which read Slurm's variables; the API on the first node answers with PP=1's output; the script
+    made the key file (0400); scancel ends everything."""
+    from slurm_cluster import SlurmCluster, ensure_slurm
+    ensure_slurm()
+    h = hosts
+    prompts, ref = reference
+    cluster = SlurmCluster(h).start()
+    try:
+        keys = tmp_path / "zpp" / "run.keys"
+        env = {"MODEL": demo_model, "KEYS": str(keys), "PORT": "8000", "ZPP_ARGS": "--kv-cache-memory 64MiB",
+               "OMP_NUM_THREADS": "1", "PATH": os.path.dirname(sys.executable) + ":" + os.environ.get("PATH", "")}
+        job = cluster.sbatch(os.path.join(EXAMPLES, "slurm", "zpp.sbatch"), env)
+        job.wait_for("zpp: serving", timeout=240)
+        out = job.output()
+        for rank in (0, 1):
+            assert f"SLURM_NODEID={rank} SLURM_STEP_NODELIST=zppn[01-02] -> --nnodes 2 --node-rank {rank} " \
+                   f"--master-addr zppn01" in out, out[-4000:]
+        assert "node rank 1 = zppn02" in out and "the API will be on http://zppn01:8000" in out, out[-4000:]
+        assert oct(os.stat(keys).st_mode & 0o777) == "0o400"
+        got = _complete(h, "http://zppn01:8000", {"prompt": prompts, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                   "ignore_eos": True})
+        assert [c["text"] for c in sorted(got["choices"], key=lambda c: c["index"])] == ref
+        job.cancel()
+        deadline = time.monotonic() + 15
+        while cluster.leftovers() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not cluster.leftovers(), cluster.leftovers()
+    finally:
+        cluster.teardown()

@@ -226,6 +226,9 @@ def resolve_per_node(args, environ=None) -> None:
     found = launcher_env(os.environ if environ is None else environ)
     if found is None:
         return
+    if found.unused:
+        logger.info("%s: %s", found.describe(), found.unused)
+        return
     nnodes = args.nnodes if args.nnodes is not None else found.nnodes
     if not nnodes or nnodes <= 1:
         logger.debug("%s: one node", found.describe())

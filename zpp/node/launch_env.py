@@ -6,7 +6,8 @@ that a cluster launcher already put in the environment, read when the flags are 
   (https://lws.sigs.k8s.io/docs/reference/labels-annotations-and-environment-variables/).
 * **Slurm** (``SLURM_NNODES``, ``SLURM_NODEID``, the first host of the step's node list:
   ``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST`` / ``SLURM_NODELIST``), as ``srun`` sets them
-  in each task. Slurm's compressed host lists (``node[01-03,07]``) are expanded here as ``scontrol
+  in each task; only inside an ``srun`` step (``SLURM_STEP_ID`` set): the batch script itself
+  runs on the first node alone. Slurm's compressed host lists (``node[01-03,07]``) are expanded here as ``scontrol
   show hostnames`` does (:func:`expand_hostlist`). One task per node is required: more tasks than
   nodes is refused.
 * **torchrun-style** (``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), as many job
@@ -37,6 +38,8 @@ class LaunchEnv:
     master_port: Optional[int] = None
     read: tuple[tuple[str, str], ...] = ()
     """The variables read, (name, value), for the log."""
+    unused: str = ""
+    """Why these variables are not a per-node launch (logged), or empty."""
 
     def describe(self) -> str:
         return f"{self.source}: " + " ".join(f"{k}={v}" for k, v in self.read)
@@ -136,6 +139,12 @@ def from_slurm(env: Mapping[str, str]) -> Optional[LaunchEnv]:
     """
     if "SLURM_NNODES" not in env and "SLURM_NODEID" not in env:
         return None
+    if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
+        # The batch script itself (or salloc's shell) runs on the first node only: node 0 of N
+        # there would wait for nodes nobody starts.
+        return LaunchEnv("Slurm", read=tuple((k, env[k]) for k in ("SLURM_NNODES", "SLURM_NODEID") if k in env),
+                         unused="not an srun task (the batch script or an salloc shell runs on one node): start zpp "
+                                "with `srun --ntasks-per-node=1 zpp serve ...` to use every node")
     nodes_var = next((k for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(k)), None)
     nnodes_var = "SLURM_STEP_NUM_NODES" if "SLURM_STEP_NUM_NODES" in env else "SLURM_NNODES"
     read = tuple((k, env[k]) for k in (nnodes_var, "SLURM_NODEID", nodes_var) if k and k in env)
