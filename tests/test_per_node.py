@@ -4,7 +4,9 @@ LeaderWorkerSet would, with --nnodes 2 and node rank 0 (head, API) or 1 (headles
 
 - PP=2 across the two gives PP=1's greedy output, whether the per-node settings come from flags,
   from Slurm's variables (SLURM_NNODES, SLURM_NODEID, a compressed SLURM_JOB_NODELIST) or from
-  LeaderWorkerSet's (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX).
+  LeaderWorkerSet's (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX); the LeaderWorkerSet
+  case runs the command lines of examples/kubernetes/zpp-lws.yaml (parsed, its $(VAR)s expanded as
+  Kubernetes does, the model, TP size and key path replaced by the test's, CPU-sized).
 - Killing either side (SIGKILL) makes the other exit non-zero within 10 s; nothing is left.
 - A node holding another run's key file is refused in one line; the head then gives up at
   --node-join-timeout in one line naming the missing node rank and the refused connection.
@@ -85,7 +87,7 @@ def reference(demo_model, tokenizer):
 
 
 class _Node:
-    """`zpp serve MODEL -pp 2 ...` in one namespace, its output in a file."""
+    """`zpp serve MODEL -pp 2 ...` (``argv`` after ``zpp serve``) in one namespace, its output in a file."""
 
     def __init__(self, h, ns: str, argv: list[str], env: dict, tag: str):
         self.h = h
@@ -106,10 +108,43 @@ class _Node:
         self.log.close()
 
 
+MANIFEST = os.path.join(EXAMPLES, "kubernetes", "zpp-lws.yaml")
+KEYS_MOUNT = "/etc/zpp/run.keys"
+
+
+def _lws_argv(worker_index: int, model: str, keys: str, leader: str) -> tuple[list[str], dict]:
+    """The example LeaderWorkerSet's container command for the pod of ``worker_index``: its `zpp
+    serve` arguments and environment (the container's env + what LWS injects), with Kubernetes'
+    ``$(VAR)`` expansion; the model, TP size and key path are the test's."""
+    import re
+
+    import yaml
+    with open(MANIFEST) as f:
+        lws, service = yaml.safe_load_all(f)
+    assert (lws["apiVersion"], lws["kind"]) == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
+    t = lws["spec"]["leaderWorkerTemplate"]
+    assert t["size"] == 2 and t["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert service["spec"]["selector"] == {"leaderworkerset.sigs.k8s.io/name": lws["metadata"]["name"],
+                                           **t["leaderTemplate"]["metadata"]["labels"]}
+    pod = t["leaderTemplate"] if worker_index == 0 else t["workerTemplate"]
+    (container,) = pod["spec"]["containers"]
+    keys_volume = next(v for v in pod["spec"]["volumes"] if "secret" in v)
+    assert keys_volume["secret"]["defaultMode"] == 0o400
+    assert any(m["name"] == keys_volume["name"] and KEYS_MOUNT.startswith(m["mountPath"] + "/")
+               for m in container["volumeMounts"])
+    env = {e["name"]: e["value"] for e in container["env"]}
+    env.update(MODEL=model, TP_SIZE="1", LWS_LEADER_ADDRESS=leader, LWS_GROUP_SIZE=str(t["size"]),
+               LWS_WORKER_INDEX=str(worker_index), LWS_NAME=lws["metadata"]["name"])
+    argv = [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), a)
+            for a in container["command"] + container["args"]]
+    assert argv[:2] == ["zpp", "serve"], argv
+    return [keys if a == KEYS_MOUNT else a for a in argv[2:]], env
+
+
 def _launch(h, model: str, keys: str, how: str, extra=()) -> tuple[_Node, _Node, str]:
     """Head (node rank 0) and node (node rank 1), per-node settings from flags or a launcher's
-    environment; returns them and the head's API URL."""
-    port = free_port()
+    environment (``lws``: the example manifest's command lines); returns them and the head's API URL."""
+    port = 8000 if how == "lws" else free_port()  # the manifest's port (free in the namespace)
     common = [model, "-pp", "2", "--node-keys-file", keys, "--kv-cache-memory", "64MiB", "--host", "127.0.0.1",
               "--port", str(port), *extra]
     sides = []
@@ -121,8 +156,8 @@ def _launch(h, model: str, keys: str, how: str, extra=()) -> tuple[_Node, _Node,
             argv, env = common, {"SLURM_NNODES": "2", "SLURM_NODEID": str(rank), "SLURM_JOB_NODELIST": "zppn[01-02]",
                                  "SLURM_NTASKS": "2", "SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0"}
         else:
-            argv, env = common, {"LWS_LEADER_ADDRESS": HOSTS[0], "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": str(rank),
-                                 "LWS_NAME": "zpp"}
+            argv, env = _lws_argv(rank, model, keys, HOSTS[0])
+            argv += ["--kv-cache-memory", "64MiB", "--host", "127.0.0.1", *extra]  # CPU-sized; the API on the head only
         sides.append(_Node(h, ns, argv, _env(env), f"{how}-{rank}"))
     node, head = sides
     return head, node, f"http://127.0.0.1:{port}"
