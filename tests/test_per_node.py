@@ -7,6 +7,7 @@ LeaderWorkerSet would, with --nnodes 2 and node rank 0 (head, API) or 1 (headles
   LeaderWorkerSet's (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX); the LeaderWorkerSet
   case runs the command lines of examples/kubernetes/zpp-lws.yaml (parsed, its $(VAR)s expanded as
   Kubernetes does, the model, TP size and key path replaced by the test's, CPU-sized).
+- A stage on the head is still restarted in place (the node's stage rejoins; same output after).
 - Killing either side (SIGKILL) makes the other exit non-zero within 10 s; nothing is left.
 - A node holding another run's key file is refused in one line; the head then gives up at
   --node-join-timeout in one line naming the missing node rank and the refused connection.
@@ -48,6 +49,14 @@ def _wait_empty(h, ns: str, timeout: float) -> list[str]:
         if not left or time.monotonic() > deadline:
             return [f"{p}: {_cmdline(p)}" for p in left]
         time.sleep(0.1)
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _cmdline(pid: int) -> str:
@@ -203,6 +212,14 @@ def test_per_node_pp2_equals_pp1_and_fails_together(hosts, demo_model, keys_file
         got = _complete(h, url, {"prompt": prompts, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
         texts = [c["text"] for c in sorted(got["choices"], key=lambda c: c["index"])]
         assert texts == ref
+        if how == "flags":  # the head's own stage restarts in place; the node's rejoins
+            core = [p for p in h.pids_in(h.head_ns) if "spawn_main" in _cmdline(p)]
+            (worker,) = [p for p in core if _ppid(p) in core]  # the engine core's child: stage 0's worker
+            os.kill(worker, signal.SIGKILL)
+            again = _complete(h, url, {"prompt": prompts[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+                                       "ignore_eos": True})
+            assert again["choices"][0]["text"] == ref[0]
+            assert "pipeline formed again" in head.output() and node.proc.poll() is None, head.output()[-3000:]
         # Kill one side: the other exits non-zero within 10 s, and nothing is left on either host.
         killed, other = (head, node) if victim == "head" else (node, head)
         t0 = time.monotonic()

@@ -3,7 +3,9 @@
 Workers on this host are spawned with multiprocessing (spawn); workers on other hosts are started
 by ``zpp-node`` agents (see ``zpp/node``). Either way they connect back, say Hello with the key,
 and receive the same InitWorker message. The executor watches every local worker's process
-sentinel and every agent's connection: a death fails the engine (never a hang).
+sentinel and every agent's connection: a death fails the engine (never a hang). Workers on hosts
+whose agent no SSH session watches (``--nnodes`` per-node launch, ``--node-launcher manual``) have
+their connection probed each watchdog tick (:meth:`EngineSocket.connected`).
 """
 from __future__ import annotations
 
