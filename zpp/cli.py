@@ -1,4 +1,4 @@
-"""Command line: ``zpp serve``, ``zpp prepare-demo-model``, ``zpp bench {throughput,latency,serve}``."""
+"""Command line: ``zpp serve``, ``zpp node-keys``, ``zpp prepare-demo-model``, ``zpp bench {throughput,latency,serve}``."""
 from __future__ import annotations
 
 import argparse
@@ -100,8 +100,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
                    help="stage workers that die, go silent or stall are restarted in place (requests resume) at "
                         "most this many times in 10 minutes; 0: fail-stop, every request ends with an error")
     g.add_argument("--node-keys-file", default=None,
-                   help="multi-host: a 0600 file holding the run's control-plane keys for agents started by "
-                        "hand (read if it exists, else written with fresh keys)")
+                   help="multi-host: a 0600 / 0400 file holding the run's control-plane keys: with --nnodes, the "
+                        "same file on every node (made by `zpp node-keys FILE`); with --node-launcher manual, read "
+                        "if it exists, else written with fresh keys")
     g = p.add_argument_group("model")
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     g.add_argument("--max-model-len", type=int, default=None,
@@ -188,7 +189,12 @@ def engine_config_from_args(args, streaming: bool = True) -> EngineConfig:
                                 distributed_port=args.distributed_port, node_command=args.node_command,
                                 node_launcher=args.node_launcher, node_keys_file=args.node_keys_file,
                                 worker_heartbeat_timeout=args.worker_heartbeat_timeout,
-                                stage_timeout=args.stage_timeout, max_stage_restarts=args.max_stage_restarts),
+                                stage_timeout=args.stage_timeout, max_stage_restarts=args.max_stage_restarts,
+                                nnodes=getattr(args, "nnodes", None) or 1, node_rank=getattr(args, "node_rank", None) or 0,
+                                master_addr=getattr(args, "master_addr", None),
+                                master_port=DEFAULT_MASTER_PORT if getattr(args, "master_port", None) is None
+                                else args.master_port,
+                                node_join_timeout=getattr(args, "node_join_timeout", 300.0)),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory=parse_size(args.kv_cache_memory),
                           gpu_memory_utilization=args.gpu_memory_utilization,
@@ -210,8 +216,53 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+DEFAULT_MASTER_PORT = 29501
+"""vLLM's default ``--master-port``."""
+
+
+def resolve_per_node(args, environ=None) -> None:
+    """Fill ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port`` that were not given
+    from a cluster launcher's environment (LeaderWorkerSet, Slurm, torchrun-style; see
+    ``zpp.node.launch_env``) and log what was read. Ignored, with a log line, when only one worker
+    runs (-pp x -tp = 1): a single-stage server inside a multi-node job stays on its host.
+    Raises ConfigError (a malformed variable, or more Slurm tasks than nodes)."""
+    from zpp.node.launch_env import launcher_env
+    fields = ("nnodes", "node_rank", "master_addr", "master_port")
+    if all(getattr(args, f) is not None for f in fields):
+        return
+    found = launcher_env(os.environ if environ is None else environ)
+    if found is None:
+        return
+    if found.unused:
+        logger.info("%s: %s", found.describe(), found.unused)
+        return
+    nnodes = args.nnodes if args.nnodes is not None else found.nnodes
+    if not nnodes or nnodes <= 1:
+        logger.debug("%s: one node", found.describe())
+        return
+    if args.pipeline_parallel_size * args.tensor_parallel_size == 1:
+        logger.info("%s: not used (one worker: -pp and -tp are 1, so it runs on this host alone)", found.describe())
+        return
+    taken = []
+    for f in fields:
+        value = getattr(found, f)
+        if getattr(args, f) is None and value is not None:
+            setattr(args, f, value)
+            taken.append(f"--{f.replace('_', '-')} {value}")
+    logger.info("read from %s -> %s", found.describe(), " ".join(taken) or "nothing (the flags say it all)")
+
+
 def cmd_serve(args) -> int:
+    resolve_per_node(args)
+    if args.headless and not (args.node_rank or 0) > 0:
+        raise ConfigError("--headless is for node ranks > 0 of a per-node launch (--nnodes N --node-rank R); node "
+                          "rank 0 serves the API")
     config = engine_config_from_args(args)  # before the heavy imports: a bad flag fails at once
+    if config.parallel.nnodes > 1 and config.parallel.node_rank > 0:  # headless: this node's stages only
+        from zpp.engine.async_engine import validate_startup
+        from zpp.node.pernode import run_node
+        validate_startup(config)
+        return run_node(config, args.log_level)
     if args.api_server_count < 1:
         raise ConfigError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     if args.api_server_count > 1:  # before prometheus-client is imported: every front end's counters summed
@@ -255,6 +306,14 @@ def _check_port_free(host: str, port: int) -> None:
         raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
 
 
+def cmd_node_keys(args) -> int:
+    from zpp.transport.security import new_run_keys, write_keys_file
+    write_keys_file(args.file, new_run_keys(curve=True), mode=0o400, what="zpp node-keys")
+    print(f"zpp: wrote fresh control-plane keys to {args.file} (mode 0400); give every node of the run the same "
+          f"file (--node-keys-file), readable only by the user running zpp", file=sys.stderr)
+    return 0
+
+
 def cmd_prepare(args) -> int:
     from zpp.demo import prepare_demo_model
     path = prepare_demo_model(args.output)
@@ -293,7 +352,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a `chat_template` in requests (by default they get HTTP 400: a template is a "
                         "program the server would run)")
+    g = p.add_argument_group(
+        "per-node launch (one zpp serve per host, started by Slurm, a Kubernetes LeaderWorkerSet or any launcher; "
+        "vLLM's flags; read from $SLURM_*, $LWS_*, $NNODES/$NODE_RANK/$MASTER_ADDR/$MASTER_PORT when absent)")
+    g.add_argument("--nnodes", type=int, default=None,
+                   help="hosts in the run, each starting this same command with its own --node-rank (default 1); "
+                        "needs --node-keys-file")
+    g.add_argument("--node-rank", type=int, default=None,
+                   help="this host's index: 0 is the head (engine and API), the others run their stages headless "
+                        "(default 0)")
+    g.add_argument("--master-addr", default=None,
+                   help="node rank 0's address (name or IP) that every node reaches; its control plane listens there")
+    g.add_argument("--master-port", type=_port, default=None,
+                   help=f"node rank 0's control-plane TCP port (default {DEFAULT_MASTER_PORT})")
+    g.add_argument("--node-join-timeout", type=float, default=300.0,
+                   help="seconds node rank 0 waits for every node to join (and a node for node rank 0) before "
+                        "start-up fails naming the missing node rank")
+    g.add_argument("--headless", action="store_true",
+                   help="accepted for vLLM command lines: node ranks > 0 are always headless (no HTTP server)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("node-keys",
+                       help="write fresh control-plane keys (CURVE) for a per-node launch to FILE, mode 0400")
+    p.add_argument("file", help="the key file to create (it must not exist); give every node a copy readable only "
+                                "by the user running zpp (a Kubernetes secret mounted 0400, the job's shared storage)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log level")
+    p.set_defaults(func=cmd_node_keys)
 
     p = sub.add_parser("prepare-demo-model",
                        help="convert the packaged SmolLM2 GGUF into an HF directory (once) and print its path")

@@ -192,6 +192,21 @@ class ParallelConfig:
     node_keys_file: Optional[str] = None
     """Multi-host: a 0600 file with the run's control-plane keys, for agents not started over SSH.
     Read if it exists, else written with fresh keys."""
+    nnodes: int = 1
+    """Per-node launch (vLLM's ``--nnodes``): the number of hosts, each running the same ``zpp
+    serve`` with its own ``node_rank`` (started by Slurm, a Kubernetes LeaderWorkerSet or any
+    launcher; see ``zpp.node.pernode``). 1: this host only (or ``nodes`` over SSH)."""
+    node_rank: int = 0
+    """Per-node launch: this host's index in ``[0, nnodes)``. 0 is the head (engine core and API);
+    the others run their stages' workers only (headless)."""
+    master_addr: Optional[str] = None
+    """Per-node launch: node rank 0's address (name or IP) that every node reaches; the head's
+    control plane listens there."""
+    master_port: int = 29501
+    """Per-node launch: the head's control-plane TCP port (vLLM's default, 29501)."""
+    node_join_timeout: float = 300.0
+    """Per-node launch: seconds the head waits for every node to join (and a node for the head to
+    answer) before start-up fails naming the missing node rank."""
     share_gpu: bool = field(default_factory=lambda: os.environ.get("ZPP_SHARE_GPU") == "1")
     """Testing mode (``ZPP_SHARE_GPU=1`` where the configuration is made): every stage on GPU 0,
     activations over gloo through host memory, so pipeline stages can be tested on one GPU (NCCL
@@ -213,6 +228,31 @@ class ParallelConfig:
             raise ConfigError(f"--node-launcher {self.node_launcher!r} is not one of: ssh, manual")
         if self.node_launcher == "manual" and not self.node_keys_file:
             raise ConfigError("--node-launcher manual needs --node-keys-file (the agents read the run's keys there)")
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} is not in [0, --nnodes {self.nnodes})")
+        if self.nnodes > 1:
+            if self.nodes:
+                raise ConfigError("--nodes (the head starts zpp-node over SSH) and --nnodes (one zpp serve per "
+                                  "node) cannot be combined: give one")
+            if self.node_launcher != "ssh":
+                raise ConfigError(f"--node-launcher {self.node_launcher} is for --nodes; with --nnodes each node "
+                                  f"runs zpp serve --node-rank itself")
+            if self.nnodes > self.world_size:
+                raise ConfigError(f"--nnodes {self.nnodes} but only {self.world_size} workers (--pipeline-parallel-size "
+                                  f"x --tensor-parallel-size): every node needs at least one")
+            if not self.master_addr:
+                raise ConfigError(f"--nnodes {self.nnodes} needs --master-addr: node rank 0's address, which every "
+                                  f"node reaches")
+            if not self.node_keys_file:
+                raise ConfigError(f"--nnodes {self.nnodes} needs --node-keys-file FILE: the control plane's CURVE "
+                                  f"keys, the same file on every node (make one with `zpp node-keys FILE`); there "
+                                  f"is no unencrypted mode")
+        if not 1 <= self.master_port <= 65535:
+            raise ConfigError(f"--master-port must be in [1, 65535], got {self.master_port}")
+        if not self.node_join_timeout > 0:
+            raise ConfigError(f"--node-join-timeout must be > 0, got {self.node_join_timeout}")
         if not self.worker_heartbeat_timeout > 0:
             raise ConfigError(f"--worker-heartbeat-timeout must be > 0, got {self.worker_heartbeat_timeout}")
         if not self.stage_timeout > 0:

@@ -314,8 +314,15 @@ def validate_startup(config: EngineConfig) -> None:
         n = torch.cuda.device_count()
         if config.parallel.share_gpu and config.parallel.tensor_parallel_size > 1:
             raise ConfigError("--tensor-parallel-size > 1 needs one GPU per rank (NCCL); ZPP_SHARE_GPU=1 is for PP only")
-        if not config.parallel.nodes and config.parallel.world_size > n and not config.parallel.share_gpu:
-            raise ConfigError(f"--pipeline-parallel-size x --tensor-parallel-size = {config.parallel.world_size} "
+        par = config.parallel
+        if par.nnodes > 1 and not par.share_gpu:  # per-node launch: this host's own ranks
+            from zpp.node.placement import split_ranks
+            need = len(split_ranks(par.world_size, [None] * par.nnodes)[par.node_rank])
+            if need > n:
+                raise ConfigError(f"node rank {par.node_rank} runs {need} of the {par.world_size} ranks "
+                                  f"(--nnodes {par.nnodes}), needing {need} GPUs, but this host has {n}")
+        elif not par.nodes and par.world_size > n and not par.share_gpu:
+            raise ConfigError(f"--pipeline-parallel-size x --tensor-parallel-size = {par.world_size} "
                               f"GPUs needed, but this host has {n}")
 
 

@@ -3,7 +3,9 @@
 Workers on this host are spawned with multiprocessing (spawn); workers on other hosts are started
 by ``zpp-node`` agents (see ``zpp/node``). Either way they connect back, say Hello with the key,
 and receive the same InitWorker message. The executor watches every local worker's process
-sentinel and every agent's connection: a death fails the engine (never a hang).
+sentinel and every agent's connection: a death fails the engine (never a hang). Workers on hosts
+whose agent no SSH session watches (``--nnodes`` per-node launch, ``--node-launcher manual``) have
+their connection probed each watchdog tick (:meth:`EngineSocket.connected`).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from zpp.transport import messages as m
 from zpp.transport.channels import EngineSocket, PeerUnreachable, local_ipc_address, tcp_address
 from zpp.trace import Trace
 from zpp.transport.p2p import serve_rendezvous_store
+from zpp.node.placement import describe_stages
 from zpp.transport.security import RunKeys, keys_for_run
 
 logger = logging.getLogger(__name__)
@@ -163,6 +166,8 @@ class Executor:
         self._killed: set[int] = set()  # pids this executor killed on purpose (not reported as deaths)
         self._reported: set[int] = set()  # pids whose death was reported
         self._last_error: dict[int, str] = {}  # rank -> its last WorkerError (the cause of its exit)
+        self._probed: set[int] = set()  # remote ranks whose connection the watchdog probes
+        self._local_ranks: set[int] = set(range(self.world))
 
     @classmethod
     async def start(cls, config: EngineConfig, eos_token_ids: set[int]) -> "Executor":
@@ -178,7 +183,19 @@ class Executor:
         """Bind the control plane (and the rendezvous store): ipc on one host; on several, TCP with
         CURVE on the one address the nodes reach (see ``zpp.transport.addresses``)."""
         par = self.config.parallel
-        if par.nodes:
+        if par.nnodes > 1:  # per-node launch: node rank 0 listens at --master-addr:--master-port
+            from zpp.node.pernode import head_bind_address
+            from zpp.transport.security import read_node_keys
+            host = head_bind_address(par.master_addr, par.distributed_host)
+            self.keys = read_node_keys(par.node_keys_file, head=True)
+            try:
+                self.socket = EngineSocket(tcp_address(host, par.master_port), self.keys)
+            except Exception as e:  # zmq.ZMQError: the port is taken, or the address is not this host's
+                raise ConfigError(f"--master-addr / --master-port: cannot listen on {tcp_address(host, par.master_port)} "
+                                  f"({e})") from None
+            logger.info("control plane on %s for %d nodes (ZeroMQ CURVE with the keys of %s: encrypted, only "
+                        "holders of that file admitted)", self.socket.address, par.nnodes, par.node_keys_file)
+        elif par.nodes:
             from zpp.transport.addresses import choose_head_address
             host = choose_head_address(par.nodes, par.distributed_host)
             self.keys = keys_for_run(True, par.node_keys_file)
@@ -203,11 +220,14 @@ class Executor:
         ctx = self._ctx = mp.get_context("spawn")
         level = self._level = logging.getLogger("zpp").getEffectiveLevel()
         local_ranks = list(range(self.world))
-        if cfg.parallel.nodes:
-            from zpp.node.ssh import NodeLauncher
-            par = cfg.parallel
-            self.nodes = NodeLauncher(par.nodes, self.socket.address, self.keys, node_command=par.node_command,
-                                      launcher=par.node_launcher, keys_file=par.node_keys_file,
+        par = cfg.parallel
+        if par.nodes or par.nnodes > 1:
+            from zpp.node.ssh import PER_NODE, NodeLauncher, per_node_name
+            per_node = par.nnodes > 1
+            self.nodes = NodeLauncher(tuple(map(per_node_name, range(1, par.nnodes))) if per_node else par.nodes,
+                                      self.socket.address, self.keys, node_command=par.node_command,
+                                      launcher=PER_NODE if per_node else par.node_launcher,
+                                      keys_file=par.node_keys_file,
                                       log_level=logging.getLevelName(level).lower(), tp_size=self.tp)
             local_ranks = self.nodes.assign(self.world)
             self.nodes.start()
@@ -219,8 +239,16 @@ class Executor:
         self._local_ranks = set(local_ranks)
         cpu_threads = cpu_threads_per_worker(len(local_ranks))
         hello_timeout = 600 if cfg.parallel.node_launcher == "manual" else 120
-        self.placement = await self._expect_all(m.Hello, timeout=hello_timeout, check=self._check_hello)
+        if par.nnodes > 1:
+            hello_timeout = par.node_join_timeout
+        self.placement = await self._expect_all(m.Hello, timeout=hello_timeout, check=self._check_hello,
+                                                on_timeout=self._not_joined if par.nnodes > 1 else None)
         self._log_placement()
+        if par.nnodes > 1:
+            self._log_nodes_joined()
+        # Remote ranks without an SSH session to watch: their connections are probed (see _watchdog).
+        self._probed = ({r for r in range(self.world) if r not in local_ranks}
+                        if self.nodes is not None and self.nodes.launcher != "ssh" else set())
         now = time.monotonic()
         self.last_heard = {r: now for r in range(self.world)}
         self._watchdog_task = asyncio.create_task(self._watchdog())
@@ -326,12 +354,46 @@ class Executor:
                         f" TP rank {tp_rank}" if self.tp > 1 else "", where, device, h.pid, note)
 
     def describe_rank(self, rank: int) -> str:
-        """``stage S (rank R) on HOST`` for error messages."""
+        """``stage S (rank R) on HOST`` for error messages (``on node rank N (HOSTNAME)`` in a
+        per-node launch)."""
         h = self.placement.get(rank)
         host = (self.nodes.host_of_rank(rank) if self.nodes else None) or (h.hostname if h else "this host")
+        if self.nodes is not None and self.nodes.launcher == "pernode" and h is not None and rank not in self._local_ranks:
+            host += f" ({h.hostname})"
         return f"stage {rank // self.tp} (rank {rank}) on {host}"
 
-    async def _expect_all(self, kind, timeout: float, check=None) -> dict[int, object]:
+    def _not_joined(self, missing: list[int], timeout: float) -> str:
+        """Per-node launch: the one line for nodes whose workers did not all say Hello in time."""
+        par = self.config.parallel
+        parts = []
+        for host, ranks in self.nodes.assignment.items():
+            late = [r for r in ranks if r in missing]
+            if late and len(late) == len(ranks):
+                parts.append(f"{host} did not join ({self.nodes.stages_of(host)})")
+            elif late:
+                parts.append(f"{host}: rank{'s' * (len(late) > 1)} {', '.join(map(str, late))} did not say Hello")
+        late_here = [r for r in missing if r in self._local_ranks]
+        if late_here:
+            parts.append(f"this host: rank{'s' * (len(late_here) > 1)} {', '.join(map(str, late_here))} did not say Hello")
+        refused = self.socket.refused
+        hint = (f"; {refused} control-plane connection{'s were' if refused > 1 else ' was'} refused meanwhile (a "
+                f"node with another --node-keys-file?)" if refused else "")
+        return (f"{'; '.join(parts)} within {timeout:.0f} s (--node-join-timeout){hint}: start `zpp serve` there "
+                f"with --nnodes {par.nnodes}, its --node-rank, --master-addr {par.master_addr}, --master-port "
+                f"{par.master_port} and the same --node-keys-file")
+
+    def _log_nodes_joined(self) -> None:
+        """Per-node launch: one line once every node has joined: each node rank's host and stages."""
+        head = self.placement[min(self._local_ranks)].hostname if self._local_ranks else "?"
+        where = [f"node rank 0 = {head} ({describe_stages(sorted(self._local_ranks), self.tp)})"]
+        for host, ranks in self.nodes.assignment.items():
+            h = self.placement[ranks[0]]
+            where.append(f"{host} = {h.hostname} {h.address} ({describe_stages(ranks, self.tp)})")
+        logger.info("all %d nodes joined: %s", self.config.parallel.nnodes, "; ".join(where))
+
+    async def _expect_all(self, kind, timeout: float, check=None, on_timeout=None) -> dict[int, object]:
+        """One ``kind`` message from every rank within ``timeout`` seconds. Raises WorkerDiedError
+        (``on_timeout(missing ranks)`` gives its message when given)."""
         got: dict[int, object] = {}
         deadline = time.monotonic() + timeout
         while len(got) < self.world:
@@ -340,6 +402,8 @@ class Executor:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(self.world)) - set(got))
+                if on_timeout is not None:
+                    raise WorkerDiedError(on_timeout(missing, timeout))
                 raise WorkerDiedError(f"{'; '.join(map(self.describe_rank, missing))}: no {kind.__name__} "
                                       f"within {timeout:.0f}s")
             try:
@@ -491,6 +555,18 @@ class Executor:
                                  f"stopped or hung", kill=True)
             if self.dead or silent:
                 continue
+            if self._probed and self._recovery is None:
+                # Remote ranks no SSH session watches (per-node launch, --node-launcher manual): a
+                # connection that dropped (its process or host died) is seen within a tick, not
+                # after --worker-heartbeat-timeout. Only ranks heard from are probed: a worker
+                # connects its heartbeat socket once it has its configuration.
+                for rank in sorted(self._probed & set(self.heartbeats)):
+                    if rank not in self._lost_ranks and not self.socket.connected(rank):
+                        self._lost(rank, f"{self.describe_rank(rank)}: its connection to the engine closed (its "
+                                         f"process or its host died)")
+                        break
+                if self.dead:
+                    continue
             if not self.inflight or self._recovery is not None:
                 continue
             oldest = min(self.inflight)
@@ -602,6 +678,9 @@ class Executor:
             return "stage restarts need gloo channels (NCCL cannot re-form a communicator with a new process)"
         if self.nodes is not None and rank not in self._local_ranks and par.node_launcher == "manual":
             return "its host's agent was started by hand (--node-launcher manual)"
+        if self.nodes is not None and rank not in self._local_ranks and self.nodes.launcher == "pernode":
+            return (f"{self.nodes.host_of_rank(rank)} runs its own zpp serve (--nnodes), which the head cannot start "
+                    f"again: its launcher restarts the group")
         return None
 
     def _restart_budget_left(self) -> bool:

@@ -7,6 +7,9 @@ head writes that file with ``--node-keys-file``)::
 
     zpp-node --engine tcp://HEAD:PORT --ranks 2,3 --keys-file /etc/zpp/run.keys
 
+``zpp serve --nnodes N --node-rank R`` (R > 0) runs the same agent (:func:`run_agent`) after
+joining the head itself (``zpp.node.pernode``).
+
 It starts one worker process per rank (``python -m zpp.workers.worker``, keys on its stdin; on the
 CPU each gets ``OMP_NUM_THREADS`` = this host's cores ÷ its workers unless already set) and
 stays until the run ends: when the SSH session closes its stdin (the head went away), when a worker
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Sequence
 
 
 def _describe(code: int) -> str:
@@ -33,6 +37,82 @@ def _describe(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def run_agent(engine: str, ranks: Sequence[int], keys, log_level: str = "info", watch_stdin: bool = False,
+              name: str = "zpp-node") -> int:
+    """Start one worker process per rank of this host and stay until the run ends.
+
+    Shared by ``zpp-node`` and ``zpp serve --node-rank R`` (a per-node launch, see
+    ``zpp.node.pernode``).
+
+    Args:
+        engine: the head's control-plane address, ``tcp://HOST:PORT``.
+        ranks: the global ranks to start here.
+        keys: the run's :class:`~zpp.transport.security.RunKeys`; the workers get them without the
+            server's secret, on their stdin.
+        log_level: the workers' log level (``debug``, ``info``, ``warning``, ``error``).
+        watch_stdin: also stop when this process's stdin closes (the SSH session that started it
+            ended: the head is gone).
+        name: how this process signs its lines on stderr.
+    Returns:
+        0 once every worker exited 0 (the engine's orderly Shutdown) or after SIGTERM / SIGINT /
+        SIGHUP; 1 when a worker died or failed (the others are stopped first, and the line names
+        the rank and how it ended). Workers whose connection to the head drops exit 1, so a dead
+        head ends this with 1 within seconds.
+    """
+    line = keys.for_workers().encode().decode()
+    level = str(getattr(logging, log_level.upper()))
+    env = dict(os.environ)
+    # CPU workers share this host's cores (the head only knows its own); a user's setting wins.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, len(ranks)))))
+    procs: dict[int, subprocess.Popen] = {}
+    for r in ranks:
+        proc = subprocess.Popen([sys.executable, "-m", "zpp.workers.worker", engine, str(r), level],
+                                stdin=subprocess.PIPE, text=True, env=env)
+        proc.stdin.write(line)
+        proc.stdin.close()
+        procs[r] = proc
+    print(f"{name}: started ranks {list(ranks)} (pids {[q.pid for q in procs.values()]})", file=sys.stderr,
+          flush=True)
+
+    stop = threading.Event()
+
+    def watch():
+        try:
+            while sys.stdin.read(1):
+                pass
+        except (OSError, ValueError):
+            pass
+        stop.set()
+
+    if watch_stdin:  # started over SSH: the session's end is the head's end
+        threading.Thread(target=watch, daemon=True).start()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    status = 0
+    while not stop.is_set():
+        codes = {r: q.poll() for r, q in procs.items()}
+        failed = {r: c for r, c in codes.items() if c not in (None, 0)}
+        if failed:
+            for r, c in failed.items():
+                print(f"{name}: worker rank {r} (pid {procs[r].pid}) {_describe(c)}; stopping this host's "
+                      f"workers", file=sys.stderr, flush=True)
+            status = 1
+            break
+        if all(c == 0 for c in codes.values()):  # orderly shutdown by the engine
+            break
+        time.sleep(0.1)
+    for q in procs.values():
+        if q.poll() is None:
+            q.terminate()
+    deadline = time.monotonic() + 5
+    for q in procs.values():
+        try:
+            q.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            q.kill()
+    return status
 
 
 def main(argv=None) -> int:
@@ -56,57 +136,7 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"zpp-node: error: {e}", file=sys.stderr, flush=True)
         return 2
-    line = keys.for_workers().encode().decode()
-    level = str(getattr(logging, args.log_level.upper()))
-    env = dict(os.environ)
-    # CPU workers share this host's cores (the head only knows its own); a user's setting wins.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, len(ranks)))))
-    procs: dict[int, subprocess.Popen] = {}
-    for r in ranks:
-        proc = subprocess.Popen([sys.executable, "-m", "zpp.workers.worker", args.engine, str(r), level],
-                                stdin=subprocess.PIPE, text=True, env=env)
-        proc.stdin.write(line)
-        proc.stdin.close()
-        procs[r] = proc
-    print(f"zpp-node: started ranks {ranks} (pids {[q.pid for q in procs.values()]})", file=sys.stderr, flush=True)
-
-    stop = threading.Event()
-
-    def watch_stdin():
-        try:
-            while sys.stdin.read(1):
-                pass
-        except (OSError, ValueError):
-            pass
-        stop.set()
-
-    if not args.keys_file:  # started over SSH: the session's end is the head's end
-        threading.Thread(target=watch_stdin, daemon=True).start()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
-    status = 0
-    while not stop.is_set():
-        codes = {r: q.poll() for r, q in procs.items()}
-        failed = {r: c for r, c in codes.items() if c not in (None, 0)}
-        if failed:
-            for r, c in failed.items():
-                print(f"zpp-node: worker rank {r} (pid {procs[r].pid}) {_describe(c)}; stopping this host's "
-                      f"workers", file=sys.stderr, flush=True)
-            status = 1
-            break
-        if all(c == 0 for c in codes.values()):  # orderly shutdown by the engine
-            break
-        time.sleep(0.1)
-    for q in procs.values():
-        if q.poll() is None:
-            q.terminate()
-    deadline = time.monotonic() + 5
-    for q in procs.values():
-        try:
-            q.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            q.kill()
-    return status
+    return run_agent(args.engine, ranks, keys, args.log_level, watch_stdin=not args.keys_file)
 
 
 if __name__ == "__main__":

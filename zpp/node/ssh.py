@@ -9,7 +9,9 @@ stays open: its end tells the agent that the head is gone. The SSH client dies w
 (``PR_SET_PDEATHSIG`` through ``setpriv``), so a SIGKILLed head still ends every session.
 
 With ``launcher="manual"`` nothing is started: the head logs the command to run on each host
-(a cluster launcher or a person starts ``zpp-node --keys-file``) and waits for the workers.
+(a cluster launcher or a person starts ``zpp-node --keys-file``) and waits for the workers. With
+``launcher="pernode"`` (:data:`PER_NODE`, ``--nnodes``) the hosts are ``node rank 1`` ... and each
+runs ``zpp serve --node-rank R`` by itself; the head waits for them to join.
 """
 from __future__ import annotations
 
@@ -22,10 +24,20 @@ import subprocess
 import threading
 from typing import Optional
 
-from zpp.config import ConfigError
+from zpp.node.placement import describe_stages, split_ranks
 from zpp.transport.security import RunKeys
 
 logger = logging.getLogger(__name__)
+
+PER_NODE = "pernode"
+"""The launcher of a per-node launch (``--nnodes``): each node runs ``zpp serve --node-rank R``
+itself (``zpp.node.pernode``); the head starts nothing and waits for them to join."""
+
+
+def per_node_name(node_rank: int) -> str:
+    """How a per-node launch's host is named in the head's logs and errors."""
+    return f"node rank {node_rank}"
+
 
 DEFAULT_SSH = ("ssh -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=5 "
                "-o ServerAliveCountMax=3")
@@ -60,28 +72,9 @@ class NodeLauncher:
         self._local_index: dict[int, int] = {}
 
     def assign(self, world: int) -> list[int]:
-        """Split ranks over head + nodes; return the head's ranks. Raises ConfigError."""
-        hosts = len(self.nodes) + 1
-        pinned = sum(n or 0 for _, n in self.nodes)
-        free_hosts = 1 + sum(1 for _, n in self.nodes if n is None)
-        rest = world - pinned
-        if rest < 0:
-            raise ConfigError(f"--nodes pins {pinned} ranks but only {world} exist")
-        base, extra = divmod(max(rest, 0), free_hosts)
-        counts = []
-        k = 0
-        for i in range(hosts):
-            pin = None if i == 0 else self.nodes[i - 1][1]
-            if pin is None:
-                counts.append(base + (1 if k < extra else 0))
-                k += 1
-            else:
-                counts.append(pin)
-        start = 0
-        ranks_per_host = []
-        for c in counts:
-            ranks_per_host.append(list(range(start, start + c)))
-            start += c
+        """Split ranks over head + nodes (see :func:`zpp.node.placement.split_ranks`); return the
+        head's ranks. Raises ConfigError."""
+        ranks_per_host = split_ranks(world, [None] + [n for _, n in self.nodes])
         for i, (host, _) in enumerate(self.nodes):
             self.assignment[host] = ranks_per_host[i + 1]
         for rs in ranks_per_host:
@@ -97,8 +90,11 @@ class NodeLauncher:
         return next((h for h, rs in self.assignment.items() if rank in rs), None)
 
     def _stages(self, host: str) -> str:
-        stages = sorted({r // self.tp_size for r in self.assignment.get(host, [])})
-        return f"stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages))}"
+        return describe_stages(self.assignment.get(host, []), self.tp_size)
+
+    def stages_of(self, host: str) -> str:
+        """``stage 1`` / ``stages 1, 2``: the stages of ``host``'s ranks."""
+        return self._stages(host)
 
     def command_for(self, host: str) -> str:
         """The ``zpp-node`` command line for ``host`` (keys on stdin, or ``--keys-file``)."""
@@ -109,6 +105,11 @@ class NodeLauncher:
         return cmd
 
     def start(self) -> None:
+        if self.launcher == PER_NODE:
+            for host, ranks in self.assignment.items():
+                logger.info("waiting for %s (%s, ranks %s) to join", host, self._stages(host),
+                            ",".join(map(str, ranks)))
+            return
         if self.launcher == "manual":
             for host, ranks in self.assignment.items():
                 if ranks:

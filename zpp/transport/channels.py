@@ -63,6 +63,8 @@ class EngineSocket:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._auth = None
+        self.refused = 0
+        """Control-plane connections refused so far (CURVE handshakes without this run's keys)."""
         if keys is not None and keys.curve:
             self._secure(keys)
         if address.startswith("tcp://") and address.endswith(":0"):
@@ -86,7 +88,7 @@ class EngineSocket:
                           | zmq.EVENT_MONITOR_STOPPED)
         mon = sync_ctx.socket(zmq.PAIR)
         mon.connect(monitor_address)
-        threading.Thread(target=_log_refusals, args=(mon,), name="zpp-zmq-monitor", daemon=True).start()
+        threading.Thread(target=_log_refusals, args=(mon, self), name="zpp-zmq-monitor", daemon=True).start()
 
     def send(self, rank: int, msg: m.ToWorker) -> None:
         self.send_bytes([rank], m.encode(msg))
@@ -105,6 +107,17 @@ class EngineSocket:
                 if isinstance(e, zmq.ZMQError) and e.errno == zmq.EHOSTUNREACH:
                     raise PeerUnreachable(r) from e
                 raise e
+
+    def connected(self, rank: int) -> bool:
+        """Whether ``rank``'s heartbeat socket is still connected: an empty frame is sent to it (the
+        worker's heartbeat thread discards what it receives); with ROUTER_MANDATORY a peer whose
+        connection dropped fails the send at once (EHOSTUNREACH). A full queue (EAGAIN) counts as
+        connected."""
+        fut = self.sock.send_multipart([identity(rank, "hb"), b""], flags=zmq.NOBLOCK)
+        if fut.done() and fut.exception() is not None:
+            e = fut.exception()
+            return not (isinstance(e, zmq.ZMQError) and e.errno == zmq.EHOSTUNREACH)
+        return True
 
     async def recv(self, timeout_s: Optional[float] = None) -> tuple[int, m.FromWorker]:
         """Next message from any worker: (rank, message).
@@ -217,7 +230,7 @@ class _ClientKey:
         return key == self.expected  # a refusal is logged by _log_refusals
 
 
-def _log_refusals(mon: zmq.Socket) -> None:
+def _log_refusals(mon: zmq.Socket, owner: Optional["EngineSocket"] = None) -> None:
     """Log every connection the engine's CURVE socket refuses (with the peer's address when the
     connection is still open to ask)."""
     peer = "an unknown peer"
@@ -236,6 +249,8 @@ def _log_refusals(mon: zmq.Socket) -> None:
         if event == zmq.EVENT_ACCEPTED:
             peer = _peer_of(int(ev["value"]))
         elif event in reasons:
+            if owner is not None:
+                owner.refused += 1
             logger.warning("refused a control-plane connection from %s on %s: %s", peer,
                            ev["endpoint"].decode(), reasons[event])
 

@@ -4,8 +4,9 @@ Every TCP ZeroMQ socket between the head and the workers is a CURVE socket. The 
 run, a server key pair (it proves the head's identity and encrypts) and a client key pair that
 every worker presents; a ZAP handler on the head admits only that client key. A peer without the
 keys gets no answer: its handshake fails and the head logs the refusal. The keys reach workers on
-other hosts only through the SSH session's stdin (or, for agents started by hand, a file readable
-only by its owner) — never on a command line or in the environment. On top of CURVE, every worker
+other hosts only through the SSH session's stdin (or, for agents started by hand and for per-node
+launches, ``--node-keys-file``: a file readable only by its owner, which ``zpp node-keys FILE``
+makes) — never on a command line or in the environment. On top of CURVE, every worker
 still presents the run's random ``key`` in its first message.
 
 What is not covered: tensors between stages (gloo / NCCL) travel in clear over the interface the
@@ -87,14 +88,38 @@ def read_keys_file(path: str) -> RunKeys:
         raise ConfigError(f"key file {path}: {e}") from None
 
 
-def write_keys_file(path: str, keys: RunKeys) -> None:
-    """Write ``keys`` to a new file created with mode 0600. Raises ConfigError if it cannot."""
+def write_keys_file(path: str, keys: RunKeys, mode: int = 0o600, what: str = "--node-keys-file") -> None:
+    """Write ``keys`` to a new file created with ``mode`` (0600 or 0400; never an existing file).
+    Raises ConfigError if it cannot (``what`` names the path's origin in the message)."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     except OSError as e:
-        raise ConfigError(f"--node-keys-file {path}: {e.strerror or e}") from None
+        raise ConfigError(f"{what} {path}: {e.strerror or e}") from None
     with os.fdopen(fd, "wb") as f:
         f.write(keys.encode())
+    os.chmod(path, mode)  # whatever the umask took away, and nothing more
+
+
+def read_node_keys(path: str, head: bool) -> RunKeys:
+    """The keys of a per-node launch (``--nnodes``) from ``--node-keys-file``, which must exist (made
+    by ``zpp node-keys FILE``), be readable by its owner only and, on the head, hold the server's
+    secret. Nodes get them without that secret (:meth:`RunKeys.for_workers`).
+
+    Raises:
+        ConfigError: one line naming the file and what is wrong.
+    """
+    try:
+        keys = read_keys_file(path)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("key file ", "--node-keys-file ", 1)
+                          + ("; make one with `zpp node-keys FILE` and give every node the same file"
+                             if not os.path.exists(path) else "")) from None
+    if not keys.curve:
+        raise ConfigError(f"--node-keys-file {path}: holds no CURVE keys (make one with `zpp node-keys FILE`)")
+    if head and not keys.server_secret:
+        raise ConfigError(f"--node-keys-file {path}: has no server key (a worker-side copy?); node rank 0 needs "
+                          f"the file `zpp node-keys` wrote")
+    return keys if head else keys.for_workers()
 
 
 def keys_for_run(curve: bool, keys_file: Optional[str]) -> RunKeys:

@@ -129,6 +129,8 @@ def _start_heartbeat(engine_address: str, rank: int, keys, activity) -> None:
             batch_id, waiting, since = activity.state
             sock.send(m.Heartbeat(rank=rank, last_done=activity.last_done, batch_id=batch_id, waiting=waiting,
                                   seconds=time.monotonic() - since))
+            while sock.poll(0):  # the engine's connection probes (empty frames, see EngineSocket.connected)
+                sock.sock.recv()
             time.sleep(HEARTBEAT_INTERVAL_S)
 
     threading.Thread(target=loop, name="zpp-heartbeat", daemon=True).start()
