@@ -72,6 +72,10 @@ class _TryFailed(Exception):
     """One restart try failed (a rank died or did not answer in time); the reason is the message."""
 
 
+class _GiveUp(Exception):
+    """A restart cannot succeed whatever the tries left (the message says why): fail-stop now."""
+
+
 class StageExecutor(Protocol):
     """What the engine core needs from the stages (implemented by :class:`Executor`; a test or
     benchmark can stand in with an object of the same shape, e.g. ``scripts/host_overhead.py``).
@@ -785,6 +789,9 @@ class Executor:
                 break
         except asyncio.CancelledError:
             return
+        except _GiveUp as e:
+            self._fail(str(e))
+            return
         except Exception as e:  # a bug in the recovery: fail loudly, never hang
             logger.exception("stage restart failed")
             self._fail(f"stage restart failed: {e!r}")
@@ -854,9 +861,8 @@ class Executor:
             elif isinstance(msg, m.WorkerReady) and rank in waiting_ready:
                 waiting_ready.discard(rank)
                 if msg.num_kv_blocks_fit < self.num_blocks:
-                    self._fail(f"{self.describe_rank(rank)}: restarted, but it holds only {msg.num_kv_blocks_fit} "
-                               f"KV blocks, not the engine's {self.num_blocks}")
-                    raise asyncio.CancelledError
+                    raise _GiveUp(f"{self.describe_rank(rank)}: restarted, but it holds only {msg.num_kv_blocks_fit} "
+                                  f"KV blocks, not the engine's {self.num_blocks}")
                 self.socket.send(rank, m.InitKVCache(num_blocks=self.num_blocks))
             elif isinstance(msg, m.CacheReady) and rank in waiting_cache:
                 waiting_cache.discard(rank)
