@@ -287,7 +287,7 @@ def validate_startup(config: EngineConfig) -> None:
     """Every check that must fail before any worker starts (one-line ConfigError)."""
     config.validate()
     hf = config.model.hf_config
-    cls = resolve_model_class(hf, config.parallel.tensor_parallel_size)
+    cls = resolve_model_class(hf, config.parallel.tensor_parallel_size, config.max_model_len)
     partition_layers(cls.num_layers_of(hf), config.parallel.pipeline_parallel_size,
                      config.parallel.pp_layer_partition)
     model = config.model.model

@@ -92,6 +92,19 @@ class StageModel(nn.Module):
         """Raise ConfigError for options this implementation does not support."""
 
     @classmethod
+    def check_context(cls, cfg: dict[str, Any], max_model_len: int) -> None:
+        """Raise ConfigError (one line) for an option this implementation supports only up to some
+        sequence length shorter than ``max_model_len`` (e.g. a sliding window). Called at start-up
+        when the context length is known."""
+
+    @classmethod
+    def rope_switch_length(cls, cfg: dict[str, Any]) -> Optional[int]:
+        """The sequence length past which the model encodes positions differently for the whole
+        sequence (LongRoPE's ``original_max_position_embeddings``): a sequence computed at or below
+        it must be recomputed once it grows past it (the scheduler does). None for most families."""
+        return None
+
+    @classmethod
     def check_tensor_parallel(cls, cfg: dict[str, Any], tp_size: int) -> None:
         """Raise ConfigError (one line, naming ``--tensor-parallel-size``) if this config cannot be
         split ``tp_size`` ways. Called only for ``tp_size > 1`` on families with

@@ -57,7 +57,7 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
         ConfigError: unsupported architecture / option (checked again here, before any allocation).
         ValueError: missing or unexpected tensors, or shape mismatches (names given).
     """
-    cls = resolve_model_class(cfg, stage.tp_size)
+    cls = resolve_model_class(cfg, stage.tp_size, max_positions)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

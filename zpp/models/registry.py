@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Optional
 
 from zpp.config import ConfigError
 
@@ -14,6 +14,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("zpp.models.mixtral", "MixtralForCausalLM"),
     "GPT2LMHeadModel": ("zpp.models.gpt2", "GPT2LMHeadModel"),
     "OPTForCausalLM": ("zpp.models.opt", "OPTForCausalLM"),
+    "Phi3ForCausalLM": ("zpp.models.phi3", "Phi3ForCausalLM"),
 }
 
 
@@ -27,12 +28,16 @@ def tensor_parallel_architectures() -> list[str]:
                   if getattr(importlib.import_module(module), name).supports_tensor_parallel)
 
 
-def resolve_model_class(cfg: dict[str, Any], tensor_parallel_size: int = 1):
+def resolve_model_class(cfg: dict[str, Any], tensor_parallel_size: int = 1, max_model_len: Optional[int] = None):
     """The StageModel subclass for an HF config, after checking its options (nothing is allocated).
+
+    ``max_model_len``: the context length the engine will use, when known (start-up, loading): options
+    the family supports only for shorter sequences are checked against it (``check_context``).
 
     Raises:
         ConfigError: no/unknown ``architectures`` entry, an option the family does not support, or a
-            required field missing; one line, naming the architecture and listing the supported ones.
+            required field missing: one line, naming the architecture and listing the supported ones;
+            an option too short for ``max_model_len``: one line naming the architecture.
             With ``tensor_parallel_size > 1``: a family without tensor parallelism, or head / KV-head
             / intermediate sizes it does not divide (one line naming ``--tensor-parallel-size``).
     """
@@ -50,6 +55,11 @@ def resolve_model_class(cfg: dict[str, Any], tensor_parallel_size: int = 1):
                 raise ConfigError(f"{arch}: config.json lacks required field {e}; {_supported()}") from None
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"{arch}: malformed config.json ({e}); {_supported()}") from None
+            if max_model_len is not None:
+                try:
+                    cls.check_context(cfg, max_model_len)
+                except ConfigError as e:
+                    raise ConfigError(f"{arch}: {e}") from None
             if tensor_parallel_size > 1:
                 if not cls.supports_tensor_parallel:
                     raise ConfigError(

@@ -1,7 +1,21 @@
 """Rotary position embedding (Su et al. 2021, RoFormer), in HF transformers' "rotate_half" layout.
 
-Supported ``rope_scaling`` / ``rope_parameters`` types: ``default``, ``linear``, ``llama3``.
-Anything else raises :class:`zpp.config.ConfigError` when the model is resolved (before weights load).
+Supported ``rope_scaling`` / ``rope_parameters`` types: ``default``, ``linear``, ``llama3``,
+``longrope`` (LongRoPE, Ding et al. 2024, "LongRoPE: Extending LLM Context Window Beyond 2 Million
+Tokens"; Phi-3 / Phi-4-mini). Anything else raises :class:`zpp.config.ConfigError` when the model is
+resolved (before weights load).
+
+LongRoPE has two sets of per-frequency factors: ``short_factor`` for sequences of at most
+``original_max_position_embeddings`` tokens, ``long_factor`` for longer ones, and scales cos/sin by an
+attention factor. HF transformers (``modeling_rope_utils._compute_longrope_parameters`` and the
+``longrope`` branch of ``dynamic_rope_update``) picks the set from the sequence length of each forward,
+and its ``Phi3ForCausalLM.prepare_inputs_for_generation`` drops the KV cache and recomputes the whole
+sequence with the long factors when a sequence grows past ``original_max_position_embeddings``: a
+sequence's keys and queries all use one set, the long one once it is longer. zpp does the same: the
+table holds ``original_max_position_embeddings`` short rows then ``max_positions`` long rows
+(:meth:`RotaryEmbedding.rope_rows`), the model runner says per token whether its sequence is long,
+and the scheduler recomputes a sequence when it crosses the length (see
+``zpp.engine.scheduler.Scheduler``).
 """
 from __future__ import annotations
 
@@ -13,7 +27,7 @@ from torch import nn
 
 from zpp.config import ConfigError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -28,7 +42,47 @@ def rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         raise ConfigError(
             f"rope scaling type {rtype!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     merged["rope_type"] = rtype
+    if rtype == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if not isinstance(merged.get(key), list) or not all(isinstance(x, (int, float)) for x in merged[key]):
+                raise ConfigError(f"rope scaling longrope needs {key} as a list of numbers, got {merged.get(key)!r}")
+        # HF: a top-level original_max_position_embeddings (Phi-3 keeps it there) wins over the
+        # rope dict's, which defaults to max_position_embeddings (PreTrainedConfig.standardize_rope_params).
+        if cfg.get("original_max_position_embeddings") is not None:
+            merged["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+        merged.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+        if merged["original_max_position_embeddings"] is None:
+            raise ConfigError("rope scaling longrope needs original_max_position_embeddings")
+        merged["max_position_embeddings"] = cfg.get("max_position_embeddings")
     return theta, merged
+
+
+def longrope_parameters(dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """LongRoPE's ``(short inverse frequencies [dim / 2], long ones [dim / 2], attention factor)`` for
+    a rotary width of ``dim``, as HF transformers' ``_compute_longrope_parameters`` computes them:
+    ``inv = 1 / (factor_i * theta ** (2i / dim))``; the attention factor is ``scaling["attention_factor"]``
+    if given, else ``sqrt(1 + ln(s) / ln(original_max_position_embeddings))`` with
+    ``s = scaling["factor"]`` or ``max_position_embeddings / original_max_position_embeddings``
+    (1.0 when ``s <= 1``).
+
+    Raises:
+        ValueError: a factor list's length is not ``dim / 2``.
+    """
+    orig = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = float(scaling.get("max_position_embeddings") or orig) / orig
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    out = []
+    for key in ("short_factor", "long_factor"):
+        ext = torch.tensor(scaling[key], dtype=torch.float32)
+        if ext.shape != shape.shape:
+            raise ValueError(f"longrope {key} has {ext.numel()} entries, the rotary width {dim} needs {dim // 2}")
+        out.append(1.0 / (ext * theta ** shape))
+    return out[0], out[1], float(attention)
 
 
 def _inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
@@ -53,22 +107,58 @@ def _inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to query and key heads.
+    """Applies RoPE to query and key heads (to the first ``rotary_dim`` dims of each head; the rest
+    pass through, HF's partial rotary).
 
-    ``forward(positions [T] int64, q [T, Hq, D], k [T, Hk, D])`` -> rotated ``(q, k)`` (new tensors,
-    same dtype). cos/sin are precomputed in float32 for ``max_positions`` and cast per call.
+    ``forward(rows [T] int64, q [T, Hq, D], k [T, Hk, D])`` -> rotated ``(q, k)`` (new tensors,
+    same dtype). cos/sin are precomputed in float32 (``[rows, rotary_dim]``, the attention factor
+    included) and cast per call; ``rows`` are positions, except with LongRoPE, where
+    :meth:`rope_rows` maps positions to rows.
+
+    LongRoPE (``scaling["rope_type"] == "longrope"``): ``switch_len`` is
+    ``original_max_position_embeddings``; rows ``[0, switch_len)`` hold the short factors' positions
+    and, when ``max_positions > switch_len``, rows ``[switch_len, switch_len + max_positions)`` the long
+    factors' (``long_offset = switch_len``). Otherwise ``switch_len`` is None.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: Optional[dict[str, Any]] = None, rotary_dim: Optional[int] = None):
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
-        inv = _inv_freq(self.rotary_dim, theta, scaling or {})
-        t = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = t[:, None] * inv[None, :]
+        scaling = scaling or {}
+        self.switch_len: Optional[int] = None
+        self.long_offset: Optional[int] = None
+        attention = 1.0
+        if scaling.get("rope_type") == "longrope":
+            short, long, attention = longrope_parameters(self.rotary_dim, theta, scaling)
+            self.switch_len = int(scaling["original_max_position_embeddings"])
+            n_short = min(max_positions, self.switch_len)
+            parts = [torch.arange(n_short, dtype=torch.int64).float()[:, None] * short[None, :]]
+            if max_positions > self.switch_len:
+                self.long_offset = self.switch_len
+                parts.append(torch.arange(max_positions, dtype=torch.int64).float()[:, None] * long[None, :])
+            freqs = torch.cat(parts)
+        else:
+            inv = _inv_freq(self.rotary_dim, theta, scaling)
+            t = torch.arange(max_positions, dtype=torch.int64).float()
+            freqs = t[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, rotary_dim]
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # HF multiplies cos/sin by the attention factor in float32, then casts to the model's dtype.
+        self.register_buffer("cos", emb.cos() * attention, persistent=False)  # [rows, rotary_dim]
+        self.register_buffer("sin", emb.sin() * attention, persistent=False)
+
+    def rope_rows(self, positions: torch.Tensor, long: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Table rows of ``positions [T]`` int64: the positions themselves, except with LongRoPE's
+        long table, where a token of a long sequence reads row ``position + long_offset``. ``long
+        [T]`` (bool or 0/1 int) says which tokens belong to a sequence longer than ``switch_len``;
+        None: exactly the tokens at positions ``>= switch_len`` (true of every decode step, since the
+        scheduler recomputes a sequence that grows past ``switch_len``; CUDA graphs rely on this).
+        Capturable in a CUDA graph (no host sync)."""
+        if self.long_offset is None:
+            return positions
+        if long is None:
+            long = positions >= self.switch_len
+        return positions + long.to(positions.dtype) * self.long_offset
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
