@@ -124,11 +124,33 @@ class StageModel(nn.Module):
         return self.stage.layer_end - self.stage.layer_start
 
     # --- loading ------------------------------------------------------------------------------
+    def check_weight_names(self, names: Iterable[str]) -> None:
+        """The name checks of :meth:`load_weights` on the checkpoint's tensor names alone, so that a
+        checkpoint with a tensor missing or misnamed is refused before any tensor is read or copied
+        (the loader runs it on the safetensors headers first).
+
+        Raises:
+            ValueError: one line naming the tensors this stage owns that match no parameter
+                (unexpected) and the parameters (or shards of merged ones) no tensor fills (missing).
+        """
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        unexpected: list[str] = []
+        for name in names:
+            for pname, shard in self.map_weight_name(name) or ():
+                if pname in params:
+                    filled.add(f"{pname}#{shard}")
+                else:
+                    unexpected.append(name)
+        self._raise_mismatch(params, filled, unexpected)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into this stage's parameters.
 
         Tensors other stages own are skipped. Raises ValueError naming any tensor this stage owns
-        that matches no parameter (unexpected) or any parameter that received nothing (missing).
+        that matches no parameter (unexpected) or any parameter that received nothing (missing), or
+        a tensor whose shape does not fit its parameter. The loader checks the names first
+        (:meth:`check_weight_names`), before any copy.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -151,12 +173,20 @@ class StageModel(nn.Module):
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
                 loaded.add(f"{pname}#{shard}")
+        self._raise_mismatch(params, loaded, unexpected)
+
+    def _raise_mismatch(self, params: dict[str, nn.Parameter], filled: set[str], unexpected: list[str]) -> None:
+        """One ValueError line naming unexpected tensors and missing parameters, if any (10 of each)."""
+        missing = sorted(m for pname, p in params.items() if (m := self._missing(pname, p, filled)))
+        parts = []
         if unexpected:
-            raise ValueError(f"unexpected checkpoint tensors for this model: {', '.join(sorted(unexpected)[:10])}")
-        missing = [m for pname, p in params.items() if (m := self._missing(pname, p, loaded))]
+            parts.append(f"unexpected checkpoint tensors for this model: {', '.join(sorted(unexpected)[:10])}"
+                         + (" ..." if len(unexpected) > 10 else ""))
         if missing:
-            raise ValueError(f"checkpoint is missing tensors: {', '.join(sorted(missing)[:10])}"
-                             + (" ..." if len(missing) > 10 else ""))
+            parts.append(f"checkpoint is missing tensors: {', '.join(missing[:10])}"
+                         + (" ..." if len(missing) > 10 else ""))
+        if parts:
+            raise ValueError("; ".join(parts))
 
     def _missing(self, pname: str, param: nn.Parameter, loaded: set[str]) -> Optional[str]:
         """None if ``pname`` was loaded whole (shard None) or in every shard, else its description.
