@@ -17,6 +17,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("zpp.models.phi3", "Phi3ForCausalLM"),
 }
 
+# ``quantization_config.quant_method`` values zpp can load. Empty: zpp reads unquantized safetensors
+# only, so a checkpoint with any ``quantization_config`` (mxfp4, gptq, awq, bitsandbytes, fp8,
+# compressed-tensors, ...) is refused before any weight loads. A method's loader adds its name here.
+SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
+
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
@@ -28,6 +33,22 @@ def tensor_parallel_architectures() -> list[str]:
                   if getattr(importlib.import_module(module), name).supports_tensor_parallel)
 
 
+def check_quantization(cfg: dict[str, Any]) -> None:
+    """Refuse a quantized checkpoint whose method is not in ``SUPPORTED_QUANTIZATION``, in one line
+    naming the method (``quantization_config.quant_method``; ``bitsandbytes`` for old configs that
+    carry only ``load_in_4bit`` / ``load_in_8bit``). Raises ConfigError."""
+    q = cfg.get("quantization_config")
+    if not q:
+        return
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if not method and isinstance(q, dict) and (q.get("load_in_4bit") or q.get("load_in_8bit")):
+        method = "bitsandbytes"
+    method = str(method).lower() if method else "unknown"
+    if method not in SUPPORTED_QUANTIZATION:
+        raise ConfigError(f"quantized checkpoint (quantization_config.quant_method {method!r}) is not supported: "
+                          f"zpp loads unquantized safetensors only")
+
+
 def resolve_model_class(cfg: dict[str, Any], tensor_parallel_size: int = 1, max_model_len: Optional[int] = None):
     """The StageModel subclass for an HF config, after checking its options (nothing is allocated).
 
@@ -37,7 +58,8 @@ def resolve_model_class(cfg: dict[str, Any], tensor_parallel_size: int = 1, max_
     Raises:
         ConfigError: no/unknown ``architectures`` entry, an option the family does not support, or a
             required field missing: one line, naming the architecture and listing the supported ones;
-            an option too short for ``max_model_len``: one line naming the architecture.
+            a quantized checkpoint (:func:`check_quantization`) or an option too short for
+            ``max_model_len``: one line naming the architecture.
             With ``tensor_parallel_size > 1``: a family without tensor parallelism, or head / KV-head
             / intermediate sizes it does not divide (one line naming ``--tensor-parallel-size``).
     """
@@ -46,6 +68,10 @@ def resolve_model_class(cfg: dict[str, Any], tensor_parallel_size: int = 1, max_
         if arch in _MODELS:
             module, name = _MODELS[arch]
             cls = getattr(importlib.import_module(module), name)
+            try:
+                check_quantization(cfg)
+            except ConfigError as e:
+                raise ConfigError(f"{arch}: {e}") from None
             try:
                 cls.check_config(cfg)
                 cls.num_layers_of(cfg)
