@@ -322,7 +322,7 @@ def test_tool_output_parsing_and_streaming():
     auto = parse_tools(TOOLS, "auto", None)
     text = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     content, calls = parse_output(auto, text)
-    assert content == "Let me check." and len(calls) == 1
+    assert content == "Let me check. " and len(calls) == 1  # the text before the call, as generated
     assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["type"] == "function"
     assert parse_output(auto, '{"name": "get_time", "parameters": {"zone": "UTC"}}')[1][0]["function"]["name"] == "get_time"
@@ -343,7 +343,7 @@ def test_tool_output_parsing_and_streaming():
     for end in range(0, len(text) + 1, 5):
         deltas += ts.feed(text[:end], False)
     deltas += ts.feed(text, True)
-    assert "".join(d.get("content", "") for d in deltas).strip() == "Let me check."
+    assert "".join(d.get("content", "") for d in deltas) == content
     calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
     assert calls[0]["function"]["name"] == "get_weather" and calls[1]["function"]["arguments"] == '{"city": "Paris"}'
     # A request's bad tools are refused naming the field.
@@ -459,5 +459,121 @@ def test_server_bad_inputs_get_400_naming_the_field(server):
             assert e.value.status_code == 400 and e.value.body["param"] == param, (extra, e.value.body)
         r = await c.chat.completions.create(model=MODEL, messages=WEATHER_Q, max_tokens=3, temperature=0)
         assert r.choices[0].finish_reason == "length"
+
+    asyncio.run(go())
+
+
+# --- handed cases (shared/cases/): one message shape however an output ends; bounded compiles ----
+GET_WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string",
+                                                                          "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"]}}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                   "temperature": {"type": "integer"}},
+                  "required": ["city", "temperature"]}
+# Every kind of request, as extra chat-completion fields.
+SHAPE_MODES = {
+    "plain": {},
+    "tools-auto": {"tools": GET_WEATHER},
+    "tools-named": {"tools": GET_WEATHER, "tool_choice": NAMED},
+    "tools-required": {"tools": GET_WEATHER, "tool_choice": "required"},
+    "json-schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER_SCHEMA}}},
+    "choice": {"structured_outputs": {"choice": ["sunny and warm", "rainy and cold"]}},
+}
+CONSTRAINED = ("tools-named", "tools-required", "json-schema", "choice")
+
+
+async def _shape(c: AsyncOpenAI, stream: bool, **kw) -> tuple[str, list[tuple[str, str]], str]:
+    """(content, [(tool name, arguments)], finish reason) of one chat completion, from the message
+    or reassembled from the stream's deltas (content joined; each call's name from its first delta,
+    its arguments joined)."""
+    if not stream:
+        ch = (await c.chat.completions.create(model=MODEL, messages=WEATHER_Q, temperature=0, **kw)).choices[0]
+        calls = [(t.function.name, t.function.arguments) for t in ch.message.tool_calls or []]
+        return ch.message.content or "", calls, ch.finish_reason
+    content, calls, finish = "", {}, None
+    async for chunk in await c.chat.completions.create(model=MODEL, messages=WEATHER_Q, temperature=0, stream=True,
+                                                       **kw):
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        content += ch.delta.content or ""
+        for t in ch.delta.tool_calls or []:
+            if t.index not in calls:
+                calls[t.index] = [t.function.name, ""]
+            calls[t.index][1] += t.function.arguments or ""
+        finish = ch.finish_reason or finish
+    return content, [tuple(v) for _, v in sorted(calls.items())], finish
+
+
+def _kw(fields: dict) -> dict:
+    """Chat fields as the openai client takes them (non-standard ones through extra_body)."""
+    std = {k: v for k, v in fields.items() if k in ("tools", "tool_choice", "response_format", "max_tokens", "stop")}
+    extra = {k: v for k, v in fields.items() if k not in std}
+    return {**std, "extra_body": extra} if extra else std
+
+
+def test_named_tool_call_cut_off_has_one_shape(server):
+    """shared/cases/named-tool-call-cut-off.md: a named tool call cut off by max_tokens (8, 15) is
+    its call in both modes, the arguments as far as generated (at 8 tokens: the case's fragment),
+    finish_reason "length"; a complete one (20, 100) is the call with finish "tool_calls"; a cut-off
+    ``required`` output (8, 15, 20) is content in both modes."""
+    async def go():
+        c = _client(server)
+        cases = [(mode, n, stream) for mode in ("tools-named", "tools-required") for n in (8, 15, 20, 100)
+                 for stream in (False, True)]
+        got = await asyncio.gather(*(_shape(c, stream, **_kw({**SHAPE_MODES[mode], "max_tokens": n}))
+                                     for mode, n, stream in cases))
+        res = dict(zip(cases, got))
+        for mode in ("tools-named", "tools-required"):
+            for n in (8, 15, 20, 100):
+                assert res[mode, n, False] == res[mode, n, True], (mode, n, res[mode, n, False], res[mode, n, True])
+        assert res["tools-named", 8, False] == ("", [("get_weather", '{\n  "city": "Paris",')], "length")
+        for n in (8, 15):
+            content, calls, finish = res["tools-named", n, False]
+            assert (content, finish) == ("", "length") and len(calls) == 1 and calls[0][0] == "get_weather"
+            with pytest.raises(ValueError):
+                json.loads(calls[0][1])  # cut off: the arguments are incomplete JSON
+        for n in (8, 15, 20):
+            content, calls, finish = res["tools-required", n, False]
+            assert calls == [] and finish == "length" and content.startswith('[{"name": "get_')
+        for n in (20, 100):
+            content, calls, finish = res["tools-named", n, False]
+            assert finish == "tool_calls" and calls[0][0] == "get_weather"
+            jsonschema.validate(json.loads(calls[0][1]), GET_WEATHER[0]["function"]["parameters"])
+
+    asyncio.run(go())
+
+
+def test_every_early_end_has_one_shape_streamed_or_not(server):
+    """The whole kind of that case: for plain text, tool calls (auto, named, required) and
+    structured outputs (JSON schema, choice), each way an output ends early -- max_tokens, a stop
+    string, a grammar dead end (min_tokens past the grammar's end: "abort") -- gives the same
+    message (content, tool calls, finish reason) streamed and not streamed."""
+    async def go():
+        c = _client(server)
+        full = dict(zip(SHAPE_MODES, await asyncio.gather(*(
+            _shape(c, False, **_kw({**fields, "max_tokens": 40})) for fields in SHAPE_MODES.values()))))
+        cases: list[tuple[str, str, dict]] = []
+        for mode, fields in SHAPE_MODES.items():
+            content, calls, _ = full[mode]
+            text = calls[0][1] if calls else content
+            cases.append((mode, "length", {**fields, "max_tokens": 5}))
+            if len(text) >= 6:  # a stop string from the middle of the full output
+                mid = len(text) // 2
+                cases.append((mode, "stop string", {**fields, "max_tokens": 40, "stop": [text[mid:mid + 3]]}))
+            if mode in CONSTRAINED:
+                cases.append((mode, "dead end", {**fields, "max_tokens": 60, "min_tokens": 59}))
+        got = await asyncio.gather(*(_shape(c, stream, **_kw(fields)) for _, _, fields in cases
+                                     for stream in (False, True)))
+        finishes = set()
+        for i, (mode, end, _) in enumerate(cases):
+            plain, streamed = got[2 * i], got[2 * i + 1]
+            assert plain == streamed, (mode, end, plain, streamed)
+            finishes.add((end, plain[2]))
+            if mode == "tools-named":
+                assert len(plain[1]) == 1, (end, plain)  # a named function's output is always its call
+        assert {("length", "length"), ("stop string", "stop"), ("dead end", "abort")} <= finishes, finishes
 
     asyncio.run(go())
