@@ -160,10 +160,8 @@ def test_compile_errors_size_limit_and_timeout(engine):
         e.grammar.max_spec_bytes = 100
         refused(SO(json=PERSON), "at most 100")
         e.grammar.max_spec_bytes = limit
-        e.grammar.compile_timeout = 1e-4  # a fresh schema takes milliseconds to compile
-        big = {"type": "object", "properties": {f"field_{i}": {"type": "string", "enum": [f"v{i}_{j}" for j in range(30)]}
-                                                for i in range(60)}}
-        refused(SO(json=big), "did not compile within 0.0001 s")
+        e.grammar.compile_timeout = 0.5  # the slow schema takes tens of seconds
+        refused(SO(json=slow_schema()), r"did not compile within 0.5 s \(--structured-outputs-compile-timeout\)")
     finally:
         e.grammar.max_spec_bytes, e.grammar.compile_timeout = limit, timeout
     with pytest.raises(SamplingParamsError):
@@ -235,8 +233,9 @@ def _pattern_schema(n: int) -> dict:
 def test_compiled_grammar_size_is_bounded_before_serializing(tokenizer):
     """A small schema that compiles to a huge grammar (a newcomer's 18 KB schema of 200 such
     properties made the server grow by tens of GB while serializing it) is refused with a 400
-    naming --max-structured-outputs-grammar-bytes, quickly and without serializing; a schema
-    under the limit still compiles."""
+    naming --max-structured-outputs-grammar-bytes, without serializing it (60 properties: 29 MB of
+    grammar, ~95 MB serialized, which the front end never receives); a schema under the limit still
+    compiles."""
     import asyncio as aio
     import resource
     import time
@@ -244,70 +243,111 @@ def test_compiled_grammar_size_is_bounded_before_serializing(tokenizer):
     from zpp.engine.structured_output import GrammarCompiler
 
     async def go():
-        gc = GrammarCompiler(tokenizer, 49152, {2}, 30.0, 1 << 20, max_grammar_bytes=4 << 20)
+        gc = GrammarCompiler(tokenizer, 49152, {2}, 60.0, 1 << 20, max_grammar_bytes=4 << 20)
         assert (await gc.compile(SO(json=_pattern_schema(2)))).compiled  # ~1 MB: accepted
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t = time.monotonic()
         with pytest.raises(RequestError, match=r"MiB; this server accepts at most 4.0 MiB "
                                                r"\(--max-structured-outputs-grammar-bytes\)") as info:
-            await gc.compile(SO(json=_pattern_schema(200)))
+            await gc.compile(SO(json=_pattern_schema(60)))
         assert info.value.param == "structured_outputs"
         took, grew = time.monotonic() - t, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 2**10
         gc.close()
         return took, grew
 
     took, grew_mib = aio.run(go())
-    assert took < 8 and grew_mib < 512, (took, grew_mib)
+    assert took < 30 and grew_mib < 64, (took, grew_mib)
 
 
-def test_waiting_for_a_busy_compile_thread_says_so(tokenizer):
-    """Both compile threads held by slow grammars: a third request's timeout says it waited for
-    a thread (retry later), not that its grammar is too complex."""
+def slow_schema(n: int = 250, tag: str = "") -> dict:
+    """The schema of shared/cases/grammar-compile-outlives-timeout.md: ``n`` required strings, each
+    with its own pattern (250: about 17 KB, about 41 s and 160 MB for xgrammar alone)."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"[a-z0-9]{{1,100}}x{tag}{i}"}
+                                             for i in range(n)}, "required": [f"p{i}" for i in range(n)]}
+
+
+def _compile_children(host_pid: int) -> list[int]:
+    from conftest import descendants
+    return descendants(host_pid)
+
+
+def test_compiles_are_killed_refused_once_and_never_starve_small_ones(tokenizer):
+    """Compiles run in processes forked by the compile host: two slow schemas hold both general
+    slots, yet a small ``choice`` compiles at once (its own slot); a third large schema says it
+    waited for a slot; at the timeout the slow compiles are killed (no compile process left a second
+    later) and a copy of one is refused at once without compiling; a compile whose only request
+    goes away is killed at once."""
     import asyncio as aio
-    import threading
+    import time
 
     from zpp.engine.structured_output import GrammarCompiler
 
-    release = threading.Event()
-
     async def go():
-        gc = GrammarCompiler(tokenizer, 49152, {2}, 0.5, 1 << 20)
-        real = gc._compile
-
-        def slow(kind, text, any_ws, started):
-            started.set()
-            release.wait(30)
-            return real(kind, text, any_ws, threading.Event())
-        gc._compile = slow
-        busy = [aio.ensure_future(gc.compile(SO(regex=f"a{{{i}}}"))) for i in (1, 2)]
-        await aio.sleep(0.1)
-        gc._compile = real
-        with pytest.raises(RequestError, match="waited 0.5 s for a compile thread, all busy"):
-            await gc.compile(SO(regex="b+"))
-        for f in busy:
-            with pytest.raises(RequestError, match="did not compile within 0.5 s"):
+        gc = GrammarCompiler(tokenizer, 49152, {2}, 2.0, 1 << 20)
+        await gc.compile(SO(choice=["warm", "up"]))  # starts the host (not counted in any timeout)
+        host = gc.host_pid
+        slow = [aio.ensure_future(gc.compile(SO(json=slow_schema(tag=t)))) for t in "ab"]
+        await aio.sleep(0.3)
+        third = aio.ensure_future(gc.compile(SO(json=slow_schema(tag="c"))))
+        t = time.monotonic()
+        assert (await gc.compile(SO(choice=["yes", "no", "maybe"]))).compiled
+        assert time.monotonic() - t < 1.0, "a small choice waited behind the slow schemas"
+        for f in slow:
+            with pytest.raises(RequestError, match=r"did not compile within 2 s \(--structured-outputs-compile-timeout\)"):
                 await f
-        release.set()
+        with pytest.raises(RequestError, match="for a compile slot, all busy with other grammars"):
+            await third
+        await aio.sleep(1.0)
+        assert _compile_children(host) == [], "a compile process outlived its timeout"
+        t = time.monotonic()
+        with pytest.raises(RequestError, match="it timed out before: not compiled again"):
+            await gc.compile(SO(json=slow_schema(tag="a")))
+        assert time.monotonic() - t < 0.1
+        gone = aio.ensure_future(gc.compile(SO(json=slow_schema(tag="d"))))
+        await aio.sleep(0.5)
+        assert len(_compile_children(host)) == 1
+        gone.cancel()  # the client went away
+        await aio.sleep(0.5)
+        assert _compile_children(host) == [], "a compile nobody waits for still runs"
         gc.close()
+        await aio.sleep(0.5)
+        from conftest import alive
+        assert not alive(host)
 
     aio.run(go())
 
 
 def test_a_running_compile_does_not_keep_the_process_alive(tmp_path):
-    """The compile threads are daemons: a process whose grammar compile never returns still exits
-    at once (a stopping server waited minutes for xgrammar)."""
+    """A process that exits while a grammar compiles exits at once, and its compile host and the
+    compile process go with it (a stopping server waited minutes for xgrammar)."""
     import subprocess
     import sys
+
+    from conftest import alive
     script = tmp_path / "exit_during_compile.py"
     script.write_text(
-        "import threading, time\n"
+        "import asyncio, json, sys\n"
+        "from transformers import AutoTokenizer\n"
         "from zpp.engine.structured_output import GrammarCompiler\n"
-        "gc = GrammarCompiler(None, 10, set(), 1.0, 100)\n"
-        "gc._pool.submit(threading.Event().wait)\n"
-        "time.sleep(0.2)\n"
-        "print('exiting')\n")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == "exiting", out.stderr
+        "from zpp.sampling_params import StructuredOutputsParams as SO\n"
+        "async def main():\n"
+        "    gc = GrammarCompiler(AutoTokenizer.from_pretrained(sys.argv[1]), 49152, {2}, 600.0, 1 << 20)\n"
+        "    asyncio.ensure_future(gc.compile(SO(json=json.loads(sys.argv[2]))))\n"
+        "    while gc.host_pid is None or not gc._host._started:\n"
+        "        await asyncio.sleep(0.05)\n"
+        "    print(gc.host_pid, flush=True)\n"
+        "asyncio.run(main())\n"
+        "print('exiting', flush=True)\n")
+    from conftest import demo_model_or_skip
+    out = subprocess.run([sys.executable, str(script), demo_model_or_skip(), json.dumps(slow_schema())],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "exiting", out.stderr
+    host = int(out.stdout.split()[0])
+    import time
+    deadline = time.monotonic() + 5
+    while alive(host) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(host), "the compile host outlived its process"
 
 
 # --- tool-call parsing (no engine) -----------------------------------------------------------------
@@ -575,5 +615,66 @@ def test_every_early_end_has_one_shape_streamed_or_not(server):
             if mode == "tools-named":
                 assert len(plain[1]) == 1, (end, plain)  # a named function's output is always its call
         assert {("length", "length"), ("stop string", "stop"), ("dead end", "abort")} <= finishes, finishes
+
+    asyncio.run(go())
+
+
+def _tree_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of ``pid`` and its live descendants."""
+    import os
+    from conftest import descendants
+    total = 0
+    for p in [pid] + descendants(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def test_slow_schema_is_stopped_refused_once_and_starves_nobody(server):
+    """shared/cases/grammar-compile-outlives-timeout.md on the server (compile timeout 10 s): a
+    client that gives up after 1 s; the same schema from a patient client gets a 400 naming the
+    timeout flag; a few seconds later the server's processes are back near idle (the compile was
+    killed); a copy of the schema is refused at once; while two other slow schemas compile, a small
+    ``choice`` request is answered in under 2 s."""
+    import time
+
+    async def go():
+        c = _client(server)
+        fmt = lambda schema: {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        impatient = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=1.0)
+        with pytest.raises(openai.APITimeoutError):
+            await impatient.chat.completions.create(model=MODEL, messages=WEATHER_Q, max_tokens=5,
+                                                    response_format=fmt(slow_schema()))
+        t = time.monotonic()
+        with pytest.raises(openai.BadRequestError, match="--structured-outputs-compile-timeout"):
+            await c.chat.completions.create(model=MODEL, messages=WEATHER_Q, max_tokens=5,
+                                            response_format=fmt(slow_schema()))
+        assert 9 < time.monotonic() - t < 14
+        await asyncio.sleep(1.0)
+        cpu0 = _tree_cpu_seconds(server.proc.pid)
+        await asyncio.sleep(2.0)
+        busy = _tree_cpu_seconds(server.proc.pid) - cpu0
+        assert busy < 0.6, f"the server's processes used {busy:.2f} CPU-seconds in 2 s after the refusal"
+        t = time.monotonic()
+        with pytest.raises(openai.BadRequestError, match="timed out before"):
+            await c.chat.completions.create(model=MODEL, messages=WEATHER_Q, max_tokens=5,
+                                            response_format=fmt(slow_schema()))
+        assert time.monotonic() - t < 1.0
+        slow = [asyncio.ensure_future(c.chat.completions.create(
+            model=MODEL, messages=WEATHER_Q, max_tokens=5, response_format=fmt(slow_schema(tag=tag))))
+            for tag in "pq"]
+        await asyncio.sleep(1.0)
+        t = time.monotonic()
+        r = await c.chat.completions.create(model=MODEL, messages=WEATHER_Q, max_tokens=5, temperature=0,
+                                            extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+        took = time.monotonic() - t
+        assert r.choices[0].message.content in ("yes", "no") and took < 2.0, took
+        for f in slow:  # the clients go away: their compiles are killed
+            f.cancel()
+        await asyncio.gather(*slow, return_exceptions=True)
 
     asyncio.run(go())
