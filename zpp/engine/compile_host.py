@@ -6,9 +6,10 @@ out kept a core busy for as long as it liked after its request had been refused 
 server at 100% CPU for hours after its clients gave up). So every compile runs in its own process,
 killed when its time is up:
 
-* the front end spawns one *compile host* (:func:`host_main`) when the first structured-output
-  request arrives: a single-threaded process that imports xgrammar and reads the tokenizer info
-  once (a few seconds), then forks one child per compile. A forked child starts in about a
+* the front end spawns one *compile host* (:func:`host_main`) while the engine starts: a
+  single-threaded process that imports xgrammar, loads the tokenizer and builds xgrammar's
+  tokenizer info once (a few seconds; the front end itself never imports xgrammar), then forks one
+  child per compile. A forked child starts in about a
   millisecond and shares the host's memory (copy on write); it compiles (``COMPILE_THREADS``
   threads, as the in-process compiler had) at a lower CPU priority (``CHILD_NICE``: compiles never
   slow the serving path), sends the serialized grammar back through a pipe and exits;
@@ -143,29 +144,36 @@ class _Running:
         self.chunks: list[bytes] = []
 
 
-def host_main(conn, general_slots: int, small_slots: int, log_level: int) -> None:
+def host_main(conn, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int], general_slots: int,
+              small_slots: int, log_level: int) -> None:
     """The compile host's main loop (a spawned process; see the module docstring).
 
-    From the front end: first the tokenizer info (xgrammar's JSON, raw bytes), then
-    ``["compile", job_id, kind, text, any_whitespace, max_grammar_bytes,
+    From the front end: ``["compile", job_id, kind, text, any_whitespace, max_grammar_bytes,
     time_limit]``, ``["drop", job_id]`` (nobody waits for it any more: unqueue it, or kill it,
     without a reply), ``["stop"]``.
-    To it: ``["ready"]`` (or ``["failed", message]``), then per job ``["started", job_id]`` and one of
-    ``["ok", job_id, serialized]``, ``["error", job_id, message]``, ``["too_large", job_id, message]``,
-    ``["timeout", job_id]``, ``["died", job_id, message]``.
+    To it: ``["ready", tokenizer_info_json]`` (or ``["failed", message]``), then per job
+    ``["started", job_id]`` and one of ``["ok", job_id, serialized]``, ``["error", job_id, message]``,
+    ``["too_large", job_id, message]``, ``["timeout", job_id]``, ``["died", job_id, message]``.
     """
     _set_pdeathsig()
+    try:
+        ctypes.CDLL("libc.so.6").prctl(15, b"zpp-grammar", 0, 0, 0)  # PR_SET_NAME: /proc/PID/comm
+    except OSError:
+        pass
     logging.basicConfig(level=log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end stops us
     try:
         import xgrammar as xgr
-        info = xgr.TokenizerInfo.deserialize_json(conn.recv_bytes().decode())
-    except (EOFError, OSError):
-        return
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        info_json = info.serialize_json()
+        del tokenizer
     except Exception as e:
-        conn.send_bytes(_encode(["failed", f"xgrammar cannot start: {e}"]))
+        conn.send_bytes(_encode(["failed", f"xgrammar failed on this tokenizer: {str(e).strip()[:500]}"]))
         return
-    conn.send_bytes(_encode(["ready"]))
+    conn.send_bytes(_encode(["ready", info_json]))
+    del info_json
     sel = selectors.DefaultSelector()
     sel.register(conn.fileno(), selectors.EVENT_READ, None)
     queue: list = []  # heap of (spec bytes, arrival, job)
@@ -264,16 +272,21 @@ def host_main(conn, general_slots: int, small_slots: int, log_level: int) -> Non
 
 # --- the front end's side ----------------------------------------------------------------------
 class CompileHost:
-    """The front end's handle on the compile host (started by :meth:`start`, on first use).
+    """The front end's handle on the compile host (spawned by :meth:`start`).
 
-    ``submit(job_id, kind, text, any_whitespace, max_grammar_bytes, time_limit)`` returns an
-    ``asyncio.Future`` on the calling loop: the serialized grammar, or CompileFailed /
+    Args:
+        tokenizer_path: the HF tokenizer's directory (``tokenizer.name_or_path``), loaded by the host.
+        vocab_size, stop_token_ids: as xgrammar's ``TokenizerInfo.from_huggingface`` takes them.
+
+    ``start()`` returns the tokenizer info (xgrammar's JSON, which the engine core needs to read the
+    grammars). ``submit(job_id, kind, text, any_whitespace, max_grammar_bytes, time_limit)``
+    returns an ``asyncio.Future`` on the calling loop: the serialized grammar, or CompileFailed /
     CompileTimedOut / CompileHostDied. ``started_at(job_id)`` tells when the compile left the host's
     queue; ``drop(job_id)`` unqueues or kills a compile nobody waits for.
     """
 
-    def __init__(self, tokenizer_info_json: str):
-        self._info = tokenizer_info_json
+    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]):
+        self._host_args = (tokenizer_path, vocab_size, list(stop_token_ids))
         self._proc: Optional[mp.Process] = None
         self._conn = None
         self._send_lock = threading.Lock()
@@ -283,8 +296,9 @@ class CompileHost:
         self._ready: Optional[asyncio.Future] = None
         self._dead: Optional[str] = None
 
-    async def start(self) -> None:
-        """Spawn the host (once; later calls wait for the same start).
+    async def start(self) -> str:
+        """Spawn the host (once; later calls wait for the same start, or respawn it once it died);
+        returns the tokenizer info.
 
         Raises:
             CompileHostDied: the host could not start (xgrammar failed there), with the reason.
@@ -296,7 +310,7 @@ class CompileHost:
                 self._spawn()
             except Exception as e:
                 self._fail(f"the grammar compile process did not start: {e}")
-        await asyncio.shield(self._ready)
+        return await asyncio.shield(self._ready)
 
     def _spawn(self) -> None:
         from zpp.engine.executor import _main_module_hidden, _sigint_blocked
@@ -304,7 +318,7 @@ class CompileHost:
         parent, child = ctx.Pipe()
         with _main_module_hidden(), _sigint_blocked():
             self._proc = ctx.Process(target=host_main, name="zpp-grammar-host", daemon=True,
-                                     args=(child, GENERAL_SLOTS, SMALL_SLOTS,
+                                     args=(child, *self._host_args, GENERAL_SLOTS, SMALL_SLOTS,
                                            logging.getLogger("zpp").getEffectiveLevel()))
             self._proc.start()
         child.close()
@@ -314,12 +328,7 @@ class CompileHost:
                          daemon=True).start()
 
     def _read(self, conn, loop, ready: asyncio.Future) -> None:
-        """Reader thread: sends the tokenizer info (a few MB: it blocks until the host, importing
-        xgrammar, reads it), then hands the host's messages to the futures, on the event loop."""
-        try:  # not under the send lock: nothing else is sent before the host is ready
-            conn.send_bytes(self._info.encode())
-        except OSError:
-            pass  # the host is gone: the loop below reports it
+        """Reader thread: hands the host's messages to the futures, on the event loop."""
         while True:
             try:
                 msg = _decode(conn.recv_bytes())
@@ -343,7 +352,7 @@ class CompileHost:
         kind = msg[0]
         if kind == "ready":
             if not ready.done():
-                ready.set_result(None)
+                ready.set_result(msg[1])
             return
         if kind == "failed":
             self._fail(msg[1])
@@ -428,14 +437,14 @@ class CompileHost:
         if proc is None:
             return
         self._closing = True
-        ready = self._ready is not None and self._ready.done() and not self._ready.exception()
         try:
             with self._send_lock:
-                if self._conn is not None and ready:  # (while starting, the info may still be on its way)
-                    self._conn.send_bytes(_encode(["stop"]))
+                if self._conn is not None:
+                    self._conn.send_bytes(_encode(["stop"]))  # read once the host is ready
         except OSError:
             pass
-        proc.join(1.0 if ready else 0.0)
+        ready = self._ready is not None and self._ready.done()
+        proc.join(1.0 if ready else 0.0)  # a host still starting is killed at once
         if proc.is_alive():
             proc.kill()
             proc.join(1.0)

@@ -33,15 +33,12 @@ matcher's state.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import hashlib
 import itertools
 import json
 import logging
 import os
-import queue
 import re
-import threading
 import time
 from collections import OrderedDict
 from typing import Optional
@@ -111,10 +108,11 @@ class GrammarCompiler:
         max_spec_bytes: largest specification (UTF-8 bytes) accepted.
         max_grammar_bytes: largest compiled grammar (xgrammar's ``memory_size_bytes``) accepted.
 
-    xgrammar's ``TokenizerInfo`` (about 0.6 s for a 49k vocabulary) is built by :meth:`warm_up`, in
-    a thread; the compile host (:class:`~zpp.engine.compile_host.CompileHost`, a few seconds to
-    start: it imports xgrammar) is started by the first structured-output request, and that start
-    does not count against its compile timeout.
+    The compile host (:class:`~zpp.engine.compile_host.CompileHost`: it imports xgrammar and builds
+    its ``TokenizerInfo`` from the tokenizer's directory, a few seconds) is started by
+    :meth:`warm_up` (``zpp serve``: while the workers load) or by the first structured-output
+    request (the offline ``LLM``), and again by the next request after it died; its start does not
+    count against a compile timeout.
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], compile_timeout: float,
@@ -125,8 +123,6 @@ class GrammarCompiler:
         self.compile_timeout = compile_timeout
         self.max_spec_bytes = max_spec_bytes
         self.max_grammar_bytes = max_grammar_bytes
-        self._pool = _DaemonPool(1, "zpp-grammar")  # the tokenizer info, once
-        self._lock = threading.Lock()
         self.tokenizer_info_json = ""
         self._tokenizer_info_sent = False
         self._host: Optional[CompileHost] = None
@@ -135,33 +131,22 @@ class GrammarCompiler:
         self._refused: OrderedDict[str, tuple[str, Optional[float]]] = OrderedDict()  # key -> (message, until)
         self._inflight: dict[str, _Compile] = {}
 
-    def _build_tokenizer_info(self) -> str:
-        with self._lock:
-            if not self.tokenizer_info_json:
-                import xgrammar as xgr
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids)
-                self.tokenizer_info_json = info.serialize_json()
-            return self.tokenizer_info_json
-
     async def warm_up(self) -> None:
-        """Import xgrammar and build the tokenizer info now, in a thread (a few seconds on a loaded
-        CPU), so that the first structured-output request does not wait for it. A failure is
-        logged; structured-output requests are then refused with its message."""
+        """Start the compile host now (it imports xgrammar and builds the tokenizer info: a few
+        seconds on a loaded CPU), so that the first structured-output request does not wait for it.
+        A failure is logged; structured-output requests then try again, and are refused with its
+        message."""
         if self.tokenizer is None:
             return
         try:
-            await asyncio.wrap_future(self._pool.submit(self._build_tokenizer_info))
+            await self._started_host()
         except Exception as e:
-            logger.warning("structured outputs are unavailable: xgrammar failed on this tokenizer: %s",
-                           _library_message(e))
+            logger.warning("structured outputs are unavailable: %s", _library_message(e))
 
     async def _started_host(self) -> CompileHost:
         if self._host is None:
-            info = await asyncio.wrap_future(self._pool.submit(self._build_tokenizer_info))
-            if self._host is None:
-                self._host = CompileHost(info)
-        await self._host.start()
+            self._host = CompileHost(self.tokenizer.name_or_path, self.vocab_size, self.stop_token_ids)
+        self.tokenizer_info_json = await self._host.start()
         return self._host
 
     async def compile(self, params: StructuredOutputsParams) -> GrammarSpec:
@@ -290,53 +275,8 @@ class GrammarCompiler:
         return self._host.pid if self._host is not None else None
 
     def close(self) -> None:
-        self._pool.shutdown()
         if self._host is not None:
             self._host.close()
-
-
-class _DaemonPool:
-    """A fixed set of daemon threads running submitted calls in order (``submit`` returns a
-    ``concurrent.futures.Future``). Unlike ``ThreadPoolExecutor``, whose threads the interpreter
-    joins at exit, a call still running here (xgrammar's C++ cannot be interrupted) does not keep a
-    stopping process alive."""
-
-    def __init__(self, num_threads: int, name: str):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._num_threads = num_threads
-        for i in range(num_threads):
-            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True).start()
-
-    def submit(self, fn, *args) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((fut, fn, args))
-        return fut
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # delivered to the waiting request
-                fut.set_exception(e)
-
-    def shutdown(self) -> None:
-        """Cancel the calls not started and let the threads end (a running call finishes in the
-        background)."""
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0].cancel()
-        for _ in range(self._num_threads):
-            self._queue.put(None)
 
 
 class RequestGrammar:
