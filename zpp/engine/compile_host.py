@@ -144,8 +144,8 @@ class _Running:
         self.chunks: list[bytes] = []
 
 
-def host_main(conn, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int], general_slots: int,
-              small_slots: int, log_level: int) -> None:
+def host_main(conn, front_end: int, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int],
+              general_slots: int, small_slots: int, log_level: int) -> None:
     """The compile host's main loop (a spawned process; see the module docstring).
 
     From the front end: ``["compile", job_id, kind, text, any_whitespace, max_grammar_bytes,
@@ -156,6 +156,8 @@ def host_main(conn, tokenizer_path: str, vocab_size: int, stop_token_ids: list[i
     ``["too_large", job_id, message]``, ``["timeout", job_id]``, ``["died", job_id, message]``.
     """
     _set_pdeathsig()
+    if os.getppid() != front_end:  # the front end died before the line above
+        return
     try:
         ctypes.CDLL("libc.so.6").prctl(15, b"zpp-grammar", 0, 0, 0)  # PR_SET_NAME: /proc/PID/comm
     except OSError:
@@ -318,7 +320,7 @@ class CompileHost:
         parent, child = ctx.Pipe()
         with _main_module_hidden(), _sigint_blocked():
             self._proc = ctx.Process(target=host_main, name="zpp-grammar-host", daemon=True,
-                                     args=(child, *self._host_args, GENERAL_SLOTS, SMALL_SLOTS,
+                                     args=(child, os.getpid(), *self._host_args, GENERAL_SLOTS, SMALL_SLOTS,
                                            logging.getLogger("zpp").getEffectiveLevel()))
             self._proc.start()
         child.close()
