@@ -24,7 +24,7 @@ n_layers = cfg["num_hidden_layers"]
 model = load_stage_model(cfg_dir, cfg, StageInfo(0, 1, 0, n_layers), torch.bfloat16, dev, 4096, "dummy")
 bs = 16
 per_seq = -(-(C + 1) // bs)
-kv = [torch.randn(2, B * per_seq + 1, bs, model.num_kv_heads, model.head_dim, dtype=torch.bfloat16, device=dev)
+kv = [torch.randn(model.kv_cache_shape(B * per_seq + 1, bs), dtype=torch.bfloat16, device=dev)
       for _ in range(n_layers)]
 group = cfg["num_attention_heads"] // model.num_kv_heads
 g = DecodeGraphs(model, kv, bs, 4096, B, B * per_seq * bs, torch.bfloat16, dev, group)

@@ -1,6 +1,10 @@
 """Micro-benchmarks of the decode hot path on one GPU (run on the H200): matrix-vector products of
 the Llama-3-8B shapes (cuBLAS via F.linear vs zpp's Triton GEMV) and paged attention at batch 1.
-Prints microseconds and effective bandwidth."""
+Prints microseconds and effective bandwidth. ``attn`` / ``mixed``: throughput-shape attention;
+``fp8``: the FP8 GEMV (per channel / 128x128 blocks) vs the bf16 one with a launch sweep, batched
+FP8 GEMMs (per channel through torch._scaled_mm row-wise, block through the Triton block GEMM and
+torch._scaled_mm's block recipe where available) vs bf16 cuBLAS with a tile sweep, and decode
+attention over an FP8 KV cache vs bf16."""
 import torch
 import torch.nn.functional as F
 import triton.testing
@@ -149,3 +153,129 @@ if len(sys.argv) > 1 and sys.argv[1] == "mixed":
             res.append((t, layer(q, k, v, kv, meta).float()))
         diff = ((res[0][1] - res[1][1]).norm() / res[0][1].norm()).item()
         print(f"{D:4d} decodes C {C:3d} + {P:2d} x {L:3d} prompt   {res[0][0]:14.1f} {res[1][0]:9.1f} {diff:9.1e}")
+
+# --- FP8 (python scripts/kernel_bench.py fp8): the kernels of --quantization fp8 / FP8 checkpoints ----
+if len(sys.argv) > 1 and sys.argv[1] == "fp8":
+    from zpp.models.layers import fp8_kernels as K8
+    from zpp.models.quantization import quantize_block, quantize_per_channel
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000
+
+    B128 = (128, 128)
+    # 1) decode GEMV, M = 1 and 4: bf16 Triton GEMV vs FP8 W8A16 GEMV (per channel, 128x128 blocks).
+    print(f"\n{'GEMV':10} {'M':>2} {'bf16 us':>8} {'GB/s':>6} {'fp8ch us':>9} {'GB/s':>6} {'fp8blk us':>10} {'GB/s':>6}")
+    for name, (n, k) in shapes.items():
+        if name == "lm_head":
+            continue
+        wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(4)]
+        wc = [quantize_per_channel(w) for w in wb]
+        wk = [quantize_block(w, B128) for w in wb]
+        for m in (1, 4):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            i = [0]
+
+            def nxt():
+                i[0] = (i[0] + 1) % 4
+                return i[0]
+            cfg = K8.fp8_gemv_config(n, k)
+            t_b = bench(lambda: ops.gemv(x, wb[nxt()], **ops.gemv_config(n, k)))
+            t_c = bench(lambda: K8.fp8_gemv(x, *wc[nxt()], None, **cfg))
+            t_k = bench(lambda: K8.fp8_gemv(x, *wk[nxt()], B128, **cfg))
+            ref = x.float() @ (wc[0][0].float() * wc[0][1][:, None]).t()
+            err = ((K8.fp8_gemv(x, *wc[0], None, **cfg).float() - ref).norm() / ref.norm()).item()
+            print(f"{name:10} {m:2d} {t_b:8.1f} {n * k * 2 / t_b / 1e3:6.0f} {t_c:9.1f} {n * k / t_c / 1e3:6.0f} "
+                  f"{t_k:10.1f} {n * k / t_k / 1e3:6.0f}   rel.err {err:.1e}")
+        # launch sweep of the FP8 GEMV at M = 1 (to tune fp8_gemv_config)
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        best = []
+        for bn_ in (2, 4, 8):
+            for bk_ in (1024, 2048, 4096):
+                for nw in (4, 8):
+                    try:
+                        t = bench(lambda: K8.fp8_gemv(x, *wc[0], None, block_n=bn_, block_k=bk_, num_warps=nw))
+                        best.append((t, bn_, bk_, nw))
+                    except Exception as e:  # noqa: BLE001  (a launch that does not fit)
+                        print(f"  {name} block_n={bn_} block_k={bk_} warps={nw}: {type(e).__name__}")
+        best.sort()
+        print(f"  {name} fastest FP8 GEMV launches (us, block_n, block_k, warps): {best[:3]}")
+
+    # 2) batched GEMMs: bf16 cuBLAS vs FP8 per channel (Triton per-token quant + torch._scaled_mm row-wise)
+    #    vs FP8 128x128 blocks (Triton group quant + Triton block GEMM, and torch._scaled_mm's
+    #    BlockWise1x128 x BlockWise128x128 where this torch takes it).
+    print(f"\n{'GEMM':10} {'M':>5} {'bf16':>7} {'fp8ch':>7} {'(mm)':>7} {'fp8blk':>7} {'(gemm)':>7} {'blk_mm':>7}  TFLOPS")
+    for name, (n, k) in shapes.items():
+        if name == "lm_head":
+            continue
+        wb = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        wq, ws = quantize_per_channel(wb)
+        bq, bs_ = quantize_block(wb, B128)
+        for m in (16, 256, 1024, 4096, 8192):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            fl = 2 * m * n * k / 1e12
+            t_b = bench(lambda: F.linear(x, wb))
+            xq, xs = K8.per_token_quant(x)
+            sb = ws.view(1, -1)
+            t_mm = bench(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=sb, out_dtype=torch.bfloat16))
+
+            def fp8_channel():
+                q, s = K8.per_token_quant(x)
+                return torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=sb, out_dtype=torch.bfloat16)
+            t_c = bench(fp8_channel)
+            gq, gs = K8.per_token_group_quant(x, 128)
+            t_g = bench(lambda: K8.block_gemm(gq, gs, bq, bs_, B128, torch.bfloat16))
+
+            def fp8_block():
+                q, s = K8.per_token_group_quant(x, 128)
+                return K8.block_gemm(q, s, bq, bs_, B128, torch.bfloat16)
+            t_k = bench(fp8_block)
+            try:  # scale_a [M, K/128] (outer-dim-major), scale_b [K/128, N/128]: torch's blockwise recipe
+                sa = gs.t().contiguous().t()
+                sbk = bs_.t().contiguous()
+                torch._scaled_mm(gq, bq.t(), scale_a=sa, scale_b=sbk, out_dtype=torch.bfloat16)
+                t_bm = f"{fl / bench(lambda: torch._scaled_mm(gq, bq.t(), scale_a=sa, scale_b=sbk, out_dtype=torch.bfloat16)) * 1e6:7.0f}"
+            except Exception as e:  # noqa: BLE001
+                t_bm = "   n/a"
+                if m == 16:
+                    print(f"  torch._scaled_mm block scales: {type(e).__name__}: {str(e)[:120]}")
+            ref = F.linear(x, wb).float()
+            e_c = ((fp8_channel().float() - ref).norm() / ref.norm()).item()
+            e_k = ((fp8_block().float() - ref).norm() / ref.norm()).item()
+            print(f"{name:10} {m:5d} {fl / t_b * 1e6:7.0f} {fl / t_c * 1e6:7.0f} {fl / t_mm * 1e6:7.0f} "
+                  f"{fl / t_k * 1e6:7.0f} {fl / t_g * 1e6:7.0f} {t_bm}   rel.err vs bf16 {e_c:.1e} / {e_k:.1e}")
+        # block GEMM tile sweep at M = 4096 (to tune block_gemm_config)
+        x = torch.randn(4096, k, device=dev, dtype=torch.bfloat16)
+        gq, gs = K8.per_token_group_quant(x, 128)
+        best = []
+        for bm in (64, 128):
+            for bn_ in (64, 128, 256):
+                for nw in (4, 8):
+                    for ns in (3, 4):
+                        cfg = dict(block_m=bm, block_n=bn_, num_warps=nw, num_stages=ns)
+                        try:
+                            best.append((bench(lambda: K8.block_gemm(gq, gs, bq, bs_, B128, torch.bfloat16, config=cfg)),
+                                         bm, bn_, nw, ns))
+                        except Exception:  # noqa: BLE001  (out of shared memory)
+                            pass
+        best.sort()
+        print(f"  {name} fastest block GEMM tiles at M=4096 (us, block_m, block_n, warps, stages): {best[:3]}")
+
+    # 3) decode attention over an FP8 KV cache vs bf16: 256 and 1024 sequences at context 384 (the
+    #    1000 x 256/256 run's middle), batch 1 at 2048.
+    print()
+    for B, C in ((1, 2048), (256, 384), (1024, 384)):
+        nb = -(-(C + 1) // bs)
+        for kv_dt in (torch.bfloat16, torch.float8_e4m3fn):
+            kc = torch.randn(B * nb + 1, bs, hk, d, device=dev).to(kv_dt)
+            vc = torch.randn(B * nb + 1, bs, hk, d, device=dev).to(kv_dt)
+            q = torch.randn(B, hq, d, device=dev, dtype=torch.bfloat16)
+            out = torch.empty_like(q)
+            bt = torch.arange(B * nb, device=dev, dtype=torch.int32).view(B, nb)
+            i32 = lambda v: torch.tensor(v, device=dev, dtype=torch.int32)
+            sp = ops.decode_splits(B, hk)
+            args = (q, kc, vc, out, bt, i32([C] * B), i32(list(range(B + 1))), i32(list(range(B))), i32([0] * B),
+                    d ** -0.5, 16, sp)
+            t = bench(lambda: ops.paged_attention(*args, k_scale=0.5, v_scale=0.5))
+            byts = B * C * hk * d * 2 * kc.element_size()
+            print(f"decode attention B={B} ctx {C} KV {str(kv_dt).removeprefix('torch.'):14} {sp} split(s): "
+                  f"{t:8.1f} us  {byts / t / 1e3:6.0f} GB/s")

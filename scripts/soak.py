@@ -74,6 +74,8 @@ class Server:
                "--pipeline-parallel-size", str(args.pp), "--max-model-len", "1024",
                "--num-kv-blocks", str(args.num_kv_blocks), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                "--max-request-body-bytes", "1MiB"]
+        if args.kill_stage_every:  # every kill within 10 minutes is a restart the server must allow
+            cmd += ["--max-stage-restarts", str(int(600 // args.kill_stage_every) + 2)]
         self.cmd = " ".join(cmd[1:])
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 300
@@ -95,10 +97,15 @@ class Server:
             return f.read()
 
     def worker_pids(self) -> dict[str, int]:
+        return {f"stage {s}": pid for s, pid in self.stage_pids().items()}
+
+    def stage_pids(self) -> dict[int, int]:
+        """stage -> its current worker's pid (TP rank 0; the newest after a restart)."""
         import re
         out = {}
-        for m in re.finditer(r"placement: rank (\d+) = stage (\d+).*? pid (\d+)", self.output()):
-            out[f"stage {m.group(2)} (rank {m.group(1)})"] = int(m.group(3))
+        for m in re.finditer(r"placement: rank (\d+) = stage (\d+)(?: TP rank (\d+))? on .*? pid (\d+)", self.output()):
+            if not m.group(3) or m.group(3) == "0":
+                out[int(m.group(2))] = int(m.group(4))
         return out
 
     def rss_mib(self) -> dict[str, float]:
@@ -359,11 +366,28 @@ async def soak(args, server: Server) -> dict:
                 print(f"  {rss_trace[-1]['t_min']} min: {sum(done.values())} done, {dict(errors)} errors, "
                       f"RSS {rss_trace[-1]}", flush=True)
 
+        kills: list[dict] = []
+
+        async def kill_stages() -> None:
+            """--kill-stage-every S: SIGKILL one stage (in turn) every S seconds; the server restarts it."""
+            n = 0
+            while time.monotonic() + args.kill_stage_every < deadline:
+                await asyncio.sleep(args.kill_stage_every)
+                stage = n % args.pp
+                pid = server.stage_pids()[stage]
+                os.kill(pid, signal.SIGKILL)
+                kills.append({"t_s": round(time.monotonic() - t_start, 1), "stage": stage, "pid": pid})
+                print(f"  killed stage {stage} (pid {pid})", flush=True)
+                n += 1
+
         t_start = time.monotonic()
         sampler = asyncio.create_task(sample_rss())
+        killer = asyncio.create_task(kill_stages()) if args.kill_stage_every else None
         await asyncio.gather(*(loop(j) for j in range(args.concurrency)))
         duration = time.monotonic() - t_start
         sampler.cancel()
+        if killer is not None:
+            killer.cancel()
 
         # Back to idle?
         idle, t_idle = None, time.monotonic()
@@ -397,12 +421,22 @@ async def soak(args, server: Server) -> dict:
                        "kv_cache_usage_perc": idle["zpp:kv_cache_usage_perc"]},
         "health_after": health,
         "rss_trace_mib": rss_trace,
+        "output_tokens_per_s": round((idle["zpp:generation_tokens_total"] - metrics0["zpp:generation_tokens_total"])
+                                     / duration, 2),
+        "stage_kills": kills,
+        "stage_recoveries_s": _recoveries(idle, metrics0),
     })
     report["rss_mib"]["end"] = server.rss_mib()
     report["load_average_1m"]["end"] = os.getloadavg()[0]  # other jobs on the machine slow everything
     start, end = report["rss_mib"]["after_reference"], report["rss_mib"]["end"]
     report["rss_growth_pct"] = {k: round(100 * (end[k] - start[k]) / start[k], 1) for k in start if k in end}
     return report
+
+
+def _recoveries(now: dict, before: dict) -> dict:
+    n = now.get("zpp:stage_recovery_seconds_count", 0) - before.get("zpp:stage_recovery_seconds_count", 0)
+    total = now.get("zpp:stage_recovery_seconds_sum", 0) - before.get("zpp:stage_recovery_seconds_sum", 0)
+    return {"count": n, "mean_s": round(total / n, 2) if n else None}
 
 
 def main() -> int:
@@ -416,6 +450,9 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=128)
     ap.add_argument("--request-timeout", type=float, default=180.0, help="seconds; past it a request is a hang")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kill-stage-every", type=float, default=0.0,
+                    help="SIGKILL a stage worker (stages in turn) every this many seconds: the server restarts it "
+                         "(--max-stage-restarts is raised to cover them); 0: never")
     ap.add_argument("--output", default=None, help="write the report here (JSON)")
     args = ap.parse_args()
     if args.model is None:

@@ -225,11 +225,13 @@ def descendants(pid: int) -> list[int]:
 
 def stage_pids(server: ServerProcess) -> dict[int, int]:
     """stage -> worker pid (TP rank 0), from the placement lines of the server's log (needs the
-    default --log-level info)."""
+    default --log-level info); a restarted stage's newest pid."""
     import re
     out = {}
-    for m in re.finditer(r"placement: rank \d+ = stage (\d+) on .*? pid (\d+)", server.output()):
-        out.setdefault(int(m.group(1)), int(m.group(2)))
+    for m in re.finditer(r"placement: rank (\d+) = stage (\d+)(?: TP rank (\d+))? on .*? pid (\d+)",
+                         server.output()):
+        if not m.group(3) or m.group(3) == "0":
+            out[int(m.group(2))] = int(m.group(4))
     return out
 
 

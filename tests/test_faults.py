@@ -35,8 +35,9 @@ LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 30  # ~300 token
 
 
 def _server(demo_model, *extra) -> ServerProcess:
+    # Fail-stop (no stage restarts): tests/test_stage_restarts.py covers the supervised default.
     return ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--max-model-len", "1024",
-                          "--worker-heartbeat-timeout", str(HEARTBEAT_S), *extra])
+                          "--worker-heartbeat-timeout", str(HEARTBEAT_S), "--max-stage-restarts", "0", *extra])
 
 
 @dataclass

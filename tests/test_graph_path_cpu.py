@@ -40,7 +40,7 @@ def test_decode_graph_path_equals_eager(demo_model, eager_reference, tmp_path, m
     replays = tmp_path / "replays"
     monkeypatch.setenv("ZPP_EAGER_GRAPHS", str(replays))
     graph = _outputs(demo_model, prompts, **kw)
-    assert replays.exists() and len(replays.read_text().split()) >= 20 * pp, "the graph path did not run"
+    assert replays.exists() and len(replays.read_text().splitlines()) >= 20 * pp, "the graph path did not run"
     for i, ((t0, f0, lp0), (t1, f1, lp1)) in enumerate(zip(eager, graph)):
         assert t1 == t0 and f1 == f0, f"request {i}"
         if lp0 is not None:

@@ -211,11 +211,10 @@ def _config_only_dir(tmp_path, cfg: dict) -> str:
 
 FALCON = {"architectures": ["FalconForCausalLM"], "model_type": "falcon", "hidden_size": 64,
           "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": VOCAB}
-LLAMA_YARN = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": VOCAB,
-              "max_position_embeddings": 256,
-              "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}
-REFUSALS = {"unsupported-architecture": (FALCON, "FalconForCausalLM"), "yarn-rope": (LLAMA_YARN, "yarn")}
+LLAMA_DYNAMIC = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                 "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": VOCAB,
+                 "max_position_embeddings": 256, "rope_scaling": {"type": "dynamic", "factor": 4.0}}
+REFUSALS = {"unsupported-architecture": (FALCON, "FalconForCausalLM"), "dynamic-rope": (LLAMA_DYNAMIC, "dynamic")}
 
 
 def _live_descendants() -> set[int]:

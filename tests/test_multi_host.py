@@ -197,7 +197,7 @@ def _node_pids(h, needle: str) -> list[int]:
 @pytest.mark.parametrize("victim", ["worker", "agent"])
 def test_remote_death_fails_fast(two_hosts, demo_model, victim):
     h = two_hosts
-    s = _Server(h, demo_model)
+    s = _Server(h, demo_model, "--max-stage-restarts", "0")
     try:
         client = h.run_in_head([sys.executable, "-c", STREAM_CLIENT, s.url], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -368,3 +368,68 @@ def test_agent_started_by_hand_with_a_keys_file(two_hosts, demo_model, tmp_path)
         s.stop()
         if agent is not None and agent.poll() is None:
             agent.kill()
+
+
+# Runs in the head namespace: streams the completion ``argv[2]`` (JSON body), says STREAMING at the
+# first token, waits for a line on stdin (the test killed something), then reports the whole text
+# and any error.
+TEXT_STREAM_CLIENT = textwrap.dedent("""
+    import json, sys, threading, urllib.request
+    url, body = sys.argv[1], sys.argv[2].encode()
+    out = {"text": "", "error": None}
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=180) as r:
+            said = False
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    out["error"] = ev["error"]["message"]
+                    continue
+                out["text"] += ev["choices"][0]["text"]
+                if not said:
+                    print("STREAMING", flush=True)
+                    said = True
+                    sys.stdin.readline()
+    except Exception as e:
+        out["error"] = repr(e)
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+def test_remote_stage_restarts_in_place(two_hosts, demo_model):
+    """Supervised stages across hosts: SIGKILL of the remote worker, then of the remote zpp-node ->
+    the head starts that host's agent again over SSH, the stream being served pauses and completes
+    with exactly the undisturbed text, and the node's processes are new ones; nothing is left after."""
+    h = two_hosts
+    s = _Server(h, demo_model, "--worker-heartbeat-timeout", "5")
+    body = {"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
+    try:
+        def run(kill=None) -> dict:
+            c = h.run_in_head([sys.executable, "-c", TEXT_STREAM_CLIENT, s.url, json.dumps(body)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            assert c.stdout.readline().strip() == "STREAMING"
+            if kill is not None:
+                os.kill(kill, signal.SIGKILL)
+            c.stdin.write("go\n")
+            c.stdin.flush()
+            return _result(c, timeout=180)
+
+        ref = run()
+        assert ref["error"] is None and ref["text"], ref
+        for victim in ("zpp.workers.worker", "zpp-node"):
+            workers, agents = _node_pids(h, "zpp.workers.worker"), _node_pids(h, "zpp-node")
+            assert workers and agents, [_cmdline(p) for p in h.pids_in(h.node_ns)]
+            got = run(kill=(workers if victim == "zpp.workers.worker" else agents)[0])
+            assert got == ref, (victim, got, s.output()[-4000:])
+            new_workers, new_agents = _node_pids(h, "zpp.workers.worker"), _node_pids(h, "zpp-node")
+            assert new_workers and not set(new_workers) & set(workers), (victim, workers, new_workers)
+            assert new_agents and not set(new_agents) & set(agents), (victim, agents, new_agents)
+        assert s.output().count("pipeline formed again") == 2, s.output()[-4000:]
+    finally:
+        s.stop()
+    assert not _wait_empty(h, h.node_ns, 15), "processes left on the node"
+    assert not _wait_empty(h, h.head_ns, 15), "processes left on the head"

@@ -73,7 +73,7 @@ def template_file(tokenizer, tmp_path_factory) -> str:
 def server(bos_model, template_file):
     srv = ServerProcess([bos_model, "--served-model-name", "smol", "--api-key", KEY, "--chat-template",
                          template_file, "--max-model-len", "512", "--num-kv-blocks", "64", "--log-level", "warning",
-                         "--trust-request-chat-template"])
+                         "--trust-request-chat-template", "--max-stage-restarts", "0"])
     yield srv
     srv.stop()
 

@@ -36,7 +36,10 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
-def ref_attention(q, k_cache, v_cache, block_tables, seq_lens, q_lens, scale):
+def ref_attention(q, k_cache, v_cache, block_tables, seq_lens, q_lens, scale, window=None, sinks=None):
+    """Plain softmax attention per sequence; ``window``: the query at position i sees keys
+    i - window < j <= i (HF's sliding_window_overlay); ``sinks [Hq]``: one more logit per head in the
+    softmax, with no value (HF gpt-oss's eager_attention_forward)."""
     out = torch.empty_like(q)
     bs = k_cache.shape[1]
     start = 0
@@ -51,8 +54,16 @@ def ref_attention(q, k_cache, v_cache, block_tables, seq_lens, q_lens, scale):
         v = v.repeat_interleave(G, 1)
         s = torch.einsum("qhd,khd->hqk", qq, k) * scale
         qpos = torch.arange(L - n, L)
-        s = s.masked_fill(pos[None, None, :].to(s.device) > qpos[None, :, None].to(s.device), float("-inf"))
-        out[start:start + n] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(q.dtype)
+        hidden = pos[None, :] > qpos[:, None]                                           # [n, L]
+        if window is not None:
+            hidden |= pos[None, :] <= qpos[:, None] - window
+        s = s.masked_fill(hidden[None].to(s.device), float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.float().view(-1, 1, 1).expand(-1, n, 1).to(s.device)], -1)
+            p = s.softmax(-1)[..., :-1]
+        else:
+            p = s.softmax(-1)
+        out[start:start + n] = torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
         start += n
     return out
 
@@ -165,6 +176,124 @@ def test_silu_mul_and_gemv():
         assert rel_err(ops.gemv(a, w, b, block_n=bn, block_k=bk), a.float() @ w.float().t() + b.float()) < TOL
     with pytest.raises(ValueError, match="at most 4"):
         ops.gemv(torch.randn(5, 64, device=DEV, dtype=DT), torch.randn(8, 64, device=DEV, dtype=DT))
+
+
+# --- sliding window and attention sinks -------------------------------------------------------------
+def _random_batch(rng, q_lens, ctx_lens, hk, d, bs=16, nblocks=96):
+    kc = torch.randn(nblocks, bs, hk, d, device=DEV, dtype=DT)
+    vc = torch.randn(nblocks, bs, hk, d, device=DEV, dtype=DT)
+    seq_lens = [n + c for n, c in zip(q_lens, ctx_lens)]
+    free = list(range(nblocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range((L + bs - 1) // bs)] for L in seq_lens]
+    return kc, vc, seq_lens, tables
+
+
+@pytest.mark.parametrize("mode", ["decode", "decode-split", "prefill", "chunked", "mixed"])
+@pytest.mark.parametrize("window", [1, 5, 16, 40, 1000])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_paged_attention_window_and_sinks(mode, window, with_sinks):
+    """The Triton kernel with a sliding window (smaller than, equal to, larger than the contexts;
+    1 = each query sees only itself) and / or sinks against the reference, at every tile shape:
+    decode (with and without split-KV: the window's first key can fall in any split), prefill,
+    chunked prefill whose chunks start inside / past the window, and decodes next to chunks."""
+    torch.manual_seed(0)
+    rng = random.Random(window * 7 + len(mode) + with_sinks)
+    hq, hk, d = 8, 2, 32
+    if mode.startswith("decode"):
+        q_lens = [1, 1, 1, 1]
+        ctx = [0, 15, 39, 87]                      # contexts shorter than, equal to, past the window
+    elif mode == "prefill":
+        q_lens, ctx = [40, 3, 70], [0, 0, 0]
+    elif mode == "chunked":
+        q_lens, ctx = [7, 33, 16], [9, 40, 16]
+    else:
+        q_lens, ctx = [1, 37, 1, 20], [50, 11, 3, 0]
+    kc, vc, seq_lens, tables = _random_batch(rng, q_lens, ctx, hk, d)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV)
+    T = sum(q_lens)
+    q = torch.randn(T, hq, d, device=DEV, dtype=DT)
+    sinks = (torch.randn(hq, device=DEV) * 2).to(DT) if with_sinks else None
+    out = torch.full_like(q, float("nan"))
+    block_m = ops.pick_block_m(max(q_lens), hq // hk)
+    ts, tq = ops.attention_tiles(q_lens, max(1, block_m // (hq // hk)))
+    qstart = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)
+    splits = 4 if mode == "decode-split" else 1
+    ops.paged_attention(q, kc, vc, out, bt, i32(seq_lens), qstart, i32(ts), i32(tq), d ** -0.5, block_m, splits,
+                        window=window, sinks=sinks)
+    ref = ref_attention(q, kc, vc, tables, seq_lens, q_lens, d ** -0.5, window, sinks)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL
+    if window >= max(seq_lens) and not with_sinks:  # a window past every context is plain attention
+        full = torch.empty_like(q)
+        ops.paged_attention(q, kc, vc, full, bt, i32(seq_lens), qstart, i32(ts), i32(tq), d ** -0.5, block_m, splits)
+        assert torch.equal(out, full)
+
+
+def test_window_skips_blocks_outside_it():
+    """Keys wholly before the window are never read: NaN K/V there (which any read would spread
+    through the softmax) leave the result equal to the reference over finite values."""
+    torch.manual_seed(0)
+    rng = random.Random(5)
+    hq, hk, d, window = 4, 2, 32, 16
+    for q_lens, ctx, splits in (([1, 1], [70, 100], 1), ([1, 1], [70, 100], 4), ([20], [64], 1)):
+        kc, vc, seq_lens, tables = _random_batch(rng, q_lens, ctx, hk, d)
+        block_m = ops.pick_block_m(max(q_lens), hq // hk)
+        block_q = max(1, block_m // (hq // hk))
+        ts, tq = ops.attention_tiles(q_lens, block_q)
+        poisoned_k, poisoned_v = kc.clone(), vc.clone()
+        for t, L, n in zip(tables, seq_lens, q_lens):
+            first_key = L - n - window + 1  # the first query's first visible key
+            for b in range(first_key // 16):  # blocks wholly before it
+                poisoned_k[t[b]] = float("nan")
+                poisoned_v[t[b]] = float("nan")
+        width = max(len(t) for t in tables)
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV)
+        i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)
+        qstart = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
+        q = torch.randn(sum(q_lens), hq, d, device=DEV, dtype=DT)
+        out = torch.empty_like(q)
+        ops.paged_attention(q, poisoned_k, poisoned_v, out, bt, i32(seq_lens), qstart, i32(ts), i32(tq),
+                            d ** -0.5, block_m, splits, window=window)
+        ref = ref_attention(q, kc, vc, tables, seq_lens, q_lens, d ** -0.5, window)
+        assert not out.isnan().any(), (q_lens, ctx, splits)
+        assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("variant", ["gemma", "gpt-oss"])
+def test_rms_norm_weight_orders(variant):
+    """Gemma's ``(1 + weight)`` and gpt-oss's weight-in-float32 norms against HF's formulas, alone
+    and with the residual added first (rounded to the model's dtype, as HF's ``residual + h``)."""
+    x = torch.randn(5, 96, device=DEV, dtype=DT)
+    r = torch.randn(5, 96, device=DEV, dtype=DT)
+    w = torch.randn(96, device=DEV, dtype=DT)
+    gemma = variant == "gemma"
+
+    def ref(h):
+        hf = h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (hf * ((1.0 + w.float()) if gemma else w.float())).to(DT)
+
+    kw = dict(offset=True) if gemma else dict(weight_in_float32=True)
+    assert rel_err(ops.rms_norm(x, w, 1e-6, **kw), ref(x)) < TOL
+    y, r2 = ops.rms_norm(x, w, 1e-6, r, **kw)
+    assert torch.equal(r2, x + r) and rel_err(y, ref(x + r)) < TOL
+
+
+def test_gemma_norm_module_triton_path():
+    """GemmaRMSNorm's CUDA path equals its PyTorch path: on a [T, H, D] view of a strided q slice
+    (the QK norm) and with a residual."""
+    from zpp.models.layers.norm import GemmaRMSNorm
+    norm = GemmaRMSNorm(16, 1e-6).to(DEV, DT)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16))
+    qkv = torch.randn(5, 8 * 16, device=DEV, dtype=DT)
+    q = qkv[:, :4 * 16].reshape(5, 4, 16)                                    # strided rows
+    assert rel_err(norm.triton_forward(q), norm._norm(q)) < TOL
+    x, r = torch.randn(5, 16, device=DEV, dtype=DT), torch.randn(5, 16, device=DEV, dtype=DT)
+    y, r2 = norm.triton_forward(x, r)
+    assert torch.equal(r2, x + r) and rel_err(y, norm._norm(x + r)) < TOL
 
 
 @pytest.mark.parametrize("d, rotary_dim", [(96, 96), (96, 72), (32, 24), (128, 96)])

@@ -1,4 +1,5 @@
-"""Stall watchdog: a stage that stops answering without dying fails the server in bounded time.
+"""Stall watchdog: a stage that stops answering without dying fails the server in bounded time
+(with --max-stage-restarts 0; restarts instead: tests/test_stage_restarts.py).
 
 - SIGSTOP of a stage worker (what a hung process or host looks like) at PP=2 and PP=3: the open
   stream gets an error naming that stage within --worker-heartbeat-timeout (+ slack), /health
@@ -74,7 +75,7 @@ def _health_codes(url: str, seconds: float) -> list[int]:
 @pytest.mark.parametrize("pp,stage", [(2, 1), (3, 1)], ids=["pp2-stop-last", "pp3-stop-middle"])
 def test_sigstop_stage_fails_fast(demo_model, pp, stage):
     s = ServerProcess([demo_model, "--pipeline-parallel-size", str(pp), "--kv-cache-memory", "64MiB",
-                       "--worker-heartbeat-timeout", "3"])
+                       "--worker-heartbeat-timeout", "3", "--max-stage-restarts", "0"])
     pids = []
     try:
         kids = descendants(s.proc.pid)
@@ -104,7 +105,7 @@ def test_sigstop_stage_fails_fast(demo_model, pp, stage):
 def test_hung_main_thread_fails_at_stage_timeout(demo_model, monkeypatch):
     monkeypatch.setenv("ZPP_FAULT_STALL", "1:40")  # stage 1 hangs from micro-batch 40 on
     s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB",
-                       "--stage-timeout", "6"])
+                       "--stage-timeout", "6", "--max-stage-restarts", "0"])
     try:
         kids = descendants(s.proc.pid)
         stream = _Stream(s.url)

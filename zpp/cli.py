@@ -96,6 +96,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
     g.add_argument("--stage-timeout", type=float, default=60.0,
                    help="seconds a micro-batch may go without any stage finishing it before the engine fails "
                         "(warning at half); raise it for big models on the CPU")
+    g.add_argument("--max-stage-restarts", type=int, default=3,
+                   help="stage workers that die, go silent or stall are restarted in place (requests resume) at "
+                        "most this many times in 10 minutes; 0: fail-stop, every request ends with an error")
     g.add_argument("--node-keys-file", default=None,
                    help="multi-host: a 0600 file holding the run's control-plane keys for agents started by "
                         "hand (read if it exists, else written with fresh keys)")
@@ -108,6 +111,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
     g.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
                    help="dummy = random weights from config.json only")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling")
+    g.add_argument("--quantization", "-q", choices=["fp8"], default=None,
+                   help="fp8: quantize bf16/fp16 linear weights to FP8 e4m3 at load (per output channel, "
+                        "activations per token); CUDA, compute capability >= 8.9. FP8 checkpoints load without it")
     g = p.add_argument_group("scheduler and KV cache")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -130,6 +136,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_optional: bool = True) -> 
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="wait for each sampled token before scheduling the request again")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
+                   help="auto: the model's dtype; fp8 (= fp8_e4m3): K/V stored as FP8 e4m3 with per-layer scales "
+                        "(the checkpoint's k_scale / v_scale, else 1.0), twice the blocks; CUDA, compute "
+                        "capability >= 8.9")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="force the number of KV blocks (default: from the KV cache memory)")
     g.add_argument("--kv-cache-memory", default=None,
@@ -166,7 +176,7 @@ def engine_config_from_args(args, streaming: bool = True) -> EngineConfig:
             logger.warning("%s", warning)
     model_config = ModelConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
                                served_model_name=args.served_model_name, tokenizer=args.tokenizer,
-                               load_format=args.load_format, seed=args.seed)
+                               load_format=args.load_format, seed=args.seed, quantization=args.quantization)
     device = resolve_device(args.device)
     nodes = tuple(n for n in (args.nodes or "").split(",") if n)
     return EngineConfig(
@@ -178,11 +188,11 @@ def engine_config_from_args(args, streaming: bool = True) -> EngineConfig:
                                 distributed_port=args.distributed_port, node_command=args.node_command,
                                 node_launcher=args.node_launcher, node_keys_file=args.node_keys_file,
                                 worker_heartbeat_timeout=args.worker_heartbeat_timeout,
-                                stage_timeout=args.stage_timeout),
+                                stage_timeout=args.stage_timeout, max_stage_restarts=args.max_stage_restarts),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory=parse_size(args.kv_cache_memory),
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          enable_prefix_caching=args.enable_prefix_caching),
+                          enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   pipeline_depth=args.pipeline_depth, streaming=streaming,

@@ -102,8 +102,16 @@ class ModelConfig:
     """``safetensors`` (real weights) or ``dummy`` (random weights from ``config.json`` only)."""
     seed: int = 0
     """Seed for dummy weights and for unseeded sampling."""
+    quantization: Optional[str] = None
+    """``fp8`` (vLLM's ``--quantization fp8``): bf16/fp16 linear weights quantized to FP8 e4m3 at load,
+    per output channel, activations per token at run time; needs a CUDA GPU of compute capability
+    >= 8.9. None: weights as stored (an FP8 checkpoint is loaded as FP8 where the GPU has FP8, else
+    dequantized, with or without this flag)."""
 
     def __post_init__(self):
+        if self.quantization not in (None, "fp8"):
+            raise ConfigError(f"--quantization {self.quantization!r} is not supported (fp8 only; FP8 checkpoints "
+                              "load without the flag)")
         if self.load_format not in ("safetensors", "dummy"):
             raise ConfigError(f"--load-format {self.load_format!r} is not one of: safetensors, dummy")
         if not os.path.isdir(self.model):
@@ -124,12 +132,18 @@ class ModelConfig:
 
     @property
     def hf_config(self) -> dict[str, Any]:
+        """``config.json``, normalized for its family (``zpp.models.registry.normalize_config``)."""
+        from zpp.models.registry import normalize_config
         with open(os.path.join(self.model, "config.json")) as f:
-            return json.load(f)
+            return normalize_config(json.load(f))
 
     @property
     def name(self) -> str:
         return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+
+
+STAGE_RESTART_WINDOW_S = 600.0
+"""The window ``--max-stage-restarts`` counts restarts in (seconds)."""
 
 
 @dataclass(frozen=True)
@@ -169,6 +183,12 @@ class ParallelConfig:
     more at long contexts (about 10 ms per prompt token at context 6000, README); raise it for big
     models on the CPU, whose longest micro-batch (a full prefill chunk on the slowest stage) must
     stay below it."""
+    max_stage_restarts: int = 3
+    """Stage restarts allowed within ``STAGE_RESTART_WINDOW_S`` (10 minutes): a stage worker that dies,
+    goes silent or stalls is started again where it ran while the other stages keep their processes,
+    and every running request is recomputed (clients see a pause, not an error). Once spent, or when
+    a restart fails that many times, the engine fails as it does with 0 (fail-stop: every request
+    ends with an error naming the stage)."""
     node_keys_file: Optional[str] = None
     """Multi-host: a 0600 file with the run's control-plane keys, for agents not started over SSH.
     Read if it exists, else written with fresh keys."""
@@ -197,6 +217,8 @@ class ParallelConfig:
             raise ConfigError(f"--worker-heartbeat-timeout must be > 0, got {self.worker_heartbeat_timeout}")
         if not self.stage_timeout > 0:
             raise ConfigError(f"--stage-timeout must be > 0, got {self.stage_timeout}")
+        if self.max_stage_restarts < 0:
+            raise ConfigError(f"--max-stage-restarts must be >= 0, got {self.max_stage_restarts}")
         if not 0 <= self.distributed_port <= 65535:
             raise ConfigError(f"--distributed-port must be in [0, 65535], got {self.distributed_port}")
         if self.pp_layer_partition is not None and not isinstance(self.pp_layer_partition, tuple) \
@@ -213,6 +235,21 @@ class ParallelConfig:
         return self.pipeline_parallel_size * self.tensor_parallel_size
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def fp8_device_error(device: str) -> Optional[str]:
+    """Why FP8 cannot run on ``device`` (``cpu`` / ``cuda``: the first GPU), or None when it can
+    (a CUDA GPU of compute capability >= 8.9: Ada, Hopper, Blackwell)."""
+    if device != "cuda":
+        return "this run is on the CPU"
+    import torch
+    cap = torch.cuda.get_device_capability(0)
+    if cap < (8, 9):
+        return f"this GPU ({torch.cuda.get_device_name(0)}) has compute capability {cap[0]}.{cap[1]}"
+    return None
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache sizing."""
@@ -227,8 +264,14 @@ class CacheConfig:
     """CUDA only: fraction of the GPU's memory the worker may use in total (weights + activations + KV)."""
     enable_prefix_caching: bool = False
     """Reuse full KV blocks across requests that share a token prefix."""
+    kv_cache_dtype: str = "auto"
+    """``auto``: the model's dtype; ``fp8`` (= ``fp8_e4m3``): K and V stored as float8_e4m3fn with a
+    per-layer scale each (the checkpoint's ``k_scale`` / ``v_scale``, else 1.0), half the bytes per
+    block; needs a CUDA GPU of compute capability >= 8.9 (vLLM's ``--kv-cache-dtype``)."""
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one of: {', '.join(KV_CACHE_DTYPES)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -412,9 +455,23 @@ class EngineConfig:
     def torch_dtype(self) -> "torch.dtype":
         return parse_dtype(self.model.dtype, self.parallel.device)
 
+    @property
+    def kv_cache_fp8(self) -> bool:
+        """Whether the KV cache is stored in FP8 (``--kv-cache-dtype fp8``)."""
+        return self.cache.kv_cache_dtype != "auto"
+
     def validate(self) -> None:
         """Cross-field checks. Raises ConfigError."""
-        parse_dtype(self.model.dtype, self.parallel.device)
+        dtype = parse_dtype(self.model.dtype, self.parallel.device)
+        for flag, on in (("--quantization fp8", self.model.quantization == "fp8"),
+                         (f"--kv-cache-dtype {self.cache.kv_cache_dtype}", self.kv_cache_fp8)):
+            if not on:
+                continue
+            why = fp8_device_error(self.parallel.device)
+            if why:
+                raise ConfigError(f"{flag} needs a CUDA GPU of compute capability >= 8.9 (FP8), but {why}")
+            if str(dtype) not in ("torch.bfloat16", "torch.float16"):
+                raise ConfigError(f"{flag} needs --dtype bfloat16 or float16, got {self.model.dtype}")
         if self.scheduler.async_scheduling and (self.parallel.pipeline_parallel_size > 1
                                                 or self.parallel.tensor_parallel_size > 1):
             raise ConfigError("--async-scheduling needs --pipeline-parallel-size 1 and --tensor-parallel-size 1 "

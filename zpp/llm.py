@@ -50,8 +50,10 @@ class LLM:
         ``pp_layer_partition`` (a list of layers per stage or ``"auto"``), ``pipeline_depth``,
         ``load_format``, ``seed``, ``tokenizer``,
         ``gpu_memory_utilization``, ``enforce_eager``, ``nodes``: extra hosts for ``zpp-node``,
-        ``distributed_host``, ``node_command``, ``worker_heartbeat_timeout``, ``stage_timeout``,
-        ``async_scheduling``: None = on for CUDA at PP=1 and TP=1, True / False to force).
+        ``distributed_host``, ``node_command``, ``worker_heartbeat_timeout``, ``stage_timeout``, ``max_stage_restarts``,
+        ``async_scheduling``: None = on for CUDA at PP=1 and TP=1, True / False to force,
+        ``quantization``: ``"fp8"`` to quantize bf16/fp16 weights to FP8 at load, ``kv_cache_dtype``:
+        ``"auto"`` or ``"fp8"``; both need a CUDA GPU of compute capability >= 8.9).
 
     The workers stop on :meth:`shutdown`, at the end of a ``with LLM(...)`` block, when the object
     is garbage collected (``del llm``) and at interpreter exit, whichever comes first.
@@ -73,24 +75,25 @@ class LLM:
                  tokenizer: Optional[str] = None, enforce_eager: bool = False, nodes: Sequence[str] = (),
                  distributed_host: Optional[str] = None, node_command: str = "zpp-node",
                  worker_heartbeat_timeout: float = 10.0, stage_timeout: float = 60.0,
-                 async_scheduling: Optional[bool] = None):
+                 max_stage_restarts: int = 3, async_scheduling: Optional[bool] = None,
+                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto"):
         if model is None:
             from zpp.demo import prepare_demo_model
             model = prepare_demo_model()
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, tokenizer=tokenizer,
-                              load_format=load_format, seed=seed),
+                              load_format=load_format, seed=seed, quantization=quantization),
             parallel=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size,
                                     tensor_parallel_size=tensor_parallel_size, device=resolve_device(device),
                                     nodes=tuple(nodes), distributed_host=distributed_host,
                                     node_command=node_command, worker_heartbeat_timeout=worker_heartbeat_timeout,
-                                    stage_timeout=stage_timeout,
+                                    stage_timeout=stage_timeout, max_stage_restarts=max_stage_restarts,
                                     pp_layer_partition=pp_layer_partition if isinstance(pp_layer_partition, str)
                                     else tuple(pp_layer_partition) if pp_layer_partition else None),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory=parse_size(kv_cache_memory),
                               gpu_memory_utilization=gpu_memory_utilization,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       pipeline_depth=pipeline_depth, streaming=False,

@@ -17,6 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-iters-warmup", type=int, default=2)
     p.add_argument("--num-iters", type=int, default=5)
+    p.add_argument("--backend", choices=["zpp", "hf"], default="zpp",
+                   help="hf: HF transformers generate on the same prompts (the reference; same device and dtype)")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run)
 
@@ -28,7 +30,19 @@ def run(args) -> int:
     config = engine_config_from_args(args, streaming=False)
     vocab = int(config.model.hf_config["vocab_size"])
     prompts = random_prompts(args.batch_size, args.input_len, vocab, args.seed)
-    llm = LLM.from_config(config)
+    if args.backend == "hf":
+        from zpp.bench.throughput import hf_generate, hf_model
+        model = hf_model(config)
+
+        class _HF:
+            def generate(self, prompts, sp, use_tqdm=False):
+                hf_generate(model, prompts, sp.max_tokens, len(prompts))
+
+            def shutdown(self):
+                pass
+        llm = _HF()
+    else:
+        llm = LLM.from_config(config)
     try:
         def timed(max_tokens: int, iters: int) -> list[float]:
             sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -46,11 +60,12 @@ def run(args) -> int:
         llm.shutdown()
     e2e_med, prefill_med = statistics.median(e2e), statistics.median(prefill)
     tpot = (e2e_med - prefill_med) / max(1, args.output_len - 1)
-    result = {**run_fields(config), "enforce_eager": config.enforce_eager, "batch_size": args.batch_size,
+    result = {**run_fields(config), "backend": args.backend, "enforce_eager": config.enforce_eager,
+              "batch_size": args.batch_size,
               "input_len": args.input_len, "output_len": args.output_len,
               "latencies_s": e2e, "prefill_latencies_s": prefill, "median_latency_s": e2e_med,
               "median_prefill_latency_s": prefill_med, "tpot_ms": tpot * 1000}
-    print_table("Latency", [("Batch size", args.batch_size), ("Input / output len", f"{args.input_len} / {args.output_len}"),
+    print_table(f"Latency ({args.backend})", [("Batch size", args.batch_size), ("Input / output len", f"{args.input_len} / {args.output_len}"),
                             ("Median e2e latency (s)", e2e_med), ("Median prefill latency (ms)", prefill_med * 1000),
                             ("TPOT (ms)", tpot * 1000)])
     write_json(args.output_json, result)

@@ -75,7 +75,9 @@ def _run_zpp(config, prompts, args):
         llm.shutdown()
 
 
-def _run_hf(config, prompts, args):
+def hf_model(config):
+    """HF transformers' model for ``config`` on its device and dtype (random weights with
+    ``--load-format dummy``): the reference of ``--backend hf``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     device = torch.device(config.parallel.device)
@@ -86,17 +88,29 @@ def _run_hf(config, prompts, args):
             model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(config.model.model, dtype=dtype).to(device)
-    model.eval()
+    return model.eval()
+
+
+def hf_generate(model, prompts: list[list[int]], output_len: int, batch_size: int) -> int:
+    """Greedy ``generate`` of exactly ``output_len`` tokens per prompt (equal-length prompts, in
+    batches of ``batch_size``); returns the tokens generated."""
+    import torch
+    device = next(model.parameters()).device
     pad = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
     out_tokens = 0
-    bs = args.hf_max_batch_size
-    t0 = time.perf_counter()
     with torch.inference_mode():
-        for i in range(0, len(prompts), bs):
-            batch = torch.tensor(prompts[i:i + bs], device=device)  # equal lengths: no padding needed
-            out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=args.output_len,
-                                 min_new_tokens=args.output_len, do_sample=False, pad_token_id=pad)
+        for i in range(0, len(prompts), batch_size):
+            batch = torch.tensor(prompts[i:i + batch_size], device=device)  # equal lengths: no padding needed
+            out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
             out_tokens += (out.shape[1] - batch.shape[1]) * out.shape[0]
     if device.type == "cuda":
         torch.cuda.synchronize()
+    return out_tokens
+
+
+def _run_hf(config, prompts, args):
+    model = hf_model(config)
+    t0 = time.perf_counter()
+    out_tokens = hf_generate(model, prompts, args.output_len, args.hf_max_batch_size)
     return time.perf_counter() - t0, out_tokens

@@ -31,7 +31,7 @@ from zpp.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineShutdownError", "RequestError", "PromptType"]
+__all__ = ["AsyncEngine", "EngineBusyError", "EngineDeadError", "EngineShutdownError", "RequestError", "PromptType"]
 
 
 class EngineDeadError(RuntimeError):
@@ -40,6 +40,16 @@ class EngineDeadError(RuntimeError):
 
 class EngineShutdownError(EngineDeadError):
     """The server is stopping (SIGINT / SIGTERM): requests still running are ended with this."""
+
+
+class EngineBusyError(EngineDeadError):
+    """A stage is being restarted and the queue of waiting requests is full (HTTP 503): the request
+    is refused at once rather than queued without bound; the engine itself is alive."""
+
+
+RESTART_QUEUE_PER_SEQ = 4
+"""While a stage restarts, new requests queue up to this many times ``--max-num-seqs`` waiting
+sequences; past that they are refused with :class:`EngineBusyError`."""
 
 
 class _InProcessCore:
@@ -248,6 +258,11 @@ class AsyncEngine:
         has ``structured_outputs``). Raises RequestError, EngineDeadError."""
         if self.dead:
             raise EngineDeadError(self.dead)
+        st = self.stats()
+        cap = RESTART_QUEUE_PER_SEQ * self.config.scheduler.max_num_seqs
+        if st.recovering and st.num_waiting + sampling.n > cap:
+            raise EngineBusyError(f"a pipeline stage is restarting and {st.num_waiting} sequences already wait (at most "
+                                  f"{cap} during a restart: {RESTART_QUEUE_PER_SEQ} x --max-num-seqs); retry shortly")
         if (grammar is None) != (sampling.structured_outputs is None):
             raise ValueError("a structured-output request needs its compiled grammar (compile_grammar)")
         text, ids = self.inputs.tokenize_prompt(prompt)
@@ -290,7 +305,7 @@ def validate_startup(config: EngineConfig) -> None:
     """Every check that must fail before any worker starts (one-line ConfigError)."""
     config.validate()
     hf = config.model.hf_config
-    cls = resolve_model_class(hf, config.parallel.tensor_parallel_size, config.max_model_len)
+    cls = resolve_model_class(hf, config.parallel.tensor_parallel_size)
     partition_layers(cls.num_layers_of(hf), config.parallel.pipeline_parallel_size,
                      config.parallel.pp_layer_partition)
     model = config.model.model

@@ -22,7 +22,7 @@ import msgspec
 
 from zpp.config import EngineConfig
 from zpp.engine.core_messages import CoreRequest, EngineStats, SeqDelta, StepOutputs
-from zpp.engine.executor import Executor, StageExecutor, WorkerDiedError
+from zpp.engine.executor import STAGES_RECOVERED, STAGES_RESTARTING, Executor, StageExecutor, WorkerDiedError
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
 from zpp.engine.scheduler import ScheduledBatch, Scheduler
@@ -61,6 +61,8 @@ class EngineCore:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.grammars = GrammarStore(int(config.model.hf_config["vocab_size"]), default_fill_threads())
+        self.paused = False
+        """A lost stage is being restarted: nothing is scheduled until it is back."""
 
     @classmethod
     async def start(cls, config: EngineConfig, eos_token_ids: set[int], emit: Callable[[StepOutputs], None],
@@ -131,11 +133,12 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         """The scheduler's, KV cache's and stages' counters now."""
-        kv, sch = self.kv, self.scheduler
+        kv, sch, ex = self.kv, self.scheduler, self.executor
         return EngineStats(sch.num_running, sch.num_waiting, kv.usage, kv.num_free_blocks, kv.num_blocks,
                            sch.stats.num_preemptions, kv.prefix_queries, kv.prefix_hits,
-                           list(self.executor.stage_busy_s), self.num_prompt_tokens, self.num_generation_tokens,
-                           list(self.executor.stage_idle_s))
+                           list(ex.stage_busy_s), self.num_prompt_tokens, self.num_generation_tokens,
+                           list(ex.stage_idle_s), bool(getattr(ex, "recovering", False)),
+                           list(getattr(ex, "stage_restarts", ())), list(getattr(ex, "recovery_seconds", ())))
 
     # --- the loop -----------------------------------------------------------------------------
     def _die(self, reason: str) -> None:
@@ -157,7 +160,7 @@ class EngineCore:
             while True:
                 if self.dead:
                     return
-                while len(self.inflight) < self.depth:
+                while len(self.inflight) < self.depth and not self.paused:
                     t = time.monotonic() if trace.enabled else 0.0
                     sched = self.scheduler.schedule()
                     if sched is None:
@@ -172,6 +175,9 @@ class EngineCore:
                 item = await self.executor.next_result()
                 if item is None:
                     continue
+                if item is STAGES_RESTARTING or item is STAGES_RECOVERED:
+                    self._stage_restart(item is STAGES_RESTARTING)
+                    continue
                 sched = self.inflight.popleft()
                 if item.batch_id != sched.batch.batch_id:
                     raise RuntimeError(f"result for batch {item.batch_id}, expected {sched.batch.batch_id}")
@@ -185,6 +191,21 @@ class EngineCore:
         except Exception as e:  # an engine bug: fail loudly, never hang
             logger.exception("engine loop crashed")
             self._die(f"engine loop crashed: {e!r}")
+
+    def _stage_restart(self, starting: bool) -> None:
+        """A stage was lost (``starting``): the micro-batches in flight are void; every running
+        request goes back to the queue to be recomputed from its prompt and the tokens it has
+        produced (streams see a pause, no token repeated or skipped), and scheduling waits. Or the
+        restarted stage is back: scheduling resumes."""
+        if starting:
+            n = self.scheduler.restart_all(list(self.inflight))
+            self.inflight.clear()
+            self.paused = True
+            logger.warning("a stage is restarting: %d running request(s) will be recomputed once it is back", n)
+        else:
+            self.paused = False
+            logger.info("stages back: %d request(s) resume", self.scheduler.num_waiting + self.scheduler.num_running)
+        self.emit(StepOutputs([], self.stats()))
 
     def _grammar_rows(self, sched: ScheduledBatch) -> tuple[list[int], bytes]:
         """The constrained rows of a micro-batch (indices into its chunks) and their token bitmask

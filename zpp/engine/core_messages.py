@@ -36,6 +36,9 @@ class EngineStats(msgspec.Struct, array_like=True):
         num_generation_tokens: tokens sampled so far.
         stage_idle_s: per pipeline stage, seconds its device sat idle between micro-batches while
             the engine had work (the pipeline bubble) so far.
+        recovering: a lost stage is being restarted (requests wait; ``/health`` says so).
+        stage_restarts: per pipeline stage, restarts so far.
+        recovery_seconds: how long each finished recovery took (death to pipeline formed again).
     """
 
     num_running: int = 0
@@ -50,6 +53,9 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     stage_idle_s: list[float] = []
+    recovering: bool = False
+    stage_restarts: list[int] = []
+    recovery_seconds: list[float] = []
 
 
 class GrammarSpec(msgspec.Struct, array_like=True, omit_defaults=True):

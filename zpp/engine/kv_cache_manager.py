@@ -150,3 +150,9 @@ class KVCacheManager:
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
                 self.free_queue[b] = None
+
+    def forget_cached_blocks(self) -> None:
+        """Drop every prefix-cache entry (a restarted stage lost its KV: no block's content can be
+        trusted). Blocks held by requests stay allocated; the caller frees those separately."""
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks

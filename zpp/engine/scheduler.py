@@ -226,6 +226,35 @@ class Scheduler:
             i += 1
         self.waiting.insert(i, req)
 
+    def restart_all(self, inflight: list["ScheduledBatch"]) -> int:
+        """A stage restarted (its KV and every worker's request state are gone): forget the
+        micro-batches ``inflight`` (their results never come), and put every running request back at
+        the head of the queue, in age order, to be recomputed from its prompt and the tokens it has
+        produced (nothing is repeated or skipped: only applied tokens count). The prefix cache is
+        dropped and the workers' slots start afresh. Returns the number of requests requeued."""
+        for sched in inflight:
+            for req, n in zip(sched.reqs, sched.chunk_tokens):
+                req.in_flight -= 1
+                req.num_in_flight_tokens -= n
+        self._num_in_flight = 0
+        self._num_prefill_in_flight = 0
+        for req in [r for r in self.requests.values() if r.status.finished]:  # aborted while in flight
+            self._release(req)
+        requeued = sorted(self.running, key=_priority)
+        for req in requeued:
+            self.kv.free(req)
+            req.status = RequestStatus.PREEMPTED
+        self.running = []
+        self.waiting.extendleft(reversed(requeued))
+        for req in self.waiting:
+            req.num_computed_tokens = 0
+            req.num_sent_tokens = 0
+            req.sent_to_workers = False
+            req.slot = -1
+        self._free_slots, self._num_slots, self._freed_slots = [], 0, []
+        self.kv.forget_cached_blocks()
+        return len(requeued)
+
     # --- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> Optional[ScheduledBatch]:
         """Decide the next micro-batch, or None if no request can run now (nothing fits, or every

@@ -87,15 +87,27 @@ class StageModel(nn.Module):
     """KV heads this worker holds (the model's count divided by ``stage.tp_size``); sizes the KV cache."""
     head_dim: int
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of ONE layer's KV cache on this worker for ``num_blocks`` blocks of ``block_size``
+        tokens; dim 1 (dim 0 for a layout without the K/V axis) indexes blocks. The model runner
+        allocates one such tensor per local layer, sizes the cache from it (bytes of a block = the
+        shape at ``num_blocks=1``) and hands it to the layer's attention unchanged.
+
+        Default: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K and V). A family with
+        another layout overrides this together with its attention (DeepSeek's latent cache:
+        ``[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``)."""
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    @classmethod
+    def normalize_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """``config.json`` as the rest of zpp reads it (``vocab_size``, ``num_attention_heads``,
+        ``max_position_embeddings``, ...): a family whose configs nest the text model or omit keys
+        with class defaults returns a flat dict with them filled in. Default: unchanged."""
+        return cfg
+
     @classmethod
     def check_config(cls, cfg: dict[str, Any]) -> None:
         """Raise ConfigError for options this implementation does not support."""
-
-    @classmethod
-    def check_context(cls, cfg: dict[str, Any], max_model_len: int) -> None:
-        """Raise ConfigError (one line) for an option this implementation supports only up to some
-        sequence length shorter than ``max_model_len`` (e.g. a sliding window). Called at start-up
-        when the context length is known."""
 
     @classmethod
     def rope_switch_length(cls, cfg: dict[str, Any]) -> Optional[int]:
@@ -114,6 +126,13 @@ class StageModel(nn.Module):
     def num_layers_of(cfg: dict[str, Any]) -> int:
         return int(cfg["num_hidden_layers"])
 
+    @classmethod
+    def layer_kinds(cls, cfg: dict[str, Any]) -> list[str]:
+        """The kind of every decoder layer, by global index (``--pp-layer-partition auto`` times one
+        layer of each kind). Layers of one kind cost the same; families whose layers differ
+        (dense vs mixture-of-experts MLPs) override this. Default: one kind, ``"decoder"``."""
+        return ["decoder"] * cls.num_layers_of(cfg)
+
     def stage_owns(self, name: str) -> bool:
         """Does this stage hold checkpoint tensor ``name``? (Embedding on the first stage,
         final norm / lm_head on the last, layers by index.)"""
@@ -130,15 +149,16 @@ class StageModel(nn.Module):
         (the loader runs it on the safetensors headers first).
 
         Raises:
-            ValueError: one line naming the tensors this stage owns that match no parameter
-                (unexpected) and the parameters (or shards of merged ones) no tensor fills (missing).
+            ValueError: one line naming the tensors this stage owns that match no parameter -- or a
+                shard the parameter does not have -- (unexpected) and the parameters (or shards of
+                merged ones) no tensor fills (missing).
         """
         params = dict(self.named_parameters())
         filled: set[str] = set()
         unexpected: list[str] = []
         for name in names:
             for pname, shard in self.map_weight_name(name) or ():
-                if pname in params:
+                if self._target_ok(pname, shard, params):
                     filled.add(f"{pname}#{shard}")
                 else:
                     unexpected.append(name)
@@ -148,8 +168,9 @@ class StageModel(nn.Module):
         """Copy checkpoint tensors into this stage's parameters.
 
         Tensors other stages own are skipped. Raises ValueError naming any tensor this stage owns
-        that matches no parameter (unexpected) or any parameter that received nothing (missing), or
-        a tensor whose shape does not fit its parameter. The loader checks the names first
+        that matches no parameter -- or a shard the parameter does not have, e.g. expert 8 of a
+        layer of 8 experts -- (unexpected), or any parameter that received nothing (missing), or a
+        tensor whose shape does not fit its parameter. The loader checks the names first
         (:meth:`check_weight_names`), before any copy.
         """
         params = dict(self.named_parameters())
@@ -160,10 +181,10 @@ class StageModel(nn.Module):
             if targets is None:
                 continue
             for pname, shard in targets:
-                param = params.get(pname)
-                if param is None:
+                if not self._target_ok(pname, shard, params):
                     unexpected.append(name)
                     continue
+                param = params[pname]
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
                     if shard is None:
@@ -174,6 +195,11 @@ class StageModel(nn.Module):
                     raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
                 loaded.add(f"{pname}#{shard}")
         self._raise_mismatch(params, loaded, unexpected)
+
+    def _target_ok(self, pname: str, shard: Optional[int], params: dict[str, nn.Parameter]) -> bool:
+        """Whether parameter ``pname`` exists and has shard ``shard`` (None: loaded whole)."""
+        param = params.get(pname)
+        return param is not None and (shard is None or 0 <= shard < (self._num_shards(pname, param) or 0))
 
     def _raise_mismatch(self, params: dict[str, nn.Parameter], filled: set[str], unexpected: list[str]) -> None:
         """One ValueError line naming unexpected tensors and missing parameters, if any (10 of each)."""
@@ -188,19 +214,23 @@ class StageModel(nn.Module):
         if parts:
             raise ValueError("; ".join(parts))
 
-    def _missing(self, pname: str, param: nn.Parameter, loaded: set[str]) -> Optional[str]:
-        """None if ``pname`` was loaded whole (shard None) or in every shard, else its description.
-
-        Shard counts: ``param.num_shards`` if set (MoE experts), else ``len(owner.output_sizes)``
-        (merged linear layers); other parameters must be loaded whole.
-        """
-        if f"{pname}#None" in loaded:
-            return None
+    def _num_shards(self, pname: str, param: nn.Parameter) -> Optional[int]:
+        """How many shards ``pname`` loads in: ``param.num_shards`` if set (MoE experts:
+        :class:`zpp.models.layers.moe.FusedExperts`), else ``len(owner.output_sizes)`` (merged
+        linear layers); None for a parameter that loads whole only."""
         n = getattr(param, "num_shards", None)
         if n is None:
             owner = self.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else self
             sizes = getattr(owner, "output_sizes", None)
             n = len(sizes) if sizes is not None else None
+        return n
+
+    def _missing(self, pname: str, param: nn.Parameter, loaded: set[str]) -> Optional[str]:
+        """None if ``pname`` was loaded whole (shard None) or in every shard (:meth:`_num_shards`),
+        else its description."""
+        if f"{pname}#None" in loaded:
+            return None
+        n = self._num_shards(pname, param)
         if n is None:
             return pname
         absent = [i for i in range(n) if f"{pname}#{i}" not in loaded]

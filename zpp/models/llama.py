@@ -1,4 +1,6 @@
 """LLaMA family (LLaMA 2/3, SmolLM2, Mistral, Qwen2 with qkv bias), one pipeline stage of it.
+Sliding-window layers where Mistral's, Mixtral's and Qwen2's configs ask for them
+(:func:`layer_windows`).
 
 Follows HF transformers' ``modeling_llama.py`` (reference numerics) and vLLM's ``llama.py`` (stage
 split with placeholder layers so layer indices and checkpoint names stay global; the residual
@@ -18,6 +20,27 @@ from zpp.models.layers.attention import Attention, AttentionMetadata
 from zpp.models.layers.linear import LMHead, MergedLinear, RowParallelLinear, VocabEmbedding
 from zpp.models.layers.norm import RMSNorm
 from zpp.models.layers.rotary import get_rope, rope_params
+
+
+def layer_windows(cfg: dict[str, Any]) -> list[Optional[int]]:
+    """Each layer's sliding window (None: full attention), as HF's configs and models read it:
+    Mistral: ``sliding_window`` on every layer (MistralConfig's default 4096 when the key is absent;
+    null = none); Mixtral: ``sliding_window`` (default none); Qwen2 with ``use_sliding_window``: the
+    layers ``layer_types`` marks ``sliding_attention`` (default: those from ``max_window_layers``
+    on); LLaMA: none."""
+    n = int(cfg["num_hidden_layers"])
+    kind = cfg.get("model_type")
+    if kind == "mistral":
+        return [cfg.get("sliding_window", 4096)] * n
+    if kind == "mixtral":
+        return [cfg.get("sliding_window")] * n
+    if kind == "qwen2":
+        w = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if w is not None and i >= int(cfg.get("max_window_layers", 28)) else "full_attention"
+            for i in range(n)]
+        return [w if t == "sliding_attention" else None for t in types]
+    return [None] * n
 
 
 class LlamaAttention(nn.Module):
@@ -52,14 +75,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; ``mlp`` replaces the gated MLP (Mixtral passes its sparse MoE block).
+    """Pre-norm block; ``mlp`` replaces the gated MLP (Mixtral passes its sparse MoE block),
+    ``attn`` the attention (Qwen3 passes its QK-normed one).
     ``tp_rank`` / ``tp_size``: this rank's tensor-parallel slice of attention and MLP."""
 
     def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool, mlp: Optional[nn.Module] = None,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, attn: Optional[nn.Module] = None):
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, max_positions, qkv_bias, tp_rank, tp_size)
+        self.self_attn = attn if attn is not None else LlamaAttention(cfg, max_positions, qkv_bias, tp_rank, tp_size)
         self.mlp = mlp if mlp is not None else GatedMLP(
             cfg["hidden_size"], cfg["intermediate_size"], cfg.get("hidden_act", "silu"),
             bias=bool(cfg.get("mlp_bias", False)), tp_rank=tp_rank, tp_size=tp_size)
@@ -96,12 +120,11 @@ class LlamaForCausalLM(StageModel):
     def check_config(cls, cfg: dict[str, Any]) -> None:
         rope_params(cfg)
         check_activation(cfg, "hidden_act", "silu")
-        window = cfg.get("sliding_window")
-        if (window and cfg.get("use_sliding_window", True) and cfg.get("model_type") in ("mistral", "mixtral")
-                and window < cfg.get("max_position_embeddings", window + 1)):
-            raise ConfigError(f"sliding-window attention (sliding_window={window}) is not supported")
-        if any(t != "full_attention" for t in cfg.get("layer_types") or []):
+        if cfg.get("model_type") != "qwen2" and any(t != "full_attention" for t in cfg.get("layer_types") or []):
             raise ConfigError("layer_types other than full_attention (sliding-window layers) are not supported")
+        for w in layer_windows(cfg):
+            if w is not None and (not isinstance(w, int) or w < 1):
+                raise ConfigError(f"sliding_window must be a positive integer, got {w!r}")
 
     @classmethod
     def check_tensor_parallel(cls, cfg: dict[str, Any], tp_size: int) -> None:
@@ -120,14 +143,18 @@ class LlamaForCausalLM(StageModel):
         if stage.is_first:
             self.model.embed_tokens = VocabEmbedding(cfg["vocab_size"], self.hidden_size)
         self.model.layers = nn.ModuleList(
-            self.make_layer(cfg, max_positions) if stage.owns_layer(i) else MissingLayer() for i in range(n_layers))
+            self.make_layer(cfg, max_positions, i) if stage.owns_layer(i) else MissingLayer() for i in range(n_layers))
         if stage.is_last:
             self.model.norm = RMSNorm(self.hidden_size, cfg.get("rms_norm_eps", 1e-6))
             self.lm_head = LMHead(cfg["vocab_size"], self.hidden_size)
         self.num_kv_heads = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // stage.tp_size
         self.head_dim = cfg.get("head_dim") or self.hidden_size // cfg["num_attention_heads"]
+        for i, window in enumerate(layer_windows(cfg)):  # sliding-window layers (Mistral, Qwen2, Mixtral)
+            if stage.owns_layer(i) and window is not None and window < max_positions:  # else never reached
+                self.model.layers[i].self_attn.attn.sliding_window = window
 
-    def make_layer(self, cfg: dict[str, Any], max_positions: int) -> nn.Module:
+    def make_layer(self, cfg: dict[str, Any], max_positions: int, layer_idx: int) -> nn.Module:
+        """Decoder layer ``layer_idx`` (global index) of this stage."""
         return LlamaDecoderLayer(cfg, max_positions, self.qkv_bias or bool(cfg.get("attention_bias", False)),
                                  tp_rank=self.stage.tp_rank, tp_size=self.stage.tp_size)
 
@@ -159,9 +186,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: the LLaMA block with a bias on q/k/v (HF ``modeling_qwen2.py``)."""
 
     qkv_bias = True
-
-    @classmethod
-    def check_config(cls, cfg: dict[str, Any]) -> None:
-        super().check_config(cfg)
-        if cfg.get("use_sliding_window"):
-            raise ConfigError("Qwen2 use_sliding_window=true is not supported")

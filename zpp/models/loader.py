@@ -5,7 +5,7 @@ import glob
 import logging
 import os
 import zlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -25,16 +25,6 @@ def safetensors_files(model_dir: str) -> list[str]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir} (use --load-format dummy for random weights)")
     return files
-
-
-def checkpoint_tensor_names(model_dir: str) -> Iterator[str]:
-    """Every tensor name of the checkpoint, read from the safetensors headers only (no tensor data).
-    Raises FileNotFoundError as :func:`safetensors_files`."""
-    from safetensors import safe_open
-
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            yield from f.keys()
 
 
 def iter_safetensors(model_dir: str, model: StageModel) -> Iterator[tuple[str, torch.Tensor]]:
@@ -68,18 +58,29 @@ def init_dummy_weights(model: StageModel, seed: int) -> None:
 
 def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtype: torch.dtype,
                      device: torch.device, max_positions: int, load_format: str = "safetensors",
-                     seed: int = 0) -> StageModel:
+                     seed: int = 0, quantization: Optional[str] = None) -> StageModel:
     """Construct the stage's modules directly on ``device`` in ``dtype`` and fill them; with
     ``stage.tp_size > 1`` only this TP rank's slices of the split weights are allocated and copied.
 
-    The checkpoint's tensor names (safetensors headers) are checked against the stage's parameters
-    before any tensor is read: a tensor missing or misnamed is refused before any weight loads.
+    FP8 checkpoints (``zpp.models.quantization``): on a GPU with FP8 (compute capability >= 8.9,
+    ``dtype`` bf16/fp16) the linear layers whose checkpoint weights are FP8 keep them, with their
+    scales; every other FP8 weight (all of them on the CPU) is dequantized to ``dtype`` on load.
+    ``quantization="fp8"`` (``--quantization fp8``): the loaded bf16/fp16 linear weights are
+    quantized to FP8 per output channel (the caller has checked the GPU).
+
+    The names of the tensors the stage receives (from the safetensors headers; for an FP8
+    checkpoint, as planned) are checked against its parameters before any tensor is read
+    (``StageModel.check_weight_names``): a tensor missing or misnamed is refused before any weight
+    loads.
 
     Raises:
         ConfigError: unsupported architecture / option (checked again here, before any allocation).
-        ValueError: missing or unexpected tensors (named, before any copy), or shape mismatches.
+        ValueError: missing or unexpected tensors (an FP8 weight's scale included; named, before any
+            copy), or shape mismatches (names given).
     """
-    cls = resolve_model_class(cfg, stage.tp_size, max_positions)
+    from zpp.models import quantization as q
+    cls = resolve_model_class(cfg, stage.tp_size)
+    quant = q.parse_quantization_config(cfg)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -87,9 +88,26 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
             model = cls(cfg, stage, max_positions)
     finally:
         torch.set_default_dtype(old)
+    keep_fp8 = q.fp8_supported(device) and dtype in (torch.bfloat16, torch.float16)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
-    else:
-        model.check_weight_names(checkpoint_tensor_names(model_dir))
+        if quant is not None and keep_fp8:
+            q.quantize_model_like_checkpoint(model, quant)
+    elif quant is None:
+        model.check_weight_names(q.read_index(safetensors_files(model_dir)))  # headers only
         model.load_weights(iter_safetensors(model_dir, model))
+    else:
+        index = q.read_index(safetensors_files(model_dir))
+        n = q.prepare_model_for_checkpoint(model, index, quant, keep_fp8)
+        plan = q.plan_checkpoint(model, index, quant, dtype)
+        model.check_weight_names(t.name for t in plan.tensors)
+        model.load_weights(q.iter_planned(plan, index, quant, device))
+        q.finish_fp8_loading(model)
+        kv = q.load_kv_scales(model, plan, index)
+        logger.info("FP8 checkpoint (%s%s): %d linear layers kept in FP8, the other FP8 weights dequantized to %s%s",
+                    quant.method, f", block {quant.block[0]}x{quant.block[1]}" if quant.block else "", n,
+                    str(dtype).removeprefix("torch."), f"; KV-cache scales for {kv} layers" if kv else "")
+    if quantization == "fp8" and quant is None:
+        n = q.quantize_model_fp8(model)
+        logger.info("--quantization fp8: %d linear layers quantized to FP8 (e4m3, per output channel)", n)
     return model.eval()

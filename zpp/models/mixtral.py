@@ -8,6 +8,10 @@ Checkpoint names: HF 5.x's in-memory names (``mlp.gate.weight``, fused ``mlp.exp
 ``[E, 2I, H]`` and ``mlp.experts.down_proj`` ``[E, H, I]``) and the original per-expert names that
 ``save_pretrained`` writes (``block_sparse_moe.gate.weight``,
 ``block_sparse_moe.experts.{e}.w1/w2/w3.weight``) both load into the same parameters.
+
+Tensor parallelism: attention as LLaMA's, every expert's intermediate dim split over the ranks
+(:class:`zpp.models.layers.moe.FusedExperts`); ``intermediate_size`` must divide. CUDA graphs:
+the CUDA experts are grouped Triton GEMMs with no host synchronisation.
 """
 from __future__ import annotations
 
@@ -28,8 +32,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
     (``[2, T, H]`` hidden + residual between stages, final normed hidden ``[T, H]`` on the last)."""
 
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
-    supports_cuda_graphs = False  # the MoE block reads per-expert token counts on the host
-    supports_tensor_parallel = False  # experts are not split (yet)
+    supports_cuda_graphs = True  # the CUDA experts (grouped Triton GEMMs) never read device values on the host
+    supports_tensor_parallel = True  # every expert's intermediate dim split over the ranks (layers.moe)
 
     @classmethod
     def check_config(cls, cfg: dict[str, Any]) -> None:
@@ -38,10 +42,11 @@ class MixtralForCausalLM(LlamaForCausalLM):
         if not 1 <= k <= e:
             raise ConfigError(f"num_experts_per_tok={k} must be between 1 and num_local_experts={e}")
 
-    def make_layer(self, cfg: dict[str, Any], max_positions: int) -> nn.Module:
+    def make_layer(self, cfg: dict[str, Any], max_positions: int, layer_idx: int) -> nn.Module:
+        tp_rank, tp_size = self.stage.tp_rank, self.stage.tp_size
         moe = SparseMoeBlock(cfg["hidden_size"], cfg["intermediate_size"], *_num_experts(cfg),
-                             act=cfg.get("hidden_act", "silu"))
-        return LlamaDecoderLayer(cfg, max_positions, qkv_bias=False, mlp=moe)
+                             act=cfg.get("hidden_act", "silu"), tp_rank=tp_rank, tp_size=tp_size)
+        return LlamaDecoderLayer(cfg, max_positions, qkv_bias=False, mlp=moe, tp_rank=tp_rank, tp_size=tp_size)
 
     def map_weight_name(self, name: str) -> Optional[list[tuple[str, Optional[int]]]]:
         """Per-expert ``w1``/``w3`` -> shard ``2e``/``2e+1`` of ``mlp.experts.gate_up_proj``, ``w2`` ->

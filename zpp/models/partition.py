@@ -53,20 +53,51 @@ def partition_layers(num_layers: int, pp_size: int,
     return ranges
 
 
-def stage_times(sizes: Sequence[int], layer_cost: Sequence[float], extra_cost: Sequence[float]) -> list[float]:
-    """Each stage's time for one micro-batch: ``sizes[s] * layer_cost[s] + extra_cost[s]``."""
-    return [n * c + e for n, c, e in zip(sizes, layer_cost, extra_cost)]
+LayerCost = Union[float, Sequence[float]]
+"""One stage's layer costs: seconds of every decoder layer (all layers alike), or a list giving
+the seconds of each global layer ``i`` on that stage (layers of different kinds, e.g. dense and
+mixture-of-experts MLPs)."""
 
 
-def balanced_partition(num_layers: int, layer_cost: Sequence[float],
+def _range_cost(cost: LayerCost, a: int, b: int, prefix: Optional[list[float]]) -> float:
+    """Seconds of layers ``[a, b)`` at ``cost`` (``prefix``: its running sums, for a list)."""
+    return (b - a) * cost if prefix is None else prefix[b] - prefix[a]
+
+
+def _prefix(cost: LayerCost, num_layers: int) -> Optional[list[float]]:
+    if isinstance(cost, (int, float)):
+        return None
+    if len(cost) != num_layers:
+        raise ConfigError(f"{len(cost)} per-layer costs for a model of {num_layers} layers")
+    out = [0.0]
+    for c in cost:
+        out.append(out[-1] + float(c))
+    return out
+
+
+def stage_times(sizes: Sequence[int], layer_cost: Sequence[LayerCost], extra_cost: Sequence[float]) -> list[float]:
+    """Each stage's time for one micro-batch: its layers' costs (``sizes[s] * layer_cost[s]`` when
+    the cost is one number; the sum over the stage's layers when it is a per-layer list) plus
+    ``extra_cost[s]``."""
+    num_layers = sum(sizes)
+    out, start = [], 0
+    for n, c, e in zip(sizes, layer_cost, extra_cost):
+        out.append(_range_cost(c, start, start + n, _prefix(c, num_layers)) + e)
+        start += n
+    return out
+
+
+def balanced_partition(num_layers: int, layer_cost: Sequence[LayerCost],
                        extra_cost: Sequence[float]) -> tuple[int, ...]:
     """Layers per stage (contiguous, each >= 1, summing to ``num_layers``) that minimize the
-    slowest stage's time ``n_s * layer_cost[s] + extra_cost[s]``.
+    slowest stage's time: its layers' costs plus ``extra_cost[s]``.
 
     Args:
         num_layers: decoder layers of the model.
         layer_cost: per stage, seconds one decoder layer takes on that stage's device for the
-            representative micro-batch (stages may differ: different devices or hosts).
+            representative micro-batch (stages may differ: different devices or hosts); either
+            one number for every layer, or a list of ``num_layers`` numbers, the cost of each
+            global layer on that stage (models whose layers differ: dense and MoE layers).
         extra_cost: per stage, seconds of its work besides the layers (embedding on the first
             stage; final norm, LM head and sampling on the last), same micro-batch.
 
@@ -75,7 +106,8 @@ def balanced_partition(num_layers: int, layer_cost: Sequence[float],
     even split. Dynamic programming over (stage, layers so far): O(stages x layers^2).
 
     Raises:
-        ConfigError: more stages than layers, or cost lists of a length other than the stages'.
+        ConfigError: more stages than layers, cost lists of a length other than the stages', or a
+            per-layer list of a length other than ``num_layers``.
     """
     pp = len(layer_cost)
     if len(extra_cost) != pp or pp < 1:
@@ -83,17 +115,19 @@ def balanced_partition(num_layers: int, layer_cost: Sequence[float],
     if pp > num_layers:
         raise ConfigError(f"--pipeline-parallel-size {pp} is larger than the model's {num_layers} layers")
     inf = float("inf")
+    prefixes = [_prefix(c, num_layers) for c in layer_cost]
 
-    def time(s: int, n: int) -> float:
-        return n * layer_cost[s] + extra_cost[s]
+    def time(s: int, k: int, n: int) -> float:
+        """Stage ``s`` holding the ``n`` layers that end at layer ``k`` (exclusive)."""
+        return _range_cost(layer_cost[s], k - n, k, prefixes[s]) + extra_cost[s]
 
     # best[s][k]: smallest slowest-stage time over stages 0..s holding the first k layers.
     best = [[inf] * (num_layers + 1) for _ in range(pp)]
     for k in range(1, num_layers - pp + 2):
-        best[0][k] = time(0, k)
+        best[0][k] = time(0, k, k)
     for s in range(1, pp):
         for k in range(s + 1, num_layers - (pp - 1 - s) + 1):
-            best[s][k] = min(max(best[s - 1][k - n], time(s, n)) for n in range(1, k - s + 1))
+            best[s][k] = min(max(best[s - 1][k - n], time(s, k, n)) for n in range(1, k - s + 1))
     limit = best[pp - 1][num_layers]
     limit += 1e-9 * abs(limit)  # float slack: splits at the optimum must pass the test below
     # Among splits whose every stage is within the optimum, the one closest to the even split.
@@ -101,12 +135,12 @@ def balanced_partition(num_layers: int, layer_cost: Sequence[float],
     dev = [[inf] * (num_layers + 1) for _ in range(pp)]
     choice = [[0] * (num_layers + 1) for _ in range(pp)]
     for k in range(1, num_layers - pp + 2):
-        if time(0, k) <= limit:
+        if time(0, k, k) <= limit:
             dev[0][k], choice[0][k] = abs(k - even[0]), k
     for s in range(1, pp):
         for k in range(s + 1, num_layers - (pp - 1 - s) + 1):
             for n in range(1, k - s + 1):
-                if time(s, n) <= limit and dev[s - 1][k - n] + abs(n - even[s]) < dev[s][k]:
+                if time(s, k, n) <= limit and dev[s - 1][k - n] + abs(n - even[s]) < dev[s][k]:
                     dev[s][k], choice[s][k] = dev[s - 1][k - n] + abs(n - even[s]), n
     sizes, k = [], num_layers
     for s in range(pp - 1, -1, -1):

@@ -21,9 +21,9 @@ Config handling mirrors ``Phi3Config``: ``rope_scaling`` (old configs) or ``rope
 ``original_max_position_embeddings`` (default 4096) wins over the rope dict's; defaults
 ``rms_norm_eps`` 1e-5, ``hidden_act`` silu, untied embeddings.
 
-``sliding_window``: HF masks keys more than ``sliding_window - 1`` positions behind the query; zpp has
-no sliding-window attention, so a window shorter than ``--max-model-len`` is refused at start-up
-(Phi-3-mini-4k's 2047 needs ``--max-model-len 2047``; the 128k models' 262144 never applies).
+``sliding_window`` (Phi-3-mini-4k: 2047): HF's ``Phi3Model`` masks, on every layer, the keys more than
+``sliding_window - 1`` positions behind the query (``create_sliding_window_causal_mask``); so does
+zpp's attention (``Attention.sliding_window``), set where the window is shorter than the context.
 """
 from __future__ import annotations
 
@@ -33,10 +33,9 @@ from torch import nn
 
 from zpp.config import ConfigError
 from zpp.models.base import StageInfo
-from zpp.models.layers.activation import GatedMLP, check_activation
+from zpp.models.layers.activation import check_activation
 from zpp.models.layers.attention import Attention
 from zpp.models.layers.linear import MergedLinear, RowParallelLinear
-from zpp.models.layers.norm import RMSNorm
 from zpp.models.layers.rotary import get_rope, rope_params
 from zpp.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
@@ -103,20 +102,6 @@ class Phi3Attention(LlamaAttention):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads)
 
 
-class Phi3DecoderLayer(LlamaDecoderLayer):
-    """The LLaMA pre-norm block (same ``forward``) with :class:`Phi3Attention`; the MLP's
-    ``gate_up_proj`` is the fused checkpoint tensor (gate rows first, as HF's ``chunk(2)``)."""
-
-    def __init__(self, cfg: dict[str, Any], max_positions: int, tp_rank: int = 0, tp_size: int = 1):
-        nn.Module.__init__(self)  # LlamaDecoderLayer's attributes, with Phi-3's attention
-        eps = cfg["rms_norm_eps"]
-        self.self_attn = Phi3Attention(cfg, max_positions, tp_rank, tp_size)
-        self.mlp = GatedMLP(cfg["hidden_size"], cfg["intermediate_size"], cfg["hidden_act"], bias=False,
-                            tp_rank=tp_rank, tp_size=tp_size)
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
-
-
 class Phi3ForCausalLM(LlamaForCausalLM):
     """One stage of a Phi-3 causal LM; same inputs / outputs as :class:`LlamaForCausalLM`
     (``[2, T, H]`` hidden + residual between stages, final normed hidden ``[T, H]`` on the last).
@@ -130,21 +115,17 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     tie_word_embeddings_default = False
 
     @classmethod
+    def normalize_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        return phi3_config(cfg)
+
+    @classmethod
     def check_config(cls, cfg: dict[str, Any]) -> None:
         cfg = phi3_config(cfg)
         _rope_settings(cfg)
         check_activation(cfg, "hidden_act", "silu")
-        if cfg.get("layer_types") and any(t != "full_attention" for t in cfg["layer_types"]):
-            raise ConfigError("layer_types other than full_attention (sliding-window layers) are not supported")
-
-    @classmethod
-    def check_context(cls, cfg: dict[str, Any], max_model_len: int) -> None:
-        """HF applies ``sliding_window`` (keys more than ``window - 1`` positions back are masked) only
-        to sequences longer than the window; refuse a window shorter than ``max_model_len``."""
         window = cfg.get("sliding_window")
-        if window and window < max_model_len:
-            raise ConfigError(f"sliding_window={window} is shorter than --max-model-len {max_model_len}: "
-                              f"sliding-window attention is not supported (use --max-model-len {window} or less)")
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ConfigError(f"sliding_window must be a positive integer, got {window!r}")
 
     @classmethod
     def rope_switch_length(cls, cfg: dict[str, Any]) -> Optional[int]:
@@ -160,9 +141,16 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         head_dim, rotary_dim, theta, scaling = _rope_settings(cfg)
         self.rotary = get_rope(head_dim, max_positions, theta, scaling, rotary_dim)  # the layers' table
         self.rope_switch_len = self.rotary.switch_len if self.rotary.long_offset is not None else None
+        window = cfg.get("sliding_window")
+        if window is not None and window < max_positions:  # else never reached
+            for i in range(stage.layer_start, stage.layer_end):
+                self.model.layers[i].self_attn.attn.sliding_window = window
 
-    def make_layer(self, cfg: dict[str, Any], max_positions: int) -> nn.Module:
-        return Phi3DecoderLayer(cfg, max_positions, tp_rank=self.stage.tp_rank, tp_size=self.stage.tp_size)
+    def make_layer(self, cfg: dict[str, Any], max_positions: int, layer_idx: int) -> nn.Module:
+        """The LLaMA pre-norm block with :class:`Phi3Attention`; the MLP's ``gate_up_proj`` is the
+        fused checkpoint tensor (gate rows first, as HF's ``chunk(2)``)."""
+        tp = dict(tp_rank=self.stage.tp_rank, tp_size=self.stage.tp_size)
+        return LlamaDecoderLayer(cfg, max_positions, qkv_bias=False, attn=Phi3Attention(cfg, max_positions, **tp), **tp)
 
     def forward(self, input_ids, positions, acts, kv_caches, meta):
         # The LLaMA forward, with the positions replaced by their rotary-table rows (LongRoPE: the

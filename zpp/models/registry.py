@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any, Optional
+from typing import Any
 
 from zpp.config import ConfigError
+from zpp.models.quantization import check_quantization
 
 # HF ``architectures`` entry -> (module, class). One line per supported architecture.
 _MODELS: dict[str, tuple[str, str]] = {
@@ -12,15 +13,17 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("zpp.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("zpp.models.llama", "Qwen2ForCausalLM"),
     "MixtralForCausalLM": ("zpp.models.mixtral", "MixtralForCausalLM"),
+    "Qwen3ForCausalLM": ("zpp.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("zpp.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GPT2LMHeadModel": ("zpp.models.gpt2", "GPT2LMHeadModel"),
     "OPTForCausalLM": ("zpp.models.opt", "OPTForCausalLM"),
+    "DeepseekV2ForCausalLM": ("zpp.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("zpp.models.deepseek", "DeepseekV3ForCausalLM"),
+    "Gemma3ForCausalLM": ("zpp.models.gemma3", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("zpp.models.gemma3", "Gemma3ForCausalLM"),  # its language model only
+    "GptOssForCausalLM": ("zpp.models.gpt_oss", "GptOssForCausalLM"),
     "Phi3ForCausalLM": ("zpp.models.phi3", "Phi3ForCausalLM"),
 }
-
-# ``quantization_config.quant_method`` values zpp can load. Empty: zpp reads unquantized safetensors
-# only, so a checkpoint with any ``quantization_config`` (mxfp4, gptq, awq, bitsandbytes, fp8,
-# compressed-tensors, ...) is refused before any weight loads. A method's loader adds its name here.
-SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
 
 
 def supported_architectures() -> list[str]:
@@ -33,33 +36,25 @@ def tensor_parallel_architectures() -> list[str]:
                   if getattr(importlib.import_module(module), name).supports_tensor_parallel)
 
 
-def check_quantization(cfg: dict[str, Any]) -> None:
-    """Refuse a quantized checkpoint whose method is not in ``SUPPORTED_QUANTIZATION``, in one line
-    naming the method (``quantization_config.quant_method``; ``bitsandbytes`` for old configs that
-    carry only ``load_in_4bit`` / ``load_in_8bit``). Raises ConfigError."""
-    q = cfg.get("quantization_config")
-    if not q:
-        return
-    method = q.get("quant_method") if isinstance(q, dict) else None
-    if not method and isinstance(q, dict) and (q.get("load_in_4bit") or q.get("load_in_8bit")):
-        method = "bitsandbytes"
-    method = str(method).lower() if method else "unknown"
-    if method not in SUPPORTED_QUANTIZATION:
-        raise ConfigError(f"quantized checkpoint (quantization_config.quant_method {method!r}) is not supported: "
-                          f"zpp loads unquantized safetensors only")
+def normalize_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``config.json`` of a supported architecture as zpp reads it everywhere (see
+    ``StageModel.normalize_config``: e.g. a multimodal Gemma 3 config's ``text_config`` flattened);
+    any other config unchanged (it is refused later, by :func:`resolve_model_class`)."""
+    for arch in cfg.get("architectures") or []:
+        if arch in _MODELS:
+            module, name = _MODELS[arch]
+            return getattr(importlib.import_module(module), name).normalize_config(cfg)
+    return cfg
 
 
-def resolve_model_class(cfg: dict[str, Any], tensor_parallel_size: int = 1, max_model_len: Optional[int] = None):
+def resolve_model_class(cfg: dict[str, Any], tensor_parallel_size: int = 1):
     """The StageModel subclass for an HF config, after checking its options (nothing is allocated).
-
-    ``max_model_len``: the context length the engine will use, when known (start-up, loading): options
-    the family supports only for shorter sequences are checked against it (``check_context``).
 
     Raises:
         ConfigError: no/unknown ``architectures`` entry, an option the family does not support, or a
-            required field missing: one line, naming the architecture and listing the supported ones;
-            a quantized checkpoint (:func:`check_quantization`) or an option too short for
-            ``max_model_len``: one line naming the architecture.
+            required field missing; one line, naming the architecture and listing the supported ones;
+            a quantized checkpoint zpp cannot load (``zpp.models.quantization.check_quantization``:
+            anything but FP8 compressed-tensors / block FP8), one line naming the method.
             With ``tensor_parallel_size > 1``: a family without tensor parallelism, or head / KV-head
             / intermediate sizes it does not divide (one line naming ``--tensor-parallel-size``).
     """
@@ -81,11 +76,6 @@ def resolve_model_class(cfg: dict[str, Any], tensor_parallel_size: int = 1, max_
                 raise ConfigError(f"{arch}: config.json lacks required field {e}; {_supported()}") from None
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"{arch}: malformed config.json ({e}); {_supported()}") from None
-            if max_model_len is not None:
-                try:
-                    cls.check_context(cfg, max_model_len)
-                except ConfigError as e:
-                    raise ConfigError(f"{arch}: {e}") from None
             if tensor_parallel_size > 1:
                 if not cls.supports_tensor_parallel:
                     raise ConfigError(

@@ -54,7 +54,8 @@ class NodeLauncher:
         self.log_level = log_level
         self.tp_size = tp_size
         self.assignment: dict[str, list[int]] = {}
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.procs: list[tuple[str, subprocess.Popen]] = []  # the current session of each host
+        self._reported: set[int] = set()  # ids of sessions whose end was reported (or was ours)
         self._stderr: dict[str, collections.deque[str]] = {}
         self._local_index: dict[int, int] = {}
 
@@ -114,23 +115,48 @@ class NodeLauncher:
                     logger.info("waiting for %s (%s): start there, with a 0600 copy of %s: %s", host,
                                 self._stages(host), self.keys_file, self.command_for(host))
             return
+        for host, ranks in self.assignment.items():
+            if ranks:
+                self._start_session(host)
+
+    def _start_session(self, host: str) -> None:
         ssh = shlex.split(os.environ.get("ZPP_SSH", DEFAULT_SSH))
         # The SSH client must die with the head, even a SIGKILLed one, or the session (and the
         # remote agent) would stay: PR_SET_PDEATHSIG via setpriv.
         prefix = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
         line = self.keys.for_workers().encode().decode()
-        for host, ranks in self.assignment.items():
-            if not ranks:
-                continue
-            logger.info("starting zpp-node on %s over SSH (%s)", host, self._stages(host))
-            proc = subprocess.Popen(prefix + ssh + [host, self.command_for(host)], stdin=subprocess.PIPE,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                    start_new_session=True)
-            proc.stdin.write(line)
-            proc.stdin.flush()  # stdin stays open: closing it tells the agent to stop
-            self._stderr[host] = collections.deque(maxlen=20)
-            threading.Thread(target=self._relay, args=(host, proc), name=f"zpp-ssh-{host}", daemon=True).start()
-            self.procs.append((host, proc))
+        logger.info("starting zpp-node on %s over SSH (%s)", host, self._stages(host))
+        proc = subprocess.Popen(prefix + ssh + [host, self.command_for(host)], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        proc.stdin.write(line)
+        proc.stdin.flush()  # stdin stays open: closing it tells the agent to stop
+        self._stderr[host] = collections.deque(maxlen=20)
+        threading.Thread(target=self._relay, args=(host, proc), name=f"zpp-ssh-{host}", daemon=True).start()
+        self.procs = [(h, p) for h, p in self.procs if h != host] + [(host, proc)]
+
+    def restart(self, host: str) -> None:
+        """Stage restarts: end ``host``'s session (its agent stops that host's workers, a stopped one
+        included) and start a new one over SSH (its agent starts them again). Blocking (seconds)."""
+        old = next((p for h, p in self.procs if h == host), None)
+        if old is not None:
+            self._reported.add(id(old))
+            self._end(old)
+        self._start_session(host)
+
+    def is_current(self, session: object) -> bool:
+        """Whether ``session`` (from :meth:`poll_lost`) is still its host's current session."""
+        return any(p is session for _, p in self.procs)
+
+    def poll_lost(self) -> dict[str, tuple[str, object]]:
+        """Hosts whose current agent session ended since the last call: host -> (an error message
+        as :meth:`poll` gives it, the session)."""
+        out = {}
+        for host, proc in list(self.procs):
+            if proc.poll() is not None and id(proc) not in self._reported:
+                self._reported.add(id(proc))
+                out[host] = (self._failure(host, proc), proc)
+        return out
 
     def _relay(self, host: str, proc: subprocess.Popen) -> None:
         """Log what the remote side prints (agent and worker logs, ssh's own errors)."""
@@ -164,16 +190,27 @@ class NodeLauncher:
 
     def stop(self) -> None:
         for _, proc in self.procs:
+            self._reported.add(id(proc))
             try:
                 proc.stdin.close()
             except OSError:
                 pass
         for _, proc in self.procs:
+            self._end(proc)
+
+    @staticmethod
+    def _end(proc: subprocess.Popen) -> None:
+        """Close the session's stdin (the agent stops its workers and exits), then wait for it:
+        up to 10 s, then SIGTERM, then SIGKILL."""
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
             try:
-                proc.wait(10)
+                proc.wait(3)
             except subprocess.TimeoutExpired:
-                proc.terminate()
-                try:
-                    proc.wait(3)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                proc.kill()

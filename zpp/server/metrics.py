@@ -19,7 +19,7 @@ from typing import Optional
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 request_logger = logging.getLogger("zpp.requests")
@@ -30,6 +30,8 @@ _LAT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0
+
+_RECOVERY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
 
 class _EngineCollector:
@@ -73,6 +75,24 @@ class _EngineCollector:
         for i, b in enumerate(s.stage_idle_s):
             idle.add_metric([self.model_name, str(i)], b)
         yield idle
+        restarts = CounterMetricFamily("zpp:stage_restarts", "Restarts of each pipeline stage (its worker died, "
+                                       "went silent or stalled and was started again in place)",
+                                       labels=["model_name", "stage"])
+        for i, n in enumerate(s.stage_restarts):
+            restarts.add_metric([self.model_name, str(i)], n)
+        yield restarts
+        yield self._recovery_histogram(s.recovery_seconds)
+        yield self._one(GaugeMetricFamily, "zpp:stage_recovering",
+                        "1 while a lost stage is being restarted (requests wait), else 0", int(s.recovering))
+
+    def _recovery_histogram(self, samples: list[float]):
+        """``zpp:stage_recovery_seconds``: death to pipeline formed again, one sample per recovery
+        (the core keeps them all: restarts are rare)."""
+        h = HistogramMetricFamily("zpp:stage_recovery_seconds", "Seconds from a stage's loss to the pipeline "
+                                  "formed again with the restarted stage", labels=["model_name"])
+        buckets = [(str(b), sum(1 for x in samples if x <= b)) for b in _RECOVERY_BUCKETS]
+        h.add_metric([self.model_name], buckets + [("+Inf", len(samples))], sum(samples))
+        return h
 
 
 class Metrics:

@@ -24,7 +24,7 @@ from aiohttp import hdrs, web
 import zpp
 from zpp.workers.worker import freeze_gc
 from zpp.config import ConfigError
-from zpp.engine.async_engine import AsyncEngine, EngineDeadError, EngineShutdownError, RequestError
+from zpp.engine.async_engine import AsyncEngine, EngineBusyError, EngineDeadError, EngineShutdownError, RequestError
 from zpp.outputs import CompletionOutput, Logprob, RequestOutput
 from zpp.sampling_params import SamplingParams, SamplingParamsError
 from zpp.server.metrics import DEFAULT_LOG_STATS_INTERVAL_S, Metrics, StatsLogger
@@ -160,7 +160,7 @@ class _SSE:
 
 
 def _message(e: BaseException) -> str:
-    if isinstance(e, EngineShutdownError):
+    if isinstance(e, (EngineShutdownError, EngineBusyError)):
         return str(e)
     if isinstance(e, EngineDeadError):
         return f"the engine is dead: {e}"
@@ -270,10 +270,12 @@ class OpenAIServer:
         return _json(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while the engine runs; 503 once a worker died (the server then exits)."""
+        """200 while the engine runs, also while a lost stage restarts (requests then wait; the
+        body is ``{"status": "recovering"}``, else ``{"status": "ok"}``); 503 once the engine is
+        dead (the server then exits)."""
         if not self.engine.is_healthy:
             return web.Response(status=503, text=f"engine dead: {self.engine.dead}")
-        return web.Response(status=200)
+        return _json({"status": "recovering" if self.engine.stats().recovering else "ok"})
 
     async def version(self, request: web.Request) -> web.Response:
         return _json({"version": zpp.__version__})

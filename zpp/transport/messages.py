@@ -81,6 +81,11 @@ class InitWorker(msgspec.Struct, tag=True, array_like=True):
     config: EngineConfig
     """With the model path made absolute by the engine (the same path must hold the model on
     every host)."""
+    generation: int = 0
+    """The process group's generation: 0 at start-up, one more after each stage restart (the
+    rendezvous keys are prefixed with it, so a re-formed group never meets the old one's keys)."""
+    num_kv_blocks: int = -1
+    """A restarted stage: the KV blocks it must hold (the engine's, fixed at start-up); -1 at start-up."""
 
 
 class StageCost(msgspec.Struct, tag=True, array_like=True):
@@ -89,8 +94,9 @@ class StageCost(msgspec.Struct, tag=True, array_like=True):
     (``zpp.workers.stage_cost.measure_stage_cost``)."""
 
     rank: int
-    layer_s: float
-    """Seconds one decoder layer takes."""
+    layer_s: list[float]
+    """Seconds one decoder layer of each kind takes, kinds in the order of their first appearance
+    in the model's ``StageModel.layer_kinds`` (one entry for most families)."""
     extra_s: float
     """Seconds of the stage's other work: embedding (first stage); final norm, LM head and
     sampling (last stage); 0 in between."""
@@ -425,8 +431,30 @@ class WorkerError(msgspec.Struct, tag=True, array_like=True):
     traceback: str = ""
 
 
-ToWorker = Union[InitWorker, AssignLayers, InitKVCache, ExecuteBatch, Shutdown]
-FromWorker = Union[Hello, StageCost, WorkerReady, CacheReady, StepResult, StageStats, Heartbeat, WorkerError]
+class LinkDown(msgspec.Struct, tag=True, array_like=True):
+    """A surviving worker's stage-to-stage or tensor-parallel channel failed (a neighbour died):
+    it dropped its micro-batches and waits for :class:`Rejoin` (stage restarts), never exiting."""
+
+    rank: int
+    message: str
+
+
+class Rejoin(msgspec.Struct, tag=True, array_like=True):
+    """To the surviving workers after a stage restart: forget every request and micro-batch, leave
+    the old process groups and form generation ``generation``'s with the restarted ranks; answer
+    :class:`Rejoined`."""
+
+    generation: int
+
+
+class Rejoined(msgspec.Struct, tag=True, array_like=True):
+    rank: int
+    generation: int
+
+
+ToWorker = Union[InitWorker, AssignLayers, InitKVCache, ExecuteBatch, Shutdown, Rejoin]
+FromWorker = Union[Hello, StageCost, WorkerReady, CacheReady, StepResult, StageStats, Heartbeat, WorkerError,
+                   LinkDown, Rejoined]
 
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode

@@ -42,22 +42,65 @@ def serve_rendezvous_store(host: str) -> tuple[dist.TCPStore, str]:
     return store, f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
 
 
-def init_process_group(store_address: str, rank: int, world_size: int, device: str, share_gpu: bool = False) -> None:
+class LinkError(RuntimeError):
+    """A stage-to-stage or tensor-parallel channel failed: a peer died or left (gloo reports
+    "Connection closed by peer"). A surviving worker waits to rejoin instead of exiting."""
+
+
+REJOIN_RENDEZVOUS = timedelta(seconds=30)
+"""After a stage restart: how long a surviving worker waits for every rank to form the new groups
+(if the restarted worker dies meanwhile, the survivor gives up and waits for the next try)."""
+
+RESTART_RENDEZVOUS = timedelta(seconds=120)
+"""After a stage restart: the same wait for the restarted worker (longer than the survivors', who
+may first have to give up a failed earlier try)."""
+
+
+def init_process_group(store_address: str, rank: int, world_size: int, device: str, share_gpu: bool = False,
+                       generation: int = 0, rendezvous: Optional[timedelta] = None) -> None:
     """Join the workers' process group (not the engine: it never touches tensors; it only hosts
     the rendezvous store at ``store_address``, ``host:port``). ``share_gpu``: every stage on one
-    GPU (``ParallelConfig.share_gpu``), so gloo through host memory instead of NCCL."""
+    GPU (``ParallelConfig.share_gpu``), so gloo through host memory instead of NCCL.
+    ``generation``: after a stage restart every worker forms the group again under a fresh key
+    prefix of the same store (``g<generation>/``). ``rendezvous``: give up forming the groups after
+    this long (the group's timeout until :func:`settle_timeouts`; default ``DIST_TIMEOUT``).
+
+    Raises:
+        torch.distributed.DistStoreError: not every rank arrived within ``rendezvous``.
+    """
     backend = "nccl" if device == "cuda" and not share_gpu else "gloo"
     kwargs = {}
     if backend == "nccl":
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
     host, _, port = store_address.rpartition(":")
     store = dist.TCPStore(host.strip("[]"), int(port), world_size, False, timeout=DIST_TIMEOUT)
+    if generation:
+        store = dist.PrefixStore(f"g{generation}/", store)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
-                            timeout=DIST_TIMEOUT, **kwargs)
+                            timeout=rendezvous or DIST_TIMEOUT, **kwargs)
+
+
+def settle_timeouts(groups) -> None:
+    """Give the world's group and ``groups`` (formed with a short rendezvous timeout) the steady
+    state's ``DIST_TIMEOUT``: a stage may wait long for a huge prefill."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+    for g in [None, *groups]:
+        _set_pg_timeout(DIST_TIMEOUT, g)
+
+
+def leave_process_group() -> None:
+    """Destroy this worker's process groups (the world's and every group made from it), closing
+    their connections: a neighbour blocked receiving from this worker gets a :class:`LinkError`
+    instead of waiting forever. Safe to call when none exists."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a group whose peer is gone may complain while closing
+            pass
 
 
 def make_stage_link(rank: int, pp_rank: int, pp_size: int, tp_size: int, device: torch.device,
-                    share_gpu: bool = False) -> "StageLink":
+                    share_gpu: bool = False, timeout: timedelta = DIST_TIMEOUT) -> "StageLink":
     """This worker's StageLink, over one two-rank process group per neighbour pair.
 
     Global ranks are ``pp_rank * tp_size + tp_rank``; TP rank ``t`` of stage ``s`` talks to TP rank
@@ -68,7 +111,7 @@ def make_stage_link(rank: int, pp_rank: int, pp_size: int, tp_size: int, device:
     for s in range(pp_size - 1):
         for t in range(tp_size):
             a, b = s * tp_size + t, (s + 1) * tp_size + t
-            g = dist.new_group(ranks=[a, b], timeout=DIST_TIMEOUT)
+            g = dist.new_group(ranks=[a, b], timeout=timeout)
             if rank in (a, b):
                 groups[b if rank == a else a] = g
     prev_rank = rank - tp_size if pp_rank > 0 else None
@@ -93,13 +136,21 @@ class StageLink:
         self._max_pending = max_pending
         self._via_host = device.type == "cuda" and via_host  # one GPU for all stages (gloo)
 
+    @property
+    def groups(self) -> list:
+        """This worker's pair groups (one per neighbour)."""
+        return list(self._groups.values())
+
     def send(self, tensor: torch.Tensor) -> None:
         """Start sending ``tensor`` to the next stage; the tensor is kept alive until sent."""
         assert self.next_rank is not None
         tensor = tensor.contiguous()
         if self._via_host:
             tensor = tensor.cpu()
-        work = dist.isend(tensor, dst=self.next_rank, group=self._groups.get(self.next_rank))
+        try:
+            work = dist.isend(tensor, dst=self.next_rank, group=self._groups.get(self.next_rank))
+        except Exception as e:
+            raise LinkError(f"send to rank {self.next_rank} failed: {e}") from e
         self._pending.append((work, tensor))
         self._reap(block=len(self._pending) > self._max_pending)
 
@@ -107,7 +158,10 @@ class StageLink:
         """Receive the previous stage's activations for the next batch in order."""
         assert self.prev_rank is not None
         buf = torch.empty(shape, dtype=dtype, device="cpu" if self._via_host else self.device)
-        dist.recv(buf, src=self.prev_rank, group=self._groups.get(self.prev_rank))
+        try:
+            dist.recv(buf, src=self.prev_rank, group=self._groups.get(self.prev_rank))
+        except Exception as e:
+            raise LinkError(f"receive from rank {self.prev_rank} failed: {e}") from e
         self._reap(block=False)
         return buf.to(self.device) if self._via_host else buf
 
@@ -115,12 +169,23 @@ class StageLink:
         while self._pending:
             work, _ = self._pending[0]
             if block or work.is_completed():
-                work.wait()
                 self._pending.popleft()
+                self._wait(work)
                 block = len(self._pending) > self._max_pending
             else:
                 break
 
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except Exception as e:
+            self._pending.clear()
+            raise LinkError(f"send to rank {self.next_rank} failed: {e}") from e
+
     def flush(self) -> None:
         while self._pending:
-            self._pending.popleft()[0].wait()
+            self._wait(self._pending.popleft()[0])
+
+    def drop(self) -> None:
+        """Forget pending sends (their group is being destroyed after a neighbour's death)."""
+        self._pending.clear()

@@ -172,8 +172,9 @@ class EagerDecodeGraphs:
 
     ``run`` also checks the runner's KV slots against the ones the attention metadata derives from
     positions and block tables (a mismatch is an AssertionError, ending the worker). When
-    ``ZPP_EAGER_GRAPHS`` names a file (anything but ``1``), every replay appends a line to it, so a
-    test can tell that the path ran."""
+    ``ZPP_EAGER_GRAPHS`` names a file (anything but ``1``), every replay appends a line ``"{b}
+    {pp_rank}"`` to it, so a test can tell that the path ran, and on which stages. Like the real
+    graphs, it serves only a stage whose model ``supports_cuda_graphs``."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_num_seqs: int,
                  device: torch.device, group: int, log_path: Optional[str] = None):
@@ -199,7 +200,7 @@ class EagerDecodeGraphs:
         out = self.model(ids, torch.from_numpy(np.array(positions, dtype=np.int64)), acts, self.kv_caches, meta)
         if self.log_path:
             with open(self.log_path, "a") as f:
-                f.write(f"{b}\n")
+                f.write(f"{b} {self.stage.pp_rank}\n")
         if self.stage.produces_results:
             return self.model.compute_logits(out, upcast=False)
         return out if self.stage.is_last else out.clone()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 from collections import deque
 from typing import Optional
@@ -110,7 +111,8 @@ class ModelRunner:
 
     def __init__(self, model: StageModel, device: torch.device, dtype: torch.dtype, block_size: int,
                  link: Optional[StageLink], eos_token_ids: set[int], seed: int = 0, trace_name: str = "stage",
-                 async_scheduling: bool = False, max_model_len: int = 4096, max_num_seqs: int = 256):
+                 async_scheduling: bool = False, max_model_len: int = 4096, max_num_seqs: int = 256,
+                 kv_cache_dtype: Optional[torch.dtype] = None):
         self.model = model
         self.async_scheduling = async_scheduling
         # Async scheduling: the device tensors of sampled ids (int64[N]) of recent micro-batches, by
@@ -120,6 +122,9 @@ class ModelRunner:
         self._next_key = 0
         self.device = device
         self.dtype = dtype
+        # The KV cache's element type: the model's, or float8_e4m3fn (--kv-cache-dtype fp8, with the
+        # attention layers' k_scale / v_scale; zpp.models.layers.attention).
+        self.kv_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
         self.link = link
         self.stage = model.stage
@@ -151,18 +156,32 @@ class ModelRunner:
         self._logit_buckets: list[int] = []  # CUDA: row counts the LM head is padded to (warm_up_logits)
         self._batch_id = -1
 
+    def forget_requests(self) -> None:
+        """After a stage restart (the engine recomputes every request from its tokens): drop every
+        request this worker holds and every device tensor kept for async scheduling. The KV cache
+        stays allocated; its contents are stale and the engine's block tables start afresh."""
+        t = self.table
+        self.table = SlotTable(t.num_slots, t.max_model_len, t.block_size)
+        self._kept.clear()
+        self._timings.clear()
+        self._prev_end = None
+        self._after_idle = True
+        self.activity.state = (-1, False, time.monotonic())
+
     # --- KV cache -----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        """Bytes one block takes across this stage's layers (K and V) on this worker: with tensor
-        parallelism only this rank's ``num_kv_heads / tp_size`` KV heads."""
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * self.block_size * self.model.num_kv_heads * self.model.head_dim * elem * self.model.num_local_layers
+        """Bytes one block takes across this stage's layers on this worker, from the model's
+        per-layer cache layout (:meth:`StageModel.kv_cache_shape`): K and V of this rank's
+        ``num_kv_heads / tp_size`` KV heads by default, the latent rows for DeepSeek's MLA; 1 byte
+        per element with an FP8 KV cache (``--kv-cache-dtype fp8``), so twice the blocks fit."""
+        elem = torch.empty(0, dtype=self.kv_dtype).element_size()
+        return math.prod(self.model.kv_cache_shape(1, self.block_size)) * elem * self.model.num_local_layers
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer, plus one scratch block (id ``num_blocks``) that
         CUDA-graph padding rows write into."""
-        shape = (2, num_blocks + 1, self.block_size, self.model.num_kv_heads, self.model.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        shape = self.model.kv_cache_shape(num_blocks + 1, self.block_size)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(self.model.num_local_layers)]
         self.scratch_slot = num_blocks * self.block_size
 

@@ -160,9 +160,9 @@ def _setup(init, sock):
     from zpp.config import parse_dtype
     from zpp.models.base import StageInfo
     from zpp.models.loader import load_stage_model
+    from zpp.models.registry import normalize_config
     from zpp.transport import messages as m
-    from zpp.transport.p2p import init_process_group, make_stage_link
-    from zpp.transport.tensor_parallel import init_tp_group
+    from zpp.transport.p2p import RESTART_RENDEZVOUS
     from zpp.workers.model_runner import ModelRunner
 
     from zpp.config import cpu_threads_per_worker
@@ -180,29 +180,28 @@ def _setup(init, sock):
         device = torch.device("cpu")
         keep_freed_memory()
     dtype = parse_dtype(cfg_all.model.dtype, device_kind)
-    if pp_size * tp_size > 1:
-        init_process_group(init.dist_store, init.rank, pp_size * tp_size, device_kind, cfg_all.parallel.share_gpu)
-        init_tp_group(init.rank, pp_size, tp_size)
+    link = _form_groups(init, device, init.generation, RESTART_RENDEZVOUS if init.generation else None)
     with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
+        cfg = normalize_config(json.load(f))
     layer_start, layer_end = init.layer_start, init.layer_end
-    if cfg_all.parallel.pp_layer_partition == "auto" and pp_size > 1:
+    if cfg_all.parallel.pp_layer_partition == "auto" and pp_size > 1 and init.generation == 0:
         layer_start, layer_end = _measure_and_assign(init, sock, cfg, device, dtype)
     stage = StageInfo(init.pp_rank, pp_size, layer_start, layer_end, init.tp_rank, tp_size)
+    _fault_crash_on_restart(init)
     t = time.perf_counter()
     model = load_stage_model(model_dir, cfg, stage, dtype, device, max_model_len,
-                             cfg_all.model.load_format, seed)
+                             cfg_all.model.load_format, seed, quantization=cfg_all.model.quantization)
+    if cfg_all.kv_cache_fp8:
+        _warn_kv_scales(model)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info("stage %d/%d%s: layers [%d, %d) loaded in %.1fs (%.1f MiB)", init.pp_rank, pp_size,
                 f" TP rank {init.tp_rank}/{tp_size}" if tp_size > 1 else "",
                 layer_start, layer_end, time.perf_counter() - t, weight_bytes / 2**20)
-    # Each TP rank exchanges activations (whole on every TP rank) with the same TP rank of the
-    # neighbouring stages.
-    link = make_stage_link(init.rank, init.pp_rank, pp_size, tp_size, device, cfg_all.parallel.share_gpu) if pp_size > 1 else None
     runner = ModelRunner(model, device, dtype, block_size, link, set(init.eos_token_ids), seed,
                          trace_name=f"rank{init.rank}-stage{init.pp_rank}",
                          async_scheduling=cfg_all.async_scheduling, max_model_len=max_model_len,
-                         max_num_seqs=cfg_all.scheduler.max_num_seqs)
+                         max_num_seqs=cfg_all.scheduler.max_num_seqs,
+                         kv_cache_dtype=torch.float8_e4m3fn if cfg_all.kv_cache_fp8 else None)
     if runner.trace.enabled and device_kind == "cuda":
         runner.trace.cuda_clock()
 
@@ -226,7 +225,8 @@ def _setup(init, sock):
             runner.capture_graphs(max_model_len, cfg_all.scheduler.max_num_seqs)
         else:
             logger.info("%s runs eagerly (no CUDA graphs)", type(model).__name__)
-    elif device_kind == "cpu" and os.environ.get("ZPP_EAGER_GRAPHS"):  # tests: the graph path on the CPU
+    elif device_kind == "cpu" and os.environ.get("ZPP_EAGER_GRAPHS") and model.supports_cuda_graphs:
+        # tests: the graph path on the CPU, for the stages CUDA would capture
         from zpp.workers.cuda_graphs import EagerDecodeGraphs
         flag = os.environ["ZPP_EAGER_GRAPHS"]
         runner.graphs = EagerDecodeGraphs(model, runner.kv_caches, block_size, cfg_all.scheduler.max_num_seqs,
@@ -235,6 +235,44 @@ def _setup(init, sock):
         runner.warm_up_logits(min(cfg_all.scheduler.max_num_seqs, cfg_all.max_num_batched_tokens))
     sock.send(m.CacheReady(rank=init.rank))
     return runner
+
+
+def _warn_kv_scales(model) -> None:
+    """--kv-cache-dtype fp8: warn (as vLLM does) when attention layers lack the checkpoint's scales."""
+    from zpp.models.layers.attention import Attention
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    missing = sum(not a.kv_scales_loaded for a in layers)
+    if missing:
+        logger.warning("--kv-cache-dtype fp8: the checkpoint has no k_scale / v_scale for %d of this stage's %d "
+                       "attention layers: they use 1.0 (as vLLM does), so K/V values beyond +-448 saturate",
+                       missing, len(layers))
+
+
+def _form_groups(init, device, generation: int, rendezvous=None):
+    """Join the workers' process group (generation ``generation``), this stage's tensor-parallel
+    group and the stage-to-stage pair groups; return the StageLink (None with one stage). Each TP
+    rank exchanges activations (whole on every TP rank) with the same TP rank of the neighbouring
+    stages. ``rendezvous``: how long to wait for every rank (a restart's), then the steady-state
+    timeout applies. Nothing to do in a world of one.
+
+    Raises:
+        torch.distributed.DistStoreError: not every rank arrived within ``rendezvous``.
+    """
+    from zpp.transport.p2p import init_process_group, make_stage_link, settle_timeouts
+    from zpp.transport.tensor_parallel import init_tp_group
+    c = init.config.parallel
+    pp_size, tp_size = c.pipeline_parallel_size, c.tensor_parallel_size
+    if pp_size * tp_size == 1:
+        return None
+    kind = device.type
+    init_process_group(init.dist_store, init.rank, pp_size * tp_size, kind, c.share_gpu, generation, rendezvous)
+    kwargs = {"timeout": rendezvous} if rendezvous is not None else {}
+    tp_group = init_tp_group(init.rank, pp_size, tp_size, **kwargs)
+    link = make_stage_link(init.rank, init.pp_rank, pp_size, tp_size, device, c.share_gpu, **kwargs) \
+        if pp_size > 1 else None
+    if rendezvous is not None:
+        settle_timeouts(([tp_group] if tp_group is not None else []) + (link.groups if link else []))
+    return link
 
 
 def _measure_and_assign(init, sock, cfg: dict, device, dtype) -> tuple[int, int]:
@@ -258,9 +296,9 @@ def _measure_and_assign(init, sock, cfg: dict, device, dtype) -> tuple[int, int]
             layer_s, extra_s = measure_stage_cost(c.model.model, cfg, stage, dtype, device, c.max_model_len,
                                                   c.cache.block_size, num_seqs, ctx, c.model.seed)
         dist.barrier()
-    logger.info("stage %d: a layer takes %.3f ms, the stage's other work %.3f ms (%d decode tokens at context "
-                "%d; measured in %.1fs)", init.pp_rank, layer_s * 1e3, extra_s * 1e3, num_seqs, ctx,
-                time.perf_counter() - t)
+    logger.info("stage %d: a layer takes %s ms, the stage's other work %.3f ms (%d decode tokens at context "
+                "%d; measured in %.1fs)", init.pp_rank, " / ".join(f"{x * 1e3:.3f}" for x in layer_s), extra_s * 1e3,
+                num_seqs, ctx, time.perf_counter() - t)
     sock.send(m.StageCost(rank=init.rank, layer_s=layer_s, extra_s=extra_s, num_tokens=num_seqs))
     msg = sock.recv(timeout_s=600)
     if isinstance(msg, m.Shutdown):
@@ -292,7 +330,75 @@ def _cuda_kv_blocks(init, runner, device, per_block: int) -> int:
 
 
 def _serve(runner, sock, init) -> None:
-    """Run batches in order. A last-stage result left on the GPU (PendingResult) is finished only
+    """Run micro-batches (:func:`_serve_batches`) until Shutdown. When a neighbour dies (a
+    :class:`~zpp.transport.p2p.LinkError` from a stage-to-stage or tensor-parallel channel) this
+    worker survives: it reports LinkDown, drops its micro-batches and waits for the engine's
+    Rejoin (the dead stage restarted) or Shutdown (fail-stop)."""
+    import torch.distributed as dist
+
+    from zpp.transport import messages as m
+    from zpp.transport.p2p import LinkError
+
+    rejoin = None
+    while True:
+        try:
+            if rejoin is not None:
+                gen, rejoin = rejoin, None
+                _rejoin(runner, sock, init, gen)
+            rejoin = _serve_batches(runner, sock, init)
+        except (LinkError, dist.DistError) as e:  # DistStoreError: a restarted rank never came
+            logger.warning("a stage-to-stage channel failed (%s); waiting for the engine to restart the stage", e)
+            sock.send(m.LinkDown(rank=init.rank, message=str(e)))
+            rejoin = _await_rejoin(sock)
+        if rejoin is None:
+            return
+
+
+def _await_rejoin(sock):
+    """After a LinkDown: skip the micro-batches sent before the engine noticed; return Rejoin's
+    generation, or None on Shutdown."""
+    from zpp.transport import messages as m
+    while True:
+        msg = sock.recv()
+        if isinstance(msg, m.Rejoin):
+            return msg.generation
+        if isinstance(msg, m.Shutdown):
+            return None
+        if not isinstance(msg, m.ExecuteBatch):
+            raise RuntimeError(f"unexpected message {type(msg).__name__} while waiting to rejoin")
+
+
+def _rejoin(runner, sock, init, generation: int) -> None:
+    """Leave the old process groups (a neighbour still blocked on this worker then fails too and
+    rejoins), form generation ``generation``'s with the restarted ranks, forget every request, and
+    answer Rejoined. Weights, KV cache memory and (without tensor parallelism) CUDA graphs stay."""
+    from zpp.transport import messages as m
+    import gc
+
+    from zpp.transport.p2p import REJOIN_RENDEZVOUS, leave_process_group
+    from zpp.transport.tensor_parallel import release_tp_group
+    t = time.perf_counter()
+    tp_size = init.config.parallel.tensor_parallel_size
+    if runner.link is not None:
+        runner.link.drop()
+    # Every reference to the old groups must go: only then are their connections closed, which is
+    # what wakes a neighbour still blocked receiving from this worker (destroying the world group
+    # alone leaves the pair groups' sockets open while something holds them).
+    runner.link = None
+    release_tp_group()
+    leave_process_group()
+    gc.collect()
+    runner.link = _form_groups(init, runner.device, generation, REJOIN_RENDEZVOUS)
+    runner.forget_requests()
+    if runner.graphs is not None and tp_size > 1 and runner.device.type == "cuda":
+        # The captured all-reduces name the old communicator: capture again with the new one.
+        runner.capture_graphs(init.config.max_model_len, init.config.scheduler.max_num_seqs)
+    logger.info("rejoined the pipeline (generation %d) in %.2fs", generation, time.perf_counter() - t)
+    sock.send(m.Rejoined(rank=init.rank, generation=generation))
+
+
+def _serve_batches(runner, sock, init):
+    """Run batches in order until Shutdown (returns None) or Rejoin (returns its generation). A last-stage result left on the GPU (PendingResult) is finished only
     after the next batch, if one is already queued, has been launched: the CPU work of batch i+1
     overlaps the GPU work of batch i, and results still go out in batch order.
 
@@ -347,6 +453,8 @@ def _serve(runner, sock, init) -> None:
                 _send_result(sock, runner, result)
             if not runner.stage.is_last and time.monotonic() - last_stats > 1.0:
                 send_stats()
+        elif isinstance(msg, m.Rejoin):  # another stage died while this one was idle: start afresh
+            return msg.generation
         elif isinstance(msg, m.Shutdown):
             if pending is not None:
                 _send_result(sock, runner, pending.finish(runner))
@@ -374,6 +482,14 @@ def _fault_stall_batch(rank: int):
     spec = os.environ.get("ZPP_FAULT_STALL", "")
     r, _, b = spec.partition(":")
     return int(b) if r.isdigit() and b.isdigit() and int(r) == rank else None
+
+
+def _fault_crash_on_restart(init) -> None:
+    """Fault injection for the supervision tests: ``ZPP_FAULT_RESTART_CRASH=RANK`` makes that rank
+    fail every time it is restarted (generation > 0), while loading its weights: a crash loop."""
+    r = os.environ.get("ZPP_FAULT_RESTART_CRASH", "")
+    if r.isdigit() and int(r) == init.rank and init.generation > 0:
+        raise RuntimeError(f"ZPP_FAULT_RESTART_CRASH: rank {init.rank} fails at every restart")
 
 
 def _stall_forever(batch_id: int) -> None:

@@ -51,10 +51,12 @@ class GatedMLP(nn.Module):
         self.act = get_activation(act)
         self.intermediate_size = intermediate_size // tp_size  # this rank's share
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``reduce=False`` (``tp_size > 1``): this rank's partial sum, no all-reduce (see
+        :meth:`RowParallelLinear.forward`), for a caller that adds other partials first."""
         gate_up = self.gate_up_proj(x)
         if gate_up.is_cuda and self.act is F.silu:
             from zpp.models.layers.triton_ops import silu_and_mul
-            return self.down_proj(silu_and_mul(gate_up))
+            return self.down_proj(silu_and_mul(gate_up), reduce)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(gate) * up, reduce)

@@ -4,7 +4,9 @@ A micro-batch is a flat list of ``T`` tokens from ``B`` sequences; sequence ``i`
 chunk of ``q_len[i]`` new tokens at positions ``[start[i], start[i] + q_len[i])`` and attends to
 its cached context plus the chunk (prefill, chunked prefill and decode are the same case).
 
-KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; token at position
+KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (or, for attention
+whose values are a prefix of its keys -- DeepSeek's latent cache -- one ``[num_blocks, block_size,
+num_kv_heads, head_dim]`` tensor, see :class:`Attention`); token at position
 ``p`` of a sequence with block table ``bt`` lives in slot ``bt[p // block_size] * block_size +
 p % block_size`` (the paged layout of vLLM, Kwon et al. 2023, "PagedAttention").
 
@@ -12,17 +14,44 @@ The portable path (CPU) gathers each sequence's context into a padded ``[B, L_k]
 ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask, one call per layer for
 each group of sequences (decodes together; prefill chunks of similar size together, so that a
 decode is never padded to a long prefill chunk's query length, see ``_attention_groups``).
+
+Sliding-window attention (Mistral, Gemma 2/3, gpt-oss; HF ``masking_utils.sliding_window_overlay``):
+a layer with window ``W`` lets the query at position ``i`` see the key at position ``j`` iff
+``i - W < j <= i`` (``W`` keys, the query's own included). The window is a property of the layer,
+not of the micro-batch, so one :class:`AttentionMetadata` serves every layer of a stage: the CPU
+path builds each group's view of the context for a window on first use and keeps it for the other
+layers with that window (:meth:`AttentionGroup.view`); the Triton path takes the window as a kernel
+argument and starts each query tile's key loop at its first visible key.
+
+Attention sinks (gpt-oss, HF ``modeling_gpt_oss.eager_attention_forward``): a learned logit per
+query head joins the softmax's denominator and contributes no value, i.e.
+``out = sum_j exp(s_j) v_j / (exp(sink_h) + sum_j exp(s_j))``.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass
+class KeyView:
+    """What one SDPA call of a group reads for one (window, sinks) setting.
+
+    ctx_blocks: ``[B_g, W]`` int64 KV-cache blocks gathered per sequence (padding -> block 0, masked).
+    num_keys: ``L_k``, keys kept after the gather (the rest are sliced off).
+    mask: ``[B_g, 1, L_q, L_k (+1 with sinks)]`` bool, True where the query may attend the key (with
+        sinks the last column is the sink key, always True); None: plain causal (``is_causal``).
+    """
+
+    ctx_blocks: torch.Tensor
+    num_keys: int
+    mask: Optional[torch.Tensor]
 
 
 @dataclass
@@ -39,6 +68,9 @@ class AttentionGroup:
     out_index: ``[T_g]`` int64 into the flattened ``[B_g * L_q]`` padded output.
     tok_index: ``[T_g]`` int64, the flat token of each ``out_index`` row; None when the group is
         the whole batch in order.
+    starts, q_lens: ``[B_g]`` int64 host arrays, each sequence's first new position and new tokens;
+    tables: ``[B_g, >= W]`` int64 host block-table rows. From these :meth:`view` builds the
+        sliding-window / sink views, once per window per micro-batch (cached in ``views``).
     """
 
     q_index: torch.Tensor
@@ -47,6 +79,59 @@ class AttentionGroup:
     mask: Optional[torch.Tensor]
     out_index: torch.Tensor
     tok_index: Optional[torch.Tensor]
+    starts: Optional[np.ndarray] = None
+    q_lens: Optional[np.ndarray] = None
+    tables: Optional[np.ndarray] = None
+    block_size: int = 16
+    views: dict = field(default_factory=dict)
+
+    def view(self, window: Optional[int], sinks: bool) -> KeyView:
+        """The keys and mask for layers with sliding window ``window`` (None: full causal) and,
+        with ``sinks``, one extra always-visible key column at the end for the sink (its key and
+        value are filled in by the caller). Built on the first layer that asks, then cached.
+
+        With a window, each sequence's gather starts at the block of the first key its first new
+        token sees (``start - window + 1``), so keys before that block are never read; a key's
+        position is then ``first_block * block_size + column``.
+        """
+        key = (window, sinks)
+        v = self.views.get(key)
+        if v is not None:
+            return v
+        if window is None and not sinks:
+            v = KeyView(self.ctx_blocks, self.num_keys, self.mask)
+        else:
+            v = self._build_view(window, sinks)
+        self.views[key] = v
+        return v
+
+    def _build_view(self, window: Optional[int], sinks: bool) -> KeyView:
+        bs = self.block_size
+        st, ql = self.starts, self.q_lens
+        sl = st + ql                                                               # [Bg] context + new
+        first_blk = np.zeros_like(st) if window is None else np.maximum(st - window + 1, 0) // bs
+        key0 = first_blk * bs                                                      # [Bg] position of column 0
+        Lk = int((sl - key0).max())
+        W = -(-Lk // bs)
+        nb = -(-sl // bs)                                                          # [Bg] blocks used
+        cols = first_blk[:, None] + np.arange(W)[None, :]                          # [Bg, W]
+        padded = np.zeros((len(st), int(cols.max()) + 1), dtype=np.int64)
+        n = min(padded.shape[1], self.tables.shape[1])
+        padded[:, :n] = self.tables[:, :n]
+        ctx_blocks = np.where(cols < nb[:, None], np.take_along_axis(padded, cols, 1), 0)
+        Lq = int(ql.max())
+        j = np.arange(Lq)
+        valid_q = j[None, :] < ql[:, None]
+        qpos = np.where(valid_q, st[:, None] + j[None, :], st[:, None])            # pad rows: first query's
+        kpos = key0[:, None] + np.arange(Lk)[None, :]                              # [Bg, Lk]
+        mask = kpos[:, None, :] <= qpos[:, :, None]                                # [Bg, Lq, Lk]
+        if window is not None:
+            mask &= kpos[:, None, :] > qpos[:, :, None] - window
+        if sinks:
+            mask = np.concatenate([mask, np.ones((*mask.shape[:2], 1), dtype=bool)], axis=2)
+        dev = self.q_index.device
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+        return KeyView(to(ctx_blocks), Lk, to(mask[:, None]))
 
 
 @dataclass
@@ -141,7 +226,8 @@ def build_attention_metadata(starts: list[int], q_lens: list[int], block_tables,
             mask = to((kpos[None, None, :] <= qpos[:, :, None])[:, None])          # [Bg, 1, Lq, Lk]
         whole = len(groups) == 1 and members == list(range(len(starts)))
         built.append(AttentionGroup(q_index=to(q_index), ctx_blocks=to(ctx_blocks), num_keys=Lk, mask=mask,
-                                    out_index=to(out_index), tok_index=None if whole else to(tok_index)))
+                                    out_index=to(out_index), tok_index=None if whole else to(tok_index),
+                                    starts=g_st, q_lens=g_ql, tables=bt[idx], block_size=block_size))
     return AttentionMetadata(slot_mapping=to(slot_mapping), groups=built, decode_only=bool((ql == 1).all()))
 
 
@@ -258,74 +344,176 @@ def _build_triton_metadata(starts, q_lens, block_tables, block_size, device, gro
     return host.to_device([torch.from_numpy(a).to(device, non_blocking=True) for a in host.array_list()])
 
 
+# Shared K/V rows (MLA) on CUDA with more query heads than this per KV row: the kernel runs once per
+# chunk of this many heads (each launch a tile of LATENT_HEAD_CHUNK heads x the metadata's tokens per
+# tile), so a 512-dim fp32 accumulator stays at <= 64 rows (128 heads in one tile would need 256 KiB).
+LATENT_HEAD_CHUNK = 16
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query attention reading and writing one layer's paged KV cache.
 
     ``forward(q [T, Hq*D], k [T, Hk*D], v [T, Hk*D], kv_cache, meta)`` -> ``[T, Hq*D]``.
     ``kv_cache`` is ``[2, num_blocks, block_size, Hk, D]`` or None (profiling pass: no cache, the
     batch attends only to itself).
+
+    Shared K/V rows (``v_head_dim < head_dim``; multi-head latent attention in its absorbed form,
+    DeepSeek-V2, arXiv:2405.04434): the cache is ONE tensor ``[num_blocks, block_size, Hk, D]``,
+    each row a key whose first ``v_head_dim`` dims are also the value; ``forward(q, k, None, ...)``
+    writes ``k`` only and returns ``[T, Hq*v_head_dim]``.
+
+    ``sliding_window``: this layer's window ``W`` (None: full causal attention); the query at
+    position ``i`` sees keys ``i - W < j <= i``. ``forward(..., sinks=[Hq])``: attention-sink logits
+    (gpt-oss), one per query head of this rank.
+
+    FP8 KV cache (``--kv-cache-dtype fp8``: ``kv_cache`` float8_e4m3fn): K is stored as ``K / k_scale``
+    and V as ``V / v_scale`` (saturated to +-448), per-layer floats from the checkpoint's
+    ``self_attn.k_scale`` / ``v_scale`` (``kv_scales_loaded``) or 1.0 (vLLM's default), and read back
+    upcast and scaled (vLLM's ``fp8_e4m3`` cache). Shared rows (MLA) use ``k_scale`` for both.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: Optional[float] = None):
+    k_scale = 1.0
+    v_scale = 1.0
+    kv_scales_loaded = False
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: Optional[float] = None,
+                 v_head_dim: Optional[int] = None, sliding_window: Optional[int] = None):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.v_head_dim = v_head_dim or head_dim
         self.scale = scale if scale is not None else head_dim ** -0.5
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
                 kv_cache: Optional[torch.Tensor], meta: AttentionMetadata,
-                positions: Optional[torch.Tensor] = None, rotary=None) -> torch.Tensor:
+                positions: Optional[torch.Tensor] = None, rotary=None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """With ``rotary`` (a RotaryEmbedding) and ``positions [T]``, RoPE is applied to q and k
-        first (fused with the cache write on CUDA)."""
+        first (fused with the cache write on CUDA). ``v`` None: values are the first ``v_head_dim``
+        dims of the keys (one cache tensor, see the class docstring; no ``rotary``). ``sinks``:
+        ``[Hq]`` sink logits or None."""
         T = q.shape[0]
-        H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+        H, Hk, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
+        window = self.sliding_window
         q = q.view(T, H, D)
         k = k.view(T, Hk, D)
-        v = v.view(T, Hk, D)
+        shared = v is None
+        if not shared:
+            v = v.view(T, Hk, D)
+        fp8_kv = kv_cache is not None and kv_cache.dtype == torch.float8_e4m3fn
+        ks, vs = (self.k_scale, self.k_scale if shared else self.v_scale) if fp8_kv else (1.0, 1.0)
         if meta.triton and kv_cache is not None:
             from zpp.models.layers import triton_ops
-            if rotary is not None:  # q stays a strided view of the qkv output: rotated in place there
-                triton_ops.rope_and_cache(q, k, v, positions, rotary.cos, rotary.sin, kv_cache[0], kv_cache[1],
-                                          meta.slot_mapping)
+            if shared:
+                k_cache = v_cache = kv_cache
+                _write_cache(k_cache, meta.slot_mapping, k, ks)
             else:
-                kv_cache[0].view(-1, Hk, D).index_copy_(0, meta.slot_mapping, k)
-                kv_cache[1].view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v)
-            out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+                k_cache, v_cache = kv_cache[0], kv_cache[1]
+                if rotary is not None:  # q stays a strided view of the qkv output: rotated in place there
+                    triton_ops.rope_and_cache(q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache,
+                                              meta.slot_mapping, ks, vs)
+                else:
+                    _write_cache(k_cache, meta.slot_mapping, k, ks)
+                    _write_cache(v_cache, meta.slot_mapping, v, vs)
+            out = torch.empty((T, H, Dv), dtype=q.dtype, device=q.device)
             splits = triton_ops.decode_splits(meta.seq_lens.shape[0], Hk) if meta.decode_only else 1
+            if shared and H > LATENT_HEAD_CHUNK and H % LATENT_HEAD_CHUNK == 0:
+                self._shared_rows_by_head_chunks(q, kv_cache, out, meta, splits, ks)
+                return out.view(T, H * Dv)
             if meta.decode_tile_seq is not None:  # a mixed batch: its decodes at the decode tile shape
-                triton_ops.paged_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables, meta.seq_lens,
+                triton_ops.paged_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
                                            meta.query_start, meta.decode_tile_seq, meta.decode_tile_qstart,
-                                           self.scale, meta.decode_block_m, 1)
-            triton_ops.paged_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables, meta.seq_lens,
+                                           self.scale, meta.decode_block_m, 1, window=window, sinks=sinks,
+                                           k_scale=ks, v_scale=vs)
+            triton_ops.paged_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
                                        meta.query_start, meta.tile_seq, meta.tile_qstart, self.scale, meta.block_m,
-                                       splits)
-            return out.view(T, H * D)
+                                       splits, window=window, sinks=sinks, k_scale=ks, v_scale=vs)
+            return out.view(T, H * Dv)
         if rotary is not None:
             q, k = rotary(positions, q, k)
         if kv_cache is not None:
-            k_cache, v_cache = kv_cache[0], kv_cache[1]                         # [N, bs, Hk, D]
-            k_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, k)
-            v_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v)
+            if shared:
+                k_cache = v_cache = kv_cache                                    # [N, bs, Hk, D]
+            else:
+                k_cache, v_cache = kv_cache[0], kv_cache[1]                     # [N, bs, Hk, D]
+                _write_cache(v_cache, meta.slot_mapping, v, vs)
+            _write_cache(k_cache, meta.slot_mapping, k, ks)
         else:  # profiling: a single sequence attending to itself
             k_cache = v_cache = None
         q_z = torch.cat([q, q.new_zeros(1, H, D)])
+        if sinks is not None:
+            # The sink as one more key, seen by every query: its logit must be sinks[h] for query head
+            # h whatever the query, so q gets one more dimension holding sinks[h] / scale and that key
+            # is the unit vector of it (every real key has 0 there); its value is 0. Exact up to one
+            # rounding of sinks[h] / scale * scale.
+            q_z = torch.cat([q_z, (sinks.to(q.dtype) / self.scale).view(1, H, 1).expand(T + 1, H, 1)], dim=2)
         out = None
         for g in meta.groups:
-            q_pad = q_z[g.q_index]                                              # [Bg, Lq, H, D]
+            view = g.view(window, sinks is not None)
+            q_pad = q_z[g.q_index]                                              # [Bg, Lq, H, D(+1)]
             if k_cache is None:
-                k_ctx, v_ctx = k.unsqueeze(0), v.unsqueeze(0)
+                k_ctx, v_ctx = k.unsqueeze(0), (k if shared else v).unsqueeze(0)  # one sequence from 0
             else:
-                Bg = g.ctx_blocks.shape[0]
-                blocks = g.ctx_blocks.view(-1)
-                k_ctx = k_cache.index_select(0, blocks).view(Bg, -1, Hk, D)[:, :g.num_keys]  # [Bg, Lk, Hk, D]
-                v_ctx = v_cache.index_select(0, blocks).view(Bg, -1, Hk, D)[:, :g.num_keys]
+                Bg = view.ctx_blocks.shape[0]
+                blocks = view.ctx_blocks.view(-1)
+                k_ctx = _gather(k_cache, blocks, q.dtype, ks).view(Bg, -1, Hk, D)[:, :view.num_keys]  # [Bg, Lk, Hk, D]
+                v_ctx = k_ctx if shared else _gather(v_cache, blocks, q.dtype, vs).view(Bg, -1, Hk, D)[:, :view.num_keys]
+            if shared:
+                v_ctx = v_ctx[..., :Dv]                                         # [Bg, Lk, Hk, Dv]
+            if sinks is not None:
+                Bg, Lk = k_ctx.shape[0], k_ctx.shape[1]
+                k_s = k_ctx.new_zeros(Bg, Lk + 1, Hk, D + 1)
+                k_s[:, :Lk, :, :D] = k_ctx
+                k_s[:, Lk, :, D] = 1.0
+                v_ctx = torch.cat([v_ctx, v_ctx.new_zeros(Bg, 1, Hk, v_ctx.shape[-1])], dim=1)  # [Bg, Lk+1, Hk, Dv]
+                k_ctx = k_s                                                        # [Bg, Lk+1, Hk, D+1]
             o = F.scaled_dot_product_attention(
                 q_pad.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-                attn_mask=g.mask, is_causal=g.mask is None, scale=self.scale,
-                enable_gqa=(H != Hk))                                           # [Bg, H, Lq, D]
-            o = o.transpose(1, 2).reshape(-1, H * D)[g.out_index]               # [Tg, H*D]
+                attn_mask=view.mask, is_causal=view.mask is None, scale=self.scale,
+                enable_gqa=(H != Hk))                                           # [Bg, H, Lq, Dv]
+            o = o.transpose(1, 2).reshape(-1, H * Dv)[g.out_index]              # [Tg, H*Dv]
             if g.tok_index is None:
                 return o
             if out is None:
-                out = q.new_empty(T, H * D)
+                out = q.new_empty(T, H * Dv)
             out[g.tok_index] = o
         return out
+
+    def _shared_rows_by_head_chunks(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                                    meta: AttentionMetadata, splits: int, kv_scale: float = 1.0) -> None:
+        """Triton path, shared rows, ``H > LATENT_HEAD_CHUNK`` heads: one kernel launch per chunk of
+        heads (``q[:, h0:h1]`` / ``out[:, h0:h1]`` views) with the metadata's query tiles; a tile's
+        rows are its tokens (``block_m // H`` of them) times the chunk's heads."""
+        from zpp.models.layers import triton_ops
+        H, c = self.num_heads, LATENT_HEAD_CHUNK
+        launches = [(meta.decode_tile_seq, meta.decode_tile_qstart, meta.decode_block_m, 1)] \
+            if meta.decode_tile_seq is not None else []
+        launches.append((meta.tile_seq, meta.tile_qstart, meta.block_m, splits))
+        for tile_seq, tile_qstart, block_m, n_splits in launches:
+            block_m = max(1, block_m // H) * c
+            for h0 in range(0, H, c):
+                triton_ops.paged_attention(q[:, h0:h0 + c], kv_cache, kv_cache, out[:, h0:h0 + c], meta.block_tables,
+                                           meta.seq_lens, meta.query_start, tile_seq, tile_qstart, self.scale, block_m,
+                                           n_splits, k_scale=kv_scale, v_scale=kv_scale)
+
+
+def _write_cache(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
+    """Write ``x [T, Hk, D]`` into ``cache [num_blocks, block_size, Hk, D]`` at ``slots [T]``; a
+    float8_e4m3fn cache receives ``x / scale`` saturated to +-448, copied as bytes (``index_copy_``
+    has no float8 kernel)."""
+    Hk, D = cache.shape[-2:]
+    if cache.dtype != torch.float8_e4m3fn:
+        cache.view(-1, Hk, D).index_copy_(0, slots, x)
+        return
+    q = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    cache.view(torch.uint8).view(-1, Hk, D).index_copy_(0, slots, q.view(torch.uint8))
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``cache[blocks]``; a float8_e4m3fn cache (the portable path of an FP8 cache, tests) gathered as
+    bytes, upcast to ``dtype`` and multiplied by ``scale``."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return cache.index_select(0, blocks)
+    return cache.view(torch.uint8).index_select(0, blocks).view(cache.dtype).to(dtype) * scale

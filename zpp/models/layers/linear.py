@@ -33,9 +33,14 @@ from zpp.transport.tensor_parallel import tp_all_reduce
 _TRITON_GEMV = os.environ.get("ZPP_TRITON_GEMV", "1") != "0"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, fp8=None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: ``x [T, in]``, ``weight [out, in]`` -> ``[T, out]``. A single
-    CUDA token in bf16/fp16 (decode at batch 1) goes to :func:`~zpp.models.layers.triton_ops.gemv`."""
+    CUDA token in bf16/fp16 (decode at batch 1) goes to :func:`~zpp.models.layers.triton_ops.gemv`.
+    ``fp8`` (a :class:`zpp.models.quantization.Fp8Params`): ``weight`` is float8_e4m3fn with those
+    scales, computed by :func:`zpp.models.layers.fp8.fp8_linear`."""
+    if fp8 is not None:
+        from zpp.models.layers.fp8 import fp8_linear
+        return fp8_linear(x, weight, fp8, bias)
     if (_TRITON_GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
             and x.stride(1) == 1 and weight.stride(1) == 1 and weight.dtype == x.dtype):
         from zpp.models.layers.triton_ops import gemv, gemv_config
@@ -54,7 +59,14 @@ class Linear(nn.Module):
     """``y = x W^T + b``; ``x: [T, in_features]`` -> ``[T, out_features]``.
 
     ``transposed=True`` loads checkpoints that store ``W`` as ``[in, out]`` (GPT-2's Conv1D).
+
+    FP8 (``zpp.models.quantization``): ``fp8`` is None unless the weight was made float8_e4m3fn, with
+    a ``weight_scale`` (and maybe ``input_scale``) next to it; ``fp8_allowed = False`` on an instance
+    keeps its weight in the model dtype (a family that reads the weight outside ``forward``).
     """
+
+    fp8 = None
+    fp8_allowed = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, transposed: bool = False):
         super().__init__()
@@ -73,7 +85,7 @@ class Linear(nn.Module):
         param.data.copy_(loaded.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.fp8)
 
 
 class MergedLinear(Linear):
@@ -165,10 +177,15 @@ class RowParallelLinear(Linear):
                              f"tensor-parallel split) vs checkpoint {tuple(loaded.shape)}")
         param.data.copy_(loaded.narrow(1, self.tp_rank * k, k) if self.tp_size > 1 else loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``reduce=False``: this rank's partial product ``[T, out_features]`` without the
+        all-reduce, the bias added on TP rank 0 only (so a caller summing several row-parallel
+        partials and all-reducing once adds it once)."""
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)
-        y = tp_all_reduce(linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.fp8)
+        if not reduce:
+            return linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.fp8)
+        y = tp_all_reduce(linear(x, self.weight, fp8=self.fp8))
         return y if self.bias is None else y + self.bias
 
 

@@ -21,13 +21,19 @@ import triton.language as tl
 @triton.jit
 def _paged_attention_kernel(
     Q, K_cache, V_cache, Out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
-    Part_O, Part_ML, scale_log2e,
+    Part_O, Part_ML, Sinks, scale_log2e, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HQ: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HQ: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
+    D_EXTRA: tl.constexpr = 0, BLOCK_DE: tl.constexpr = 16, V_FROM_K: tl.constexpr = False,
+    v_scale=1.0, FP8_KV: tl.constexpr = False,
 ):
+    # D_EXTRA > 0: queries and keys have D + D_EXTRA dims, values D (their scores add the extra
+    # dims' dot product). V_FROM_K: the value of a key row is its first D dims (MLA's latent cache).
+    # FP8_KV: the caches hold float8_e4m3fn K / V (--kv-cache-dtype fp8), upcast to the query's dtype as
+    # they are read; K's scale is folded into scale_log2e by the caller, V's multiplies the output.
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -47,16 +53,31 @@ def _paged_attention_kernel(
     d_ok = d < D
     q = tl.load(Q + (qs + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if D_EXTRA > 0:
+        de = tl.arange(0, BLOCK_DE)
+        de_ok = de < D_EXTRA
+        q_ext = tl.load(Q + (qs + tok)[:, None] * stride_qt + head[:, None] * stride_qh + D + de[None, :],
+                        mask=row_ok[:, None] & de_ok[None, :], other=0.0)
     qpos = ctx + tok
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        # The sink joins the softmax as one more logit with a zero value: start the running max at
+        # it with a running sum of exp2(0) = 1. With split-KV only split 0 counts it; the merge of
+        # the splits then carries it exactly like any key.
+        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634                  # [BLOCK_M], log2 units
+        first = split == 0
+        m_i = tl.where(first, sink, m_i)
+        l_i = tl.where(first, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)
     lo = 0
-    if NUM_SPLITS > 1:  # flash-decoding: this program covers one slice of the context
-        chunk = tl.cdiv(tl.cdiv(end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+    if SLIDING:  # keys before the tile's first query's window are invisible to every row: not read
+        lo = tl.maximum(ctx + q0 - window + 1, 0)
+    if NUM_SPLITS > 1:  # flash-decoding: this program covers one slice of the (visible) context
+        chunk = tl.cdiv(tl.cdiv(end - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo + split * chunk
         end = tl.minimum(end, lo + chunk)
     for start in range(lo, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
@@ -65,17 +86,34 @@ def _paged_attention_kernel(
         off = blk * stride_kb + (n % KV_BLOCK) * stride_ks + kvh * stride_kh
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8_KV:
+            k = k.to(Q.dtype.element_ty)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2e                       # [BLOCK_M, BLOCK_N], log2 units
-        s = tl.where((n[None, :] <= qpos[:, None]) & n_ok[None, :], s, float("-inf"))
+        if D_EXTRA > 0:
+            k_ext = tl.load(K_cache + off[:, None] + D + de[None, :], mask=n_ok[:, None] & de_ok[None, :], other=0.0)
+            if FP8_KV:
+                k_ext = k_ext.to(Q.dtype.element_ty)
+            s += tl.dot(q_ext, tl.trans(k_ext), input_precision=PREC) * scale_log2e
+        visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
+        if SLIDING:
+            visible = visible & (n[None, :] > qpos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if V_FROM_K:
+            v = k
+        else:
+            v = tl.load(V_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if FP8_KV:
+                v = v.to(Q.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if FP8_KV:
+        out = out * v_scale
     if NUM_SPLITS == 1:
         tl.store(Out + (qs + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -124,13 +162,17 @@ def pick_block_m(max_q_len: int, group: int) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                     tile_seq: torch.Tensor, tile_qstart: torch.Tensor, scale: float, block_m: int,
-                    num_splits: int = 1, block_n: Optional[int] = None, num_warps: int = 4,
-                    num_stages: Optional[int] = None) -> torch.Tensor:
+                    num_splits: int = 1, block_n: Optional[int] = None, num_warps: Optional[int] = None,
+                    num_stages: Optional[int] = None, window: Optional[int] = None,
+                    sinks: Optional[torch.Tensor] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of new query tokens over the paged KV cache (their own K/V already written).
 
     Args:
         q: ``[T, Hq, D]`` queries (rotary applied). out: ``[T, Hq, D]`` result buffer.
         k_cache, v_cache: ``[num_blocks, block_size, Hk, D]``.
+            Shared rows (multi-head latent attention): ``out`` ``[T, Hq, Dv]`` with ``Dv < D`` means
+            the value of each key row is its first ``Dv`` dims; ``v_cache`` must then be ``k_cache``
+            (ValueError otherwise).
         block_tables: ``[B, max_blocks]`` int32. seq_lens: ``[B]`` int32 (context + new tokens).
         query_start: ``[B + 1]`` int32 offsets of each sequence's new tokens in ``q``.
         tile_seq, tile_qstart: ``[num_tiles]`` int32 from :func:`attention_tiles` with
@@ -142,12 +184,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             batches): on the H200 a decode batch of 256 (1024) sequences at context 384 read its
             KV at 3.38 (3.96) TB/s against 3.06 (3.76) with 32 and 2
             (``scripts/kernel_bench.py attn``, ``benchmarks/results/h200_async_kernels_attn.txt``).
+        window: sliding window ``W`` (None: full causal): the query at position ``i`` sees keys
+            ``i - W < j <= i`` (HF's ``sliding_window_overlay``); each tile's key loop starts at its
+            first query's first visible key, so blocks wholly outside the window are never read.
+        sinks: ``[Hq]`` attention-sink logits (gpt-oss), any float dtype, or None.
+        k_scale, v_scale: an FP8 cache (float8_e4m3fn ``k_cache`` / ``v_cache``) holds ``K / k_scale`` and
+            ``V / v_scale``: K's scale multiplies the logits (not the sinks), V's the output (the cache
+            values are upcast to ``q``'s dtype for the products).
     """
-    T, Hq, D = q.shape
+    T, Hq, Dq = q.shape
     _, kv_block, Hk, _ = k_cache.shape
+    D = out.shape[2]  # the value dim: Dq, or its prefix for shared K/V rows
+    d_extra = Dq - D
+    if d_extra and v_cache is not k_cache:
+        raise ValueError(f"paged_attention: a value dim {D} below the key dim {Dq} needs v_cache to be k_cache")
     G = Hq // Hk
     block_q = max(1, block_m // G)
     BLOCK_D = triton.next_power_of_2(D)
+    if d_extra and BLOCK_D >= 256:  # MLA's 512-dim latent rows: smaller key tiles, so K fits in shared memory
+        block_n = block_n or 32
+        num_stages = num_stages or 1
+        num_warps = num_warps or 8
+    num_warps = num_warps or 4
     splits = num_splits if block_m <= 16 else 1
     if splits > 1:
         part_o = torch.empty((T * Hq * splits, BLOCK_D), dtype=torch.float32, device=q.device)
@@ -161,12 +219,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (tile_seq.shape[0], Hk, splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
-        part_o, part_ml, scale * 1.4426950408889634,
+        part_o, part_ml, sinks if sinks is not None else out, scale * k_scale * 1.4426950408889634, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=G, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         KV_BLOCK=kv_block, D=D, BLOCK_D=BLOCK_D, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        NUM_SPLITS=splits, HQ=Hq, num_warps=num_warps, num_stages=num_stages)
+        NUM_SPLITS=splits, HQ=Hq, SLIDING=window is not None, HAS_SINKS=sinks is not None,
+        D_EXTRA=d_extra, BLOCK_DE=max(16, triton.next_power_of_2(max(d_extra, 1))),
+        V_FROM_K=bool(d_extra), v_scale=v_scale, FP8_KV=k_cache.dtype == torch.float8_e4m3fn,
+        num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge_splits_kernel[(T, Hq)](part_o, part_ml, out, out.stride(0), out.stride(1), HQ=Hq,
                                       NUM_SPLITS=splits, D=D, BLOCK_D=BLOCK_D, num_warps=4)
@@ -183,7 +244,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> int:
 # --- fused add + RMSNorm ----------------------------------------------------------------------
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, R_out, stride_x, stride_r, stride_y, N, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, W_F32: tl.constexpr, OFFSET: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -194,24 +255,35 @@ def _rms_norm_kernel(X, R, W, Y, R_out, stride_x, stride_r, stride_y, N, eps,
         tl.store(R_out + row * stride_r + cols, x_round, mask=mask)
         x = x_round.to(tl.float32)
     var = tl.sum(x * x, 0) / N
-    y = (x * tl.math.rsqrt(var + eps)).to(Y.dtype.element_ty)
-    w = tl.load(W + cols, mask=mask, other=0.0)
-    tl.store(Y + row * stride_y + cols, (w * y).to(Y.dtype.element_ty), mask=mask)
+    if W_F32:  # Gemma / gpt-oss: the weight (1 + weight for Gemma) multiplies in float32, cast last
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if OFFSET:
+            w = w + 1.0
+        tl.store(Y + row * stride_y + cols, (x * tl.math.rsqrt(var + eps) * w).to(Y.dtype.element_ty), mask=mask)
+    else:  # LLaMA: cast, then multiply by the weight
+        y = (x * tl.math.rsqrt(var + eps)).to(Y.dtype.element_ty)
+        w = tl.load(W + cols, mask=mask, other=0.0)
+        tl.store(Y + row * stride_y + cols, (w * y).to(Y.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
-    """``[T, H]`` RMSNorm; with ``residual``: returns ``(norm(x + residual), x + residual)``."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None,
+             weight_in_float32: bool = False, offset: bool = False):
+    """``[T, H]`` RMSNorm; with ``residual``: returns ``(norm(x + residual), x + residual)`` (the sum
+    rounded to ``residual``'s dtype first). LLaMA's order by default (normalise, cast, multiply by
+    the weight); ``weight_in_float32``: multiply by the weight in float32 and cast last (HF
+    ``GptOssRMSNorm``), with ``offset`` by ``1 + weight`` (HF ``Gemma3RMSNorm``)."""
     T, N = x.shape
     y = torch.empty_like(x)
     BLOCK = triton.next_power_of_2(N)
     warps = 4 if BLOCK <= 2048 else 8
+    flags = dict(W_F32=weight_in_float32 or offset, OFFSET=offset)
     if residual is None:
         _rms_norm_kernel[(T,)](x, x, weight, y, x, x.stride(0), 0, y.stride(0), N, eps,
-                               HAS_RES=False, BLOCK=BLOCK, num_warps=warps)
+                               HAS_RES=False, BLOCK=BLOCK, num_warps=warps, **flags)
         return y
     r_out = torch.empty_like(residual)
     _rms_norm_kernel[(T,)](x, residual, weight, y, r_out, x.stride(0), residual.stride(0), y.stride(0), N, eps,
-                           HAS_RES=True, BLOCK=BLOCK, num_warps=warps)
+                           HAS_RES=True, BLOCK=BLOCK, num_warps=warps, **flags)
     return y, r_out
 
 
@@ -221,9 +293,11 @@ def _rope_cache_kernel(Q, K, V, positions, cos_ptr, sin_ptr, k_cache, v_cache, s
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_cs, stride_kcs, stride_kch,
                        HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                       k_inv=1.0, v_inv=1.0, FP8_KV: tl.constexpr = False):
     # One program per token. Dims [0, 2 * HALF) of each head are rotated (rotate-half pairs i and
     # i + HALF), dims [2 * HALF, D) pass through (partial rotary); HALF and D need not be powers of 2.
+    # FP8_KV: K and V are stored as float8_e4m3fn, K * k_inv and V * v_inv saturated to +-448.
     t = tl.program_id(0)
     pos = tl.load(positions + t).to(tl.int64)
     slot = tl.load(slots + t).to(tl.int64)
@@ -245,30 +319,45 @@ def _rope_cache_kernel(Q, K, V, positions, cos_ptr, sin_ptr, k_cache, v_cache, s
     k1 = tl.load(kp, mask=km, other=0.0).to(tl.float32)
     k2 = tl.load(kp + HALF, mask=km, other=0.0).to(tl.float32)
     cp = k_cache + slot * stride_kcs + h[:, None] * stride_kch + i[None, :]
-    tl.store(cp, (k1 * cos - k2 * sin).to(k_cache.dtype.element_ty), mask=km)
-    tl.store(cp + HALF, (k2 * cos + k1 * sin).to(k_cache.dtype.element_ty), mask=km)
-    # k's pass-through dims and all of v: copied into the cache slot
+    kr1 = k1 * cos - k2 * sin
+    kr2 = k2 * cos + k1 * sin
+    if FP8_KV:
+        kr1 = tl.clamp(kr1 * k_inv, -448.0, 448.0)
+        kr2 = tl.clamp(kr2 * k_inv, -448.0, 448.0)
+    tl.store(cp, kr1.to(k_cache.dtype.element_ty), mask=km)
+    tl.store(cp + HALF, kr2.to(k_cache.dtype.element_ty), mask=km)
+    # k's pass-through dims and all of v: into the cache slot as they are
     d = tl.arange(0, BLOCK_D)
     hk = (h < HK)[:, None]
     if 2 * HALF < D:
         pm = hk & ((d >= 2 * HALF) & (d < D))[None, :]
-        kd = K + t * stride_kt + h[:, None] * stride_kh + d[None, :]
+        kx = tl.load(K + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=pm, other=0.0)
+        if FP8_KV:
+            kx = tl.clamp(kx.to(tl.float32) * k_inv, -448.0, 448.0)
         tl.store(k_cache + slot * stride_kcs + h[:, None] * stride_kch + d[None, :],
-                 tl.load(kd, mask=pm, other=0.0).to(k_cache.dtype.element_ty), mask=pm)
+                 kx.to(k_cache.dtype.element_ty), mask=pm)
     vm = hk & (d < D)[None, :]
-    vp = V + t * stride_vt + h[:, None] * stride_vh + d[None, :]
-    tl.store(v_cache + slot * stride_kcs + h[:, None] * stride_kch + d[None, :], tl.load(vp, mask=vm, other=0.0),
+    vx = tl.load(V + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=vm, other=0.0)
+    if FP8_KV:
+        vx = tl.clamp(vx.to(tl.float32) * v_inv, -448.0, 448.0)
+    tl.store(v_cache + slot * stride_kcs + h[:, None] * stride_kch + d[None, :], vx.to(v_cache.dtype.element_ty),
              mask=vm)
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Rotate ``q [T, Hq, D]`` in place (rotate-half RoPE) and write rotated ``k`` and ``v``
     (``[T, Hk, D]``) into the caches (``[num_blocks, block_size, Hk, D]``) at ``slot_mapping [T]``.
     ``cos``/``sin``: ``[rows, R]`` float32 tables read at row ``positions[t]`` (a position, or a
     LongRoPE row, see ``RotaryEmbedding.rope_rows``); the first ``R <= D`` dims of each head are
-    rotated, the rest pass through (partial rotary, e.g. Phi-4-mini's ``R = 0.75 D``)."""
+    rotated, the rest pass through (partial rotary, e.g. Phi-4-mini's ``R = 0.75 D``); ``R / 2`` and
+    ``D`` need not be powers of two (Phi-3-mini's ``D = 96``). A float8_e4m3fn cache receives
+    ``k / k_scale`` and ``v / v_scale``, saturated to +-448.
+
+    Raises:
+        ValueError: ``R`` is odd or larger than ``D``.
+    """
     T, HQ, D = q.shape
     HK = k.shape[1]
     R = cos.shape[1]
@@ -280,7 +369,9 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                              cos.stride(0), kc.stride(0), kc.stride(1),
                              HQ=HQ, HK=HK, HALF=R // 2, D=D, BLOCK_R=triton.next_power_of_2(R // 2),
-                             BLOCK_D=triton.next_power_of_2(D), BLOCK_H=triton.next_power_of_2(HQ), num_warps=4)
+                             BLOCK_D=triton.next_power_of_2(D), BLOCK_H=triton.next_power_of_2(HQ),
+                             k_inv=1.0 / k_scale, v_inv=1.0 / v_scale, FP8_KV=k_cache.dtype == torch.float8_e4m3fn,
+                             num_warps=4)
 
 
 # --- SiLU and mul -------------------------------------------------------------------------------
@@ -380,3 +471,42 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, 
                                              BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even,
                                              num_warps=num_warps, num_stages=num_stages)
     return y
+
+
+# --- per-head RMSNorm of q and k (Qwen3's QK norm) ------------------------------------------------
+@triton.jit
+def _qk_rms_norm_kernel(Q, K, WQ, WK, QO, KO, stride_qt, stride_kt, eps,
+                        HQ: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    if h < HQ:
+        x = tl.load(Q + t * stride_qt + h * D + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(WQ + cols, mask=mask, other=0.0)
+        y = (x * tl.math.rsqrt(tl.sum(x * x, 0) / D + eps)).to(QO.dtype.element_ty)
+        tl.store(QO + (t * HQ + h) * D + cols, (w * y).to(QO.dtype.element_ty), mask=mask)
+    else:
+        hk = h - HQ
+        HK = tl.num_programs(1) - HQ
+        x = tl.load(K + t * stride_kt + hk * D + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(WK + cols, mask=mask, other=0.0)
+        y = (x * tl.math.rsqrt(tl.sum(x * x, 0) / D + eps)).to(KO.dtype.element_ty)
+        tl.store(KO + (t * HK + hk) * D + cols, (w * y).to(KO.dtype.element_ty), mask=mask)
+
+
+def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over each head of ``q [T, Hq * D]`` and ``k [T, Hk * D]`` (rows may be strided, e.g.
+    column slices of a fused qkv output; unit stride inside a row), one launch for both, as HF
+    ``Qwen3RMSNorm`` on ``[..., D]``: statistics in float32, the normed value cast to the input dtype
+    before the weight ``[D]`` multiplies. Returns new contiguous ``(q [T, Hq * D], k [T, Hk * D])``."""
+    T = q.shape[0]
+    D = head_dim
+    HQ, HK = q.shape[1] // D, k.shape[1] // D
+    qo = torch.empty((T, HQ * D), dtype=q.dtype, device=q.device)
+    ko = torch.empty((T, HK * D), dtype=k.dtype, device=k.device)
+    if T:
+        _qk_rms_norm_kernel[(T, HQ + HK)](q, k, q_weight, k_weight, qo, ko, q.stride(0), k.stride(0), eps,
+                                          HQ=HQ, D=D, BLOCK=triton.next_power_of_2(D), num_warps=1 if D <= 128 else 2)
+    return qo, ko

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The FP8 figures of issue 25 on one H200, bf16 and FP8 in the same call (a GPU figure is only real
+# as a ratio measured in one call):
+#   bash scripts/gpu_fp8_bench.sh OUTDIR [RUN...]
+# Runs (default: all, in this order):
+#   kernels               scripts/kernel_bench.py fp8 (GEMV / GEMM / block GEMM / FP8-KV attention vs bf16)
+#   tput-bf16 tput-fp8 tput-fp8-kv        Llama-3-8B shape, 1000 x 256/256 (acceptance: fp8 >= 1.4x bf16)
+#   lat-bf16 lat-fp8 lat-fp8-kv           batch 1, 128 in / 128 out (acceptance: fp8 TPOT <= 2.7 ms)
+#   trt-fp8 trt-fp8-kv                    30,000 prompts x 128/128 (next to TensorRT-LLM's 27,911 out tok/s)
+#   blocks                                the "KV cache: N blocks" start-up lines, bf16 vs --kv-cache-dtype fp8
+# Weights are random (--load-format dummy), quantized at load with --quantization fp8.
+# JSON per run in OUTDIR (and kernels.txt, blocks.txt); a table at the end.
+set -u
+OUT="${1:?OUTDIR}"; shift
+RUNS="${*:-kernels tput-bf16 tput-fp8 tput-fp8-kv lat-bf16 lat-fp8 lat-fp8-kv trt-fp8 trt-fp8-kv blocks}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+L3=scripts/configs/llama3-8b
+COMMON="--model $L3 --load-format dummy --device cuda"
+FP8="--quantization fp8"
+KV="--kv-cache-dtype fp8"
+TPUT="--num-prompts 1000 --input-len 256 --output-len 256 --max-num-seqs 1024 --max-num-batched-tokens 8192"
+LAT="--batch-size 1 --input-len 128 --output-len 128 --num-iters-warmup 1 --num-iters 5"
+TRT="--num-prompts 30000 --input-len 128 --output-len 128 --max-num-seqs 2048 --max-num-batched-tokens 16384"
+run() { echo "### $*"; "$@" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -15; }
+for r in $RUNS; do
+  case $r in
+    kernels) python scripts/kernel_bench.py fp8 2>&1 | tee "$OUT/kernels.txt" ;;
+    tput-bf16) run python -m zpp.cli bench throughput $COMMON $TPUT --output-json "$OUT/tput_llama3-8b_bf16.json" ;;
+    tput-fp8) run python -m zpp.cli bench throughput $COMMON $TPUT $FP8 --output-json "$OUT/tput_llama3-8b_fp8.json" ;;
+    tput-fp8-kv) run python -m zpp.cli bench throughput $COMMON $TPUT $FP8 $KV --output-json "$OUT/tput_llama3-8b_fp8_kvfp8.json" ;;
+    lat-bf16) run python -m zpp.cli bench latency $COMMON $LAT --output-json "$OUT/lat_llama3-8b_bf16.json" ;;
+    lat-fp8) run python -m zpp.cli bench latency $COMMON $LAT $FP8 --output-json "$OUT/lat_llama3-8b_fp8.json" ;;
+    lat-fp8-kv) run python -m zpp.cli bench latency $COMMON $LAT $FP8 $KV --output-json "$OUT/lat_llama3-8b_fp8_kvfp8.json" ;;
+    trt-fp8) run python -m zpp.cli bench throughput $COMMON $TRT $FP8 --output-json "$OUT/tput30k_llama3-8b_fp8.json" ;;
+    trt-fp8-kv) run python -m zpp.cli bench throughput $COMMON $TRT $FP8 $KV --output-json "$OUT/tput30k_llama3-8b_fp8_kvfp8.json" ;;
+    blocks)
+      for kv in auto fp8; do
+        echo "### KV cache blocks, --kv-cache-dtype $kv"
+        python -m zpp.cli bench latency $COMMON $FP8 --kv-cache-dtype $kv --batch-size 1 --input-len 16 \
+            --output-len 4 --num-iters-warmup 0 --num-iters 1 2>&1 | grep -E "KV cache: |memory profile" | tee -a "$OUT/blocks.txt"
+      done ;;
+    *) echo "unknown run $r"; exit 2 ;;
+  esac
+done
+python - "$OUT" <<'PY'
+import glob, json, os, sys
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    d = json.load(open(f))
+    v = d.get("tpot_ms") or d.get("output_tokens_per_s") or d.get("output_throughput")
+    print(f"{os.path.basename(f):40s} {'TPOT ms' if 'tpot_ms' in d else 'out tok/s'} {v}")
+PY

@@ -1,0 +1,240 @@
+"""Triton kernels for FP8 (e4m3) linear layers on the GPU: activation quantization (per token, static,
+or per token and 128-wide group), a W8A16 matrix-vector product for decode batches of up to 4
+tokens, and the block-scaled W8A8 GEMM of DeepSeek-style checkpoints.
+
+References: DeepSeek-V3's ``inference/kernel.py`` (``act_quant``, ``fp8_gemm``: per-128-group
+activation scales times 128 x 128 weight-block scales, applied to each K-block's partial product),
+vLLM's ``per_token_group_quant_fp8`` / ``w8a8_block_fp8_matmul``; the GEMV is zpp's
+:func:`zpp.models.layers.triton_ops.gemv` reading float8 weights (half the bytes) and applying the
+scales in float32. Never imported on the CPU path (tests run them under ``TRITON_INTERPRET=1``,
+whose float8 rounding differs from the GPU's in ties and subnormals).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+
+
+# --- activation quantization ----------------------------------------------------------------------
+@triton.jit
+def _per_token_quant_kernel(X, Q, S, IN_SCALE, K, stride_x, stride_q, STATIC: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    if STATIC:
+        s = tl.load(IN_SCALE)
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for k0 in range(0, K, BLOCK):
+            k = k0 + cols
+            x = tl.load(X + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        s = tl.maximum(tl.max(amax, 0), 1e-10) / 448.0
+    tl.store(S + row, s)
+    inv = 1.0 / s
+    for k0 in range(0, K, BLOCK):
+        k = k0 + cols
+        x = tl.load(X + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+        q = tl.clamp(x * inv, -448.0, 448.0)
+        tl.store(Q + row * stride_q + k, q.to(Q.dtype.element_ty), mask=k < K)
+
+
+def per_token_quant(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (bf16/fp16/fp32, unit stride in a row) -> (float8_e4m3fn ``[M, K]``, float32
+    ``[M, 1]`` scales) with ``x ~= q * s``: ``s = amax(|x_row|) / 448`` (dynamic), or every row the
+    static ``input_scale`` (``[1]`` float32) when given. One program per row, two passes over it."""
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if M:
+        block = min(2048, triton.next_power_of_2(K))
+        _per_token_quant_kernel[(M,)](x, q, s, input_scale if input_scale is not None else s, K, x.stride(0),
+                                      q.stride(0), STATIC=input_scale is not None, BLOCK=block,
+                                      num_warps=4 if block <= 1024 else 8)
+    return q, s
+
+
+@triton.jit
+def _group_quant_kernel(X, Q, S, K, G, stride_x, stride_q, stride_s, GS: tl.constexpr, GROUPS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)                      # [GROUPS] group indices
+    c = tl.arange(0, GS)
+    k = g[:, None] * GS + c[None, :]                                          # [GROUPS, GS]
+    ok = (g[:, None] < G) & (k < K)
+    x = tl.load(X + row * stride_x + k, mask=ok, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x), 1), 1e-10) / 448.0                       # [GROUPS]
+    q = tl.clamp(x / s[:, None], -448.0, 448.0)
+    tl.store(Q + row * stride_q + k, q.to(Q.dtype.element_ty), mask=ok)
+    tl.store(S + row * stride_s + g, s, mask=g < G)
+
+
+def per_token_group_quant(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> (float8_e4m3fn ``[M, K]``, float32 ``[M, ceil(K / group_size)]``): one scale per
+    token and ``group_size``-wide column group (the last may be partial), ``amax / 448``
+    (DeepSeek-V3's ``act_quant``). ``group_size`` a power of two."""
+    M, K = x.shape
+    G = -(-K // group_size)
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((M, G), dtype=torch.float32, device=x.device)
+    if M:
+        groups = 8
+        _group_quant_kernel[(M, triton.cdiv(G, groups))](x, q, s, K, G, x.stride(0), q.stride(0), s.stride(0),
+                                                         GS=group_size, GROUPS=groups, num_warps=4)
+    return q, s
+
+
+# --- W8A16 matrix-vector product for decode ---------------------------------------------------------
+@triton.jit
+def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stride_ws,
+                     M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCKWISE: tl.constexpr, BN_S: tl.constexpr,
+                     BK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    # One program: BLOCK_N output rows for all M (<= 4) inputs, the whole K (as triton_ops._gemv_kernel).
+    # Per-channel scales multiply the sums once at the end; block scales (BN_S x BK_S tiles) multiply
+    # each weight element as it is read.
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    kk = tl.arange(0, BLOCK_K)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < K
+        if EVEN:
+            w = tl.load(W + n[:, None] * stride_wn + k[None, :]).to(tl.float32)
+        else:
+            w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+        if BLOCKWISE:
+            ws = tl.load(WS + (n // BN_S)[:, None] * stride_ws + (k // BK_S)[None, :],
+                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            w = w * ws
+        x0 = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
+        acc0 += w * x0[None, :]
+        if M > 1:
+            x1 = tl.load(X + stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
+            acc1 += w * x1[None, :]
+        if M > 2:
+            x2 = tl.load(X + 2 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
+            acc2 += w * x2[None, :]
+        if M > 3:
+            x3 = tl.load(X + 3 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
+            acc3 += w * x3[None, :]
+    scale = tl.full([BLOCK_N], 1.0, tl.float32)
+    if not BLOCKWISE:
+        scale = tl.load(WS + n, mask=n_ok, other=0.0)
+    bias = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(Y + n, (tl.sum(acc0, 1) * scale + bias).to(Y.dtype.element_ty), mask=n_ok)
+    if M > 1:
+        tl.store(Y + stride_ym + n, (tl.sum(acc1, 1) * scale + bias).to(Y.dtype.element_ty), mask=n_ok)
+    if M > 2:
+        tl.store(Y + 2 * stride_ym + n, (tl.sum(acc2, 1) * scale + bias).to(Y.dtype.element_ty), mask=n_ok)
+    if M > 3:
+        tl.store(Y + 3 * stride_ym + n, (tl.sum(acc3, 1) * scale + bias).to(Y.dtype.element_ty), mask=n_ok)
+
+
+FP8_GEMV_MAX_M = 4
+
+
+def fp8_gemv_config(n: int, k: int) -> dict:
+    """Launch configuration for an FP8 ``[n, k]`` weight at M = 1: the bf16 GEMV's (a 1-byte weight
+    row is half as long, so twice the K per loop step keeps the bytes per step). To be tuned on the
+    H200 with ``scripts/kernel_bench.py fp8``."""
+    if n >= 16384:
+        return dict(block_n=4, block_k=4096, num_warps=8)
+    return dict(block_n=4, block_k=2048, num_warps=4)
+
+
+def fp8_gemv(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, block: Optional[tuple[int, int]] = None,
+             bias: Optional[torch.Tensor] = None, block_n: int = 4, block_k: int = 2048, num_warps: int = 4,
+             num_stages: int = 3) -> torch.Tensor:
+    """``x [M, K] @ dequant(w)^T (+ bias)`` -> ``[M, N]`` in ``x``'s dtype for M <= 4, the activations
+    not quantized (W8A16): ``w [N, K]`` float8_e4m3fn with ``weight_scale`` float32 ``[N]`` (per
+    channel) or, with ``block = (bn, bk)``, ``[ceil(N/bn), ceil(K/bk)]``. fp32 accumulation.
+
+    Raises ValueError for M > 4."""
+    M, K = x.shape
+    if M > FP8_GEMV_MAX_M:
+        raise ValueError(f"fp8_gemv takes at most {FP8_GEMV_MAX_M} rows, got {M}")
+    N = w.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    even = K % block_k == 0 and N % block_n == 0
+    bn, bk = block if block is not None else (1, 1)
+    _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](
+        x, w, weight_scale, bias if bias is not None else x, y, N, K, x.stride(0), w.stride(0), y.stride(0),
+        weight_scale.stride(0), M=M, HAS_BIAS=bias is not None, BLOCKWISE=block is not None, BN_S=bn, BK_S=bk,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, num_warps=num_warps, num_stages=num_stages)
+    return y
+
+
+# --- block-scaled W8A8 GEMM -------------------------------------------------------------------------
+@triton.jit
+def _block_gemm_kernel(A, B, C, AS, BS, M, N, K, stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
+                       BN_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr):
+    # C[M, N] = sum over K-blocks kb of (A[:, kb] @ B[:, kb]^T) * AS[:, kb] * BS[n // BN_S, kb]; BLOCK_K is
+    # the scales' K-block, so each tile's product is scaled once (DeepSeek-V3 fp8_gemm).
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)                          # grouped order: neighbours share B tiles
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    n_ok = n < N
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + kk
+        k_ok = k < K
+        a = tl.load(A + m[:, None].to(tl.int64) * stride_am + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(B + n[:, None].to(tl.int64) * stride_bn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        a_s = tl.load(AS + m * stride_asm + kb, mask=m_ok, other=0.0)                       # [BLOCK_M]
+        b_s = tl.load(BS + (n // BN_S) * stride_bsn + kb, mask=n_ok, other=0.0)             # [BLOCK_N]
+        acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+    tl.store(C + m[:, None].to(tl.int64) * stride_cm + n[None, :], acc.to(C.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def block_gemm_config(M: int) -> dict:
+    """Tile shape by batch size (to be tuned on the H200 with ``scripts/kernel_bench.py fp8``)."""
+    if M <= 16:
+        return dict(block_m=16, block_n=64, num_warps=4, num_stages=4)
+    if M <= 64:
+        return dict(block_m=64, block_n=128, num_warps=4, num_stages=3)
+    return dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
+
+
+def block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+               block: tuple[int, int], out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+               config: Optional[dict] = None) -> torch.Tensor:
+    """Block-scaled FP8 GEMM: ``a [M, K]`` float8_e4m3fn with ``a_scale [M, ceil(K/bk)]`` float32 (per
+    token and group, :func:`per_token_group_quant`) times ``b [N, K]`` float8_e4m3fn with ``b_scale
+    [ceil(N/bn), ceil(K/bk)]`` (the checkpoint's ``weight_scale_inv``) -> ``[M, N]`` ``out_dtype``
+    (+ ``bias``). ``bk`` a power of two >= 16."""
+    M, K = a.shape
+    N = b.shape[0]
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0:
+        return c
+    cfg = config or block_gemm_config(M)
+    bm, bn = cfg["block_m"], cfg["block_n"]
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    _block_gemm_kernel[grid](a, b, c, a_scale, b_scale, M, N, K, a.stride(0), b.stride(0), c.stride(0),
+                             a_scale.stride(0), b_scale.stride(0), BN_S=block[0], BLOCK_M=bm, BLOCK_N=bn,
+                             BLOCK_K=block[1], GROUP_M=8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if bias is not None:
+        c += bias
+    return c

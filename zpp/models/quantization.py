@@ -1,0 +1,708 @@
+"""FP8 weights: checkpoint formats, on-the-fly quantization, and how they reach the strict loader.
+
+Two FP8 checkpoint layouts load on every family, the families unaware of them:
+
+* **compressed-tensors** (``quantization_config.quant_method == "compressed-tensors"``, format
+  ``float-quantized``; what llm-compressor writes, e.g. the ``-FP8`` / ``-FP8-dynamic`` releases):
+  ``X.weight`` float8_e4m3fn with ``X.weight_scale`` per tensor (``[]`` / ``[1]``), per output
+  channel (``[N, 1]``) or per block (``[ceil(N/bn), ceil(K/bk)]``); activations quantized per token
+  at run time (``dynamic``) or with a static per-tensor ``X.input_scale``; layers in ``ignore``
+  (``lm_head``) stored in their own dtype. Optional per-layer KV-cache scales
+  (``kv_cache_scheme``): ``self_attn.k_scale`` / ``v_scale`` (older: ``k_proj.output_scale``).
+* **block FP8** (``quant_method == "fp8"``, HF's ``FineGrainedFP8Config``; DeepSeek-V3/R1 and the
+  Qwen3 ``-FP8`` releases): ``X.weight`` float8_e4m3fn with ``X.weight_scale_inv``
+  ``[ceil(N/128), ceil(K/128)]`` for ``weight_block_size: [128, 128]``, activations dynamic per
+  token and 128-wide group; without ``weight_block_size`` (AutoFP8's older layout) a per-tensor
+  ``X.weight_scale`` and, with ``activation_scheme: static``, ``X.input_scale``.
+
+In every layout the weight is dequantized as ``w = w_fp8.float() * scale`` (the scale broadcast
+over its block). What is quantized is read from the checkpoint itself (a float8 tensor with a
+scale next to it), not from ``ignore`` / ``targets`` patterns: ``ignore`` only says which layers
+were left in high precision, and those are stored so.
+
+How a checkpoint loads (:func:`plan_checkpoint`, :func:`iter_planned`):
+
+* Where FP8 cannot run (CPU; a GPU of compute capability < 8.9) every FP8 weight is dequantized
+  on load to the model's dtype and handed to the family's strict loader under its own name, so a
+  missing tensor is named as for any checkpoint (a missing scale: ``ValueError`` naming it).
+* On a GPU with FP8, a linear layer (:class:`zpp.models.layers.linear.Linear` and its merged /
+  row-parallel forms) keeps its weight in FP8 when every checkpoint tensor feeding it is FP8 with a
+  supported scale and the shapes suit the kernels; its scales load, through the same strict loader,
+  into a ``weight_scale`` parameter (``[N_local]`` fp32 per output channel -- a per-tensor scale is
+  broadcast to its rows, so q/k/v with three scales merge into one qkv -- or the block grid
+  ``[ceil(N_local/bn), ceil(K_local/bk)]``), and a static ``input_scale`` into ``input_scale``
+  ``[shards]`` (the largest is used, as vLLM does for merged layers). Any other weight (MoE experts,
+  embeddings, layers that fail a check) is dequantized as on the CPU.
+
+``--quantization fp8`` (vLLM's flag; :func:`quantize_model_fp8`): after a bf16/fp16 checkpoint (or
+dummy weights) loaded, every linear layer's weight is quantized to e4m3 per output channel
+(``scale = amax(|w_row|) / 448``), activations per token at run time (vLLM's ``Fp8LinearMethod``
+without a checkpoint scale). Refused on CPU and on GPUs below compute capability 8.9.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from zpp.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+"""Largest finite float8_e4m3fn value."""
+
+SUPPORTED_QUANTIZATION = ("compressed-tensors", "fp8")
+"""``quantization_config.quant_method`` values zpp loads (FP8 only)."""
+
+_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale", ".activation_scale")
+_KV_SCALE_RE = re.compile(r"^(.*\.layers\.(\d+)\.self_attn)\.(?:(k|v)_scale|(k|v)_proj\.output_scale)$")
+# Linear layers whose weight a family reads outside the layer's forward (so it must stay in the model
+# dtype): DeepSeek's MLA folds kv_b_proj's key and value parts into the attention (weight absorption).
+_KEEP_DTYPE_MODULES = ("kv_b_proj",)
+
+
+# --- the checkpoint's quantization_config --------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointQuant:
+    """An FP8 checkpoint's scheme, from ``config.json``'s ``quantization_config``.
+
+    method: ``compressed-tensors`` or ``fp8``.
+    block: ``(bn, bk)`` for block-scaled weights (output rows x input columns per scale), else None.
+    static_activations: activations quantized with the checkpoint's per-tensor ``input_scale``
+        (else dynamically per token).
+    kv_cache_scales: the checkpoint carries per-layer ``k_scale`` / ``v_scale`` for an FP8 KV cache.
+    ignore: the layers the config lists as left unquantized (informational: what is FP8 is read
+        from the tensors).
+    """
+
+    method: str
+    block: Optional[tuple[int, int]] = None
+    static_activations: bool = False
+    kv_cache_scales: bool = False
+    ignore: tuple[str, ...] = ()
+
+
+def _method(q: dict) -> str:
+    method = q.get("quant_method")
+    if not method and (q.get("load_in_4bit") or q.get("load_in_8bit")):
+        method = "bitsandbytes"
+    return str(method).lower() if method else "unknown"
+
+
+def parse_quantization_config(cfg: dict[str, Any]) -> Optional[CheckpointQuant]:
+    """The checkpoint's FP8 scheme, None for an unquantized checkpoint.
+
+    Parsed here rather than with the ``compressed-tensors`` package: importing it pulls in
+    transformers and accelerate (about 7 s on the 2-core development VM) in every worker, for a few
+    JSON fields; the tests check that the configs this module accepts validate with it.
+
+    Raises:
+        ConfigError: one line naming the method or the field zpp does not support (gptq, awq,
+            bitsandbytes, mxfp4, ... ; integer or 4-bit schemes; asymmetric or group-wise FP8;
+            output activations; e5m2; static activations with block scales).
+    """
+    q = cfg.get("quantization_config")
+    if not q:
+        return None
+    if not isinstance(q, dict):
+        raise ConfigError("quantization_config is not a JSON object")
+    method = _method(q)
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(q)
+    if method == "fp8":
+        return _parse_fp8(q)
+    raise ConfigError(f"quantized checkpoint (quantization_config.quant_method {method!r}) is not supported: "
+                      f"zpp loads FP8 checkpoints ({', '.join(SUPPORTED_QUANTIZATION)}) and unquantized safetensors")
+
+
+def _ct_refuse(what: str) -> ConfigError:
+    return ConfigError(f"compressed-tensors checkpoint: {what} is not supported (zpp loads FP8 e4m3, "
+                       "format float-quantized, symmetric per-tensor / per-channel / block weight scales)")
+
+
+def _parse_compressed_tensors(q: dict) -> CheckpointQuant:
+    fmt = q.get("format")
+    groups = q.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise _ct_refuse("a quantization_config without config_groups")
+    block = None
+    static = False
+    for name, g in groups.items():
+        if not isinstance(g, dict):
+            raise _ct_refuse(f"config group {name!r} (not an object)")
+        gfmt = g.get("format") or fmt
+        if gfmt != "float-quantized":
+            raise _ct_refuse(f"format {gfmt!r} (config group {name!r})")
+        w = g.get("weights")
+        if not isinstance(w, dict):
+            raise _ct_refuse(f"config group {name!r} without weights")
+        if w.get("type") != "float" or int(w.get("num_bits", 0)) != 8:
+            raise _ct_refuse(f"weights of type {w.get('type')!r} with {w.get('num_bits')} bits")
+        if w.get("symmetric") is False:
+            raise _ct_refuse("asymmetric weights")
+        if w.get("dynamic"):
+            raise _ct_refuse("dynamic weight scales")
+        strategy = w.get("strategy")
+        if strategy == "block":
+            bs = w.get("block_structure")
+            if not (isinstance(bs, (list, tuple)) and len(bs) == 2 and all(int(b) > 0 for b in bs)):
+                raise _ct_refuse(f"block strategy with block_structure {bs!r}")
+            b = (int(bs[0]), int(bs[1]))
+            if block not in (None, b):
+                raise _ct_refuse("config groups with different block structures")
+            block = b
+        elif strategy not in ("tensor", "channel"):
+            raise _ct_refuse(f"weight strategy {strategy!r}")
+        if g.get("output_activations"):
+            raise _ct_refuse("quantized output activations")
+        a = g.get("input_activations")
+        if a:
+            if a.get("type") != "float" or int(a.get("num_bits", 0)) != 8:
+                raise _ct_refuse(f"input activations of type {a.get('type')!r} with {a.get('num_bits')} bits")
+            if a.get("symmetric") is False:
+                raise _ct_refuse("asymmetric input activations")
+            if a.get("dynamic") in (True, "local"):
+                if a.get("strategy") not in ("token", "tensor", "group", None):
+                    raise _ct_refuse(f"dynamic input activation strategy {a.get('strategy')!r}")
+            elif a.get("strategy") == "tensor":
+                static = True
+            else:
+                raise _ct_refuse(f"static input activation strategy {a.get('strategy')!r}")
+    if static and block is not None:
+        raise _ct_refuse("static input scales with block weight scales")
+    kv = q.get("kv_cache_scheme")
+    if kv:
+        if kv.get("type") != "float" or int(kv.get("num_bits", 0)) != 8 or kv.get("strategy") not in ("tensor", None):
+            raise _ct_refuse(f"kv_cache_scheme {kv!r}")
+    return CheckpointQuant("compressed-tensors", block, static, bool(kv), tuple(q.get("ignore") or ()))
+
+
+def _parse_fp8(q: dict) -> CheckpointQuant:
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"FP8 checkpoint (quant_method 'fp8'): fmt {fmt!r} is not supported (e4m3 only)")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise ConfigError(f"FP8 checkpoint (quant_method 'fp8'): activation_scheme {scheme!r} is not supported")
+    bs = q.get("weight_block_size")
+    block = None
+    if bs is not None:
+        if not (isinstance(bs, (list, tuple)) and len(bs) == 2 and all(int(b) > 0 for b in bs)):
+            raise ConfigError(f"FP8 checkpoint (quant_method 'fp8'): weight_block_size {bs!r} is not [rows, cols]")
+        block = (int(bs[0]), int(bs[1]))
+        if scheme == "static":
+            raise ConfigError("FP8 checkpoint (quant_method 'fp8'): activation_scheme 'static' with "
+                              "weight_block_size is not supported")
+    ignore = tuple(q.get("modules_to_not_convert") or q.get("ignored_layers") or ())
+    return CheckpointQuant("fp8", block, scheme == "static", False, ignore)
+
+
+def check_quantization(cfg: dict[str, Any]) -> None:
+    """Refuse, before any weight loads, a quantized checkpoint zpp cannot load (one-line ConfigError
+    naming the method or field; see :func:`parse_quantization_config`)."""
+    parse_quantization_config(cfg)
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether FP8 GEMMs run on ``device``: a CUDA GPU of compute capability >= 8.9 (Ada, Hopper)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+# --- quantize / dequantize -----------------------------------------------------------------------
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` -> (float8_e4m3fn ``[N, K]``, float32 scale ``[N]``), ``w ~= q * scale[:, None]``,
+    ``scale = amax(|w_row|) / 448`` (all-zero rows get scale 1). Computed in float32 on ``w``'s device."""
+    wf = w.float()
+    scale = wf.abs().amax(dim=1) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` -> (float8_e4m3fn, float32 scalar scale ``[]``), ``scale = amax(|w|) / 448``."""
+    wf = w.float()
+    scale = wf.abs().amax() / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` -> (float8_e4m3fn ``[N, K]``, float32 scale ``[ceil(N/bn), ceil(K/bk)]``): one
+    scale per ``bn x bk`` tile (the last row / column of tiles may be partial), ``amax / 448``,
+    as DeepSeek-V3's ``weight_block_size`` checkpoints."""
+    N, K = w.shape
+    bn, bk = block
+    nb, kb = -(-N // bn), -(-K // bk)
+    wf = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=w.device)
+    wf[:N, :K] = w.float()
+    tiles = wf.view(nb, bn, kb, bk)
+    scale = tiles.abs().amax(dim=(1, 3)) / FP8_MAX                                 # [nb, kb]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nb * bn, kb * bk)[:N, :K]
+    return q.to(FP8_DTYPE).contiguous(), scale
+
+
+def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """A block grid ``[ceil(N/bn), ceil(K/bk)]`` -> the per-element scale ``[N, K]`` (float32)."""
+    N, K = shape
+    return scale.float().repeat_interleave(block[0], 0)[:N].repeat_interleave(block[1], 1)[:, :K]
+
+
+def dequantize(w: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
+    """``w_fp8.float() * scale`` in ``dtype``; ``scale``: a scalar / ``[1]`` (per tensor), ``[N]`` or
+    ``[N, 1]`` (per channel), or with ``block`` the grid ``[ceil(N/bn), ceil(K/bk)]``. Works for 2-D
+    weights and for stacked experts ``[E, N, K]`` with ``[E, ...]`` scales.
+
+    Raises:
+        ValueError: the scale's shape fits none of these.
+    """
+    wf = w.float()
+    s = scale.float().to(w.device)
+    if s.numel() == 1:
+        return (wf * s.reshape(())).to(dtype)
+    N, K = w.shape[-2:]
+    lead = tuple(w.shape[:-2])
+    if s.shape in (lead + (N,), lead + (N, 1)):
+        return (wf * s.reshape(lead + (N, 1))).to(dtype)
+    if block is not None:
+        grid = lead + (-(-N // block[0]), -(-K // block[1]))
+        if tuple(s.shape) == grid:
+            if lead:
+                full = torch.stack([expand_block_scale(si, (N, K), block) for si in s.reshape(-1, *grid[-2:])])
+                return (wf * full.reshape(wf.shape)).to(dtype)
+            return (wf * expand_block_scale(s, (N, K), block)).to(dtype)
+    raise ValueError(f"scale of shape {tuple(s.shape)} fits neither per-tensor, per-channel nor "
+                     f"{'block ' + str(block) if block else 'block'} scaling of a weight {tuple(w.shape)}")
+
+
+# --- FP8 linear layers ---------------------------------------------------------------------------
+@dataclass
+class Fp8Params:
+    """What a linear layer with an FP8 weight needs at run time (``Linear.fp8``).
+
+    weight_scale: float32 ``[N]`` (per output channel) or ``[ceil(N/bn), ceil(K/bk)]`` (``block``).
+    block: ``(bn, bk)`` or None.
+    input_scale: float32 ``[1]``, a static activation scale (the checkpoint's), or None for
+        dynamic per-token scales (per token and ``bk``-wide group with ``block``).
+    """
+
+    weight_scale: torch.Tensor
+    block: Optional[tuple[int, int]] = None
+    input_scale: Optional[torch.Tensor] = None
+
+
+def _linear_modules(model: nn.Module):
+    from zpp.models.layers.linear import Linear
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear):
+            yield name, mod
+
+
+def _shard_sizes(mod) -> tuple[list[int], list[int]]:
+    """(local output sizes per shard, full output sizes per shard) of a linear layer."""
+    local = list(getattr(mod, "output_sizes", None) or [mod.out_features])
+    full = list(getattr(mod, "full_output_sizes", None) or local)
+    return local, full
+
+
+def fp8_layout_ok(mod, block: Optional[tuple[int, int]]) -> bool:
+    """Whether a linear layer's FP8 weight suits the GPU kernels: ``torch._scaled_mm`` needs the
+    input and output widths to be multiples of 16 (per-channel); block scales need every merged shard
+    but the last, and every tensor-parallel slice, to start on a block boundary (so the
+    checkpoint's grids concatenate / slice into this rank's grid)."""
+    from zpp.models.layers.linear import RowParallelLinear
+    if getattr(mod, "transposed", False) or not getattr(mod, "fp8_allowed", True):
+        return False
+    N, K = mod.out_features, mod.in_features
+    if block is None:
+        return N % 16 == 0 and K % 16 == 0
+    bn, bk = block
+    local, _ = _shard_sizes(mod)
+    tp = getattr(mod, "tp_size", 1)
+    if tp > 1 and not isinstance(mod, RowParallelLinear) and any(n % bn for n in local):
+        return False
+    if any(n % bn for n in local[:-1]):
+        return False
+    if isinstance(mod, RowParallelLinear) and tp > 1 and K % bk:
+        return False
+    return True
+
+
+def make_fp8_linear(mod, block: Optional[tuple[int, int]], static_input: bool, strict_scales: bool) -> None:
+    """Turn a linear layer's weight into an FP8 parameter (same shape, float8_e4m3fn, same loader) and
+    give it a ``weight_scale`` (and with ``static_input`` an ``input_scale`` ``[shards]``) with loaders
+    that take the checkpoint's (canonical, see :func:`plan_checkpoint`) scales. ``strict_scales``:
+    the scales are parameters, so the strict loader names a missing one; else buffers (filled by
+    :func:`quantize_model_fp8`)."""
+    from zpp.models.layers.linear import MergedLinear, RowParallelLinear, default_weight_loader
+    old = mod.weight
+    w = nn.Parameter(torch.empty(old.shape, dtype=FP8_DTYPE, device=old.device), requires_grad=False)
+    w.weight_loader = getattr(old, "weight_loader", default_weight_loader)
+    mod.weight = w
+    N, K = mod.out_features, mod.in_features
+    shape = (N,) if block is None else (-(-N // block[0]), -(-K // block[1]))
+    scale = torch.ones(shape, dtype=torch.float32, device=old.device)
+    if isinstance(mod, MergedLinear):
+        loader = _merged_scale_loader(mod, block)
+    elif isinstance(mod, RowParallelLinear) and block is not None and mod.tp_size > 1:
+        loader = _row_parallel_block_scale_loader(mod, block)
+    else:
+        loader = default_weight_loader
+    if strict_scales:
+        p = nn.Parameter(scale, requires_grad=False)
+        p.weight_loader = loader
+        mod.weight_scale = p
+    else:
+        mod.register_buffer("weight_scale", scale, persistent=False)
+    inp = None
+    if static_input:
+        n = len(_shard_sizes(mod)[0]) if isinstance(mod, MergedLinear) else 1
+        inp = nn.Parameter(torch.zeros(n, dtype=torch.float32, device=old.device), requires_grad=False)
+        inp.weight_loader = _input_scale_loader
+        mod.input_scale = inp
+    mod.fp8 = Fp8Params(mod.weight_scale, block, inp)
+    del old
+
+
+def _merged_scale_loader(mod, block):
+    """Scales of one shard of a merged (column-parallel) layer: rows (per channel) or block rows of
+    this rank's slice, placed at the shard's offset."""
+    bn = 1 if block is None else block[0]
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard: Optional[int] = None) -> None:
+        local, full = _shard_sizes(mod)
+        if shard is None:  # a merged checkpoint tensor (all shards)
+            if mod.tp_size == 1:
+                if tuple(loaded.shape) != tuple(param.shape):
+                    raise ValueError(f"shape mismatch: scale {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+                param.data.copy_(loaded)
+                return
+            parts = loaded.split([-(-n // bn) for n in full], dim=0)
+            for i, part in enumerate(parts):
+                load(param, part, i)
+            return
+        rows = -(-local[shard] // bn)
+        start = sum(-(-n // bn) for n in local[:shard])
+        want = -(-full[shard] // bn)
+        if loaded.shape[0] != want or tuple(loaded.shape[1:]) != tuple(param.shape[1:]):
+            raise ValueError(f"shape mismatch: scale of shard {shard} {(want,) + tuple(param.shape[1:])} "
+                             f"vs checkpoint {tuple(loaded.shape)}")
+        src = loaded.narrow(0, mod.tp_rank * rows, rows) if mod.tp_size > 1 else loaded
+        param.data.narrow(0, start, rows).copy_(src)
+    return load
+
+
+def _row_parallel_block_scale_loader(mod, block):
+    """Block scales of a row-parallel layer: this rank's block columns."""
+    def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        cols = param.shape[1]
+        full = (param.shape[0], -(-mod.full_in_features // block[1]))
+        if tuple(loaded.shape) != full:
+            raise ValueError(f"shape mismatch: scale {full} (before the tensor-parallel split) vs checkpoint "
+                             f"{tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(1, mod.tp_rank * cols, cols))
+    return load
+
+
+def _input_scale_loader(param: nn.Parameter, loaded: torch.Tensor, shard: Optional[int] = None) -> None:
+    if loaded.numel() != 1:
+        raise ValueError(f"input_scale of shape {tuple(loaded.shape)}: a per-tensor (one-element) scale was expected")
+    param.data[0 if shard is None else shard] = loaded.reshape(()).float()
+
+
+def finish_fp8_loading(model: nn.Module) -> None:
+    """After the checkpoint loaded: merged layers with static input scales use their largest."""
+    for _, mod in _linear_modules(model):
+        p = mod.fp8
+        if p is not None and p.input_scale is not None and p.input_scale.numel() > 1:
+            p.input_scale = p.input_scale.max().reshape(1)
+
+
+def _keep_dtype(name: str, mod) -> bool:
+    return not getattr(mod, "fp8_allowed", True) or name.rsplit(".", 1)[-1] in _KEEP_DTYPE_MODULES
+
+
+@torch.no_grad()
+def quantize_model_fp8(model: nn.Module) -> int:
+    """``--quantization fp8``: quantize every linear layer's (loaded) weight to e4m3 per output channel,
+    activations per token at run time. Layers whose shapes do not suit ``torch._scaled_mm`` (widths
+    not multiples of 16), transposed (GPT-2 Conv1D) ones and weights a family reads outside the
+    layer (DeepSeek's ``kv_b_proj``) keep their dtype. Returns the number of layers quantized."""
+    n = 0
+    for name, mod in _linear_modules(model):
+        if mod.fp8 is not None or mod.weight.dtype not in (torch.bfloat16, torch.float16):
+            continue
+        if _keep_dtype(name, mod) or not fp8_layout_ok(mod, None):
+            continue
+        q, s = quantize_per_channel(mod.weight.data)
+        make_fp8_linear(mod, None, False, strict_scales=False)
+        mod.weight.data.copy_(q)
+        mod.weight_scale.copy_(s)
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def quantize_model_like_checkpoint(model: nn.Module, quant: CheckpointQuant) -> int:
+    """``--load-format dummy`` with an FP8 checkpoint's config on a GPU with FP8: the random weights
+    quantized as the checkpoint's are (``quant.block`` tiles, else per output channel)."""
+    if quant.block is None:
+        return quantize_model_fp8(model)
+    n = 0
+    for name, mod in _linear_modules(model):
+        if mod.fp8 is not None or _keep_dtype(name, mod) or not fp8_layout_ok(mod, quant.block):
+            continue
+        q, s = quantize_block(mod.weight.data, quant.block)
+        make_fp8_linear(mod, quant.block, False, strict_scales=False)
+        mod.weight.data.copy_(q)
+        mod.weight_scale.copy_(s)
+        n += 1
+    return n
+
+
+# --- reading an FP8 checkpoint -------------------------------------------------------------------
+@dataclass
+class TensorInfo:
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def read_index(files: list[str]) -> dict[str, TensorInfo]:
+    """Every tensor's file, dtype (safetensors name: ``F8_E4M3``, ``BF16``, ...) and shape, from the
+    safetensors headers only."""
+    import json
+    import struct
+    index: dict[str, TensorInfo] = {}
+    for path in files:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                index[name] = TensorInfo(path, meta["dtype"], tuple(meta["shape"]))
+    return index
+
+
+def _scale_name(base: str, index: dict[str, TensorInfo]) -> Optional[str]:
+    for suffix in (".weight_scale_inv", ".weight_scale"):
+        if base + suffix in index:
+            return base + suffix
+    return None
+
+
+def _input_scale_name(base: str, index: dict[str, TensorInfo]) -> Optional[str]:
+    for suffix in (".input_scale", ".activation_scale"):
+        if base + suffix in index:
+            return base + suffix
+    return None
+
+
+@dataclass
+class PlannedTensor:
+    """One tensor the strict loader will receive: ``name`` (a checkpoint name, or ``X.weight_scale`` /
+    ``X.input_scale`` in zpp's canonical form), made from ``source`` (and ``scale`` for a weight) by
+    ``op``: ``copy`` (as stored), ``dequantize`` (to ``dtype``), ``scale`` (canonical weight scale of
+    ``rows`` output rows), ``input_scale``."""
+
+    name: str
+    op: str
+    source: str
+    scale: Optional[str] = None
+    dtype: Optional[torch.dtype] = None
+    rows: int = 0
+
+
+@dataclass
+class CheckpointPlan:
+    tensors: list[PlannedTensor] = field(default_factory=list)
+    kv_scales: dict[int, dict[str, str]] = field(default_factory=dict)
+    """layer index -> {"k": name, "v": name} of the checkpoint's KV-cache scales."""
+
+
+def _fp8_kind(index: dict[str, TensorInfo], name: str, block: Optional[tuple[int, int]]) -> Optional[str]:
+    """``channel`` (per-tensor or per-channel scale), ``block``, or None (not a usable FP8 weight)."""
+    info = index[name]
+    if info.dtype != "F8_E4M3" or len(info.shape) != 2:
+        return None
+    s = _scale_name(name[: -len(".weight")], index)
+    if s is None:
+        return None
+    shape = index[s].shape
+    n, k = info.shape
+    if block is not None and shape == (-(-n // block[0]), -(-k // block[1])):
+        return "block"                          # (a weight within one block has a [1, 1] grid: block too)
+    if math.prod(shape) == 1 or shape in ((n,), (n, 1)):
+        return "channel"
+    return None
+
+
+def prepare_model_for_checkpoint(model: nn.Module, index: dict[str, TensorInfo], quant: CheckpointQuant,
+                                 keep_fp8: bool) -> int:
+    """Decide, per linear layer, whether its weight stays FP8 (``keep_fp8`` -- a GPU with FP8 -- and
+    every checkpoint tensor feeding it an FP8 weight with a usable scale of one kind, shapes the
+    kernels take: :func:`fp8_layout_ok`), and make those layers FP8 (:func:`make_fp8_linear`).
+    Returns the number of FP8 layers."""
+    if not keep_fp8:
+        return 0
+    feeds: dict[str, list[str]] = {}
+    for name in index:
+        if not name.endswith(".weight"):
+            continue
+        for pname, _ in model.map_weight_name(name) or ():
+            feeds.setdefault(pname, []).append(name)
+    n = 0
+    for mname, mod in _linear_modules(model):
+        sources = feeds.get(f"{mname}.weight" if mname else "weight")
+        if not sources or mod.fp8 is not None or _keep_dtype(mname, mod):
+            continue
+        kinds = {_fp8_kind(index, s, quant.block) for s in sources}
+        if len(kinds) != 1 or None in kinds:
+            continue
+        block = quant.block if kinds == {"block"} else None
+        if not fp8_layout_ok(mod, block):
+            continue
+        static = block is None and quant.static_activations and all(
+            _input_scale_name(s[: -len(".weight")], index) for s in sources)
+        make_fp8_linear(mod, block, static, strict_scales=True)
+        n += 1
+    return n
+
+
+def plan_checkpoint(model: nn.Module, index: dict[str, TensorInfo], quant: Optional[CheckpointQuant],
+                    dtype: torch.dtype) -> CheckpointPlan:
+    """What the strict loader receives for this stage, from the headers alone (no tensor is read):
+    every tensor the stage owns, FP8 weights either kept (with their canonical scales, for layers
+    :func:`prepare_model_for_checkpoint` made FP8) or dequantized to their parameter's dtype (else
+    ``dtype``); scales and KV-cache scales never reach it as such.
+
+    Raises:
+        ValueError: an FP8 weight to dequantize has no scale (named).
+    """
+    plan = CheckpointPlan()
+    params = dict(model.named_parameters())
+    for name, info in index.items():
+        kv = _KV_SCALE_RE.match(name)
+        if kv:
+            layer = int(kv.group(2))
+            if model.stage.owns_layer(layer):
+                plan.kv_scales.setdefault(layer, {})[kv.group(3) or kv.group(4)] = name
+            continue
+        if name.endswith(_SCALE_SUFFIXES):
+            continue
+        targets = model.map_weight_name(name)
+        if targets is None:
+            continue
+        if info.dtype not in ("F8_E4M3", "F8_E5M2") or quant is None:
+            plan.tensors.append(PlannedTensor(name, "copy", name))
+            continue
+        base = name[: -len(".weight")] if name.endswith(".weight") else name
+        scale = _scale_name(base, index)
+        target = params.get(targets[0][0]) if targets else None
+        if target is not None and target.dtype == FP8_DTYPE:
+            plan.tensors.append(PlannedTensor(name, "copy", name))
+            if scale is not None:
+                op = "block_scale" if _fp8_kind(index, name, quant.block) == "block" else "scale"
+                plan.tensors.append(PlannedTensor(f"{base}.weight_scale", op, scale, rows=info.shape[0]))
+            inp = _input_scale_name(base, index)
+            mod = model.get_submodule(targets[0][0].rsplit(".", 1)[0])
+            if inp is not None and getattr(mod, "input_scale", None) is not None:
+                plan.tensors.append(PlannedTensor(f"{base}.input_scale", "input_scale", inp))
+            continue
+        if scale is None:
+            raise ValueError(f"checkpoint tensor {name!r} is FP8 but the checkpoint has no {base}.weight_scale "
+                             f"or {base}.weight_scale_inv")
+        out = target.dtype if target is not None and target.dtype.is_floating_point and target.element_size() > 1 \
+            else dtype
+        plan.tensors.append(PlannedTensor(name, "dequantize", name, scale=scale, dtype=out))
+    return plan
+
+
+class _Reader:
+    """Open safetensors files on demand (a scale may live in another shard than its weight)."""
+
+    def __init__(self):
+        self._open: dict[str, Any] = {}
+
+    def get(self, index: dict[str, TensorInfo], name: str) -> torch.Tensor:
+        from safetensors import safe_open
+        path = index[name].path
+        f = self._open.get(path)
+        if f is None:
+            f = self._open[path] = safe_open(path, framework="pt", device="cpu").__enter__()
+        return f.get_tensor(name)
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.__exit__(None, None, None)
+        self._open.clear()
+
+
+def iter_planned(plan: CheckpointPlan, index: dict[str, TensorInfo], quant: Optional[CheckpointQuant],
+                 device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Read the planned tensors, file by file (each file opened once), and yield ``(name, tensor)``
+    for the strict loader. Dequantization runs on ``device``."""
+    reader = _Reader()
+    block = quant.block if quant is not None else None
+    order = {p: i for i, p in enumerate(dict.fromkeys(info.path for info in index.values()))}
+    try:
+        for t in sorted(plan.tensors, key=lambda t: order[index[t.source].path]):
+            x = reader.get(index, t.source)
+            if t.op == "copy":
+                yield t.name, x
+            elif t.op == "dequantize":
+                s = reader.get(index, t.scale)
+                if s.dtype == torch.uint8:
+                    raise ValueError(f"checkpoint tensor {t.scale!r}: uint8 (ue8m0) scales are not supported")
+                try:
+                    w = dequantize(x.to(device), s, block, t.dtype)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {t.scale!r}: {e}") from None
+                yield t.name, w
+            elif t.op == "block_scale":
+                yield t.name, x.float()
+            elif t.op == "scale":
+                s = x.float()
+                if s.numel() == 1:
+                    s = s.reshape(()).expand(t.rows).contiguous()           # per tensor -> per channel
+                elif s.dim() == 2 and s.shape[1] == 1:
+                    s = s.reshape(-1)                                      # [N, 1] -> [N]
+                yield t.name, s
+            elif t.op == "input_scale":
+                yield t.name, x.float()
+    finally:
+        reader.close()
+
+
+def load_kv_scales(model: nn.Module, plan: CheckpointPlan, index: dict[str, TensorInfo]) -> int:
+    """Give each of this stage's attention layers the checkpoint's ``k_scale`` / ``v_scale``
+    (``Attention.k_scale`` / ``v_scale``, floats; used by an FP8 KV cache). Returns how many layers
+    got scales."""
+    from zpp.models.layers.attention import Attention
+    if not plan.kv_scales:
+        return 0
+    reader = _Reader()
+    n = 0
+    try:
+        layers = model.model.layers if hasattr(model, "model") else None
+        for i, names in plan.kv_scales.items():
+            layer = layers[i] if layers is not None else None
+            attn = next((m for m in layer.modules() if isinstance(m, Attention)), None) if layer is not None else None
+            if attn is None:
+                continue
+            for kind in ("k", "v"):
+                if kind in names:
+                    setattr(attn, f"{kind}_scale", float(reader.get(index, names[kind]).float().reshape(-1)[0]))
+            attn.kv_scales_loaded = "k" in names and "v" in names
+            n += 1
+    finally:
+        reader.close()
+    return n
