@@ -809,3 +809,64 @@ def test_fp8_checkpoint_kept_in_fp8_on_gpu(demo_model, tmp_path, layout):
         n = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if n is not None:
             assert a[n] in blp[n] and b[n] in alp[n], (layout, n)
+
+
+# --- Phi-3 / Phi-4-mini ---------------------------------------------------------------------------
+PHI3_SHAPES = {
+    # Phi-4-mini in small: head 128, partial rotary 0.75 (96 rotated, half 48), tied head, LongRoPE.
+    "phi4-mini-like": dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
+                           tie_word_embeddings=True),
+    # Phi-3-mini-128k in small: head 96 (half 48, no power of two), full rotary, untied, LongRoPE.
+    "phi3-mini-like": dict(hidden_size=384, num_attention_heads=4, num_key_value_heads=4),
+}
+
+
+@pytest.fixture(scope="module", params=list(PHI3_SHAPES))
+def small_phi3(request, tmp_path_factory):
+    """LongRoPE with original_max_position_embeddings 48: of ``_prompts()`` (1, 7, 33, 120 tokens)
+    with 24 new tokens, two stay short, the 33-token one crosses 48 while decoding (recomputed with
+    the long factors, as HF's generate does) and the 120-token one is long from the start."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+    shape = PHI3_SHAPES[request.param]
+    head = shape["hidden_size"] // shape["num_attention_heads"]
+    half = int(head * shape.get("partial_rotary_factor", 1.0)) // 2
+    rope = {"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(half)],
+            "long_factor": [1.5 + 0.2 * i for i in range(half)],
+            "partial_rotary_factor": shape.get("partial_rotary_factor", 1.0)}  # where every HF 5.x reads it
+    cfg = Phi3Config(vocab_size=49152, intermediate_size=1024, num_hidden_layers=4, max_position_embeddings=512,
+                     original_max_position_embeddings=48, initializer_range=0.2, rope_scaling=rope,
+                     bos_token_id=1, eos_token_id=2, pad_token_id=0, **shape)
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp(request.param)
+    Phi3ForCausalLM(cfg).save_pretrained(d)
+    return str(d)
+
+
+def test_phi3_bf16_matches_hf(small_phi3):
+    """bf16 on the GPU (Triton rotary with partial rotary / a 96-wide head, LongRoPE rows, decode
+    graphs, async scheduling) against HF's full forward per step (which uses one factor set for the
+    whole sequence, as its generate does): the top-5 rule."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts()
+    ref = _hf_greedy_with_logprobs(small_phi3, prompts, 24)
+    with LLM(small_phi3, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3) as llm:
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=TOP_K))
+        assert llm.engine.scheduler.stats.num_rope_recomputes == 1
+    _assert_top5(ref, got)
+
+
+def test_phi3_fp32_equals_hf_and_graphs_equal_eager(small_phi3):
+    """float32: greedy tokens equal HF's exactly, with CUDA graphs and eagerly; bf16: graphs on and
+    off give the same tokens (a 48-token budget cuts the long prompt into chunks next to decodes)."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts()
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = _hf_greedy_with_logprobs(small_phi3, prompts, 24, torch.float32)
+    res = {}
+    for dtype, eager in (("float32", False), ("float32", True), ("bfloat16", False), ("bfloat16", True)):
+        with LLM(small_phi3, device="cuda", dtype=dtype, gpu_memory_utilization=0.3, enforce_eager=eager,
+                 max_num_seqs=16, max_num_batched_tokens=48) as llm:
+            res[dtype, eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert res["float32", False] == [r[0] for r in ref]
+    assert res["float32", True] == [r[0] for r in ref]
+    assert res["bfloat16", False] == res["bfloat16", True]

@@ -160,10 +160,8 @@ def test_compile_errors_size_limit_and_timeout(engine):
         e.grammar.max_spec_bytes = 100
         refused(SO(json=PERSON), "at most 100")
         e.grammar.max_spec_bytes = limit
-        e.grammar.compile_timeout = 1e-4  # a fresh schema takes milliseconds to compile
-        big = {"type": "object", "properties": {f"field_{i}": {"type": "string", "enum": [f"v{i}_{j}" for j in range(30)]}
-                                                for i in range(60)}}
-        refused(SO(json=big), "did not compile within 0.0001 s")
+        e.grammar.compile_timeout = 0.5  # the slow schema takes tens of seconds
+        refused(SO(json=slow_schema()), r"did not compile within 0.5 s \(--structured-outputs-compile-timeout\)")
     finally:
         e.grammar.max_spec_bytes, e.grammar.compile_timeout = limit, timeout
     with pytest.raises(SamplingParamsError):
@@ -235,8 +233,9 @@ def _pattern_schema(n: int) -> dict:
 def test_compiled_grammar_size_is_bounded_before_serializing(tokenizer):
     """A small schema that compiles to a huge grammar (a newcomer's 18 KB schema of 200 such
     properties made the server grow by tens of GB while serializing it) is refused with a 400
-    naming --max-structured-outputs-grammar-bytes, quickly and without serializing; a schema
-    under the limit still compiles."""
+    naming --max-structured-outputs-grammar-bytes, without serializing it (60 properties: 29 MB of
+    grammar, ~95 MB serialized, which the front end never receives); a schema under the limit still
+    compiles."""
     import asyncio as aio
     import resource
     import time
@@ -244,70 +243,111 @@ def test_compiled_grammar_size_is_bounded_before_serializing(tokenizer):
     from zpp.engine.structured_output import GrammarCompiler
 
     async def go():
-        gc = GrammarCompiler(tokenizer, 49152, {2}, 30.0, 1 << 20, max_grammar_bytes=4 << 20)
+        gc = GrammarCompiler(tokenizer, 49152, {2}, 60.0, 1 << 20, max_grammar_bytes=4 << 20)
         assert (await gc.compile(SO(json=_pattern_schema(2)))).compiled  # ~1 MB: accepted
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t = time.monotonic()
         with pytest.raises(RequestError, match=r"MiB; this server accepts at most 4.0 MiB "
                                                r"\(--max-structured-outputs-grammar-bytes\)") as info:
-            await gc.compile(SO(json=_pattern_schema(200)))
+            await gc.compile(SO(json=_pattern_schema(60)))
         assert info.value.param == "structured_outputs"
         took, grew = time.monotonic() - t, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 2**10
         gc.close()
         return took, grew
 
     took, grew_mib = aio.run(go())
-    assert took < 8 and grew_mib < 512, (took, grew_mib)
+    assert took < 30 and grew_mib < 64, (took, grew_mib)
 
 
-def test_waiting_for_a_busy_compile_thread_says_so(tokenizer):
-    """Both compile threads held by slow grammars: a third request's timeout says it waited for
-    a thread (retry later), not that its grammar is too complex."""
+def slow_schema(n: int = 250, tag: str = "") -> dict:
+    """The schema of shared/cases/grammar-compile-outlives-timeout.md: ``n`` required strings, each
+    with its own pattern (250: about 17 KB, about 41 s and 160 MB for xgrammar alone)."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"[a-z0-9]{{1,100}}x{tag}{i}"}
+                                             for i in range(n)}, "required": [f"p{i}" for i in range(n)]}
+
+
+def _compile_children(host_pid: int) -> list[int]:
+    from conftest import descendants
+    return descendants(host_pid)
+
+
+def test_compiles_are_killed_refused_once_and_never_starve_small_ones(tokenizer):
+    """Compiles run in processes forked by the compile host: two slow schemas hold both general
+    slots, yet a small ``choice`` compiles at once (its own slot); a third large schema says it
+    waited for a slot; at the timeout the slow compiles are killed (no compile process left a second
+    later) and a copy of one is refused at once without compiling; a compile whose only request
+    goes away is killed at once."""
     import asyncio as aio
-    import threading
+    import time
 
     from zpp.engine.structured_output import GrammarCompiler
 
-    release = threading.Event()
-
     async def go():
-        gc = GrammarCompiler(tokenizer, 49152, {2}, 0.5, 1 << 20)
-        real = gc._compile
-
-        def slow(kind, text, any_ws, started):
-            started.set()
-            release.wait(30)
-            return real(kind, text, any_ws, threading.Event())
-        gc._compile = slow
-        busy = [aio.ensure_future(gc.compile(SO(regex=f"a{{{i}}}"))) for i in (1, 2)]
-        await aio.sleep(0.1)
-        gc._compile = real
-        with pytest.raises(RequestError, match="waited 0.5 s for a compile thread, all busy"):
-            await gc.compile(SO(regex="b+"))
-        for f in busy:
-            with pytest.raises(RequestError, match="did not compile within 0.5 s"):
+        gc = GrammarCompiler(tokenizer, 49152, {2}, 2.0, 1 << 20)
+        await gc.compile(SO(choice=["warm", "up"]))  # starts the host (not counted in any timeout)
+        host = gc.host_pid
+        slow = [aio.ensure_future(gc.compile(SO(json=slow_schema(tag=t)))) for t in "ab"]
+        await aio.sleep(0.3)
+        third = aio.ensure_future(gc.compile(SO(json=slow_schema(tag="c"))))
+        t = time.monotonic()
+        assert (await gc.compile(SO(choice=["yes", "no", "maybe"]))).compiled
+        assert time.monotonic() - t < 1.0, "a small choice waited behind the slow schemas"
+        for f in slow:
+            with pytest.raises(RequestError, match=r"did not compile within 2 s \(--structured-outputs-compile-timeout\)"):
                 await f
-        release.set()
+        with pytest.raises(RequestError, match="for a compile slot, all busy with other grammars"):
+            await third
+        await aio.sleep(1.0)
+        assert _compile_children(host) == [], "a compile process outlived its timeout"
+        t = time.monotonic()
+        with pytest.raises(RequestError, match="it timed out before: not compiled again"):
+            await gc.compile(SO(json=slow_schema(tag="a")))
+        assert time.monotonic() - t < 0.1
+        gone = aio.ensure_future(gc.compile(SO(json=slow_schema(tag="d"))))
+        await aio.sleep(0.5)
+        assert len(_compile_children(host)) == 1
+        gone.cancel()  # the client went away
+        await aio.sleep(0.5)
+        assert _compile_children(host) == [], "a compile nobody waits for still runs"
         gc.close()
+        await aio.sleep(0.5)
+        from conftest import alive
+        assert not alive(host)
 
     aio.run(go())
 
 
 def test_a_running_compile_does_not_keep_the_process_alive(tmp_path):
-    """The compile threads are daemons: a process whose grammar compile never returns still exits
-    at once (a stopping server waited minutes for xgrammar)."""
+    """A process that exits while a grammar compiles exits at once, and its compile host and the
+    compile process go with it (a stopping server waited minutes for xgrammar)."""
     import subprocess
     import sys
+
+    from conftest import alive
     script = tmp_path / "exit_during_compile.py"
     script.write_text(
-        "import threading, time\n"
+        "import asyncio, json, sys\n"
+        "from transformers import AutoTokenizer\n"
         "from zpp.engine.structured_output import GrammarCompiler\n"
-        "gc = GrammarCompiler(None, 10, set(), 1.0, 100)\n"
-        "gc._pool.submit(threading.Event().wait)\n"
-        "time.sleep(0.2)\n"
-        "print('exiting')\n")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == "exiting", out.stderr
+        "from zpp.sampling_params import StructuredOutputsParams as SO\n"
+        "async def main():\n"
+        "    gc = GrammarCompiler(AutoTokenizer.from_pretrained(sys.argv[1]), 49152, {2}, 600.0, 1 << 20)\n"
+        "    asyncio.ensure_future(gc.compile(SO(json=json.loads(sys.argv[2]))))\n"
+        "    while gc.host_pid is None or not gc._host._started:\n"
+        "        await asyncio.sleep(0.05)\n"
+        "    print(gc.host_pid, flush=True)\n"
+        "asyncio.run(main())\n"
+        "print('exiting', flush=True)\n")
+    from conftest import demo_model_or_skip
+    out = subprocess.run([sys.executable, str(script), demo_model_or_skip(), json.dumps(slow_schema())],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "exiting", out.stderr
+    host = int(out.stdout.split()[0])
+    import time
+    deadline = time.monotonic() + 5
+    while alive(host) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(host), "the compile host outlived its process"
 
 
 # --- tool-call parsing (no engine) -----------------------------------------------------------------
@@ -322,7 +362,7 @@ def test_tool_output_parsing_and_streaming():
     auto = parse_tools(TOOLS, "auto", None)
     text = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     content, calls = parse_output(auto, text)
-    assert content == "Let me check." and len(calls) == 1
+    assert content == "Let me check. " and len(calls) == 1  # the text before the call, as generated
     assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["type"] == "function"
     assert parse_output(auto, '{"name": "get_time", "parameters": {"zone": "UTC"}}')[1][0]["function"]["name"] == "get_time"
@@ -343,7 +383,7 @@ def test_tool_output_parsing_and_streaming():
     for end in range(0, len(text) + 1, 5):
         deltas += ts.feed(text[:end], False)
     deltas += ts.feed(text, True)
-    assert "".join(d.get("content", "") for d in deltas).strip() == "Let me check."
+    assert "".join(d.get("content", "") for d in deltas) == content
     calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
     assert calls[0]["function"]["name"] == "get_weather" and calls[1]["function"]["arguments"] == '{"city": "Paris"}'
     # A request's bad tools are refused naming the field.
@@ -459,5 +499,182 @@ def test_server_bad_inputs_get_400_naming_the_field(server):
             assert e.value.status_code == 400 and e.value.body["param"] == param, (extra, e.value.body)
         r = await c.chat.completions.create(model=MODEL, messages=WEATHER_Q, max_tokens=3, temperature=0)
         assert r.choices[0].finish_reason == "length"
+
+    asyncio.run(go())
+
+
+# --- handed cases (shared/cases/): one message shape however an output ends; bounded compiles ----
+GET_WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string",
+                                                                          "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"]}}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                   "temperature": {"type": "integer"}},
+                  "required": ["city", "temperature"]}
+# Every kind of request, as extra chat-completion fields.
+SHAPE_MODES = {
+    "plain": {},
+    "tools-auto": {"tools": GET_WEATHER},
+    "tools-named": {"tools": GET_WEATHER, "tool_choice": NAMED},
+    "tools-required": {"tools": GET_WEATHER, "tool_choice": "required"},
+    "json-schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER_SCHEMA}}},
+    "choice": {"structured_outputs": {"choice": ["sunny and warm", "rainy and cold"]}},
+}
+CONSTRAINED = ("tools-named", "tools-required", "json-schema", "choice")
+
+
+async def _shape(c: AsyncOpenAI, stream: bool, **kw) -> tuple[str, list[tuple[str, str]], str]:
+    """(content, [(tool name, arguments)], finish reason) of one chat completion, from the message
+    or reassembled from the stream's deltas (content joined; each call's name from its first delta,
+    its arguments joined)."""
+    if not stream:
+        ch = (await c.chat.completions.create(model=MODEL, messages=WEATHER_Q, temperature=0, **kw)).choices[0]
+        calls = [(t.function.name, t.function.arguments) for t in ch.message.tool_calls or []]
+        return ch.message.content or "", calls, ch.finish_reason
+    content, calls, finish = "", {}, None
+    async for chunk in await c.chat.completions.create(model=MODEL, messages=WEATHER_Q, temperature=0, stream=True,
+                                                       **kw):
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        content += ch.delta.content or ""
+        for t in ch.delta.tool_calls or []:
+            if t.index not in calls:
+                calls[t.index] = [t.function.name, ""]
+            calls[t.index][1] += t.function.arguments or ""
+        finish = ch.finish_reason or finish
+    return content, [tuple(v) for _, v in sorted(calls.items())], finish
+
+
+def _kw(fields: dict) -> dict:
+    """Chat fields as the openai client takes them (non-standard ones through extra_body)."""
+    std = {k: v for k, v in fields.items() if k in ("tools", "tool_choice", "response_format", "max_tokens", "stop")}
+    extra = {k: v for k, v in fields.items() if k not in std}
+    return {**std, "extra_body": extra} if extra else std
+
+
+def test_named_tool_call_cut_off_has_one_shape(server):
+    """shared/cases/named-tool-call-cut-off.md: a named tool call cut off by max_tokens (8, 15) is
+    its call in both modes, the arguments as far as generated (at 8 tokens: the case's fragment),
+    finish_reason "length"; a complete one (20, 100) is the call with finish "tool_calls"; a cut-off
+    ``required`` output (8, 15, 20) is content in both modes."""
+    async def go():
+        c = _client(server)
+        cases = [(mode, n, stream) for mode in ("tools-named", "tools-required") for n in (8, 15, 20, 100)
+                 for stream in (False, True)]
+        got = await asyncio.gather(*(_shape(c, stream, **_kw({**SHAPE_MODES[mode], "max_tokens": n}))
+                                     for mode, n, stream in cases))
+        res = dict(zip(cases, got))
+        for mode in ("tools-named", "tools-required"):
+            for n in (8, 15, 20, 100):
+                assert res[mode, n, False] == res[mode, n, True], (mode, n, res[mode, n, False], res[mode, n, True])
+        assert res["tools-named", 8, False] == ("", [("get_weather", '{\n  "city": "Paris",')], "length")
+        for n in (8, 15):
+            content, calls, finish = res["tools-named", n, False]
+            assert (content, finish) == ("", "length") and len(calls) == 1 and calls[0][0] == "get_weather"
+            with pytest.raises(ValueError):
+                json.loads(calls[0][1])  # cut off: the arguments are incomplete JSON
+        for n in (8, 15, 20):
+            content, calls, finish = res["tools-required", n, False]
+            assert calls == [] and finish == "length" and content.startswith('[{"name": "get_')
+        for n in (20, 100):
+            content, calls, finish = res["tools-named", n, False]
+            assert finish == "tool_calls" and calls[0][0] == "get_weather"
+            jsonschema.validate(json.loads(calls[0][1]), GET_WEATHER[0]["function"]["parameters"])
+
+    asyncio.run(go())
+
+
+def test_every_early_end_has_one_shape_streamed_or_not(server):
+    """The whole kind of that case: for plain text, tool calls (auto, named, required) and
+    structured outputs (JSON schema, choice), each way an output ends early -- max_tokens, a stop
+    string, a grammar dead end (min_tokens past the grammar's end: "abort") -- gives the same
+    message (content, tool calls, finish reason) streamed and not streamed."""
+    async def go():
+        c = _client(server)
+        full = dict(zip(SHAPE_MODES, await asyncio.gather(*(
+            _shape(c, False, **_kw({**fields, "max_tokens": 40})) for fields in SHAPE_MODES.values()))))
+        cases: list[tuple[str, str, dict]] = []
+        for mode, fields in SHAPE_MODES.items():
+            content, calls, _ = full[mode]
+            text = calls[0][1] if calls else content
+            cases.append((mode, "length", {**fields, "max_tokens": 5}))
+            if len(text) >= 6:  # a stop string from the middle of the full output
+                mid = len(text) // 2
+                cases.append((mode, "stop string", {**fields, "max_tokens": 40, "stop": [text[mid:mid + 3]]}))
+            if mode in CONSTRAINED:
+                cases.append((mode, "dead end", {**fields, "max_tokens": 60, "min_tokens": 59}))
+        got = await asyncio.gather(*(_shape(c, stream, **_kw(fields)) for _, _, fields in cases
+                                     for stream in (False, True)))
+        finishes = set()
+        for i, (mode, end, _) in enumerate(cases):
+            plain, streamed = got[2 * i], got[2 * i + 1]
+            assert plain == streamed, (mode, end, plain, streamed)
+            finishes.add((end, plain[2]))
+            if mode == "tools-named":
+                assert len(plain[1]) == 1, (end, plain)  # a named function's output is always its call
+        assert {("length", "length"), ("stop string", "stop"), ("dead end", "abort")} <= finishes, finishes
+
+    asyncio.run(go())
+
+
+def _tree_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of ``pid`` and its live descendants."""
+    import os
+    from conftest import descendants
+    total = 0
+    for p in [pid] + descendants(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def test_slow_schema_is_stopped_refused_once_and_starves_nobody(server):
+    """shared/cases/grammar-compile-outlives-timeout.md on the server (compile timeout 10 s): a
+    client that gives up after 1 s; the same schema from a patient client gets a 400 naming the
+    timeout flag; a few seconds later the server's processes are back near idle (the compile was
+    killed); a copy of the schema is refused at once; while two other slow schemas compile, a small
+    ``choice`` request is answered in under 2 s."""
+    import time
+
+    async def go():
+        c = _client(server)
+        fmt = lambda schema: {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        impatient = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=1.0)
+        with pytest.raises(openai.APITimeoutError):
+            await impatient.chat.completions.create(model=MODEL, messages=WEATHER_Q, max_tokens=5,
+                                                    response_format=fmt(slow_schema()))
+        t = time.monotonic()
+        with pytest.raises(openai.BadRequestError, match="--structured-outputs-compile-timeout"):
+            await c.chat.completions.create(model=MODEL, messages=WEATHER_Q, max_tokens=5,
+                                            response_format=fmt(slow_schema()))
+        assert 9 < time.monotonic() - t < 14
+        await asyncio.sleep(1.0)
+        cpu0 = _tree_cpu_seconds(server.proc.pid)
+        await asyncio.sleep(2.0)
+        busy = _tree_cpu_seconds(server.proc.pid) - cpu0
+        assert busy < 0.6, f"the server's processes used {busy:.2f} CPU-seconds in 2 s after the refusal"
+        t = time.monotonic()
+        with pytest.raises(openai.BadRequestError, match="timed out before"):
+            await c.chat.completions.create(model=MODEL, messages=WEATHER_Q, max_tokens=5,
+                                            response_format=fmt(slow_schema()))
+        assert time.monotonic() - t < 1.0
+        slow = [asyncio.ensure_future(c.chat.completions.create(
+            model=MODEL, messages=WEATHER_Q, max_tokens=5, response_format=fmt(slow_schema(tag=tag))))
+            for tag in "pq"]
+        await asyncio.sleep(1.0)
+        t = time.monotonic()
+        r = await c.chat.completions.create(model=MODEL, messages=WEATHER_Q, max_tokens=5, temperature=0,
+                                            extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+        took = time.monotonic() - t
+        assert r.choices[0].message.content in ("yes", "no") and took < 2.0, took
+        for f in slow:  # the clients go away: their compiles are killed
+            f.cancel()
+        await asyncio.gather(*slow, return_exceptions=True)
 
     asyncio.run(go())

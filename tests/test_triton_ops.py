@@ -294,3 +294,35 @@ def test_gemma_norm_module_triton_path():
     x, r = torch.randn(5, 16, device=DEV, dtype=DT), torch.randn(5, 16, device=DEV, dtype=DT)
     y, r2 = norm.triton_forward(x, r)
     assert torch.equal(r2, x + r) and rel_err(y, norm._norm(x + r)) < TOL
+
+
+@pytest.mark.parametrize("d, rotary_dim", [(96, 96), (96, 72), (32, 24), (128, 96)])
+def test_rope_and_cache_partial_rotary_and_longrope(d, rotary_dim):
+    """Head sizes whose half is no power of two (Phi-3-mini's 96) and partial rotary (Phi-4-mini's
+    0.75 of 128): rotated dims as the PyTorch path, pass-through dims of k (and all of v) copied as
+    they are; with a LongRoPE table (short then long rows, attention factor) read at its rows."""
+    from zpp.models.layers.rotary import RotaryEmbedding
+    T, hq, hk, bs = 6, 4, 2, 16
+    half = rotary_dim // 2
+    scaling = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+               "long_factor": [2.0 + 0.3 * i for i in range(half)], "original_max_position_embeddings": 32,
+               "max_position_embeddings": 128}
+    rope = RotaryEmbedding(d, 128, 10000.0, scaling, rotary_dim=rotary_dim).to(DEV)
+    assert rope.cos.shape == (32 + 128, rotary_dim)
+    q = torch.randn(T, hq, d, device=DEV, dtype=DT)
+    k = torch.randn(T, hk, d, device=DEV, dtype=DT)
+    v = torch.randn(T, hk, d, device=DEV, dtype=DT)
+    pos = torch.tensor([0, 5, 9, 17, 100, 3], device=DEV)
+    rows = rope.rope_rows(pos, torch.tensor([0, 1, 0, 1, 1, 1], device=DEV))
+    assert rows.tolist() == [0, 37, 9, 49, 132, 35]
+    slots = torch.tensor([3, 40, 7, 16, 63, 0], device=DEV)
+    kc = torch.zeros(4, bs, hk, d, device=DEV, dtype=DT)
+    vc = torch.zeros_like(kc)
+    q_ref, k_ref = rope(rows, q.clone(), k.clone())
+    q2 = q.clone()
+    ops.rope_and_cache(q2, k, v, rows, rope.cos, rope.sin, kc, vc, slots)
+    assert rel_err(q2, q_ref) < TOL
+    assert torch.equal(q2[..., rotary_dim:], q[..., rotary_dim:])
+    assert rel_err(kc.view(-1, hk, d)[slots], k_ref) < TOL
+    assert torch.equal(kc.view(-1, hk, d)[slots][..., rotary_dim:], k[..., rotary_dim:])
+    assert torch.equal(vc.view(-1, hk, d)[slots], v)

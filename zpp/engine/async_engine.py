@@ -133,7 +133,10 @@ class AsyncEngine:
         so = config.structured_outputs
         engine.grammar = GrammarCompiler(tokenizer, engine.vocab_size, eos, so.compile_timeout, so.max_spec_bytes,
                                          so.max_grammar_bytes)
-        warm = asyncio.ensure_future(engine.grammar.warm_up())  # while the workers load
+        # Serving: the grammar compile host starts while the workers load, so that no HTTP request
+        # waits for it. Offline (in process) it starts with the first structured-output request:
+        # an LLM that never asks for one does not pay a process importing xgrammar.
+        warm = asyncio.ensure_future(engine.grammar.warm_up() if not in_process else asyncio.sleep(0))
         try:
             await client.start(config, eos, engine._on_step, engine._on_core_dead)
             await warm

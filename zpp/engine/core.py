@@ -27,6 +27,7 @@ from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
 from zpp.engine.scheduler import ScheduledBatch, Scheduler
 from zpp.engine.structured_output import GrammarStore, default_fill_threads
+from zpp.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +50,11 @@ class EngineCore:
         self.max_model_len = config.max_model_len
         self.kv = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.depth = config.pipeline_depth
+        hf = config.model.hf_config
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduler.enable_chunked_prefill, self.depth,
-                                   config.prefill_attention_budget, config.async_scheduling)
+                                   config.prefill_attention_budget, config.async_scheduling,
+                                   rope_switch_len=resolve_model_class(hf).rope_switch_length(hf))
         self.inflight: deque[ScheduledBatch] = deque()
         self._loop_task: Optional[asyncio.Task] = None
         self.dead: Optional[str] = None

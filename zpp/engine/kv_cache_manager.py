@@ -4,7 +4,7 @@ Each stage holds K/V tensors for its own layers indexed by these ids; the engine
 blocks a request uses and tells the workers the block table once (then only appended blocks).
 
 Automatic prefix caching follows vLLM V1's design: a full block is identified by a hash chained
-over the token ids of every block before it; freed blocks keep their hash and stay reusable until
+over the token ids of every block before it (seeded with the request's ``kv_variant``); freed blocks keep their hash and stay reusable until
 they are evicted, least recently freed first (free queue ordered, tail blocks of a sequence freed
 first so that its shared prefix outlives its private tail).
 """
@@ -63,7 +63,7 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else 0
+            parent = hashes[-1] if hashes else req.kv_variant
             hashes.append(hash((parent, tuple(req.token_ids[i * bs:(i + 1) * bs]))))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:

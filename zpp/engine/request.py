@@ -59,6 +59,11 @@ class Request:
         self.num_in_flight_tokens = 0
         self.stop_reason = None
         self.block_hashes: list[int] = []
+        self.kv_variant = 0
+        """How the request's KV is computed, beyond its tokens: the seed of its prefix-cache block
+        hashes, so blocks of different variants are never shared. 0, except with LongRoPE: 1 for a
+        request longer than ``original_max_position_embeddings`` (long factors; see
+        ``Scheduler.rope_switch_len``)."""
         self.grammar = None
         """Structured outputs: the sequence's RequestGrammar (zpp.engine.structured_output), or None."""
 

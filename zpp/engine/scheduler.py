@@ -42,6 +42,12 @@ decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
   is in its own, private block). Requests whose sampling needs the previous token on the host
   (repetition / frequency / presence penalties, structured outputs) are never scheduled this way,
   nor a token that will be the request's last by length.
+* LongRoPE (``rope_switch_len``, Phi-3's ``original_max_position_embeddings``): a sequence of at most
+  that many tokens is computed with the short rotary factors, a longer one with the long factors
+  for all its positions. A request that grows past the length is recomputed (preempted, not
+  counted as a preemption, and readmitted with its whole sequence), as HF's ``generate`` drops
+  and recomputes its KV cache there; its ``kv_variant`` (the seed of its prefix-cache hashes)
+  keeps short and long blocks apart.
 """
 from __future__ import annotations
 
@@ -86,6 +92,7 @@ class ScheduledBatch:
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0
+    num_rope_recomputes: int = 0  # LongRoPE: requests recomputed on growing past rope_switch_len
 
 
 MIN_PREFILL_SPLIT = 128
@@ -115,8 +122,10 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, depth: int = 1,
-                 prefill_attention_budget: Optional[int] = None, async_scheduling: bool = False):
+                 prefill_attention_budget: Optional[int] = None, async_scheduling: bool = False,
+                 rope_switch_len: Optional[int] = None):
         self.kv = kv
+        self.rope_switch_len = rope_switch_len
         self.async_scheduling = async_scheduling
         self.prefill_attention_budget = prefill_attention_budget
         self.max_num_seqs = max_num_seqs
@@ -197,14 +206,19 @@ class Scheduler:
             self.finish(req, RequestStatus.FINISHED_ABORTED)
         return req
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, count: bool = True) -> None:
+        """Free ``req``'s blocks and queue its recompute (``count``: a preemption for blocks, counted
+        in the stats; False for the LongRoPE recompute)."""
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_sent_tokens = 0
         self._free_slot(req)  # resent in full as a NewRequest, maybe in another slot
-        self.stats.num_preemptions += 1
+        if count:
+            self.stats.num_preemptions += 1
+        else:
+            self.stats.num_rope_recomputes += 1
         # Back to the head of the queue, keeping arrival order among preempted requests.
         i = 0
         while i < len(self.waiting) and self.waiting[i].status == RequestStatus.PREEMPTED \
@@ -305,6 +319,7 @@ class Scheduler:
         for req in sorted((r for r in waiting if r.req_id in plan), key=_priority):
             if preempted or stalled or len(self.running) >= self.max_num_seqs:
                 break
+            self._set_kv_variant(req)
             computed, num_cached = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_cached, plan[req.req_id])
             # A request resuming after preemption takes blocks for its whole recompute at once.
@@ -459,7 +474,25 @@ class Scheduler:
         if req.grammar is not None or not req.async_sampling_ok:
             return False
         n_after = req.num_scheduled_tokens + 1  # tokens known once the token in flight is back
+        if self._crosses_rope_switch(req, n_after):
+            return False  # the request is recomputed once that token is back
         return n_after - req.num_prompt_tokens < req.max_tokens and n_after < self.max_model_len
+
+    # --- LongRoPE -------------------------------------------------------------------------------
+    def _set_kv_variant(self, req: Request) -> None:
+        """On admission: the request's KV variant from its length now (1: longer than
+        ``rope_switch_len``, long rotary factors), its block hashes recomputed if it changed."""
+        if self.rope_switch_len is None:
+            return
+        variant = 1 if req.num_tokens > self.rope_switch_len else 0
+        if variant != req.kv_variant:
+            req.kv_variant = variant
+            req.block_hashes = []
+
+    def _crosses_rope_switch(self, req: Request, num_tokens: int) -> bool:
+        """Whether ``req``, computed with the short factors, must be recomputed once it has
+        ``num_tokens`` tokens."""
+        return self.rope_switch_len is not None and req.kv_variant == 0 and num_tokens > self.rope_switch_len
 
     def _add_chunk(self, req: Request, num_new: int, new_blocks: list[int], b: m.BatchBuilder,
                    from_prev: bool = False) -> bool:
@@ -516,6 +549,9 @@ class Scheduler:
             if tok >= 0:
                 req.append_token(tok)
                 req.check_stop(self.max_model_len)
+            if (not req.status.finished and not req.in_flight and req.status == RequestStatus.RUNNING
+                    and self._crosses_rope_switch(req, req.num_tokens)):
+                self._preempt(req, count=False)  # LongRoPE: recomputed with the long factors
             out.append((req, i, tok))
         return out
 

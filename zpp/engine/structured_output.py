@@ -3,15 +3,19 @@
 The shape vLLM V1 uses, kept to zpp's size:
 
 * **Front end** (:class:`GrammarCompiler`): a request's :class:`~zpp.sampling_params.StructuredOutputsParams`
-  is compiled by xgrammar in a thread (never on the event loop), with a bounded time
-  (``--structured-outputs-compile-timeout``), a size limit on the specification
-  (``--max-structured-outputs-spec-bytes``) and one on the compiled grammar
-  (``--max-structured-outputs-grammar-bytes``, checked before the grammar is serialized: its
-  serialization takes a few times its size in memory); compiled grammars are cached by a hash of
-  the specification. The compile threads are daemon threads, so a compile still running never
-  keeps a stopping server alive. A grammar that does not compile is a :class:`~zpp.engine.inputs.RequestError`
-  (HTTP 400) carrying xgrammar's message. The compiled grammar travels to the core serialized
-  (:class:`~zpp.engine.core_messages.GrammarSpec`, msgpack text, no pickle).
+  is compiled by xgrammar in a process of its own, forked for that compile by the compile host
+  (:mod:`zpp.engine.compile_host`) and killed when ``--structured-outputs-compile-timeout`` is up,
+  whether or not a request still waits for it: a slow grammar never holds a core past the timeout,
+  and small specifications have a compile slot of their own, so slow ones never starve them. A
+  size limit on the specification (``--max-structured-outputs-spec-bytes``) and one on the
+  compiled grammar (``--max-structured-outputs-grammar-bytes``, checked before the grammar is
+  serialized: its serialization takes a few times its size in memory) apply; compiled grammars
+  are cached by a hash of the specification, and so are refusals (a compile error, a grammar too
+  large, a timeout: the latter for ``REFUSED_TIMEOUT_TTL`` seconds), so a copy of a refused
+  specification is refused at once instead of compiling again. A grammar that does not compile
+  is a :class:`~zpp.engine.inputs.RequestError` (HTTP 400) carrying xgrammar's message. The
+  compiled grammar travels to the core serialized (:class:`~zpp.engine.core_messages.GrammarSpec`,
+  msgpack text, no pickle).
 * **Engine core** (:class:`GrammarStore`, :class:`RequestGrammar`): the *only* grammar matcher of
   a sequence lives in the core, which alone decides the micro-batches, so no two ranks can
   disagree about a grammar state (the pipeline-parallel hang of vLLM #8237 / sglang #28424). When
@@ -29,20 +33,20 @@ matcher's state.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import hashlib
+import itertools
 import json
 import logging
 import os
-import queue
 import re
-import threading
+import time
 from collections import OrderedDict
 from typing import Optional
 
 import msgspec
 import numpy as np
 
+from zpp.engine.compile_host import CompileFailed, CompileHost, CompileHostDied, CompileTimedOut
 from zpp.engine.core_messages import GrammarSpec
 from zpp.engine.inputs import RequestError
 from zpp.sampling_params import StructuredOutputsParams
@@ -77,6 +81,20 @@ def spec_of(params: StructuredOutputsParams) -> tuple[str, str]:
     return kind, getattr(params, kind)
 
 
+REFUSED_TIMEOUT_TTL = 600.0
+"""Seconds a specification whose compile timed out is refused at once without compiling again
+(timeouts depend on the load; compile errors are remembered for as long as the cache keeps them)."""
+
+
+class _Compile:
+    """A compile in flight: the host's job, its future and how many requests wait for it."""
+
+    __slots__ = ("job_id", "future", "waiters")
+
+    def __init__(self, job_id: int, future: asyncio.Future):
+        self.job_id, self.future, self.waiters = job_id, future, 0
+
+
 class GrammarCompiler:
     """Compiles structured-output constraints in the front end (one per :class:`AsyncEngine`).
 
@@ -85,12 +103,16 @@ class GrammarCompiler:
         vocab_size: the model's vocabulary size (``config.json``), which may exceed the
             tokenizer's: the bitmask covers every logit.
         stop_token_ids: the engine's EOS ids, the tokens a complete grammar allows.
-        compile_timeout: seconds a compile may take, queueing for a thread included.
+        compile_timeout: seconds a compile may take, waiting for a compile slot included; a compile
+            still running then is killed.
         max_spec_bytes: largest specification (UTF-8 bytes) accepted.
         max_grammar_bytes: largest compiled grammar (xgrammar's ``memory_size_bytes``) accepted.
 
-    xgrammar's ``TokenizerInfo`` (about 0.6 s for a 49k vocabulary) is built on first use, in the
-    compile thread.
+    The compile host (:class:`~zpp.engine.compile_host.CompileHost`: it imports xgrammar and builds
+    its ``TokenizerInfo`` from the tokenizer's directory, a few seconds) is started by
+    :meth:`warm_up` (``zpp serve``: while the workers load) or by the first structured-output
+    request (the offline ``LLM``), and again by the next request after it died; its start does not
+    count against a compile timeout.
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], compile_timeout: float,
@@ -101,68 +123,41 @@ class GrammarCompiler:
         self.compile_timeout = compile_timeout
         self.max_spec_bytes = max_spec_bytes
         self.max_grammar_bytes = max_grammar_bytes
-        self._pool = _DaemonPool(2, "zpp-grammar")
-        self._lock = threading.Lock()
-        self._compiler = None
         self.tokenizer_info_json = ""
         self._tokenizer_info_sent = False
+        self._host: Optional[CompileHost] = None
+        self._job_ids = itertools.count()
         self._cache: OrderedDict[str, str] = OrderedDict()  # key -> serialized CompiledGrammar
-        self._inflight: dict[str, tuple[asyncio.Future, threading.Event]] = {}  # key -> (compile, started)
-
-    def _xgr_compiler(self):
-        with self._lock:
-            if self._compiler is None:
-                import xgrammar as xgr
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids)
-                self.tokenizer_info_json = info.serialize_json()
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
-            return self._compiler
+        self._refused: OrderedDict[str, tuple[str, Optional[float]]] = OrderedDict()  # key -> (message, until)
+        self._inflight: dict[str, _Compile] = {}
 
     async def warm_up(self) -> None:
-        """Import xgrammar and build the tokenizer info now, in the compile thread (a few seconds
-        on a loaded CPU), so that the first structured-output request does not wait for it. A
-        failure is logged; structured-output requests are then refused with its message."""
+        """Start the compile host now (it imports xgrammar and builds the tokenizer info: a few
+        seconds on a loaded CPU), so that the first structured-output request does not wait for it.
+        A failure is logged; structured-output requests then try again, and are refused with its
+        message."""
         if self.tokenizer is None:
             return
         try:
-            await asyncio.wrap_future(self._pool.submit(self._xgr_compiler))
+            await self._started_host()
         except Exception as e:
-            logger.warning("structured outputs are unavailable: xgrammar failed on this tokenizer: %s",
-                           _library_message(e))
+            logger.warning("structured outputs are unavailable: %s", _library_message(e))
 
-    def _compile(self, kind: str, text: str, any_whitespace: bool, started: threading.Event) -> str:
-        """Compile in a worker thread; returns the serialized CompiledGrammar.
-
-        Raises:
-            GrammarTooLarge: the compiled grammar exceeds ``max_grammar_bytes`` (not serialized)."""
-        started.set()
-        c = self._xgr_compiler()
-        if kind == "json":
-            g = c.compile_json_schema(text, any_whitespace=any_whitespace, strict_mode=True)
-        elif kind == "json_object":  # any object: not strict, else {"type": "object"} admits only {}
-            g = c.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False)
-        elif kind == "regex":
-            g = c.compile_regex(text)
-        elif kind == "choice":
-            g = c.compile_grammar("root ::= " + " | ".join(json.dumps(x, ensure_ascii=False)
-                                                           for x in json.loads(text)))
-        else:
-            g = c.compile_grammar(text)
-        size = g.memory_size_bytes
-        if size > self.max_grammar_bytes:
-            raise GrammarTooLarge(f"the compiled {kind} grammar takes {size / 2**20:.1f} MiB; this server accepts at "
-                                  f"most {self.max_grammar_bytes / 2**20:.1f} MiB "
-                                  f"(--max-structured-outputs-grammar-bytes): simplify it")
-        return g.serialize_json()
+    async def _started_host(self) -> CompileHost:
+        if self._host is None:
+            self._host = CompileHost(self.tokenizer.name_or_path, self.vocab_size, self.stop_token_ids)
+        self.tokenizer_info_json = await self._host.start()
+        return self._host
 
     async def compile(self, params: StructuredOutputsParams) -> GrammarSpec:
         """The compiled grammar of ``params`` (cached by its specification).
 
         Raises:
             RequestError: (``param`` = ``"structured_outputs"``) the specification is larger than
-                ``max_spec_bytes``, xgrammar cannot compile it (its message is given), or the
-                compile took longer than ``compile_timeout`` seconds.
+                ``max_spec_bytes``, xgrammar cannot compile it (its message is given), the compiled
+                grammar is over ``max_grammar_bytes``, the compile took longer than
+                ``compile_timeout`` seconds (or no compile slot freed up in that time), or the same
+                specification was refused so before (at once, without compiling again).
         """
         if self.tokenizer is None:
             raise RequestError("structured outputs need a tokenizer, and this model has none", "structured_outputs")
@@ -177,37 +172,94 @@ class GrammarCompiler:
         if compiled is not None:
             self._cache.move_to_end(key)
             return GrammarSpec(key, compiled)
+        refused = self._refused.get(key)
+        if refused is not None:
+            message, until = refused
+            if until is None or time.monotonic() < until:
+                self._refused.move_to_end(key)
+                raise RequestError(message, "structured_outputs")
+            del self._refused[key]
+        try:
+            host = await self._started_host()
+        except Exception as e:
+            raise RequestError(f"structured outputs are unavailable: {_library_message(e)}",
+                               "structured_outputs") from None
         entry = self._inflight.get(key)
         if entry is None:  # one compile per specification at a time, however many requests wait for it
-            started = threading.Event()
-            fut = asyncio.wrap_future(self._pool.submit(self._compile, kind, text, any_ws, started))
-            entry = self._inflight[key] = (fut, started)
-            fut.add_done_callback(lambda f, key=key: self._compiled(key, f))
-        fut, started = entry
+            job_id = next(self._job_ids)
+            entry = self._inflight[key] = _Compile(job_id, host.submit(
+                job_id, kind, text, any_ws, self.max_grammar_bytes, self.compile_timeout))
+            entry.future.add_done_callback(lambda f, key=key, e=entry, k=kind: self._compiled(key, e, k))
+        entry.waiters += 1
         try:
-            compiled = await asyncio.wait_for(asyncio.shield(fut), self.compile_timeout)
+            compiled = await asyncio.wait_for(asyncio.shield(entry.future), self.compile_timeout)
         except asyncio.TimeoutError:
-            if not started.is_set():
-                raise RequestError(f"the {kind} waited {self.compile_timeout:g} s for a compile thread, all busy with "
+            started = host.started_at(entry.job_id)
+            if started is None:
+                raise RequestError(f"the {kind} waited {self.compile_timeout:g} s for a compile slot, all busy with "
                                    "other grammars (--structured-outputs-compile-timeout): retry later",
                                    "structured_outputs") from None
-            raise RequestError(f"the {kind} did not compile within {self.compile_timeout:g} s "
-                               "(--structured-outputs-compile-timeout): simplify it", "structured_outputs") from None
-        except GrammarTooLarge as e:
-            raise RequestError(str(e), "structured_outputs") from None
-        except Exception as e:
-            raise RequestError(f"the {kind} could not be compiled: {_library_message(e)}",
-                               "structured_outputs") from None
+            ran = time.monotonic() - started
+            if ran < 0.9 * self.compile_timeout:  # most of the time went waiting for a slot
+                raise RequestError(f"the {kind} did not compile within {self.compile_timeout:g} s, of which it waited "
+                                   f"{self.compile_timeout - ran:.1f} s for a compile slot, all busy with other "
+                                   "grammars (--structured-outputs-compile-timeout): retry later",
+                                   "structured_outputs") from None
+            self._remember_timeout(key, kind)
+            raise RequestError(self._timeout_message(kind), "structured_outputs") from None
+        except CompileTimedOut:
+            raise RequestError(self._timeout_message(kind), "structured_outputs") from None
+        except CompileFailed as e:
+            raise RequestError(self._failed_message(kind, e), "structured_outputs") from None
+        except CompileHostDied as e:
+            raise RequestError(f"the {kind} could not be compiled: {e}", "structured_outputs") from None
+        finally:
+            entry.waiters -= 1
+            if entry.waiters == 0 and not entry.future.done():
+                # Nobody waits for it any more (timed out, or the clients went away): the host
+                # unqueues it, or kills it if it runs. A copy sent later compiles afresh, unless
+                # this one timed out (remembered above).
+                host.drop(entry.job_id)
+                if self._inflight.get(key) is entry:
+                    del self._inflight[key]
         return GrammarSpec(key, compiled)
 
-    def _compiled(self, key: str, fut: asyncio.Future) -> None:
-        self._inflight.pop(key, None)
-        if fut.cancelled() or fut.exception() is not None:
+    def _timeout_message(self, kind: str) -> str:
+        return (f"the {kind} did not compile within {self.compile_timeout:g} s "
+                "(--structured-outputs-compile-timeout): simplify it")
+
+    @staticmethod
+    def _failed_message(kind: str, e: "CompileFailed") -> str:
+        return str(e) if e.too_large else f"the {kind} could not be compiled: {_library_message(e)}"
+
+    def _compiled(self, key: str, entry: _Compile, kind: str) -> None:
+        """A compile ended: cache its grammar, or remember its refusal."""
+        if self._inflight.get(key) is entry:
+            del self._inflight[key]
+        fut = entry.future
+        if fut.cancelled():
             return
-        self._cache[key] = fut.result()
-        self._cache.move_to_end(key)
-        while len(self._cache) > _CACHE_ENTRIES:
-            self._cache.popitem(last=False)
+        e = fut.exception()
+        if e is None:
+            self._cache[key] = fut.result()
+            self._cache.move_to_end(key)
+            while len(self._cache) > _CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+            return
+        if isinstance(e, CompileTimedOut):
+            self._remember_timeout(key, kind)
+        elif isinstance(e, CompileFailed):
+            self._remember(key, self._failed_message(kind, e), None)
+
+    def _remember_timeout(self, key: str, kind: str) -> None:
+        self._remember(key, self._timeout_message(kind) + " (it timed out before: not compiled again for now)",
+                       time.monotonic() + REFUSED_TIMEOUT_TTL)
+
+    def _remember(self, key: str, message: str, until: Optional[float]) -> None:
+        self._refused[key] = (message, until)
+        self._refused.move_to_end(key)
+        while len(self._refused) > _CACHE_ENTRIES:
+            self._refused.popitem(last=False)
 
     def for_core(self, spec: GrammarSpec) -> GrammarSpec:
         """``spec`` as sent to the core: the first one carries the tokenizer info the core needs to
@@ -217,56 +269,14 @@ class GrammarCompiler:
         self._tokenizer_info_sent = True
         return GrammarSpec(spec.key, spec.compiled, self.tokenizer_info_json)
 
+    @property
+    def host_pid(self) -> Optional[int]:
+        """The compile host's process id while it runs (tests, diagnostics)."""
+        return self._host.pid if self._host is not None else None
+
     def close(self) -> None:
-        self._pool.shutdown()
-
-
-class GrammarTooLarge(Exception):
-    """A compiled grammar over ``--max-structured-outputs-grammar-bytes`` (its message says so)."""
-
-
-class _DaemonPool:
-    """A fixed set of daemon threads running submitted calls in order (``submit`` returns a
-    ``concurrent.futures.Future``). Unlike ``ThreadPoolExecutor``, whose threads the interpreter
-    joins at exit, a compile still running here (xgrammar's C++ cannot be interrupted) does not
-    keep a stopping process alive."""
-
-    def __init__(self, num_threads: int, name: str):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._num_threads = num_threads
-        for i in range(num_threads):
-            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True).start()
-
-    def submit(self, fn, *args) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((fut, fn, args))
-        return fut
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # delivered to the waiting request
-                fut.set_exception(e)
-
-    def shutdown(self) -> None:
-        """Cancel the calls not started and let the threads end (a running call finishes in the
-        background)."""
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0].cancel()
-        for _ in range(self._num_threads):
-            self._queue.put(None)
+        if self._host is not None:
+            self._host.close()
 
 
 class RequestGrammar:

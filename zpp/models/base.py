@@ -110,6 +110,13 @@ class StageModel(nn.Module):
         """Raise ConfigError for options this implementation does not support."""
 
     @classmethod
+    def rope_switch_length(cls, cfg: dict[str, Any]) -> Optional[int]:
+        """The sequence length past which the model encodes positions differently for the whole
+        sequence (LongRoPE's ``original_max_position_embeddings``): a sequence computed at or below
+        it must be recomputed once it grows past it (the scheduler does). None for most families."""
+        return None
+
+    @classmethod
     def check_tensor_parallel(cls, cfg: dict[str, Any], tp_size: int) -> None:
         """Raise ConfigError (one line, naming ``--tensor-parallel-size``) if this config cannot be
         split ``tp_size`` ways. Called only for ``tp_size > 1`` on families with
@@ -136,12 +143,35 @@ class StageModel(nn.Module):
         return self.stage.layer_end - self.stage.layer_start
 
     # --- loading ------------------------------------------------------------------------------
+    def check_weight_names(self, names: Iterable[str]) -> None:
+        """The name checks of :meth:`load_weights` on the checkpoint's tensor names alone, so that a
+        checkpoint with a tensor missing or misnamed is refused before any tensor is read or copied
+        (the loader runs it on the safetensors headers first).
+
+        Raises:
+            ValueError: one line naming the tensors this stage owns that match no parameter -- or a
+                shard the parameter does not have -- (unexpected) and the parameters (or shards of
+                merged ones) no tensor fills (missing).
+        """
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        unexpected: list[str] = []
+        for name in names:
+            for pname, shard in self.map_weight_name(name) or ():
+                if self._target_ok(pname, shard, params):
+                    filled.add(f"{pname}#{shard}")
+                else:
+                    unexpected.append(name)
+        self._raise_mismatch(params, filled, unexpected)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into this stage's parameters.
 
         Tensors other stages own are skipped. Raises ValueError naming any tensor this stage owns
         that matches no parameter -- or a shard the parameter does not have, e.g. expert 8 of a
-        layer of 8 experts -- (unexpected), or any parameter that received nothing (missing).
+        layer of 8 experts -- (unexpected), or any parameter that received nothing (missing), or a
+        tensor whose shape does not fit its parameter. The loader checks the names first
+        (:meth:`check_weight_names`), before any copy.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -151,10 +181,10 @@ class StageModel(nn.Module):
             if targets is None:
                 continue
             for pname, shard in targets:
-                param = params.get(pname)
-                if param is None or (shard is not None and not 0 <= shard < (self._num_shards(pname, param) or 0)):
+                if not self._target_ok(pname, shard, params):
                     unexpected.append(name)
                     continue
+                param = params[pname]
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
                     if shard is None:
@@ -164,12 +194,25 @@ class StageModel(nn.Module):
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
                 loaded.add(f"{pname}#{shard}")
+        self._raise_mismatch(params, loaded, unexpected)
+
+    def _target_ok(self, pname: str, shard: Optional[int], params: dict[str, nn.Parameter]) -> bool:
+        """Whether parameter ``pname`` exists and has shard ``shard`` (None: loaded whole)."""
+        param = params.get(pname)
+        return param is not None and (shard is None or 0 <= shard < (self._num_shards(pname, param) or 0))
+
+    def _raise_mismatch(self, params: dict[str, nn.Parameter], filled: set[str], unexpected: list[str]) -> None:
+        """One ValueError line naming unexpected tensors and missing parameters, if any (10 of each)."""
+        missing = sorted(m for pname, p in params.items() if (m := self._missing(pname, p, filled)))
+        parts = []
         if unexpected:
-            raise ValueError(f"unexpected checkpoint tensors for this model: {', '.join(sorted(unexpected)[:10])}")
-        missing = [m for pname, p in params.items() if (m := self._missing(pname, p, loaded))]
+            parts.append(f"unexpected checkpoint tensors for this model: {', '.join(sorted(unexpected)[:10])}"
+                         + (" ..." if len(unexpected) > 10 else ""))
         if missing:
-            raise ValueError(f"checkpoint is missing tensors: {', '.join(sorted(missing)[:10])}"
-                             + (" ..." if len(missing) > 10 else ""))
+            parts.append(f"checkpoint is missing tensors: {', '.join(missing[:10])}"
+                         + (" ..." if len(missing) > 10 else ""))
+        if parts:
+            raise ValueError("; ".join(parts))
 
     def _num_shards(self, pname: str, param: nn.Parameter) -> Optional[int]:
         """How many shards ``pname`` loads in: ``param.num_shards`` if set (MoE experts:

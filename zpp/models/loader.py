@@ -15,6 +15,18 @@ from zpp.models.registry import resolve_model_class
 logger = logging.getLogger(__name__)
 
 
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's ``*.safetensors`` files, sorted.
+
+    Raises:
+        FileNotFoundError: the directory holds none.
+    """
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir} (use --load-format dummy for random weights)")
+    return files
+
+
 def iter_safetensors(model_dir: str, model: StageModel) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for the checkpoint tensors this stage owns; others are never read.
 
@@ -23,10 +35,7 @@ def iter_safetensors(model_dir: str, model: StageModel) -> Iterator[tuple[str, t
     """
     from safetensors import safe_open
 
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir} (use --load-format dummy for random weights)")
-    for path in files:
+    for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if model.map_weight_name(name) is not None:
@@ -59,10 +68,15 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
     ``quantization="fp8"`` (``--quantization fp8``): the loaded bf16/fp16 linear weights are
     quantized to FP8 per output channel (the caller has checked the GPU).
 
+    The names of the tensors the stage receives (from the safetensors headers; for an FP8
+    checkpoint, as planned) are checked against its parameters before any tensor is read
+    (``StageModel.check_weight_names``): a tensor missing or misnamed is refused before any weight
+    loads.
+
     Raises:
         ConfigError: unsupported architecture / option (checked again here, before any allocation).
-        ValueError: missing or unexpected tensors (an FP8 weight's scale included), or shape
-            mismatches (names given).
+        ValueError: missing or unexpected tensors (an FP8 weight's scale included; named, before any
+            copy), or shape mismatches (names given).
     """
     from zpp.models import quantization as q
     cls = resolve_model_class(cfg, stage.tp_size)
@@ -80,13 +94,13 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
         if quant is not None and keep_fp8:
             q.quantize_model_like_checkpoint(model, quant)
     elif quant is None:
+        model.check_weight_names(q.read_index(safetensors_files(model_dir)))  # headers only
         model.load_weights(iter_safetensors(model_dir, model))
     else:
-        index = q.read_index(sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))))
-        if not index:
-            raise FileNotFoundError(f"no *.safetensors files in {model_dir} (use --load-format dummy for random weights)")
+        index = q.read_index(safetensors_files(model_dir))
         n = q.prepare_model_for_checkpoint(model, index, quant, keep_fp8)
         plan = q.plan_checkpoint(model, index, quant, dtype)
+        model.check_weight_names(t.name for t in plan.tensors)
         model.load_weights(q.iter_planned(plan, index, quant, device))
         q.finish_fp8_loading(model)
         kv = q.load_kv_scales(model, plan, index)

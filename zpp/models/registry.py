@@ -22,6 +22,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("zpp.models.gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("zpp.models.gemma3", "Gemma3ForCausalLM"),  # its language model only
     "GptOssForCausalLM": ("zpp.models.gpt_oss", "GptOssForCausalLM"),
+    "Phi3ForCausalLM": ("zpp.models.phi3", "Phi3ForCausalLM"),
 }
 
 

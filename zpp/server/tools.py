@@ -11,6 +11,11 @@ constraining the output and turning it into OpenAI ``tool_calls``.
 * ``{"type": "function", "function": {"name": N}}``: the output is constrained to N's
   ``parameters`` schema and is the call's ``arguments``.
 
+An output that ends early (``max_tokens``, a stop string, a grammar dead end) has the same message
+shape streamed or not: a named function's output is always its call, with the arguments as far as
+they were generated and the ``finish_reason`` saying why they stop (``"length"``, ``"stop"``,
+``"abort"``); ``required`` and ``auto`` outputs that do not parse as calls are content.
+
 A chat template that ignores ``tools`` (renders the same text with and without them, as
 SmolLM2's does) gets a short system text listing the tools and the ``<tool_call>`` format instead.
 """
@@ -145,15 +150,17 @@ def _as_call(obj, names: set[str]) -> Optional[dict]:
 
 
 def parse_output(plan: ToolPlan, text: str) -> tuple[Optional[str], list[dict]]:
-    """``(content, tool_calls)`` of a finished output (``tool_calls`` empty: plain content).
+    """``(content, tool_calls)`` of a finished output (``tool_calls`` empty: plain content), the
+    same message :class:`ToolStream` streams for that text, however the output ended.
 
-    ``named``: the text is the arguments (when it is complete JSON); ``required``: a JSON array of
-    ``{"name", "parameters"}``; ``auto``: ``<tool_call>`` blocks or a bare ``{"name", "arguments"}``
-    object, the text before the first block being the content (None when empty)."""
+    ``named``: always the function's call, the text its arguments as generated -- incomplete JSON
+    when the output was cut off (``finish_reason`` ``"length"``, a stop string, a grammar dead end),
+    as vLLM gives it; ``required``: a JSON array of ``{"name", "parameters"}`` (an output cut off
+    before the array is complete stays content); ``auto``: ``<tool_call>`` blocks or a bare
+    ``{"name", "arguments"}`` object, the text before the first block (as generated) being the
+    content (None when empty)."""
     if plan.mode == "named":
-        if _json_prefix(text) is None:
-            return text, []
-        return None, [_call(plan.name, text.strip())]
+        return None, [_call(plan.name, text)]
     if plan.mode == "required":
         arr = _json_prefix(text)
         calls = [c for c in (_as_call(o, plan.names) for o in arr) if c] if isinstance(arr, list) else []
@@ -168,7 +175,7 @@ def parse_output(plan: ToolPlan, text: str) -> tuple[Optional[str], list[dict]]:
             if c:
                 calls.append(c)
         if calls:
-            return text[:start].strip() or None, calls
+            return text[:start] or None, calls
         return text, []
     if text.lstrip().startswith("{"):
         c = _as_call(_json_prefix(text), plan.names)
@@ -207,7 +214,7 @@ class ToolStream:
             return self._content(text, len(text))
         out = []
         head = text[:text.find(_OPEN)] if _OPEN in text else ""
-        out += self._content(text, len(head.rstrip()))
+        out += self._content(text, len(head))
         self.sent = len(text)
         for c in calls:
             out.append({"tool_calls": [{"index": self.calls, "id": c["id"], "type": "function",

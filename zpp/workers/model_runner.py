@@ -265,8 +265,17 @@ class ModelRunner:
         q_lens = cols.num_tokens.astype(np.int64)
         T = int(q_lens.sum())
         B = cols.size
+        long_seq = None
+        switch = getattr(self.model, "rope_switch_len", None)
+        if switch is not None:
+            # LongRoPE: which sequences are longer than the switch length (their every token reads the
+            # long rotary rows). The decode graphs derive it from the positions (position >= switch),
+            # right for decodes; a batch with a 1-token prompt chunk of a long sequence at an earlier
+            # position runs eagerly with the flags.
+            long_seq = np.maximum(self.table.num_tokens[cols.slots], starts + q_lens) > switch
         if (self.graphs is not None and T == B and self.graphs.bucket(B) is not None
-                and not cols.prompt_logprobs.any()):
+                and not cols.prompt_logprobs.any()
+                and (long_seq is None or (long_seq == (starts >= switch)).all())):
             return self._execute_graph(batch, cols)
         # Every index array of the step goes to the device in one pinned upload, before the
         # forward is queued (see zpp/workers/staging.py): positions, input ids, the rows fed from
@@ -289,6 +298,10 @@ class ModelRunner:
             rows = plan[0]
             padded = self._logit_bucket(len(rows))  # the last row repeated up to a warmed-up shape
             host.append(np.asarray(rows + rows[-1:] * (padded - len(rows)), dtype=np.int64))
+        rope_long_at = None
+        if long_seq is not None:
+            rope_long_at = len(host)
+            host.append(np.repeat(long_seq, q_lens).astype(np.int64))
         width = -(-int((starts + q_lens).max()) // self.block_size)
         tables = self.table.block_rows(cols.slots, width)
         tmeta = None
@@ -308,8 +321,12 @@ class ModelRunner:
         logit_rows = None
         if plan is not None and plan[0]:
             logit_rows, i = dev[i], i + 1
+        if rope_long_at is not None:
+            i += 1
         meta = tmeta.to_device(dev[i:]) if tmeta is not None else build_attention_metadata(
             starts.tolist(), q_lens.tolist(), tables, self.block_size, self.device, self.group)
+        if rope_long_at is not None:
+            meta.rope_long = dev[rope_long_at]
 
         acts = None
         if not self.stage.is_first:  # time blocked on the previous stage is not busy time

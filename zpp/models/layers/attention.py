@@ -146,6 +146,11 @@ class AttentionMetadata:
         tile_seq / tile_qstart ``[num_tiles]`` int32, block_m (rows per program); in a mixed batch
         (decodes and prompt chunks) the decodes' tiles apart, ``decode_tile_seq`` /
         ``decode_tile_qstart`` at ``decode_block_m`` rows (see :func:`triton_metadata_arrays`).
+    Both paths:
+        rope_long: ``[T]`` int64 0/1, set by the model runner's eager steps for models with LongRoPE
+            (``rope_switch_len``): 1 for the tokens of sequences longer than
+            ``original_max_position_embeddings`` (see ``RotaryEmbedding.rope_rows``); None otherwise
+            (decode graphs: the model derives it from the positions).
     """
 
     slot_mapping: torch.Tensor
@@ -160,6 +165,7 @@ class AttentionMetadata:
     decode_tile_seq: Optional[torch.Tensor] = None
     decode_tile_qstart: Optional[torch.Tensor] = None
     decode_block_m: int = 16
+    rope_long: Optional[torch.Tensor] = None
 
     @property
     def triton(self) -> bool:

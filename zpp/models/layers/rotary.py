@@ -3,8 +3,21 @@
 Supported ``rope_scaling`` / ``rope_parameters`` types: ``default``, ``linear``, ``llama3``, ``yarn``
 (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models", computed as HF
 transformers' ``_compute_yarn_parameters``: blended inverse frequencies, and the attention factor
-folded into the cos/sin tables). Anything else raises :class:`zpp.config.ConfigError` when the
-model is resolved (before weights load).
+folded into the cos/sin tables), ``longrope`` (LongRoPE, Ding et al. 2024, "LongRoPE: Extending LLM
+Context Window Beyond 2 Million Tokens"; Phi-3 / Phi-4-mini). Anything else raises
+:class:`zpp.config.ConfigError` when the model is resolved (before weights load).
+
+LongRoPE has two sets of per-frequency factors: ``short_factor`` for sequences of at most
+``original_max_position_embeddings`` tokens, ``long_factor`` for longer ones, and scales cos/sin by an
+attention factor. HF transformers (``modeling_rope_utils._compute_longrope_parameters`` and the
+``longrope`` branch of ``dynamic_rope_update``) picks the set from the sequence length of each forward,
+and its ``Phi3ForCausalLM.prepare_inputs_for_generation`` drops the KV cache and recomputes the whole
+sequence with the long factors when a sequence grows past ``original_max_position_embeddings``: a
+sequence's keys and queries all use one set, the long one once it is longer. zpp does the same: the
+table holds ``original_max_position_embeddings`` short rows then ``max_positions`` long rows
+(:meth:`RotaryEmbedding.rope_rows`), the model runner says per token whether its sequence is long,
+and the scheduler recomputes a sequence when it crosses the length (see
+``zpp.engine.scheduler.Scheduler``).
 """
 from __future__ import annotations
 
@@ -16,7 +29,7 @@ from torch import nn
 
 from zpp.config import ConfigError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_params(cfg: dict[str, Any], default_theta: float = 10000.0,
@@ -27,7 +40,8 @@ def rope_params(cfg: dict[str, Any], default_theta: float = 10000.0,
     scaling = dict(cfg.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
     merged = {**scaling, **params}
-    if cfg.get("original_max_position_embeddings") and merged.get("rope_type", merged.get("type")) == "yarn":
+    if cfg.get("original_max_position_embeddings") and merged.get("rope_type", merged.get("type")) in ("yarn",
+                                                                                                     "longrope"):
         # HF's standardize_rope_params: a top-level original_max_position_embeddings wins.
         merged["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     return theta, check_rope_scaling(merged, cfg.get("max_position_embeddings"), types)
@@ -35,9 +49,11 @@ def rope_params(cfg: dict[str, Any], default_theta: float = 10000.0,
 
 def check_rope_scaling(scaling: dict[str, Any], max_position_embeddings: Optional[int] = None,
                        types: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> dict[str, Any]:
-    """The scaling dict with ``rope_type`` set (``type`` is its old name) and, for YaRN, HF's defaults
-    filled in (``original_max_position_embeddings`` = ``max_position_embeddings``; ``factor`` = their
-    ratio). Raises ConfigError for a type not in ``types`` or a YaRN setting without its lengths."""
+    """The scaling dict with ``rope_type`` set (``type`` is its old name) and, for YaRN and LongRoPE,
+    HF's defaults filled in (``original_max_position_embeddings`` = ``max_position_embeddings``; YaRN's
+    ``factor`` = their ratio; LongRoPE keeps ``max_position_embeddings`` for its attention factor).
+    Raises ConfigError for a type not in ``types``, a YaRN setting without its lengths, or LongRoPE
+    factors that are not lists of numbers."""
     merged = dict(scaling)
     rtype = merged.get("rope_type", merged.get("type", "default")) or "default"
     if rtype not in types:
@@ -52,6 +68,15 @@ def check_rope_scaling(scaling: dict[str, Any], max_position_embeddings: Optiona
             if max_position_embeddings is None:
                 raise ConfigError("yarn rope scaling without a factor needs max_position_embeddings")
             merged["factor"] = max_position_embeddings / orig
+    if rtype == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if not isinstance(merged.get(key), list) or not all(isinstance(x, (int, float)) for x in merged[key]):
+                raise ConfigError(f"rope scaling longrope needs {key} as a list of numbers, got {merged.get(key)!r}")
+        orig = merged.get("original_max_position_embeddings") or max_position_embeddings
+        if orig is None:
+            raise ConfigError("longrope rope scaling needs original_max_position_embeddings or max_position_embeddings")
+        merged["original_max_position_embeddings"] = orig
+        merged["max_position_embeddings"] = max_position_embeddings
     return merged
 
 
@@ -63,7 +88,17 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 def rope_attention_factor(scaling: dict[str, Any]) -> float:
     """The factor HF multiplies cos and sin by (``attention_scaling`` of its rotary embedding): 1
     except for YaRN, where it is ``attention_factor`` if given, else ``mscale(factor, mscale) /
-    mscale(factor, mscale_all_dim)`` when both are set (DeepSeek), else ``mscale(factor)``."""
+    mscale(factor, mscale_all_dim)`` when both are set (DeepSeek), else ``mscale(factor)``; and
+    LongRoPE (HF ``_compute_longrope_parameters``), where it is ``attention_factor`` if given, else
+    ``sqrt(1 + ln(s) / ln(original_max_position_embeddings))`` with ``s = factor`` or
+    ``max_position_embeddings / original_max_position_embeddings`` (1 when ``s <= 1``)."""
+    if scaling.get("rope_type") == "longrope":
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        orig = float(scaling["original_max_position_embeddings"])
+        s = scaling.get("factor")
+        s = float(s) if s is not None else float(scaling.get("max_position_embeddings") or orig) / orig
+        return 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(orig))
     if scaling.get("rope_type") != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -134,28 +169,78 @@ def _yarn_inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Ten
     return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
 
 
-class RotaryEmbedding(nn.Module):
-    """Applies RoPE to query and key heads.
+def longrope_inv_freqs(dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """LongRoPE's short and long inverse frequencies ``[dim / 2]`` float32 for a rotary width of
+    ``dim``, as HF's ``_compute_longrope_parameters``: ``1 / (factor_i * theta ** (2i / dim))`` with
+    ``short_factor`` / ``long_factor``.
 
-    ``forward(positions [T] int64, q [T, Hq, D], k [T, Hk, D])`` -> rotated ``(q, k)`` (new tensors,
-    same dtype). cos/sin are precomputed in float32 for ``max_positions`` and cast per call; they
-    include the YaRN attention factor (:func:`rope_attention_factor`), as HF's do.
+    Raises:
+        ValueError: a factor list's length is not ``dim / 2``.
+    """
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    out = []
+    for key in ("short_factor", "long_factor"):
+        ext = torch.tensor(scaling[key], dtype=torch.float32)
+        if ext.shape != shape.shape:
+            raise ValueError(f"longrope {key} has {ext.numel()} entries, the rotary width {dim} needs {dim // 2}")
+        out.append(1.0 / (ext * theta ** shape))
+    return out[0], out[1]
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to query and key heads (to the first ``rotary_dim`` dims of each head; the rest
+    pass through, HF's partial rotary).
+
+    ``forward(rows [T] int64, q [T, Hq, D], k [T, Hk, D])`` -> rotated ``(q, k)`` (new tensors,
+    same dtype). cos/sin are precomputed in float32 (``[rows, rotary_dim]``) and cast per call; they
+    include the YaRN / LongRoPE attention factor (:func:`rope_attention_factor`), as HF's do.
+    ``rows`` are the positions, except with LongRoPE, where :meth:`rope_rows` maps positions to rows.
+
+    LongRoPE (``scaling["rope_type"] == "longrope"``): ``switch_len`` is
+    ``original_max_position_embeddings``; rows ``[0, switch_len)`` hold the short factors' positions
+    and, when ``max_positions > switch_len``, rows ``[switch_len, switch_len + max_positions)`` the long
+    factors' (``long_offset = switch_len``). Otherwise both are None.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: Optional[dict[str, Any]] = None, rotary_dim: Optional[int] = None):
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
-        inv = _inv_freq(self.rotary_dim, theta, scaling or {})
-        t = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = t[:, None] * inv[None, :]
+        scaling = scaling or {}
+        self.switch_len: Optional[int] = None
+        self.long_offset: Optional[int] = None
+        if scaling.get("rope_type") == "longrope":
+            short, long = longrope_inv_freqs(self.rotary_dim, theta, scaling)
+            self.switch_len = int(scaling["original_max_position_embeddings"])
+            parts = [torch.arange(min(max_positions, self.switch_len), dtype=torch.int64).float()[:, None] * short]
+            if max_positions > self.switch_len:
+                self.long_offset = self.switch_len
+                parts.append(torch.arange(max_positions, dtype=torch.int64).float()[:, None] * long)
+            freqs = torch.cat(parts)
+        else:
+            inv = _inv_freq(self.rotary_dim, theta, scaling)
+            t = torch.arange(max_positions, dtype=torch.int64).float()
+            freqs = t[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        factor = rope_attention_factor(scaling or {})
+        factor = rope_attention_factor(scaling)
         cos, sin = emb.cos(), emb.sin()
         if factor != 1.0:
             cos, sin = cos * factor, sin * factor
-        self.register_buffer("cos", cos, persistent=False)  # [max_positions, rotary_dim]
+        self.register_buffer("cos", cos, persistent=False)  # [rows, rotary_dim]
         self.register_buffer("sin", sin, persistent=False)
+
+    def rope_rows(self, positions: torch.Tensor, long: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Table rows of ``positions [T]`` int64: the positions themselves, except with LongRoPE's
+        long table, where a token of a long sequence reads row ``position + long_offset``. ``long
+        [T]`` (bool or 0/1 int) says which tokens belong to a sequence longer than ``switch_len``;
+        None: exactly the tokens at positions ``>= switch_len`` (true of every decode step, since the
+        scheduler recomputes a sequence that grows past ``switch_len``; CUDA graphs rely on this).
+        Capturable in a CUDA graph (no host sync)."""
+        if self.long_offset is None:
+            return positions
+        if long is None:
+            long = positions >= self.switch_len
+        return positions + long.to(positions.dtype) * self.long_offset
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -292,44 +292,56 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Option
 def _rope_cache_kernel(Q, K, V, positions, cos_ptr, sin_ptr, k_cache, v_cache, slots,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_cs, stride_kcs, stride_kch,
-                       HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                       HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
                        k_inv=1.0, v_inv=1.0, FP8_KV: tl.constexpr = False):
+    # One program per token. Dims [0, 2 * HALF) of each head are rotated (rotate-half pairs i and
+    # i + HALF), dims [2 * HALF, D) pass through (partial rotary); HALF and D need not be powers of 2.
     # FP8_KV: K and V are stored as float8_e4m3fn, K * k_inv and V * v_inv saturated to +-448.
     t = tl.program_id(0)
     pos = tl.load(positions + t).to(tl.int64)
     slot = tl.load(slots + t).to(tl.int64)
-    i = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + pos * stride_cs + i)
-    sin = tl.load(sin_ptr + pos * stride_cs + i)
+    i = tl.arange(0, BLOCK_R)
+    r_ok = i < HALF
+    cos = tl.load(cos_ptr + pos * stride_cs + i, mask=r_ok, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_cs + i, mask=r_ok, other=0.0)
     h = tl.arange(0, BLOCK_H)
-    # q: rotate in place
-    qm = (h < HQ)[:, None]
+    # q: rotate in place (its pass-through dims stay as they are)
+    qm = (h < HQ)[:, None] & r_ok[None, :]
     qp = Q + t * stride_qt + h[:, None] * stride_qh + i[None, :]
     q1 = tl.load(qp, mask=qm, other=0.0).to(tl.float32)
     q2 = tl.load(qp + HALF, mask=qm, other=0.0).to(tl.float32)
     tl.store(qp, (q1 * cos - q2 * sin).to(Q.dtype.element_ty), mask=qm)
     tl.store(qp + HALF, (q2 * cos + q1 * sin).to(Q.dtype.element_ty), mask=qm)
-    # k: rotate, then write k and v into the cache slot
-    km = (h < HK)[:, None]
+    # k: rotate into the cache slot
+    km = (h < HK)[:, None] & r_ok[None, :]
     kp = K + t * stride_kt + h[:, None] * stride_kh + i[None, :]
     k1 = tl.load(kp, mask=km, other=0.0).to(tl.float32)
     k2 = tl.load(kp + HALF, mask=km, other=0.0).to(tl.float32)
     cp = k_cache + slot * stride_kcs + h[:, None] * stride_kch + i[None, :]
     kr1 = k1 * cos - k2 * sin
     kr2 = k2 * cos + k1 * sin
-    vp = V + t * stride_vt + h[:, None] * stride_vh + i[None, :]
-    vc = v_cache + slot * stride_kcs + h[:, None] * stride_kch + i[None, :]
-    v1 = tl.load(vp, mask=km, other=0.0)
-    v2 = tl.load(vp + HALF, mask=km, other=0.0)
     if FP8_KV:
         kr1 = tl.clamp(kr1 * k_inv, -448.0, 448.0)
         kr2 = tl.clamp(kr2 * k_inv, -448.0, 448.0)
-        v1 = tl.clamp(v1.to(tl.float32) * v_inv, -448.0, 448.0)
-        v2 = tl.clamp(v2.to(tl.float32) * v_inv, -448.0, 448.0)
     tl.store(cp, kr1.to(k_cache.dtype.element_ty), mask=km)
     tl.store(cp + HALF, kr2.to(k_cache.dtype.element_ty), mask=km)
-    tl.store(vc, v1.to(v_cache.dtype.element_ty), mask=km)
-    tl.store(vc + HALF, v2.to(v_cache.dtype.element_ty), mask=km)
+    # k's pass-through dims and all of v: into the cache slot as they are
+    d = tl.arange(0, BLOCK_D)
+    hk = (h < HK)[:, None]
+    if 2 * HALF < D:
+        pm = hk & ((d >= 2 * HALF) & (d < D))[None, :]
+        kx = tl.load(K + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=pm, other=0.0)
+        if FP8_KV:
+            kx = tl.clamp(kx.to(tl.float32) * k_inv, -448.0, 448.0)
+        tl.store(k_cache + slot * stride_kcs + h[:, None] * stride_kch + d[None, :],
+                 kx.to(k_cache.dtype.element_ty), mask=pm)
+    vm = hk & (d < D)[None, :]
+    vx = tl.load(V + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=vm, other=0.0)
+    if FP8_KV:
+        vx = tl.clamp(vx.to(tl.float32) * v_inv, -448.0, 448.0)
+    tl.store(v_cache + slot * stride_kcs + h[:, None] * stride_kch + d[None, :], vx.to(v_cache.dtype.element_ty),
+             mask=vm)
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -337,16 +349,27 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
                    slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Rotate ``q [T, Hq, D]`` in place (rotate-half RoPE) and write rotated ``k`` and ``v``
     (``[T, Hk, D]``) into the caches (``[num_blocks, block_size, Hk, D]``) at ``slot_mapping [T]``.
-    ``cos``/``sin``: ``[max_pos, D]`` float32 tables. A float8_e4m3fn cache receives ``k / k_scale``
-    and ``v / v_scale``, saturated to +-448."""
+    ``cos``/``sin``: ``[rows, R]`` float32 tables read at row ``positions[t]`` (a position, or a
+    LongRoPE row, see ``RotaryEmbedding.rope_rows``); the first ``R <= D`` dims of each head are
+    rotated, the rest pass through (partial rotary, e.g. Phi-4-mini's ``R = 0.75 D``); ``R / 2`` and
+    ``D`` need not be powers of two (Phi-3-mini's ``D = 96``). A float8_e4m3fn cache receives
+    ``k / k_scale`` and ``v / v_scale``, saturated to +-448.
+
+    Raises:
+        ValueError: ``R`` is odd or larger than ``D``.
+    """
     T, HQ, D = q.shape
     HK = k.shape[1]
+    R = cos.shape[1]
+    if R > D or R % 2:
+        raise ValueError(f"rotary width {R} must be even and at most the head size {D}")
     kc = k_cache.view(-1, HK, D)
     vc = v_cache.view(-1, HK, D)
     _rope_cache_kernel[(T,)](q, k, v, positions, cos, sin, kc, vc, slot_mapping,
                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                              cos.stride(0), kc.stride(0), kc.stride(1),
-                             HQ=HQ, HK=HK, HALF=D // 2, BLOCK_H=triton.next_power_of_2(HQ),
+                             HQ=HQ, HK=HK, HALF=R // 2, D=D, BLOCK_R=triton.next_power_of_2(R // 2),
+                             BLOCK_D=triton.next_power_of_2(D), BLOCK_H=triton.next_power_of_2(HQ),
                              k_inv=1.0 / k_scale, v_inv=1.0 / v_scale, FP8_KV=k_cache.dtype == torch.float8_e4m3fn,
                              num_warps=4)
 
