@@ -2,7 +2,8 @@
 started again in place, the other stages keep their processes, and every request resumes.
 
 - PP = 2 and PP = 3 servers, 16 greedy streams and 4 seeded sampled ones at a time: each stage in
-  turn SIGKILLed mid-decode, and one SIGSTOPped (found by the heartbeat watchdog, killed, restarted).
+  turn SIGKILLed mid-decode, and (PP = 2) one SIGSTOPped (found by the heartbeat watchdog, killed,
+  restarted).
   Every stream completes without an error, with exactly the tokens of an undisturbed run (nothing
   repeated or skipped, seeded sampling unchanged); the restarted stage has a new pid, the others
   keep theirs; a request sent during the restart waits and completes; /health stays 200 and says
@@ -109,7 +110,7 @@ def _metrics(url: str) -> dict:
 
 
 @pytest.mark.parametrize("pp,hits", [(2, [(0, "SIGKILL"), (1, "SIGKILL"), (1, "SIGSTOP")]),
-                                     (3, [(1, "SIGKILL"), (2, "SIGKILL"), (0, "SIGKILL"), (1, "SIGSTOP")])],
+                                     (3, [(1, "SIGKILL"), (2, "SIGKILL"), (0, "SIGKILL")])],
                          ids=["pp2", "pp3"])
 def test_each_stage_restarts_and_every_request_resumes(demo_model, pp, hits):
     s = ServerProcess([demo_model, "--pipeline-parallel-size", str(pp), "--max-model-len", "512",
