@@ -7,8 +7,9 @@ stages in turn from ``--stage`` when it is ``all``), and reports for each kill:
 
 * ``recovery_s``: what the server logs as "pipeline formed again in X s" (loss noticed to every
   stage formed again: the new process started, its weights loaded, survivors rejoined);
-* ``death_to_first_token_s``: from the SIGKILL to the first token any stream receives after it
-  (the pause a client sees: recovery plus the recompute of the requeued requests' prefixes);
+* ``pause_s``: the longest gap between two tokens (of any stream) around the kill, the pause the
+  clients see (recovery plus the recompute of the requeued requests' prompts and outputs), and
+  ``death_to_resume_s``: from the SIGKILL to the token that ends that pause;
 
 plus the output tokens per second before the first kill and after the last, any stream error (there
 must be none), and the server's exit. Not a test: run it by hand and keep its JSON.
@@ -137,9 +138,10 @@ async def run(args, server: Server) -> dict:
             while recovered and not any(t > t_kill for t in token_times[-args.streams * 4:]) \
                     and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            first = next((t for t in token_times if t > t_kill), None)
+            await asyncio.sleep(min(5.0, args.between))  # tokens flow again meanwhile
+            pause, resume = _pause_after(token_times, t_kill)
             kills.append({"stage": stage, "pid": pid, "recovery_s": server.recoveries()[-1] if recovered else None,
-                          "death_to_first_token_s": round(first - t_kill, 3) if first else None,
+                          "pause_s": pause, "death_to_resume_s": round(resume - t_kill, 3) if resume else None,
                           "new_pid": server.stage_pids().get(stage)})
             print(f"kill {i + 1}: {kills[-1]}", flush=True)
             await asyncio.sleep(args.between)
@@ -153,6 +155,17 @@ async def run(args, server: Server) -> dict:
             "out_tok_s_before_kills": rate(t_start + 2.0, first_kill),
             "out_tok_s_after_last_recovery": rate(t_end - args.between + 2.0, t_end),
             "streams": args.streams, "max_tokens": args.max_tokens}
+
+
+def _pause_after(times: list[float], t_kill: float) -> tuple:
+    """(longest gap between consecutive tokens of any stream from just before ``t_kill`` on, the
+    arrival of the token that ends it): the pause the clients saw and when streaming resumed
+    (tokens already computed before the death may still arrive just after it)."""
+    ts = sorted(t for t in times if t >= t_kill - 1.0)
+    if len(ts) < 2:
+        return None, None
+    gap, end = max((b - a, b) for a, b in zip(ts, ts[1:]))
+    return round(gap, 3), end
 
 
 def main() -> int:
