@@ -29,7 +29,7 @@ import pytest
 from conftest import ServerProcess, alive, descendants, parse_metrics, stage_pids, wait_gone
 
 HEARTBEAT_S = 3
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 MID_DECODE_TOKENS = 4  # every stream has this many tokens when the stage is hit
 
 
