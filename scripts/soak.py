@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -296,11 +297,19 @@ KINDS = {"greedy": 3, "greedy-stream": 2, "chat-greedy": 2, "stop": 1, "logprobs
          "seeded-n2": 1, "long-prompt": 2, "stream-hang-up": 2, "bad-body": 1}  # relative weights
 
 
+_MODEL_NAME_LABEL = re.compile(r'model_name="[^"]*",?')
+
+
 async def scrape(session, url: str) -> dict[str, float]:
+    """``/metrics`` as ``{'name{labels}': value}`` without the ``model_name`` label every series has."""
     async with session.get(url + "/metrics") as r:
         text = await r.text()
-    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines()
-                                     if line and not line.startswith("#"))}
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[_MODEL_NAME_LABEL.sub("", key).replace(",}", "}").replace("{}", "")] = float(value)
+    return out
 
 
 async def soak(args, server: Server) -> dict:
