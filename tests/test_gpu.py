@@ -446,15 +446,46 @@ def small_deepseek_dense(tmp_path_factory):
     return _save_deepseek(tmp_path_factory, "deepseek-dense", first_k_dense_replace=4, heads=16)
 
 
+def _assert_close_on_own_tokens(model_dir, prompts, got, min_agree=0.9, max_median=0.1):
+    """For MoE models in bf16: HF scores zpp's own greedy sequences (teacher forcing, one forward per
+    prompt), and at each decode step zpp's token must be in HF's top-5 and HF's argmax in zpp's top-5,
+    at ``min_agree`` of the steps at least, with the median |delta log p| of zpp's token at most
+    ``max_median`` nats.
+
+    Why not :func:`_assert_top5`: on random weights the gap between the k-th and (k+1)-th router
+    score is often below bf16's resolution, so one rounding difference sends a token to another
+    expert; free-running sequences then part for good and the top-5 rule at the divergence fails
+    for a correct engine (fp32 equals HF token for token, tested apart). Scored on the same tokens,
+    such a flip moves one step's distribution, and only a wrong kernel moves most of them."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    ok, diffs = [], []
+    with torch.inference_mode():
+        for p, o in zip(prompts, got):
+            toks, lps = list(o.outputs[0].token_ids), o.outputs[0].logprobs
+            ids = torch.tensor([p + toks], device="cuda")
+            ref = torch.log_softmax(model(ids).logits[0].float(), -1)[len(p) - 1:len(p) - 1 + len(toks)].cpu()
+            for j, a in enumerate(toks):
+                hf_top = ref[j].topk(TOP_K).indices.tolist()
+                ok.append(a in hf_top and hf_top[0] in lps[j])
+                diffs.append(abs(lps[j][a].logprob - float(ref[j][a])))
+    agree = sum(ok) / len(ok)
+    median = sorted(diffs)[len(diffs) // 2]
+    print(f"bf16 vs HF on zpp's tokens: top-5 agreement {agree:.3f} over {len(ok)} steps, "
+          f"median |delta log p| {median:.4f}, max {max(diffs):.3f}")
+    assert agree >= min_agree, agree
+    assert median <= max_median, median
+
+
 def test_deepseek_bf16_matches_hf(small_deepseek):
     """bf16 on the GPU (latent cache, absorbed MLA in the Triton kernel, grouped expert GEMMs, CUDA
-    graphs on: the default) against HF bf16 on the GPU under the top-5 rule (:func:`_assert_top5`)."""
+    graphs on: the default) against HF bf16 on the GPU, scored on zpp's own tokens
+    (:func:`_assert_close_on_own_tokens`: MoE routing on random weights flips under bf16 rounding)."""
     from zpp import LLM, SamplingParams
     prompts = _prompts()
-    ref = _hf_greedy_with_logprobs(small_deepseek, prompts, 24)
     with LLM(small_deepseek, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3) as llm:
         got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=TOP_K))
-    _assert_top5(ref, got)
+    _assert_close_on_own_tokens(small_deepseek, prompts, got)
 
 
 def test_deepseek_fp32_mixed_batches_equal_hf(small_deepseek):
@@ -583,15 +614,18 @@ def small_gpt_oss(tmp_path_factory):
 @pytest.mark.parametrize("family", ["small_gemma3", "small_gpt_oss"])
 def test_sliding_window_families_bf16_match_hf(request, family):
     """bf16 on the GPU, CUDA graphs on (the default; gpt-oss's experts are the grouped Triton GEMMs),
-    against HF bf16 on the GPU under the top-5 rule."""
+    against HF bf16 on the GPU: the top-5 rule for Gemma 3, scored on zpp's own tokens for gpt-oss
+    (MoE)."""
     from zpp import LLM, SamplingParams
     model_dir = request.getfixturevalue(family)
     prompts = _prompts()
-    ref = _hf_greedy_with_logprobs(model_dir, prompts, 24)
     with LLM(model_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, max_num_seqs=16) as llm:
         got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=TOP_K),
                            use_tqdm=False)
-    _assert_top5(ref, got)
+    if family == "small_gpt_oss":  # MoE: see _assert_close_on_own_tokens
+        _assert_close_on_own_tokens(model_dir, prompts, got)
+    else:
+        _assert_top5(_hf_greedy_with_logprobs(model_dir, prompts, 24), got)
 
 
 @pytest.mark.parametrize("family", ["small_gemma3", "small_gpt_oss"])
