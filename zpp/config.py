@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from zpp import envs
+
 if TYPE_CHECKING:  # torch is imported where it is needed, so that `zpp --help` and flag errors are quick
     import torch
 
@@ -207,7 +209,7 @@ class ParallelConfig:
     node_join_timeout: float = 300.0
     """Per-node launch: seconds the head waits for every node to join (and a node for the head to
     answer) before start-up fails naming the missing node rank."""
-    share_gpu: bool = field(default_factory=lambda: os.environ.get("ZPP_SHARE_GPU") == "1")
+    share_gpu: bool = field(default_factory=lambda: envs.ZPP_SHARE_GPU)
     """Testing mode (``ZPP_SHARE_GPU=1`` where the configuration is made): every stage on GPU 0,
     activations over gloo through host memory, so pipeline stages can be tested on one GPU (NCCL
     refuses two ranks on one GPU). Decided once here and sent to every worker with the config."""
@@ -484,8 +486,8 @@ class EngineConfig:
         """Whether async scheduling is on (see ``SchedulerConfig.async_scheduling``): the stage
         that samples must also embed the next step's tokens, so one stage and one TP rank."""
         a = self.scheduler.async_scheduling
-        if a is None and os.environ.get("ZPP_ASYNC_SCHEDULING", "") in ("0", "1"):
-            a = os.environ["ZPP_ASYNC_SCHEDULING"] == "1"  # the default's override (testing both ways)
+        if a is None:
+            a = envs.ZPP_ASYNC_SCHEDULING  # the default's override (testing both ways)
         single = self.parallel.pipeline_parallel_size == 1 and self.parallel.tensor_parallel_size == 1
         if a is None:
             return single and self.parallel.device == "cuda"
