@@ -46,9 +46,13 @@ def parse_dtype(name: str, device: str) -> "torch.dtype":
 def resolve_device(device: str) -> str:
     """``auto`` -> ``cuda`` when available, else ``cpu``; ``cpu`` and ``cuda`` pass through."""
     if device == "auto":
-        import torch
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if _cuda_available() else "cpu"
     return device
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 torch_threads_at_import: Optional[int] = None
@@ -252,7 +256,7 @@ class ParallelConfig:
                               "--tensor-parallel-size > 1): a single stage runs on this host")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device {self.device!r} is not one of: cpu, cuda")
-        if self.device == "cuda" and resolve_device("auto") != "cuda":
+        if self.device == "cuda" and not _cuda_available():
             raise ConfigError("--device cuda: CUDA is not available on this machine")
         if self.node_launcher not in ("ssh", "manual"):
             raise ConfigError(f"--node-launcher {self.node_launcher!r} is not one of: ssh, manual")
