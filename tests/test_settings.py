@@ -294,3 +294,10 @@ def test_no_import_cycle_through_the_settings_modules():
     bad = [c for c in _cycles(graph) if c & mine]
     assert not bad, bad
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [{"a", "b"}]  # the check can fail
+
+
+def test_flags_page_lists_every_flag():
+    from zpp.args import flags_markdown, server_settings
+    page = flags_markdown()
+    for s in engine_settings() + server_settings():
+        assert (f"| `{s.flag}`" in page) != bool(s.meta.get("hidden")), s.name

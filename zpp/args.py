@@ -211,3 +211,34 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         v = getattr(args, s.name)
         values[s.path[-1]] = s.meta["parse"](v, s.flag) if s.meta.get("parse") else v
     return ServerConfig(**values)
+
+
+def flags_markdown() -> str:
+    """``zpp serve``'s generated flags as Markdown, one table per ``--help`` section: flag (and
+    aliases), default, and the whole docstring (the ``--help`` line, then the notes). The hand-written
+    flags (MODEL, ``--log-level``, the vLLM ones zpp only accepts) are not in it. ``python -m
+    zpp.args > docs/flags.md`` writes the flags page from the same fields as ``--help``."""
+    sections: dict[Optional[str], list[Setting]] = {}
+    for s in engine_settings() + server_settings():
+        if not s.meta.get("hidden"):
+            sections.setdefault(s.meta.get("group", CLASS_GROUPS.get(s.owner.__name__)), []).append(s)
+    out = ["# `zpp serve` flags", "", ("Generated from the config fields (`python -m zpp.args`); `LLM(...)` takes "
+                                       "every engine flag as a keyword of the same name with underscores."), ""]
+    for key in [None, *GROUPS]:
+        if key not in sections:
+            continue
+        out += [f"## {GROUPS[key] if key else 'server'}", "", "| flag | default | meaning |", "| --- | --- | --- |"]
+        for s in sections[key]:
+            flags = ", ".join(f"`{f}`" for f in (s.flag, *s.meta.get("aliases", ())))
+            default = s.default
+            if s.meta.get("parse") and isinstance(default, int) and not isinstance(default, bool):
+                default = format_size(default)
+            text = "<br>".join(" ".join(para.replace("``", "`").replace("|", "\\|").split())
+                               for para in s.doc.split("\n\n"))
+            out.append(f"| {flags} | `{default!s}` | {text} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(flags_markdown())

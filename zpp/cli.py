@@ -8,7 +8,8 @@ import os
 import sys
 import traceback
 
-from zpp.args import add_engine_args, add_per_node_args, add_server_args, engine_config_from_args, server_config_from_args
+from zpp.args import (add_engine_args, add_per_node_args, add_server_args, engine_config_from_args,
+                      server_config_from_args)
 from zpp.config import ConfigError, ParallelConfig
 
 __all__ = ["build_parser", "main", "add_engine_args", "engine_config_from_args", "resolve_per_node"]

@@ -1,5 +1,8 @@
 """Engine configuration: frozen dataclasses validated at construction.
 
+Each field is a setting, written once: its name, type, default and docstring make the ``zpp
+serve`` / ``zpp bench`` flag (the docstring's first paragraph is the ``--help`` line) and the
+``LLM(...)`` keyword (``zpp.settings`` describes the scheme, ``zpp.args`` makes the flags).
 Every bad setting raises :class:`ConfigError` (a ``ValueError``) whose message is one line naming
 the setting, so that ``zpp serve`` can print it and exit before any worker starts or any weight
 loads.
@@ -15,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from zpp import envs
 from zpp.errors import ConfigError
 from zpp.settings import parse_layer_partition, parse_nodes, setting, tcp_port
-
 
 if TYPE_CHECKING:  # torch is imported where it is needed, so that `zpp --help` and flag errors are quick
     import torch

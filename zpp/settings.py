@@ -24,6 +24,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import itertools
 import textwrap
 import typing
 from dataclasses import MISSING, dataclass, field
@@ -57,9 +58,9 @@ def setting(default: Any = MISSING, *, default_factory: Any = MISSING, flag: Opt
         flagless: neither a flag nor a keyword: zpp sets it itself (the command, an environment
             variable) or the flag is written by hand (the model).
     """
-    meta = {k: v for k, v in dict(flag=flag, aliases=aliases, choices=choices, parse=parse, type=type, group=group,
-                                   metavar=metavar, from_launcher=from_launcher, hidden=hidden,
-                                   flagless=flagless).items() if v}
+    meta = {"flag": flag, "aliases": aliases, "choices": choices, "parse": parse, "type": type, "group": group,
+            "metavar": metavar, "from_launcher": from_launcher, "hidden": hidden, "flagless": flagless}
+    meta = {k: v for k, v in meta.items() if v}  # only what the field says
     return field(default=default, default_factory=default_factory, metadata=meta)
 
 
@@ -114,19 +115,19 @@ def field_docs(cls: type) -> dict[str, str]:
     return dict(_field_docs(cls))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _field_docs(cls: type) -> tuple[tuple[str, str], ...]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs = []
-    for node, after in zip(body, body[1:]):
+    for node, after in itertools.pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
                 and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
             docs.append((node.target.id, inspect.cleandoc(after.value.value)))
     return tuple(docs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def settings_of(cls: type) -> tuple[Setting, ...]:
     """Every setting of the config dataclass ``cls``, through the dataclass fields it nests
     (``EngineConfig.parallel`` ...), in the order they are written; flagless ones included.
