@@ -144,6 +144,11 @@ def test_unknown_llm_keyword_is_a_type_error_naming_it(demo_model):
         LLM(demo_model, streaming=True)
     with pytest.raises(ConfigError, match="node_rank=1"):
         LLM(demo_model, node_rank=1)
+    with pytest.raises(TypeError, match=r"max_num_seqs='4': expected int \(--max-num-seqs\)"):
+        LLM(demo_model, max_num_seqs="4")
+    with pytest.raises(TypeError, match=r"async_scheduling=1: expected bool or None"):
+        LLM(demo_model, async_scheduling=1)
+    assert engine_config(demo_model, streaming=False, stage_timeout=5).parallel.stage_timeout == 5  # int for float
 
 
 def test_a_new_field_is_a_new_flag(tmp_path, monkeypatch):

@@ -185,10 +185,26 @@ def engine_config(model: Optional[str] = None, *, streaming: bool, **values: Any
                 kwargs[f.name] = streaming
             elif s.name in values and not s.flagless and not (values[s.name] is None and s.meta.get("from_launcher")):
                 v = values[s.name]
-                kwargs[f.name] = s.meta["parse"](v, s.flag) if s.meta.get("parse") else v
+                kwargs[f.name] = s.meta["parse"](v, s.flag) if s.meta.get("parse") else _checked(s, v)
         return cls(**kwargs)
 
     return build(EngineConfig, ())
+
+
+def _checked(s: Setting, value: Any) -> Any:
+    """``value`` if it is of the setting's type (an int where a float goes; None where the
+    annotation is Optional). Raises TypeError naming the setting."""
+    optional = type(None) in typing.get_args(s.type)
+    kind = s.value_type
+    if value is None and optional:
+        return value
+    ok = {bool: lambda v: isinstance(v, bool), int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str)}.get(kind, lambda v: True)
+    if not ok(value):
+        want = getattr(kind, "__name__", str(kind)) + (" or None" if optional else "")
+        raise TypeError(f"{s.name}={value!r}: expected {want} ({s.flag})")
+    return value
 
 
 def engine_config_from_args(args: argparse.Namespace, streaming: bool = True) -> EngineConfig:
