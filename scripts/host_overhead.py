@@ -35,7 +35,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from zpp.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from zpp.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
 from zpp.engine.core import EngineCore  # noqa: E402
 from zpp.engine.core_messages import CoreRequest  # noqa: E402
 from zpp.sampling_params import SamplingParams  # noqa: E402
@@ -88,7 +88,7 @@ def _model_dir() -> str:
 
 def engine_side(num_seqs: int, input_len: int, output_len: int, depth: int, profile: bool):
     """Returns (seconds of engine time, recorded messages)."""
-    config = EngineConfig(model=ModelConfig(_model_dir(), load_format="dummy"),
+    config = EngineConfig(model=ModelConfig(_model_dir(), load_format="dummy"), parallel=ParallelConfig(device="cpu"),
                           scheduler=SchedulerConfig(max_num_seqs=num_seqs, pipeline_depth=depth,
                                                     max_num_batched_tokens=max(8192, num_seqs),
                                                     prefill_attention_budget=0),

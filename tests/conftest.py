@@ -33,11 +33,11 @@ def demo_model() -> str:
 
 @pytest.fixture(autouse=True)
 def _offline_llm_on_cpu_unless_gpu_test(request, monkeypatch):
-    """``LLM(device="auto")`` is CUDA on a GPU machine; the CPU tests compare against HF on the CPU,
-    so outside ``test_gpu.py`` "auto" means the CPU."""
+    """``device="auto"`` (the default of ``LLM`` and of ``ParallelConfig``) is CUDA on a GPU machine;
+    the CPU tests compare against HF on the CPU, so outside ``test_gpu.py`` "auto" means the CPU."""
     import torch
     if torch.cuda.is_available() and request.module.__name__ != "test_gpu":
-        monkeypatch.setattr("zpp.llm.resolve_device", lambda d: "cpu" if d == "auto" else d)
+        monkeypatch.setattr("zpp.config.resolve_device", lambda d: "cpu" if d == "auto" else d)
 
 
 @pytest.fixture(scope="session")

@@ -1,22 +1,26 @@
 """Engine configuration: frozen dataclasses validated at construction.
 
+Each field is a setting, written once: its name, type, default and docstring make the ``zpp
+serve`` / ``zpp bench`` flag (the docstring's first paragraph is the ``--help`` line) and the
+``LLM(...)`` keyword (``zpp.settings`` describes the scheme, ``zpp.args`` makes the flags).
 Every bad setting raises :class:`ConfigError` (a ``ValueError``) whose message is one line naming
 the setting, so that ``zpp serve`` can print it and exit before any worker starts or any weight
 loads.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from zpp import envs
+from zpp.errors import ConfigError
+from zpp.settings import parse_layer_partition, parse_nodes, setting, tcp_port
+
 if TYPE_CHECKING:  # torch is imported where it is needed, so that `zpp --help` and flag errors are quick
     import torch
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work. The message is one line and names the setting."""
 
 
 _DTYPES = {
@@ -44,9 +48,13 @@ def parse_dtype(name: str, device: str) -> "torch.dtype":
 def resolve_device(device: str) -> str:
     """``auto`` -> ``cuda`` when available, else ``cpu``; ``cpu`` and ``cuda`` pass through."""
     if device == "auto":
-        import torch
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if _cuda_available() else "cpu"
     return device
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 torch_threads_at_import: Optional[int] = None
@@ -88,25 +96,27 @@ def parse_size(value: str | int | float | None, flag: str = "--kv-cache-memory")
 class ModelConfig:
     """What model to serve and how to hold its weights."""
 
-    model: str
-    """Directory with ``config.json`` (and, unless ``load_format='dummy'``, safetensors)."""
+    model: str = setting(flagless=True)
+    """Directory with ``config.json`` (and, unless ``load_format='dummy'``, safetensors). The flag is
+    written in ``zpp.args`` (a positional MODEL and ``--model``; default: the demo model)."""
     dtype: str = "auto"
-    """Weight / activation dtype name; ``auto`` = float32 on CPU, bfloat16 on CUDA."""
+    """auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16"""
     max_model_len: Optional[int] = None
-    """Longest sequence (prompt + output) in tokens; default from the model's config."""
+    """longest sequence (prompt + output) in tokens (default: from the model's config.json)"""
     served_model_name: Optional[str] = None
-    """Name reported by ``/v1/models``; default: the model directory's base name."""
+    """model name in the API (default: directory name)"""
     tokenizer: Optional[str] = None
-    """Tokenizer directory; default: ``model``."""
-    load_format: str = "safetensors"
-    """``safetensors`` (real weights) or ``dummy`` (random weights from ``config.json`` only)."""
+    """tokenizer directory (default: the model directory)"""
+    load_format: str = setting("safetensors", choices=("safetensors", "dummy"))
+    """dummy = random weights from config.json only"""
     seed: int = 0
-    """Seed for dummy weights and for unseeded sampling."""
-    quantization: Optional[str] = None
-    """``fp8`` (vLLM's ``--quantization fp8``): bf16/fp16 linear weights quantized to FP8 e4m3 at load,
-    per output channel, activations per token at run time; needs a CUDA GPU of compute capability
-    >= 8.9. None: weights as stored (an FP8 checkpoint is loaded as FP8 where the GPU has FP8, else
-    dequantized, with or without this flag)."""
+    """seed for dummy weights and unseeded sampling"""
+    quantization: Optional[str] = setting(None, aliases=("-q",), choices=("fp8",))
+    """fp8: quantize bf16/fp16 linear weights to FP8 e4m3 at load (per output channel, activations per
+    token); CUDA, compute capability >= 8.9. FP8 checkpoints load without it
+
+    vLLM's ``--quantization fp8``. None: weights as stored (an FP8 checkpoint is loaded as FP8 where
+    the GPU has FP8, else dequantized, with or without this flag)."""
 
     def __post_init__(self):
         if self.quantization not in (None, "fp8"):
@@ -129,13 +139,18 @@ class ModelConfig:
             raise ConfigError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        object.__setattr__(self, "_config_json", cfg)  # read once (not a field: not sent to workers)
 
-    @property
+    @functools.cached_property
     def hf_config(self) -> dict[str, Any]:
-        """``config.json``, normalized for its family (``zpp.models.registry.normalize_config``)."""
+        """``config.json``, normalized for its family (``zpp.models.registry.normalize_config``); read
+        and normalized once per ModelConfig (the same dict every time: do not modify it)."""
         from zpp.models.registry import normalize_config
-        with open(os.path.join(self.model, "config.json")) as f:
-            return normalize_config(json.load(f))
+        cfg = self.__dict__.get("_config_json")
+        if cfg is None:  # made without __post_init__ (decoded by a worker)
+            with open(os.path.join(self.model, "config.json")) as f:
+                cfg = json.load(f)
+        return normalize_config(cfg)
 
     @property
     def name(self) -> str:
@@ -150,69 +165,90 @@ STAGE_RESTART_WINDOW_S = 600.0
 class ParallelConfig:
     """How the model is split across processes."""
 
-    pipeline_parallel_size: int = 1
-    """Number of pipeline stages (one worker process each)."""
-    tensor_parallel_size: int = 1
-    """Ranks inside a stage (Megatron-LM tensor parallelism, LLaMA family only; see
-    ``zpp.models.layers.linear``). Each stage then runs on ``tensor_parallel_size`` processes/GPUs."""
-    pp_layer_partition: Union[tuple[int, ...], str, None] = None
-    """Layers per stage, e.g. ``(10, 10, 5, 5)``; default: as even as possible, earlier stages larger;
-    ``"auto"``: balanced on costs each stage measures at start-up (``zpp.workers.stage_cost``)."""
-    device: str = "cpu"
-    """``cpu`` or ``cuda``."""
-    nodes: tuple[str, ...] = ()
-    """Extra hosts (``user@host``, ``user@host:N`` to pin N ranks there) where ``zpp-node`` runs;
-    ranks fill the head first."""
+    pipeline_parallel_size: int = setting(1, aliases=("-pp",))
+    """pipeline stages (one process each)"""
+    tensor_parallel_size: int = setting(1, aliases=("-tp",))
+    """tensor-parallel ranks (one process / GPU each) per pipeline stage; > 1 for the LLaMA family
+    (Llama, Mistral, Qwen2) when it divides the attention and KV heads
+
+    Megatron-LM tensor parallelism (``zpp.models.layers.linear``)."""
+    pp_layer_partition: Union[tuple[int, ...], str, None] = setting(None, parse=parse_layer_partition)
+    """layers per stage, e.g. 10,10,5,5 (default: as even as possible, earlier stages larger); auto:
+    each stage measures a layer's and its embedding / LM head's cost at start-up and the split that
+    makes the slowest stage fastest is used
+
+    A tuple (``LLM``: any sequence of ints) or ``"auto"`` (``zpp.workers.stage_cost``)."""
+    device: str = setting("auto", choices=("auto", "cpu", "cuda"))
+    """auto = cuda when available, else cpu
+
+    Resolved when the config is made: the field then holds ``cpu`` or ``cuda``."""
+    nodes: tuple[str, ...] = setting((), parse=parse_nodes)
+    """comma-separated extra hosts (user@host, user@host:N for N ranks there) that run stages;
+    zpp-node is started there over SSH ($ZPP_SSH overrides the ssh command)
+
+    Ranks fill the head first. ``LLM``: a sequence of hosts (or the comma-separated text)."""
     distributed_host: Optional[str] = None
-    """Multi-host: the head's address that every node can reach (control plane and rendezvous bind
-    to it only). Default: ``$ZPP_HOST_IP``, else this host's address on the route to the first node."""
+    """multi-host: this host's address that the nodes reach (default: $ZPP_HOST_IP, else the address
+    on the route to the first node); never a loopback address
+
+    The control plane and the rendezvous bind to it only."""
     distributed_port: int = 0
-    """Multi-host: the head's control-plane TCP port (0 = any free port)."""
+    """multi-host: the control-plane TCP port (default 0: any free port)"""
     node_command: str = "zpp-node"
-    """The command run on each node over SSH (e.g. ``/opt/venv/bin/zpp-node``)."""
-    node_launcher: str = "ssh"
-    """``ssh``: the head starts ``zpp-node`` on each node; ``manual``: something else does (the head
-    logs the command and waits), with the keys in ``node_keys_file``."""
+    """the command run on each node over SSH, e.g. /opt/venv/bin/zpp-node (default: zpp-node)"""
+    node_launcher: str = setting("ssh", choices=("ssh", "manual"))
+    """manual: do not ssh; log the zpp-node command for each node and wait for them (needs
+    --node-keys-file)
+
+    ``ssh``: the head starts ``zpp-node`` on each node; ``manual``: something else does."""
     worker_heartbeat_timeout: float = 10.0
-    """Seconds without a heartbeat from a worker (sent every second by a thread of its own) before
-    the engine fails: the worker process or its host is stopped or hung."""
+    """seconds without a worker's heartbeat before the engine fails (a stopped or hung process)
+
+    Heartbeats are sent every second by a thread of the worker's own."""
     stage_timeout: float = 60.0
-    """Seconds a micro-batch may be in flight with no stage finishing anything before the engine
-    fails (a warning at half). On the CPU with the demo model a step of ``zpp serve``'s default
-    budget (32 tokens) takes under a second; a 2048-token step (the offline default) takes seconds,
-    more at long contexts (about 10 ms per prompt token at context 6000, README); raise it for big
-    models on the CPU, whose longest micro-batch (a full prefill chunk on the slowest stage) must
-    stay below it."""
+    """seconds a micro-batch may go without any stage finishing it before the engine fails (warning
+    at half); raise it for big models on the CPU
+
+    On the CPU with the demo model a step of ``zpp serve``'s default budget (32 tokens) takes under a
+    second; a 2048-token step (the offline default) takes seconds, more at long contexts (about 10 ms
+    per prompt token at context 6000, README); for big models on the CPU the longest micro-batch (a
+    full prefill chunk on the slowest stage) must stay below it."""
     max_stage_restarts: int = 3
-    """Stage restarts allowed within ``STAGE_RESTART_WINDOW_S`` (10 minutes): a stage worker that dies,
-    goes silent or stalls is started again where it ran while the other stages keep their processes,
-    and every running request is recomputed (clients see a pause, not an error). Once spent, or when
-    a restart fails that many times, the engine fails as it does with 0 (fail-stop: every request
-    ends with an error naming the stage)."""
+    """stage workers that die, go silent or stall are restarted in place (requests resume) at most
+    this many times in 10 minutes; 0: fail-stop, every request ends with an error
+
+    The window is ``STAGE_RESTART_WINDOW_S``. A restarted stage runs where it ran while the other
+    stages keep their processes, and every running request is recomputed (clients see a pause, not
+    an error). Once spent, or when a restart fails that many times, the engine fails as with 0 (every
+    request ends with an error naming the stage)."""
     node_keys_file: Optional[str] = None
-    """Multi-host: a 0600 file with the run's control-plane keys, for agents not started over SSH.
-    Read if it exists, else written with fresh keys."""
-    nnodes: int = 1
-    """Per-node launch (vLLM's ``--nnodes``): the number of hosts, each running the same ``zpp
-    serve`` with its own ``node_rank`` (started by Slurm, a Kubernetes LeaderWorkerSet or any
-    launcher; see ``zpp.node.pernode``). 1: this host only (or ``nodes`` over SSH)."""
-    node_rank: int = 0
-    """Per-node launch: this host's index in ``[0, nnodes)``. 0 is the head (engine core and API);
-    the others run their stages' workers only (headless)."""
-    master_addr: Optional[str] = None
-    """Per-node launch: node rank 0's address (name or IP) that every node reaches; the head's
-    control plane listens there."""
-    master_port: int = 29501
-    """Per-node launch: the head's control-plane TCP port (vLLM's default, 29501)."""
-    node_join_timeout: float = 300.0
-    """Per-node launch: seconds the head waits for every node to join (and a node for the head to
-    answer) before start-up fails naming the missing node rank."""
-    share_gpu: bool = field(default_factory=lambda: os.environ.get("ZPP_SHARE_GPU") == "1")
+    """multi-host: a 0600 / 0400 file holding the run's control-plane keys: with --nnodes, the same
+    file on every node (made by `zpp node-keys FILE`); with --node-launcher manual, read if it
+    exists, else written with fresh keys"""
+    nnodes: int = setting(1, group="per-node", from_launcher=True)
+    """hosts in the run, each starting this same command with its own --node-rank; needs
+    --node-keys-file
+
+    vLLM's ``--nnodes``; started by Slurm, a Kubernetes LeaderWorkerSet or any launcher
+    (``zpp.node.pernode``). 1: this host only (or ``nodes`` over SSH)."""
+    node_rank: int = setting(0, group="per-node", from_launcher=True)
+    """this host's index: 0 is the head (engine and API), the others run their stages headless"""
+    master_addr: Optional[str] = setting(None, group="per-node", from_launcher=True)
+    """node rank 0's address (name or IP) that every node reaches; its control plane listens there"""
+    master_port: int = setting(29501, type=tcp_port, group="per-node", from_launcher=True)
+    """node rank 0's control-plane TCP port
+
+    The default is vLLM's."""
+    node_join_timeout: float = setting(300.0, group="per-node")
+    """seconds node rank 0 waits for every node to join (and a node for node rank 0) before start-up
+    fails naming the missing node rank"""
+    share_gpu: bool = setting(default_factory=lambda: envs.ZPP_SHARE_GPU, flagless=True)
     """Testing mode (``ZPP_SHARE_GPU=1`` where the configuration is made): every stage on GPU 0,
     activations over gloo through host memory, so pipeline stages can be tested on one GPU (NCCL
     refuses two ranks on one GPU). Decided once here and sent to every worker with the config."""
 
     def __post_init__(self):
+        object.__setattr__(self, "device", resolve_device(self.device))
         if self.pipeline_parallel_size < 1:
             raise ConfigError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
         if self.tensor_parallel_size < 1:
@@ -222,7 +258,7 @@ class ParallelConfig:
                               "--tensor-parallel-size > 1): a single stage runs on this host")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device {self.device!r} is not one of: cpu, cuda")
-        if self.device == "cuda" and resolve_device("auto") != "cuda":
+        if self.device == "cuda" and not _cuda_available():
             raise ConfigError("--device cuda: CUDA is not available on this machine")
         if self.node_launcher not in ("ssh", "manual"):
             raise ConfigError(f"--node-launcher {self.node_launcher!r} is not one of: ssh, manual")
@@ -295,19 +331,27 @@ class CacheConfig:
     """Paged KV cache sizing."""
 
     block_size: int = 16
-    """Tokens per KV block."""
+    """tokens per KV block"""
     num_kv_blocks: Optional[int] = None
-    """Force this many blocks (tests); overrides the memory-based sizing."""
-    kv_cache_memory: Optional[int] = None
-    """Bytes of KV cache per stage (CPU default: 1 GiB or what fits ``max_num_seqs`` full sequences)."""
+    """force the number of KV blocks (default: from the KV cache memory)
+
+    Overrides the memory-based sizing (tests)."""
+    kv_cache_memory: Optional[int] = setting(None, parse=parse_size)
+    """KV cache bytes per worker (each stage, or each TP rank of it), e.g. 512MiB, 4GiB (default: 1GiB
+    on CPU; on CUDA what --gpu-memory-utilization leaves)
+
+    The CPU default grows to what ``max_num_seqs`` full sequences need when that is more."""
     gpu_memory_utilization: float = 0.9
-    """CUDA only: fraction of the GPU's memory the worker may use in total (weights + activations + KV)."""
+    """CUDA: fraction of GPU memory for weights + activations + KV cache"""
     enable_prefix_caching: bool = False
-    """Reuse full KV blocks across requests that share a token prefix."""
-    kv_cache_dtype: str = "auto"
-    """``auto``: the model's dtype; ``fp8`` (= ``fp8_e4m3``): K and V stored as float8_e4m3fn with a
-    per-layer scale each (the checkpoint's ``k_scale`` / ``v_scale``, else 1.0), half the bytes per
-    block; needs a CUDA GPU of compute capability >= 8.9 (vLLM's ``--kv-cache-dtype``)."""
+    """reuse the KV blocks of shared prompt prefixes
+
+    Full KV blocks only."""
+    kv_cache_dtype: str = setting("auto", choices=KV_CACHE_DTYPES)
+    """auto: the model's dtype; fp8 (= fp8_e4m3): K/V stored as FP8 e4m3 with per-layer scales (the
+    checkpoint's k_scale / v_scale, else 1.0), twice the blocks; CUDA, compute capability >= 8.9
+
+    vLLM's ``--kv-cache-dtype``; K and V are stored as float8_e4m3fn, half the bytes per block."""
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -359,36 +403,47 @@ class SchedulerConfig:
     """Continuous-batching scheduler limits."""
 
     max_num_seqs: int = 256
-    """Most requests in one micro-batch."""
+    """most requests running at once
+
+    The most requests in one micro-batch."""
     max_num_batched_tokens: Optional[int] = None
-    """Token budget of one micro-batch: the running requests' decodes take it first, prompt chunks
-    the rest. Default with chunked prefill: 2048 on CUDA (vLLM's online-serving default; a chunk
-    of that size takes milliseconds there); on CPU ``CPU_SERVE_MAX_NUM_BATCHED_TOKENS`` when
-    ``streaming`` (``zpp serve``), where a prompt token costs milliseconds and a running stream
-    waits about two stage-steps of a micro-batch between tokens at PP=2, so the budget bounds
-    those gaps, else ``CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS`` (see those constants). Without
-    chunked prefill: ``max(max_model_len, 2048)``."""
+    """token budget of one micro-batch, decodes first (default with chunked prefill: 2048 on CUDA; on
+    CPU 32 for `zpp serve`, 2048 for `zpp bench throughput|latency`; without: max(--max-model-len,
+    2048))
+
+    The running requests' decodes take it first, prompt chunks the rest. On CUDA 2048 is vLLM's
+    online-serving default (a chunk of that size takes milliseconds there); on the CPU
+    ``CPU_SERVE_MAX_NUM_BATCHED_TOKENS`` when ``streaming`` (``zpp serve``), where a prompt token
+    costs milliseconds and a running stream waits about two stage-steps of a micro-batch between
+    tokens at PP=2, so the budget bounds those gaps, else ``CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS``
+    (see those constants)."""
     enable_chunked_prefill: bool = True
-    """Split long prompts over several steps so decodes keep going."""
-    streaming: bool = True
+    """split long prompts over several steps so decodes keep going
+
+    ``--no-enable-chunked-prefill``: compute each prompt in one step."""
+    streaming: bool = setting(True, flagless=True)
     """Clients wait on each token (``zpp serve``). The offline ``LLM`` and ``zpp bench
     throughput|latency`` set False: nobody watches the gaps between tokens, and on CPU the default
     token budget is then the larger one (vLLM likewise defaults its offline ``LLM`` to a larger
     budget than its server)."""
-    pipeline_depth: Optional[int] = None
-    """Micro-batches in flight at once; default = pipeline_parallel_size."""
-    prefill_attention_budget: Optional[int] = None
-    """Most query-key pairs the prompt chunks of one micro-batch may attend (0 = no limit). The
-    oldest prompt always gets at least one token, so every prompt progresses. Default: on CPU
-    with ``streaming`` and chunked prefill ``CPU_SERVE_PREFILL_ATTENTION_BUDGET``, else no limit
-    (on CUDA the attention kernel reads a long context in microseconds)."""
+    pipeline_depth: Optional[int] = setting(None, group="parallelism")
+    """micro-batches in flight (default: the number of stages; stages + 1 on CUDA)
 
+    See ``EngineConfig.pipeline_depth``."""
+    prefill_attention_budget: Optional[int] = setting(None, metavar="PAIRS")
+    """most query-key pairs the prompt chunks of one micro-batch attend, so a chunk shrinks at long
+    contexts (default: 65536 for `zpp serve` on CPU, else no limit; 0 = no limit)
+
+    The oldest prompt always gets at least one token, so every prompt progresses. The default is
+    ``CPU_SERVE_PREFILL_ATTENTION_BUDGET`` on CPU with ``streaming`` and chunked prefill, else no
+    limit (on CUDA the attention kernel reads a long context in microseconds)."""
     async_scheduling: Optional[bool] = None
-    """Async scheduling (vLLM's ``--async-scheduling``): the engine schedules a request's next
-    decode before the token its micro-batch in flight samples is back, and the worker feeds that
-    token from the device. None = on where it is correct and pays: CUDA with one stage and one
-    tensor-parallel rank; True forces it (also on the CPU), which needs PP=1 and TP=1; False =
-    off. Requests with penalties or structured outputs run synchronously either way."""
+    """schedule a request's next decode before its sampled token is back; the worker feeds the token
+    from the device (default: on for CUDA with PP=1 and TP=1)
+
+    vLLM's ``--async-scheduling``. True forces it (also on the CPU), which needs PP=1 and TP=1;
+    ``--no-async-scheduling`` (False): wait for each sampled token before scheduling the request
+    again. Requests with penalties or structured outputs run synchronously either way."""
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -405,17 +460,23 @@ class SchedulerConfig:
 class StructuredOutputsConfig:
     """Limits on the grammars of structured-output requests (JSON schema, regex, choice, EBNF)."""
 
-    compile_timeout: float = 10.0
-    """Seconds a request's grammar may take to compile (waiting for a compile thread included)
-    before the request is refused with HTTP 400; the compile itself finishes in the background."""
-    max_spec_bytes: int = 256 << 10
-    """Largest grammar specification accepted (the JSON schema as JSON text, the regex, the EBNF
-    or the choices together), in bytes; larger ones are refused with HTTP 400 before compiling."""
-    max_grammar_bytes: int = 16 << 20
-    """Largest compiled grammar accepted (xgrammar's ``memory_size_bytes``), in bytes; larger ones
-    are refused with HTTP 400 before they are serialized for the engine core. A small schema can
-    compile to a huge grammar (200 properties with one bounded-repetition pattern each: ~100 MB,
-    whose serialization took tens of GB), so the specification's size alone bounds nothing."""
+    compile_timeout: float = setting(10.0, flag="--structured-outputs-compile-timeout")
+    """seconds a request's grammar (JSON schema, regex, choice, EBNF) may take to compile before the
+    request is refused with HTTP 400
+
+    Waiting for a compile thread included; the compile itself finishes in the background."""
+    max_spec_bytes: int = setting(256 << 10, flag="--max-structured-outputs-spec-bytes", parse=parse_size)
+    """largest JSON schema / regex / grammar / choice list accepted (larger: HTTP 400)
+
+    In bytes: the JSON schema as JSON text, the regex, the EBNF or the choices together; refused
+    before compiling."""
+    max_grammar_bytes: int = setting(16 << 20, flag="--max-structured-outputs-grammar-bytes", parse=parse_size)
+    """largest compiled grammar accepted (xgrammar's memory size; larger: HTTP 400 before it is
+    serialized: a small schema can compile to a huge grammar)
+
+    xgrammar's ``memory_size_bytes``, refused before it is serialized for the engine core: 200
+    properties with one bounded-repetition pattern each compiled to ~100 MB, whose serialization
+    took tens of GB, so the specification's size alone bounds nothing."""
 
     def __post_init__(self):
         if not self.compile_timeout > 0:
@@ -432,10 +493,10 @@ class EngineConfig:
 
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     enforce_eager: bool = False
-    """CUDA: never capture CUDA graphs."""
+    """CUDA: never use CUDA graphs"""
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @property
@@ -484,8 +545,8 @@ class EngineConfig:
         """Whether async scheduling is on (see ``SchedulerConfig.async_scheduling``): the stage
         that samples must also embed the next step's tokens, so one stage and one TP rank."""
         a = self.scheduler.async_scheduling
-        if a is None and os.environ.get("ZPP_ASYNC_SCHEDULING", "") in ("0", "1"):
-            a = os.environ["ZPP_ASYNC_SCHEDULING"] == "1"  # the default's override (testing both ways)
+        if a is None:
+            a = envs.ZPP_ASYNC_SCHEDULING  # the default's override (testing both ways)
         single = self.parallel.pipeline_parallel_size == 1 and self.parallel.tensor_parallel_size == 1
         if a is None:
             return single and self.parallel.device == "cuda"

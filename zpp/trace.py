@@ -39,6 +39,8 @@ import socket
 import time
 from typing import Optional
 
+from zpp import envs
+
 
 class Trace:
     """Collects events in memory; ``dump()`` writes them (a no-op when tracing is off)."""
@@ -46,7 +48,7 @@ class Trace:
     def __init__(self, name: str):
         self.name = name
         self.events: list[tuple] = []
-        self.dir = os.environ.get("ZPP_TRACE") or None
+        self.dir = envs.ZPP_TRACE
         self.enabled = self.dir is not None
         self._cuda_ref = None
         if self.enabled:

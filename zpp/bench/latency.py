@@ -9,7 +9,7 @@ import time
 
 
 def add_parser(sub) -> None:
-    from zpp.cli import add_engine_args
+    from zpp.args import add_engine_args
     p = sub.add_parser("latency", help="batch latency and time per output token")
     add_engine_args(p, model_optional=False)
     p.add_argument("--batch-size", type=int, default=1)
@@ -25,8 +25,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from zpp import LLM, SamplingParams
-    from zpp.bench import print_table, random_prompts, run_fields, write_json
-    from zpp.cli import engine_config_from_args
+    from zpp.bench.common import print_table, random_prompts, run_fields, write_json
+    from zpp.args import engine_config_from_args
     config = engine_config_from_args(args, streaming=False)
     vocab = int(config.model.hf_config["vocab_size"])
     prompts = random_prompts(args.batch_size, args.input_len, vocab, args.seed)

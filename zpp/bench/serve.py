@@ -607,7 +607,7 @@ def result_path(args, model: str) -> str:
 
 def run(args) -> int:
     """``zpp bench serve``: print the result table; exit status 1 if any request failed."""
-    from zpp.bench import print_table, write_json
+    from zpp.bench.common import print_table, write_json
     try:
         resolve_args(args)
         res = asyncio.run(_main(args))

@@ -7,7 +7,7 @@ import time
 
 
 def add_parser(sub) -> None:
-    from zpp.cli import add_engine_args
+    from zpp.args import add_engine_args
     p = sub.add_parser("throughput", help="offline throughput (requests/s, tokens/s)")
     add_engine_args(p, model_optional=False)
     p.add_argument("--backend", choices=["zpp", "hf"], default="zpp")
@@ -20,8 +20,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from zpp.bench import print_table, random_prompts, run_fields, write_json
-    from zpp.cli import engine_config_from_args
+    from zpp.bench.common import print_table, random_prompts, run_fields, write_json
+    from zpp.args import engine_config_from_args
     config = engine_config_from_args(args, streaming=False)
     vocab = int(config.model.hf_config["vocab_size"])
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)

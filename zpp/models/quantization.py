@@ -49,7 +49,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from zpp.config import ConfigError
+from zpp.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import shlex
 import shutil
 import subprocess
 import threading
 from typing import Optional
 
+from zpp import envs
 from zpp.node.placement import describe_stages, split_ranks
 from zpp.transport.security import RunKeys
 
@@ -39,8 +39,8 @@ def per_node_name(node_rank: int) -> str:
     return f"node rank {node_rank}"
 
 
-DEFAULT_SSH = ("ssh -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=5 "
-               "-o ServerAliveCountMax=3")
+DEFAULT_SSH = envs.VARIABLES["ZPP_SSH"].default
+"""``$ZPP_SSH``'s default (``zpp.envs``)."""
 
 
 def parse_node(spec: str) -> tuple[str, Optional[int]]:
@@ -121,7 +121,7 @@ class NodeLauncher:
                 self._start_session(host)
 
     def _start_session(self, host: str) -> None:
-        ssh = shlex.split(os.environ.get("ZPP_SSH", DEFAULT_SSH))
+        ssh = shlex.split(envs.ZPP_SSH)
         # The SSH client must die with the head, even a SIGKILLed one, or the session (and the
         # remote agent) would stay: PR_SET_PDEATHSIG via setpriv.
         prefix = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []

@@ -19,6 +19,7 @@ import socket
 import struct
 from typing import Optional, Sequence
 
+from zpp import envs
 from zpp.config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def choose_head_address(nodes: Sequence[str], distributed_host: Optional[str]) -
             another host (workers there could never reach it).
     """
     source = "--distributed-host"
-    address = distributed_host or os.environ.get("ZPP_HOST_IP") or None
+    address = distributed_host or envs.ZPP_HOST_IP
     if address is None:
         source = f"the route to {host_of(nodes[0])}"
         try:

@@ -20,6 +20,8 @@ import threading
 import time
 import traceback
 
+from zpp import envs
+
 logger = logging.getLogger("zpp.worker")
 
 
@@ -227,10 +229,10 @@ def _setup(init, sock):
             runner.capture_graphs(max_model_len, cfg_all.scheduler.max_num_seqs)
         else:
             logger.info("%s runs eagerly (no CUDA graphs)", type(model).__name__)
-    elif device_kind == "cpu" and os.environ.get("ZPP_EAGER_GRAPHS") and model.supports_cuda_graphs:
+    elif device_kind == "cpu" and envs.ZPP_EAGER_GRAPHS and model.supports_cuda_graphs:
         # tests: the graph path on the CPU, for the stages CUDA would capture
         from zpp.workers.cuda_graphs import EagerDecodeGraphs
-        flag = os.environ["ZPP_EAGER_GRAPHS"]
+        flag = envs.ZPP_EAGER_GRAPHS
         runner.graphs = EagerDecodeGraphs(model, runner.kv_caches, block_size, cfg_all.scheduler.max_num_seqs,
                                           runner.device, runner.group, None if flag == "1" else flag)
     if device_kind == "cuda":  # the rows the memory profile covered (_cuda_kv_blocks)
@@ -481,7 +483,7 @@ def _fault_stall_batch(rank: int):
     """Fault injection for the watchdog tests: ``ZPP_FAULT_STALL=RANK:BATCH`` makes that rank's
     main thread hang (alive, heartbeats still going) from micro-batch BATCH on, as a wedged
     gloo/NCCL call would. None when unset or for another rank."""
-    spec = os.environ.get("ZPP_FAULT_STALL", "")
+    spec = envs.ZPP_FAULT_STALL
     r, _, b = spec.partition(":")
     return int(b) if r.isdigit() and b.isdigit() and int(r) == rank else None
 
@@ -489,7 +491,7 @@ def _fault_stall_batch(rank: int):
 def _fault_crash_on_restart(init) -> None:
     """Fault injection for the supervision tests: ``ZPP_FAULT_RESTART_CRASH=RANK`` makes that rank
     fail every time it is restarted (generation > 0), while loading its weights: a crash loop."""
-    r = os.environ.get("ZPP_FAULT_RESTART_CRASH", "")
+    r = envs.ZPP_FAULT_RESTART_CRASH
     if r.isdigit() and int(r) == init.rank and init.generation > 0:
         raise RuntimeError(f"ZPP_FAULT_RESTART_CRASH: rank {init.rank} fails at every restart")
 

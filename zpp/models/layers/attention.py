@@ -29,7 +29,6 @@ query head joins the softmax's denominator and contributes no value, i.e.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -37,6 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from zpp import envs
 
 
 @dataclass
@@ -263,7 +264,7 @@ def _attention_groups(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]
 # to one 64-token chunk 339 vs 436; benchmarks/results/h200_kernel_mixed_attention.txt).
 # ZPP_SPLIT_MIXED_ATTENTION=0: one launch with the prefill shape for all; =all: split whenever
 # decodes and chunks mix (A/B runs and tests with small models).
-_SPLIT_MODE = os.environ.get("ZPP_SPLIT_MIXED_ATTENTION", "1")
+_SPLIT_MODE = envs.ZPP_SPLIT_MIXED_ATTENTION
 _SPLIT_MIXED = _SPLIT_MODE != "0"
 MIN_SPLIT_DECODE_PROGRAMS = 0 if _SPLIT_MODE == "all" else 512
 

@@ -17,20 +17,20 @@ unchanged at any ``tp_size`` that divides the sliced dims.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zpp import envs
 from zpp.transport.tensor_parallel import tp_all_reduce
 
 
 # Batch-1 decode on CUDA uses zpp's Triton GEMV instead of cuBLAS (ZPP_TRITON_GEMV=0: cuBLAS, for A/B runs).
 # Measured inside CUDA graphs on one H200 (scripts/gemv_sweep.py, Llama-3-8B shapes): 107 us per layer's
 # four products vs cuBLAS's 117 us (cuBLAS picks split-K kernels plus a reduce kernel for o and down).
-_TRITON_GEMV = os.environ.get("ZPP_TRITON_GEMV", "1") != "0"
+_TRITON_GEMV = envs.ZPP_TRITON_GEMV
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, fp8=None) -> torch.Tensor:

@@ -1,0 +1,308 @@
+"""One table of settings (issue 27): every engine setting is one config field whose name, default
+and docstring make the ``zpp serve`` / ``zpp bench`` flag and the ``LLM`` keyword; the server's
+settings likewise; every ``ZPP_*`` variable is listed in ``zpp.envs``; no import cycle among the
+modules that hold them. No worker starts here (seconds in all)."""
+from __future__ import annotations
+
+import argparse
+import ast
+import builtins
+import importlib
+import inspect
+import pathlib
+import re
+import sys
+
+import pytest
+
+import zpp.args
+from zpp import envs
+from zpp.args import (
+    engine_config,
+    engine_config_from_args,
+    engine_settings,
+    server_config_from_args,
+)
+from zpp.cli import build_parser
+from zpp.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from zpp.server.config import ServerConfig
+from zpp.settings import settings_of
+
+ZPP = pathlib.Path(__file__).resolve().parent.parent / "zpp"
+
+
+def _subparser(parser: argparse.ArgumentParser, *path: str) -> argparse.ArgumentParser:
+    for name in path:
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    return parser
+
+
+def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {flag: a for a in parser._actions for flag in a.option_strings}
+
+
+def _llm_signature() -> inspect.Signature:
+    from zpp.llm import LLM
+    return inspect.signature(LLM.__init__)
+
+
+def test_every_engine_field_is_a_flag_and_a_keyword_with_its_default():
+    """Every field of EngineConfig (through its sub-configs) but the three zpp sets itself is a
+    flag of `zpp serve` and of `zpp bench throughput|latency` (the per-node ones: serve only) and a
+    keyword of LLM, all with the field's default, and the --help line is the docstring's."""
+    flagless = {s.path for s in settings_of(EngineConfig) if s.flagless}
+    assert flagless == {("model", "model"), ("scheduler", "streaming"), ("parallel", "share_gpu")}
+    parser = build_parser()
+    serve = _actions(_subparser(parser, "serve"))
+    benches = [_actions(_subparser(parser, "bench", b)) for b in ("throughput", "latency")]
+    params = _llm_signature().parameters
+    help_text = "".join(_subparser(parser, "serve").format_help().split())  # argparse wraps at hyphens too
+    settings = engine_settings()
+    assert len(settings) >= 41
+    for s in settings:
+        action = serve[s.flag]
+        assert action.dest == s.name, s.name
+        assert action.default == (None if s.meta.get("from_launcher") else s.default), s.name
+        for alias in s.meta.get("aliases", ()):
+            assert serve[alias] is action
+        for bench in benches:
+            assert (s.flag in bench) == (s.meta.get("group") != "per-node"), s.name
+            if s.flag in bench:
+                assert bench[s.flag].default == s.default, s.name
+        assert params[s.name].kind is inspect.Parameter.KEYWORD_ONLY and params[s.name].default == s.default, s.name
+        assert s.doc and "".join(s.help.split()) in help_text, f"{s.name}: no docstring, or --help does not show it"
+    assert set(params) == {"self", "model"} | {s.name for s in settings}
+
+
+def test_every_server_field_is_a_serve_flag_with_its_default():
+    serve = _actions(_subparser(build_parser(), "serve"))
+    fields = settings_of(ServerConfig)
+    assert {s.name for s in fields} >= {"host", "port", "api_key", "api_server_count", "max_request_body_bytes"}
+    for s in fields:
+        assert serve[s.flag].dest == s.name and serve[s.flag].default == s.default, s.name
+        assert (serve[s.flag].help == argparse.SUPPRESS) == bool(s.meta.get("hidden")), s.name
+
+
+def test_no_flags_is_the_dataclass_defaults(demo_model):
+    """`zpp serve MODEL` is EngineConfig(ModelConfig(MODEL)) and ServerConfig(); `zpp bench` and
+    LLM(MODEL) are the same with streaming off; nothing is defaulted outside the fields."""
+    parser = build_parser()
+    serve_args = parser.parse_args(["serve", demo_model])
+    assert engine_config_from_args(serve_args) == EngineConfig(ModelConfig(demo_model))
+    assert server_config_from_args(serve_args) == ServerConfig()
+    offline = EngineConfig(ModelConfig(demo_model), scheduler=SchedulerConfig(streaming=False))
+    for bench in ("throughput", "latency"):
+        args = parser.parse_args(["bench", bench, "--model", demo_model])
+        assert engine_config_from_args(args, streaming=False) == offline
+    assert engine_config(demo_model, streaming=False) == offline
+
+
+def test_flags_and_keywords_give_the_same_config(demo_model):
+    """Text on the command line and Python values as LLM keywords: the same config, every value
+    where it belongs (sizes, hosts, layer splits, booleans both ways, aliases, renamed flags)."""
+    argv = ["serve", demo_model, "-pp", "2", "--pp-layer-partition", "20,10", "--nodes", "a@h1,b@h2:1",
+            "--kv-cache-memory", "512MiB", "--max-structured-outputs-spec-bytes", "1KiB",
+            "--structured-outputs-compile-timeout", "3", "--no-enable-chunked-prefill", "--max-num-batched-tokens",
+            "8192", "--enable-prefix-caching", "--no-async-scheduling", "--served-model-name", "m",
+            "--device", "cpu", "--node-launcher", "manual", "--node-keys-file", "/k"]
+    cli = engine_config_from_args(build_parser().parse_args(argv), streaming=False)
+    kw = engine_config(demo_model, streaming=False, pipeline_parallel_size=2, pp_layer_partition=[20, 10],
+                       nodes=["a@h1", "b@h2:1"], kv_cache_memory=512 << 20, max_structured_outputs_spec_bytes="1KiB",
+                       structured_outputs_compile_timeout=3.0, enable_chunked_prefill=False,
+                       max_num_batched_tokens=8192, enable_prefix_caching=True, async_scheduling=False,
+                       served_model_name="m", device="cpu", node_launcher="manual", node_keys_file="/k")
+    assert cli == kw
+    assert kw.parallel.pp_layer_partition == (20, 10) and kw.parallel.nodes == ("a@h1", "b@h2:1")
+    assert kw.cache == CacheConfig(kv_cache_memory=512 << 20, enable_prefix_caching=True)
+    assert kw.structured_outputs.max_spec_bytes == 1024 and kw.structured_outputs.compile_timeout == 3.0
+    assert kw.scheduler.async_scheduling is False and not kw.scheduler.enable_chunked_prefill
+    assert kw.model.name == "m" and kw.parallel.node_launcher == "manual"
+
+
+def test_bad_values_name_their_flag(demo_model):
+    with pytest.raises(ConfigError, match=r"^--kv-cache-memory 'lots' is not a size"):
+        engine_config(demo_model, streaming=False, kv_cache_memory="lots")
+    with pytest.raises(ConfigError, match=r"^--max-structured-outputs-grammar-bytes 'x' is not a size"):
+        engine_config(demo_model, streaming=False, max_structured_outputs_grammar_bytes="x")
+    with pytest.raises(ConfigError, match=r"^--max-request-body-bytes 10: must be at least 1KiB"):
+        ServerConfig(max_request_body_bytes=10)
+
+
+def test_unknown_llm_keyword_is_a_type_error_naming_it(demo_model):
+    from zpp.llm import LLM
+    with pytest.raises(TypeError, match=r"'max_num_seq'.*did you mean 'max_num_seqs'"):
+        LLM(demo_model, max_num_seq=4)
+    with pytest.raises(TypeError, match=r"'no_such_setting': not an engine setting"):
+        LLM(demo_model, no_such_setting=1)
+    with pytest.raises(TypeError, match="'streaming'"):  # set by zpp (LLM: off), not a keyword
+        LLM(demo_model, streaming=True)
+    with pytest.raises(ConfigError, match="node_rank=1"):
+        LLM(demo_model, node_rank=1)
+    with pytest.raises(TypeError, match=r"max_num_seqs='4': expected int \(--max-num-seqs\)"):
+        LLM(demo_model, max_num_seqs="4")
+    with pytest.raises(TypeError, match=r"async_scheduling=1: expected bool or None"):
+        LLM(demo_model, async_scheduling=1)
+    assert engine_config(demo_model, streaming=False, stage_timeout=5).parallel.stage_timeout == 5  # int for float
+
+
+def test_a_new_field_is_a_new_flag(tmp_path, monkeypatch):
+    """The table is read from the fields alone: a dataclass written like the configs gets its
+    flags, their defaults and help from its fields, nothing else."""
+    src = tmp_path / "newconf.py"
+    src.write_text('from dataclasses import dataclass\nfrom typing import Optional\n'
+                   'from zpp.settings import setting\n\n\n@dataclass(frozen=True)\nclass NewConfig:\n'
+                   '    max_foo: int = 8\n    """most foos per micro-batch\n\n    Not in --help."""\n'
+                   '    bar_mode: Optional[str] = setting(None, aliases=("-b",), choices=("x", "y"))\n'
+                   '    """how bars run"""\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "newconf", raising=False)
+    mod = importlib.import_module("newconf")
+    monkeypatch.setitem(zpp.args.CLASS_GROUPS, "NewConfig", None)
+    p = argparse.ArgumentParser()
+    zpp.args.add_settings(p, settings_of(mod.NewConfig))
+    assert vars(p.parse_args([])) == {"max_foo": 8, "bar_mode": None}
+    assert vars(p.parse_args(["--max-foo", "3", "-b", "y"])) == {"max_foo": 3, "bar_mode": "y"}
+    text = " ".join(p.format_help().split())
+    assert "--max-foo MAX_FOO most foos per micro-batch" in text and "Not in --help" not in text
+
+
+def test_hf_config_reads_config_json_once(demo_model, monkeypatch):
+    opened = []
+    real_open = builtins.open
+
+    def counting_open(path, *a, **kw):
+        if str(path).endswith("config.json"):
+            opened.append(path)
+        return real_open(path, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    config = EngineConfig(ModelConfig(demo_model))
+    for _ in range(3):
+        assert config.model.hf_config["vocab_size"] == 49152
+        config.validate()
+        _ = config.max_model_len
+    assert len(opened) == 1, opened
+
+
+# --- ZPP_* environment variables -----------------------------------------------------------------
+
+def _sources():
+    for path in sorted(ZPP.rglob("*.py")):
+        if path.name != "envs.py" or path.parent != ZPP:
+            yield path, path.read_text()
+
+
+def test_every_zpp_variable_read_is_listed_in_envs():
+    """Every ZPP_* name in zpp/ is in zpp.envs.VARIABLES (with a type and a docstring), every
+    listed one is used, and no module reads one from os.environ itself."""
+    named, direct = set(), []
+    for path, text in _sources():
+        named |= set(re.findall(r"\bZPP_[A-Z0-9_]+", text))
+        for n, line in enumerate(text.splitlines(), 1):
+            if re.search(r"(environ|getenv)\b.*['\"]ZPP_", line):
+                direct.append(f"{path.relative_to(ZPP.parent)}:{n}: {line.strip()}")
+    assert not direct, "read ZPP_* through zpp.envs:\n" + "\n".join(direct)
+    assert named - set(envs.VARIABLES) == set(), "add these to zpp/envs.py"
+    used = {name for name in envs.VARIABLES
+            if any(re.search(rf"envs\.{name}\b|VARIABLES\[\"{name}\"\]", text) for _, text in _sources())}
+    assert used == set(envs.VARIABLES), f"listed but never read: {set(envs.VARIABLES) - used}"
+    for var in envs.VARIABLES.values():
+        assert var.doc and var.type
+
+
+def test_envs_read_at_access(monkeypatch):
+    monkeypatch.delenv("ZPP_TRACE", raising=False)
+    assert envs.ZPP_TRACE is None
+    monkeypatch.setenv("ZPP_TRACE", "/tmp/t")
+    assert envs.ZPP_TRACE == "/tmp/t"
+    monkeypatch.setenv("ZPP_ASYNC_SCHEDULING", "0")
+    assert envs.ZPP_ASYNC_SCHEDULING is False
+    monkeypatch.setenv("ZPP_ASYNC_SCHEDULING", "yes")
+    assert envs.ZPP_ASYNC_SCHEDULING is None
+    with pytest.raises(AttributeError, match="ZPP_NOPE"):
+        _ = envs.ZPP_NOPE
+
+
+# --- import cycles ---------------------------------------------------------------------------------
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the zpp modules it imports, at any depth of its code (function bodies included)."""
+    mods = {}
+    for path in ZPP.rglob("*.py"):
+        parts = path.relative_to(ZPP.parent).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(pkg.split(".")[:len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            else:
+                continue
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t not in (name, "zpp"):
+                    graph[name].add(t)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(comp)
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_through_the_settings_modules():
+    """cli, bench, args, config, settings, envs, errors, the server config and llm are in no cycle
+    (cli <-> bench was one: each imported the other for the engine flags)."""
+    graph = _import_graph()
+    assert "zpp.bench.latency" in graph["zpp.bench"] and "zpp.args" in graph["zpp.cli"]
+    mine = {"zpp.cli", "zpp.args", "zpp.config", "zpp.settings", "zpp.envs", "zpp.errors", "zpp.server.config",
+            "zpp.llm"} | {m for m in graph if m.startswith("zpp.bench")}
+    bad = [c for c in _cycles(graph) if c & mine]
+    assert not bad, bad
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [{"a", "b"}]  # the check can fail
+
+
+def test_flags_page_lists_every_flag():
+    from zpp.args import flags_markdown, server_settings
+    page = flags_markdown()
+    for s in engine_settings() + server_settings():
+        assert (f"| `{s.flag}`" in page) != bool(s.meta.get("hidden")), s.name

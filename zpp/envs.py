@@ -1,0 +1,109 @@
+"""Every ``ZPP_*`` environment variable zpp reads, with its type, default and meaning.
+
+Read one as an attribute: ``zpp.envs.ZPP_TRACE`` parses ``os.environ`` at that moment (so a test's
+``monkeypatch.setenv`` is seen by the next read); modules that decide once keep the value they
+read at import. No code in ``zpp/`` reads a ``ZPP_*`` variable from ``os.environ`` directly
+(``tests/test_settings.py`` greps for it). Settings a user chooses are flags (``zpp/config.py``);
+these variables are for what a flag cannot reach: a child process's testing switches, kernel A/B
+switches and per-host facts. The engine's workers, its ``zpp-node`` agents and the processes those
+start inherit the environment, so a variable set where ``zpp serve`` starts reaches them all.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One ``ZPP_*`` variable: ``parse`` turns the raw value (None when unset) into the typed value."""
+
+    name: str
+    type: str
+    """The parsed value's type, as written in the docs (``bool``, ``str``, ``Optional[str]``...)."""
+    parse: Callable[[Optional[str]], Any]
+    doc: str
+
+    @property
+    def default(self) -> Any:
+        """The value when the variable is unset."""
+        return self.parse(None)
+
+    def read(self) -> Any:
+        return self.parse(os.environ.get(self.name))
+
+
+def _on_unless_0(raw: Optional[str]) -> bool:
+    return raw != "0"
+
+
+def _on_if_1(raw: Optional[str]) -> bool:
+    return raw == "1"
+
+
+def _text_or_none(raw: Optional[str]) -> Optional[str]:
+    return raw or None
+
+
+def _text(default: str) -> Callable[[Optional[str]], str]:
+    return lambda raw: default if raw is None else raw
+
+
+def _tri_state(raw: Optional[str]) -> Optional[bool]:
+    return {"0": False, "1": True}.get(raw or "")
+
+
+VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar("ZPP_CACHE", "str", _text("~/.cache/zpp"),
+           "Directory of zpp's own files: the demo model converted from the packaged GGUF "
+           "(``zpp prepare-demo-model``). ``~`` is expanded."),
+    EnvVar("ZPP_HOST_IP", "Optional[str]", _text_or_none,
+           "Multi-host: the head's address that every node reaches, when ``--distributed-host`` is not "
+           "given (like vLLM's ``VLLM_HOST_IP``). Unset: the address on the route to the first node."),
+    EnvVar("ZPP_SSH", "str", _text("ssh -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=5 "
+                                   "-o ServerAliveCountMax=3"),
+           "The command (split like a shell would) that starts ``zpp-node`` on each host of ``--nodes``; "
+           "the host and the remote command are appended. Tests point it at a stand-in."),
+    EnvVar("ZPP_TRACE", "Optional[str]", _text_or_none,
+           "A directory: every process of the run (engine and workers) writes a Chrome-trace timeline "
+           "of its steps there (``zpp.trace``). Unset: no tracing."),
+    EnvVar("ZPP_SHARE_GPU", "bool", _on_if_1,
+           "``1``: testing mode with every pipeline stage on GPU 0 and activations over gloo "
+           "(``ParallelConfig.share_gpu``; read where the configuration is made)."),
+    EnvVar("ZPP_ASYNC_SCHEDULING", "Optional[bool]", _tri_state,
+           "``0`` / ``1``: the default of ``--async-scheduling`` when the flag is not given, off / on "
+           "(tests run both ways); anything else: the normal default (on for CUDA at PP=1 and TP=1)."),
+    EnvVar("ZPP_EAGER_GRAPHS", "Optional[str]", _text_or_none,
+           "Testing: CPU workers run the CUDA-graph decode path eagerly (``EagerDecodeGraphs``) for the "
+           "stages CUDA would capture. ``1``: on; a file path: on, and every replay appends a line to it."),
+    EnvVar("ZPP_FAULT_STALL", "str", _text(""),
+           "Fault injection (watchdog tests): ``RANK:BATCH`` makes that worker rank's main thread hang "
+           "from micro-batch BATCH on, heartbeats still going."),
+    EnvVar("ZPP_FAULT_RESTART_CRASH", "str", _text(""),
+           "Fault injection (supervision tests): ``RANK`` makes that worker rank fail each time it is "
+           "restarted, while loading its weights (a crash loop)."),
+    EnvVar("ZPP_FP8_GEMV", "bool", _on_unless_0,
+           "``0``: FP8 linear layers never use the W8A16 GEMV kernel for small batches (every batch "
+           "through the W8A8 GEMMs), for A/B runs. Read once, at import."),
+    EnvVar("ZPP_TRITON_GEMV", "bool", _on_unless_0,
+           "``0``: batch-1 decode on CUDA multiplies by the weights with cuBLAS instead of zpp's Triton "
+           "GEMV (``zpp.models.layers.linear``), for A/B runs. Read once, at import."),
+    EnvVar("ZPP_SPLIT_MIXED_ATTENTION", "str", _text("1"),
+           "How a micro-batch mixing decodes and prompt chunks attends: ``1`` in two launches (decode "
+           "and prefill tile shapes) once the decodes fill a launch of their own, ``0`` one launch, "
+           "``all`` two whenever they mix (A/B runs, tests with small models). Read once, at import "
+           "(``zpp.models.layers.attention``)."),
+)}
+
+
+def __getattr__(name: str) -> Any:
+    var = VARIABLES.get(name)
+    if var is None:
+        raise AttributeError(f"module 'zpp.envs' has no attribute {name!r} (the ZPP_* variables: "
+                             f"{', '.join(VARIABLES)})")
+    return var.read()
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *VARIABLES])

@@ -1,0 +1,61 @@
+"""``ServerConfig``: the settings of ``zpp serve``'s HTTP front end (not the engine's).
+
+Each field is a ``zpp serve`` flag, made by ``zpp.args`` from the field's name, default and
+docstring (``zpp.settings``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from zpp.config import ConfigError, parse_size
+from zpp.settings import setting, tcp_port
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where and how ``zpp serve`` answers HTTP. Raises ConfigError (one line naming the flag)."""
+
+    host: str = "0.0.0.0"
+    """address to listen on"""
+    port: int = setting(8000, type=tcp_port)
+    """TCP port to listen on"""
+    api_key: Optional[str] = None
+    """require 'Authorization: Bearer KEY' on /v1/*"""
+    chat_template: Optional[str] = None
+    """Jinja chat template file (overrides the tokenizer's)"""
+    disable_log_requests: bool = setting(False, group="logging")
+    """no INFO line per finished request (id, prompt and output tokens, finish reason, time)"""
+    api_server_count: int = setting(1, group="logging")
+    """HTTP front-end processes (tokenization, detokenization, streaming) sharing the port
+    (SO_REUSEPORT) and one engine core; more serve more concurrent streams"""
+    disable_log_stats: bool = setting(False, group="logging")
+    """no INFO stats line every 10 s while busy (throughput, queue, KV cache, stage busy)"""
+    log_stats_interval: float = setting(10.0, group="logging", hidden=True)
+    """seconds between stats lines (hidden: tests shorten it)"""
+    max_request_body_bytes: int = setting(8 << 20, parse=parse_size, metavar="SIZE", group="limits")
+    """largest request body, after any Content-Encoding is undone (e.g. 8MiB); larger ones get
+    HTTP 413"""
+    max_stop_sequences: int = setting(64, metavar="N", group="limits")
+    """most entries `stop` and `stop_token_ids` may each hold; more get HTTP 400"""
+    trust_request_chat_template: bool = setting(False, group="limits")
+    """accept a `chat_template` in requests (by default they get HTTP 400: a template is a program
+    the server would run)"""
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port}: not a TCP port (0-65535)")
+        if self.api_server_count < 1:
+            raise ConfigError(f"--api-server-count must be >= 1, got {self.api_server_count}")
+        if self.max_request_body_bytes < 1024:
+            raise ConfigError(f"--max-request-body-bytes {self.max_request_body_bytes}: must be at least 1KiB")
+        if self.max_stop_sequences < 0:
+            raise ConfigError(f"--max-stop-sequences {self.max_stop_sequences}: must be >= 0")
+        if not self.log_stats_interval > 0:
+            raise ConfigError(f"--log-stats-interval {self.log_stats_interval}: must be > 0 seconds")
+
+    def server_options(self) -> dict:
+        """The keyword arguments ``zpp.server.openai_server.serve`` takes for the request limits."""
+        return {"max_request_body_bytes": self.max_request_body_bytes, "max_stop_sequences": self.max_stop_sequences,
+                "trust_request_chat_template": self.trust_request_chat_template,
+                "log_requests": not self.disable_log_requests}
