@@ -292,7 +292,16 @@ def _server_options(args) -> dict:
         raise ConfigError(f"--log-stats-interval {args.log_stats_interval}: must be > 0 seconds")
     return {"max_request_body_bytes": body, "max_stop_sequences": args.max_stop_sequences,
             "trust_request_chat_template": args.trust_request_chat_template,
-            "log_requests": not args.disable_log_requests}
+            "log_requests": not args.disable_log_requests, **_parser_options(args)}
+
+
+def _parser_options(args) -> dict:
+    """``--generation-config``, ``--tool-call-parser``, ``--reasoning-parser`` for the server. Raises ConfigError."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser NAME (hermes, llama3_json, mistral, "
+                          "deepseek_v3)")
+    return {"generation_config": args.generation_config, "tool_call_parser": args.tool_call_parser,
+            "reasoning_parser": args.reasoning_parser}
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -343,6 +352,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trust-remote-code", action="store_true", help="zpp runs only its own model code")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--chat-template", default=None, help="Jinja chat template file (overrides the tokenizer's)")
+    from zpp.parsers.reasoning import REASONING_PARSERS
+    from zpp.parsers.tool import TOOL_PARSERS
+    g = p.add_argument_group("sampling defaults, tool calls and reasoning")
+    g.add_argument("--generation-config", default="auto", metavar="{auto,vllm,DIR}",
+                   help="sampling defaults for fields a request leaves out: auto = the model's generation_config.json "
+                        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm = zpp's "
+                        "built-in (OpenAI's) defaults, DIR = that directory's generation_config.json")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse tool calls of tool_choice auto with --tool-call-parser (needs it; without these flags "
+                        "the hermes format is parsed, as before)")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model's tool-call format (default hermes)")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split the model's <think> reasoning into reasoning_content")
     g = p.add_argument_group("request limits")
     g.add_argument("--max-request-body-bytes", default="8MiB", metavar="SIZE",
                    help="largest request body, after any Content-Encoding is undone (e.g. 8MiB, the default); "

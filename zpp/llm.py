@@ -53,7 +53,10 @@ class LLM:
         ``distributed_host``, ``node_command``, ``worker_heartbeat_timeout``, ``stage_timeout``, ``max_stage_restarts``,
         ``async_scheduling``: None = on for CUDA at PP=1 and TP=1, True / False to force,
         ``quantization``: ``"fp8"`` to quantize bf16/fp16 weights to FP8 at load, ``kv_cache_dtype``:
-        ``"auto"`` or ``"fp8"``; both need a CUDA GPU of compute capability >= 8.9).
+        ``"auto"`` or ``"fp8"``; both need a CUDA GPU of compute capability >= 8.9),
+        ``generation_config``: ``"auto"`` (the model's ``generation_config.json`` sampling defaults,
+        used when ``generate`` / ``chat`` get no SamplingParams), ``"vllm"`` (``SamplingParams()``)
+        or a directory (see :mod:`zpp.generation_config` and :meth:`get_default_sampling_params`).
 
     The workers stop on :meth:`shutdown`, at the end of a ``with LLM(...)`` block, when the object
     is garbage collected (``del llm``) and at interpreter exit, whichever comes first.
@@ -76,7 +79,8 @@ class LLM:
                  distributed_host: Optional[str] = None, node_command: str = "zpp-node",
                  worker_heartbeat_timeout: float = 10.0, stage_timeout: float = 60.0,
                  max_stage_restarts: int = 3, async_scheduling: Optional[bool] = None,
-                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto"):
+                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
+                 generation_config: str = "auto"):
         if model is None:
             from zpp.demo import prepare_demo_model
             model = prepare_demo_model()
@@ -99,6 +103,7 @@ class LLM:
                                       pipeline_depth=pipeline_depth, streaming=False,
                                       async_scheduling=async_scheduling),
             enforce_eager=enforce_eager)
+        self._generation_config = generation_config
         self._start(config)
 
     @classmethod
@@ -110,8 +115,12 @@ class LLM:
 
     def _start(self, config: EngineConfig) -> None:
         from zpp.engine.async_engine import AsyncEngine, validate_startup
+        from zpp.generation_config import generation_defaults, log_generation_defaults
         self.config = config
         validate_startup(config)
+        source = getattr(self, "_generation_config", "auto")
+        self._generation_defaults = generation_defaults(config.model.model, source)
+        log_generation_defaults(self._generation_defaults, source, config.model.model)
         runtime = _Runtime()
         try:
             self.engine = runtime.engine = runtime.call(AsyncEngine.start(config))
@@ -137,6 +146,13 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams ``generate`` and ``chat`` use when given none: ``SamplingParams()``
+        with the model's recommended defaults (its ``generation_config.json``; see
+        ``generation_config``) applied, as vLLM's method of that name."""
+        from zpp.generation_config import default_sampling_params
+        return default_sampling_params(self._generation_defaults)
+
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: Union[bool, Callable[..., Any]] = True) -> list[RequestOutput]:
@@ -145,7 +161,8 @@ class LLM:
         Args:
             prompts: one prompt or a list of them; a prompt is a str, a list of token ids,
                 ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}`` (vLLM's forms).
-            sampling_params: one for all prompts, or one per prompt (default: ``SamplingParams()``).
+            sampling_params: one for all prompts, or one per prompt (default:
+                :meth:`get_default_sampling_params`).
             use_tqdm: show a progress bar on stderr (a callable: the tqdm class to use).
 
         Returns one finished RequestOutput per prompt, in the order given. Ctrl-C aborts the
@@ -160,7 +177,7 @@ class LLM:
         self._check_open()
         prompts = _parse_prompts(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -169,9 +186,14 @@ class LLM:
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None,
              use_tqdm: Union[bool, Callable[..., Any]] = True, chat_template: Optional[str] = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: Optional[list[dict]] = None,
+             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to several
         (a list of such lists), formatted with the tokenizer's chat template (or ``chat_template``).
+        ``tools`` (OpenAI function tools) and ``chat_template_kwargs`` (e.g. ``{"enable_thinking":
+        False}``) go to the template, as in vLLM; the output text is returned as generated (no tool
+        or reasoning parsing offline).
 
         Raises:
             ValueError: the model has no tokenizer or no chat template.
@@ -184,8 +206,13 @@ class LLM:
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template; pass chat_template=...")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        extra = dict(chat_template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
         texts = [tok.apply_chat_template(c, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt) for c in conversations]
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, **extra)
+                 for c in conversations]
         outs = self.generate([tok.encode(t, add_special_tokens=False) for t in texts], sampling_params, use_tqdm)
         for out, text in zip(outs, texts):  # as vLLM: the rendered conversation is the prompt
             out.prompt = text
