@@ -740,7 +740,7 @@ class OpenAIServer:
                                       rename={"max_tokens": "max_completion_tokens" if use_mct else "max_tokens",
                                               "logprobs": "top_logprobs"}, structured_outputs=so,
                                       defaults=self.generation_defaults)
-        reasons = self.parsers.reasoning is not None and so is None  # a grammar leaves no room to think
+        reasons = self.parsers.reasoning is not None
         if self.parsers.keep_special_tokens(plan, reasons):
             sampling = sampling.clone(skip_special_tokens=False)
         self._check_stop_token_ids(sampling)
@@ -755,7 +755,8 @@ class OpenAIServer:
         cid, created, k = new_id("chatcmpl"), now(), req.top_logprobs or 0
         if plan is not None and plan.mode == "none":
             plan = None
-        opened = reasons and self.parsers.opened(self.tokenizer.decode(prompt_ids[-16:]))
+        # A grammar-constrained output reasons only if it writes <think> itself (the grammar holds from its first token).
+        opened = reasons and so is None and self.parsers.opened(self.tokenizer.decode(prompt_ids[-16:]))
 
         def message(c: CompletionOutput) -> tuple[dict, Optional[str]]:
             msg, called = self.parsers.message(c.text, plan, reasons, opened, req.include_reasoning)
