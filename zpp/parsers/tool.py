@@ -85,6 +85,8 @@ class ToolParser:
 
     name = ""
     markers: tuple[str, ...] = ()
+    call_format = ""
+    """How a call looks, for the tool prompt zpp writes when the chat template ignores ``tools``."""
 
     def extract(self, text: str, names: set[str]) -> tuple[int, list[Call]]:
         """A finished output -> ``(content_end, calls)``: the content is ``text[:content_end]``
@@ -109,6 +111,7 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     markers = (OPEN,)
+    call_format = '<tool_call>{"name": "<function name>", "arguments": {...}}</tool_call>'
 
     def _blocks(self, text: str, start: int, names: set[str], final: bool) -> list[Call]:
         calls = []
@@ -146,6 +149,7 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
     markers = (TAG,)
+    call_format = '{"name": "<function name>", "parameters": {...}}'
 
     def _body(self, text: str) -> Optional[int]:
         """Index of the first call's JSON (after whitespace and the tag), None if not a call output."""
@@ -192,6 +196,7 @@ class MistralToolParser(ToolParser):
     name = "mistral"
     BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
     markers = (BOT,)
+    call_format = '[TOOL_CALLS][{"name": "<function name>", "arguments": {...}}]'
     _ALNUM = string.ascii_letters + string.digits
 
     def new_id(self) -> str:
@@ -243,6 +248,8 @@ class DeepSeekV3ToolParser(ToolParser):
     CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     BEGIN, SEP, END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
     markers = (CALLS_BEGIN,)
+    call_format = (CALLS_BEGIN + BEGIN + "function" + SEP + "<function name>\n```json\n{...}\n```" + END
+                   + CALLS_END)
 
     def _call(self, block: str, names: set[str]) -> Optional[Call]:
         if self.SEP not in block:

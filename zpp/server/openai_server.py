@@ -665,10 +665,11 @@ class OpenAIServer:
                 if with_tools != text:
                     text = with_tools
                 else:  # the template ignores tools: describe them in the system message
+                    described = plan.system_text(self.parsers.tool.call_format)
                     if msgs[0]["role"] == "system":
-                        msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + plan.system_text()}
+                        msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + described}
                     else:
-                        msgs.insert(0, {"role": "system", "content": plan.system_text()})
+                        msgs.insert(0, {"role": "system", "content": described})
                     text = render(msgs)
         except Exception as e:  # template errors are the request's fault (e.g. role order)
             raise ProtocolError(f"the chat template failed on these messages: {e}", "messages") from None

@@ -32,7 +32,6 @@ from zpp.sampling_params import StructuredOutputsParams
 from zpp.server.protocol import ProtocolError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 _HERMES = HermesToolParser()
 
@@ -77,13 +76,14 @@ class ToolPlan:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema)
 
-    def system_text(self) -> str:
-        """The tools described for a chat template that does not render ``tools`` itself."""
+    def system_text(self, call_format: Optional[str] = None) -> str:
+        """The tools described for a chat template that does not render ``tools`` itself;
+        ``call_format``: how a call is written (the tool-call parser's; default Hermes')."""
         funcs = [{k: v for k, v in t["function"].items() if k in ("name", "description", "parameters")}
                  for t in self.tools]
         return ("You can call these functions (JSON Schema of their parameters):\n"
                 + json.dumps(funcs, ensure_ascii=False)
-                + f'\nTo call one, answer with {_OPEN}{{"name": "<function name>", "arguments": {{...}}}}{_CLOSE}.')
+                + f"\nTo call one, answer with {call_format or _HERMES.call_format}.")
 
 
 def parse_tools(tools: Optional[list], tool_choice, parallel_tool_calls: Optional[bool]) -> Optional[ToolPlan]:
