@@ -3,9 +3,10 @@ constraining the output and turning it into OpenAI ``tool_calls``.
 
 * ``tool_choice: "none"``: the tools are not shown to the model; plain text.
 * ``"auto"`` (the default with tools): the tools go to the chat template (``tools=``); the output
-  is free and is parsed afterwards: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-  blocks (the Hermes format many templates teach) or an output that is just such a JSON object
-  become tool calls, the text before them the message content.
+  is free and is parsed by the server's tool-call parser (``--tool-call-parser``, see
+  :mod:`zpp.parsers.tool`; default ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  blocks, the format many templates teach, or an output that is just such a JSON object); the calls
+  become ``tool_calls``, the text before them the message content.
 * ``"required"``: the output is constrained to a JSON array of ``{"name", "parameters"}`` objects,
   one ``anyOf`` branch per tool (vLLM's schema), and every element becomes a call.
 * ``{"type": "function", "function": {"name": N}}``: the output is constrained to N's
@@ -17,7 +18,7 @@ they were generated and the ``finish_reason`` saying why they stop (``"length"``
 ``"abort"``); ``required`` and ``auto`` outputs that do not parse as calls are content.
 
 A chat template that ignores ``tools`` (renders the same text with and without them, as
-SmolLM2's does) gets a short system text listing the tools and the ``<tool_call>`` format instead.
+SmolLM2's does) gets a short system text listing the tools and the parser's call format instead.
 """
 from __future__ import annotations
 
