@@ -172,3 +172,49 @@ def test_unknown_parser_names_are_refused():
         ChatParsers(None, "granite")
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "deepseek_v3"}
     assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+
+
+def test_special_token_tags_keep_special_tokens():
+    """A parser whose tag is a special token of the tokenizer (Mistral's [TOOL_CALLS], Llama's
+    <|python_tag|>) needs the request's text to keep special tokens; other tags change nothing."""
+    from types import SimpleNamespace
+    tok = SimpleNamespace(all_special_tokens=["</s>", "[TOOL_CALLS]", "<think>"])
+    assert ChatParsers("mistral", tokenizer=tok).keep_special_tokens(PLAN, False)
+    assert not ChatParsers("mistral", tokenizer=tok).keep_special_tokens(None, False)  # no tools: nothing to parse
+    assert not ChatParsers("hermes", tokenizer=tok).keep_special_tokens(PLAN, False)
+    assert ChatParsers(None, "qwen3", tokenizer=tok).keep_special_tokens(None, True)
+
+
+def test_generation_config_values(tmp_path):
+    from zpp.config import ConfigError
+    from zpp.generation_config import generation_defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0, "repetition_penalty": 1.05,
+         "max_new_tokens": 512, "typical_p": 0.9, "bos_token_id": 1}))
+    want = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "repetition_penalty": 1.05, "max_tokens": 512}
+    assert generation_defaults(str(tmp_path), "auto") == want  # Qwen3's recommendation
+    assert generation_defaults("/nonexistent", str(tmp_path)) == want
+    assert generation_defaults(str(tmp_path), "vllm") == {}
+    assert generation_defaults(str(tmp_path / "x"), "auto") == {}  # no file: no defaults
+    (tmp_path / "generation_config.json").write_text('{"top_p": 1.5}')
+    with pytest.raises(ConfigError, match="--generation-config auto: .*top_p: must be in"):
+        generation_defaults(str(tmp_path), "auto")
+    (tmp_path / "generation_config.json").write_text('{"top_k": 2.5}')
+    with pytest.raises(ConfigError, match="top_k .* must be a whole number"):
+        generation_defaults(str(tmp_path), "auto")
+
+
+def test_request_fields_override_generation_defaults():
+    """A field the request sends wins; one it leaves out or sends as null takes the model's default
+    (vLLM's rule: null is "use the default", and the default is the model's)."""
+    from zpp.server.protocol import ChatCompletionRequest, decode_request, to_sampling_params
+    d = {"temperature": 0.6, "top_k": 20, "max_tokens": 7}
+
+    def sp(body):
+        req = decode_request(json.dumps({"messages": [], **body}).encode(), ChatCompletionRequest)
+        return to_sampling_params(req, req.max_tokens, None, defaults=d)
+
+    assert (sp({}).temperature, sp({}).top_k, sp({}).max_tokens, sp({}).top_p) == (0.6, 20, 7, 1.0)
+    assert (sp({"temperature": None}).temperature, sp({"top_k": None}).top_k) == (0.6, 20)
+    assert (sp({"temperature": 1.0}).temperature, sp({"temperature": 0}).temperature) == (1.0, 0.0)
+    assert (sp({"top_k": -1}).top_k, sp({"max_tokens": 3}).max_tokens) == (0, 3)
