@@ -1,6 +1,8 @@
 """Tool-call and reasoning parsers (``--tool-call-parser``, ``--reasoning-parser``) on outputs in each
 model family's format: every output parsed whole and streamed in small pieces gives the same
-OpenAI message (checked against the official client's types), and the server's parsing end to end.
+OpenAI message (checked against the official client's types). Also: which requests keep special
+tokens, ``--generation-config`` files, and how request fields meet the model's sampling defaults.
+(The server end to end: tests/test_serving_parsers.py.)
 
 The recorded outputs are written in the formats the families' chat templates teach (and that their
 models emit): Hermes / Qwen2.5 ``<tool_call>`` blocks, Llama 3.1 JSON (with and without
