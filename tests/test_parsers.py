@@ -76,7 +76,8 @@ def _assemble(deltas: list[dict]) -> dict:
             if key in d:
                 msg[key] = msg.get(key, "") + d[key]
         for tc in d.get("tool_calls", ()):
-            c = calls.setdefault(tc["index"], {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+            c = calls.setdefault(tc["index"], {"id": None, "type": "function",
+                                               "function": {"name": "", "arguments": ""}})
             if "id" in tc:
                 assert c["id"] is None, "a call's id is sent once"
                 c["id"], c["function"]["name"] = tc["id"], tc["function"]["name"]

@@ -115,10 +115,11 @@ def test_tool_call_and_reasoning_parsers_through_the_server(parser_server):
     calls, (calls_s, calls_s_finish), think, (think_s, _), hidden, mixed, (mixed_s, _) = _run(go())
     m = calls.choices[0].message
     assert calls.choices[0].finish_reason == "tool_calls" and m.content == "Checking."
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls] == [("get_weather", {"city": "Paris"})]
+    paris = [("get_weather", {"city": "Paris"})]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls] == paris
     assert len(m.tool_calls[0].id) == 9 and m.tool_calls[0].id.isalnum()  # Mistral's id form
     assert calls_s_finish == "tool_calls" and calls_s["content"] == "Checking."
-    assert [(t["name"], json.loads(t["arguments"])) for t in calls_s["tool_calls"].values()] == [("get_weather", {"city": "Paris"})]
+    assert [(t["name"], json.loads(t["arguments"])) for t in calls_s["tool_calls"].values()] == paris
     m = think.choices[0].message
     assert m.model_extra["reasoning_content"] == "\nParis?\n"
     assert m.content == "\n\nIt is sunny."
