@@ -10,9 +10,10 @@ model's.
 
 Fields read (HF ``GenerationConfig`` name -> SamplingParams name): ``temperature``, ``top_p``,
 ``top_k``, ``min_p``, ``repetition_penalty``, and ``max_new_tokens`` -> ``max_tokens`` (the
-default when a request gives no ``max_tokens``; unlike vLLM, which caps every request with it, a
-request's own ``max_tokens`` wins). Other fields (``do_sample``, ``typical_p``, ...) are ignored, as in
-vLLM.
+default when a request gives no ``max_tokens``: on ``/v1/completions`` instead of OpenAI's 16, on
+chat instead of the remaining room; unlike vLLM, which caps every request with it, a request's own
+``max_tokens`` wins). Other fields (``do_sample``, ``typical_p``, ...) are ignored, as in vLLM.
+Offline, :meth:`zpp.LLM.get_default_sampling_params` is ``SamplingParams()`` with these applied.
 """
 from __future__ import annotations
 
