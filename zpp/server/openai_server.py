@@ -682,8 +682,9 @@ class OpenAIServer:
     async def _send_tool_deltas(self, sse: _SSE, chunk, c: CompletionOutput, ts, logprobs: bool,
                                 k: int, sent_tok: dict[int, int]) -> None:
         """Stream one choice of a request with tools or a reasoning parser: reasoning, content and
-        ``tool_calls`` deltas from its ChatStream, logprobs on the first delta of each step, the finish reason (``"tool_calls"``
-        when calls were sent and the output ended normally) on the last."""
+        ``tool_calls`` deltas from its ChatStream (``ts``), logprobs on the first delta of each step,
+        the finish reason (``"tool_calls"`` when calls were sent and the output ended normally) on
+        the last."""
         final = c.finish_reason is not None
         deltas = ts.feed(c.text, final)
         t0 = sent_tok.get(c.index, 0)
@@ -756,7 +757,8 @@ class OpenAIServer:
         cid, created, k = new_id("chatcmpl"), now(), req.top_logprobs or 0
         if plan is not None and plan.mode == "none":
             plan = None
-        # A grammar-constrained output reasons only if it writes <think> itself (the grammar holds from its first token).
+        # A grammar-constrained output reasons only if it writes <think> itself (the grammar holds
+        # from its first token).
         opened = reasons and so is None and self.parsers.opened(self.tokenizer.decode(prompt_ids[-16:]))
 
         def message(c: CompletionOutput) -> tuple[dict, Optional[str]]:
