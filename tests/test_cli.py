@@ -91,3 +91,15 @@ def test_no_room_for_kv_cache_is_one_line_with_no_worker_error(demo_model):
     assert r.stderr.splitlines() == [
         "zpp: error: no memory left for the KV cache (not one block fits): raise --kv-cache-memory / "
         "--gpu-memory-utilization"], r.stderr
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser NAME"),
+    (["--generation-config", "{d}/missing"], "--generation-config '{d}/missing': not 'auto', 'vllm' or a directory"),
+    (["--generation-config", "{d}/noweights"], "no generation_config.json in that directory"),
+])
+def test_parser_and_generation_config_errors_are_one_line(demo_model, dirs, args, expected):
+    r = zpp("serve", demo_model, "--port", "0", *[a.format(d=dirs) for a in args])
+    assert expected.format(d=dirs) in _one_line_error(r)
+    r = zpp("serve", "--tool-call-parser", "pythonic")
+    assert r.returncode == 2 and "argument --tool-call-parser: invalid choice: 'pythonic'" in r.stderr

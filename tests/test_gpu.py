@@ -904,3 +904,24 @@ def test_phi3_fp32_equals_hf_and_graphs_equal_eager(small_phi3):
     assert res["float32", False] == [r[0] for r in ref]
     assert res["float32", True] == [r[0] for r in ref]
     assert res["bfloat16", False] == res["bfloat16", True]
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_logit_bias_on_gpu(small_llama, monkeypatch, pp):
+    """logit_bias on the CUDA sampler, with async scheduling at PP=1 and the shared-GPU stages at PP=2:
+    +100 forces a token in greedy and sampled modes next to plain greedy rows (which stay on the
+    argmax fast path), -100 forbids the greedy token."""
+    from zpp import LLM, SamplingParams
+    monkeypatch.setenv("ZPP_SHARE_GPU", "1")
+    prompts = [p[:8] for p in _prompts()[:3]]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(small_llama, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
+             pipeline_parallel_size=pp) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        params = [greedy.clone(logit_bias={4242: 100}),
+                  SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=1, max_tokens=4, logit_bias={4242: 100}),
+                  greedy.clone(logit_bias={plain[2][0]: -100})]
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts + prompts[:1], params + [greedy], use_tqdm=False)]
+    assert list(outs[0]) == list(outs[1]) == [4242] * 4
+    assert outs[2][0] != plain[2][0]
+    assert list(outs[3]) == list(plain[0])

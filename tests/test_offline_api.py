@@ -280,3 +280,39 @@ def test_send_to_a_dead_worker_names_it(tiny_model):
     finally:
         ex._loop = real_loop
         llm.shutdown()
+
+
+def test_logit_bias_offline(llm):
+    prompt = [1, 504, 3458, 282]
+    top = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids[0]
+    banned, forced, sampled = llm.generate(
+        [prompt] * 3, [GREEDY.clone(logit_bias={top: -100}), GREEDY.clone(logit_bias={4242: 100}),
+                       SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=3, logit_bias={4242: 100})],
+        use_tqdm=False)
+    assert banned.outputs[0].token_ids[0] != top
+    assert list(forced.outputs[0].token_ids) == list(sampled.outputs[0].token_ids) == [4242] * 3
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([prompt], GREEDY.clone(logit_bias={49152: 1.0}), use_tqdm=False)
+
+
+def test_chat_passes_tools_and_template_kwargs(llm):
+    template = ("{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %} tools: "
+                "{{ tools | map(attribute='function.name') | join(',') }}{% endif %} {{ greeting }}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    out = llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False, chat_template=template,
+                   tools=tools, chat_template_kwargs={"greeting": "hello"})[0]
+    assert out.prompt == "Hi tools: get_weather hello"
+
+
+def test_generation_config_gives_generate_its_defaults(tiny_model, tmp_path):
+    from zpp.config import ConfigError
+    (tmp_path / "generation_config.json").write_text('{"top_k": 1, "max_new_tokens": 4, "temperature": 0.7}')
+    with pytest.raises(ConfigError, match="--generation-config"):
+        LLM(tiny_model, generation_config=str(tmp_path / "nowhere"))
+    with LLM(tiny_model, kv_cache_memory="16MiB", max_model_len=256, generation_config=str(tmp_path)) as llm:
+        d = llm.get_default_sampling_params()
+        assert (d.top_k, d.max_tokens, d.temperature) == (1, 4, 0.7)
+        prompt = [1, 504, 3458, 282]
+        got = llm.generate([prompt] * 2, use_tqdm=False)  # no SamplingParams: the model's (top-k 1: greedy)
+        want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+        assert [list(o.outputs[0].token_ids) for o in got] == [list(want.outputs[0].token_ids)] * 2

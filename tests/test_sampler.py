@@ -84,3 +84,27 @@ def test_logprobs_are_raw_log_softmax_with_rank():
     assert toks == [1] and lp.token_id == 1 and lp.rank == 1
     assert lp.logprob == pytest.approx(float(ref[1]))
     assert lp.top_ids == [1, 2] and lp.top_logprobs == pytest.approx([float(ref[1]), float(ref[2])])
+
+
+@pytest.mark.parametrize("mode", [dict(temperature=0), dict(temperature=1.0, seed=5), dict(temperature=0.7, top_k=3),
+                                  dict(temperature=1.0, top_p=0.5, seed=1), dict(temperature=1.0, min_p=0.5),
+                                  dict(temperature=0, repetition_penalty=1.3, logprobs=2)])
+def test_logit_bias_forces_and_forbids_in_every_mode(mode):
+    row = [0.1, 5.0, 0.3, 4.9, 0.0, 0.0, -3.0, 0.0]  # token 1 is the greedy pick, token 6 the least likely
+    for seed in range(5):
+        forced, _ = sample([row], [seq(SamplingParams(**mode, logit_bias={6: 100}))], seed=seed)
+        assert forced == [6]
+        banned, _ = sample([row, row], [seq(SamplingParams(**mode, logit_bias={1: -100, 3: -100})),
+                                        seq(SamplingParams(**mode))], seed=seed)
+        assert banned[0] not in (1, 3)
+    # Only the biased row changes; logprobs stay the model's own.
+    (tok, plain), lps = sample([row, row], [seq(SamplingParams(temperature=0, logprobs=1, logit_bias={6: 100})),
+                                            seq(SamplingParams(temperature=0))])
+    assert (tok, plain) == (6, 1) and lps[0].logprob == pytest.approx(torch.log_softmax(torch.tensor(row), 0)[6].item())
+
+
+@pytest.mark.parametrize("bias", [{1: 100.5}, {1: -101}, {-1: 1.0}, {"1": 1.0}, {1: float("nan")}])
+def test_logit_bias_out_of_range_is_refused(bias):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(logit_bias=bias)
+    assert info.value.param == "logit_bias"

@@ -35,6 +35,7 @@ GROUPS = {
     "logging": "logging",
     "compat": "accepted for vLLM compatibility (no effect in zpp; a warning says so)",
     "limits": "request limits",
+    "sampling": "sampling defaults, tool calls and reasoning",
 }
 """``--help`` sections, in their order: a setting's ``group`` (``zpp.settings.setting``), else its
 class's (``CLASS_GROUPS``); None: the parser's own options."""

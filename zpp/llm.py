@@ -49,6 +49,9 @@ class LLM:
             hosts for ``zpp-node``), ``quantization="fp8"``, ``kv_cache_dtype="fp8"``. One difference
             from ``zpp serve``: on the CPU the default token budget per micro-batch is the offline one
             (``max_num_batched_tokens``: nobody waits between tokens here).
+        generation_config: ``"auto"`` (the model's ``generation_config.json`` sampling defaults,
+            used when ``generate`` / ``chat`` get no SamplingParams), ``"vllm"`` (``SamplingParams()``)
+            or a directory (see :mod:`zpp.generation_config` and :meth:`get_default_sampling_params`).
 
     The workers stop on :meth:`shutdown`, at the end of a ``with LLM(...)`` block, when the object
     is garbage collected (``del llm``) and at interpreter exit, whichever comes first.
@@ -63,6 +66,7 @@ class LLM:
         if settings.get("node_rank"):
             raise ConfigError(f"node_rank={settings['node_rank']}: the LLM runs on node rank 0 (the head); start the "
                               f"other node ranks with `zpp serve --node-rank R`")
+        self._generation_config = settings.pop("generation_config", "auto")
         self._start(engine_config(model, streaming=False, **settings))
 
     @classmethod
@@ -74,8 +78,12 @@ class LLM:
 
     def _start(self, config: EngineConfig) -> None:
         from zpp.engine.async_engine import AsyncEngine, validate_startup
+        from zpp.generation_config import generation_defaults, log_generation_defaults
         self.config = config
         validate_startup(config)
+        source = getattr(self, "_generation_config", "auto")
+        self._generation_defaults = generation_defaults(config.model.model, source)
+        log_generation_defaults(self._generation_defaults, source, config.model.model)
         runtime = _Runtime()
         try:
             self.engine = runtime.engine = runtime.call(AsyncEngine.start(config))
@@ -101,6 +109,13 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams ``generate`` and ``chat`` use when given none: ``SamplingParams()``
+        with the model's recommended defaults (its ``generation_config.json``; see
+        ``generation_config``) applied, as vLLM's method of that name."""
+        from zpp.generation_config import default_sampling_params
+        return default_sampling_params(self._generation_defaults)
+
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: Union[bool, Callable[..., Any]] = True) -> list[RequestOutput]:
@@ -109,7 +124,8 @@ class LLM:
         Args:
             prompts: one prompt or a list of them; a prompt is a str, a list of token ids,
                 ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}`` (vLLM's forms).
-            sampling_params: one for all prompts, or one per prompt (default: ``SamplingParams()``).
+            sampling_params: one for all prompts, or one per prompt (default:
+                :meth:`get_default_sampling_params`).
             use_tqdm: show a progress bar on stderr (a callable: the tqdm class to use).
 
         Returns one finished RequestOutput per prompt, in the order given. Ctrl-C aborts the
@@ -124,7 +140,7 @@ class LLM:
         self._check_open()
         prompts = _parse_prompts(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -133,9 +149,14 @@ class LLM:
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None,
              use_tqdm: Union[bool, Callable[..., Any]] = True, chat_template: Optional[str] = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: Optional[list[dict]] = None,
+             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to several
         (a list of such lists), formatted with the tokenizer's chat template (or ``chat_template``).
+        ``tools`` (OpenAI function tools) and ``chat_template_kwargs`` (e.g. ``{"enable_thinking":
+        False}``) go to the template, as in vLLM; the output text is returned as generated (no tool
+        or reasoning parsing offline).
 
         Raises:
             ValueError: the model has no tokenizer or no chat template.
@@ -148,8 +169,13 @@ class LLM:
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template; pass chat_template=...")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        extra = dict(chat_template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
         texts = [tok.apply_chat_template(c, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt) for c in conversations]
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, **extra)
+                 for c in conversations]
         outs = self.generate([tok.encode(t, add_special_tokens=False) for t in texts], sampling_params, use_tqdm)
         for out, text in zip(outs, texts):  # as vLLM: the rendered conversation is the prompt
             out.prompt = text

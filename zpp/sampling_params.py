@@ -71,6 +71,25 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
         return "json_object"
 
 
+MAX_LOGIT_BIAS = 100.0
+"""The largest ``|bias|`` of a ``logit_bias`` entry (OpenAI's limit)."""
+
+
+def _checked_logit_bias(bias) -> Optional[dict[int, float]]:
+    """``logit_bias`` as ``{int token id: float bias}`` (None when empty). Raises SamplingParamsError."""
+    if not isinstance(bias, dict):
+        raise SamplingParamsError("logit_bias", "logit_bias: must be a map of token id -> bias")
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise SamplingParamsError("logit_bias", f"logit_bias: {k!r} is not a token id (a non-negative integer)")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            raise SamplingParamsError("logit_bias", f"logit_bias: the bias of token {k} must be a number in "
+                                      f"[-100, 100], got {v!r}")
+        out[k] = float(v)
+    return out or None
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to pick tokens for one request.
 
@@ -124,6 +143,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     structured_outputs: Optional[StructuredOutputsParams] = None
     """Constrain the output to a JSON schema, regex, choice or grammar (see
     :class:`StructuredOutputsParams`)."""
+    logit_bias: Optional[dict[int, float]] = None
+    """Token id -> bias in [-100, 100] added to that token's logit before penalties, temperature,
+    top-k/p and min-p, in every sampling mode (OpenAI's ``logit_bias``): +100 all but forces a
+    token, -100 all but forbids it. Ids must lie in the vocabulary (checked when the request is
+    queued). Logprobs stay the model's own."""
 
     def __post_init__(self):
         def bad(param, msg):
@@ -172,6 +196,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad("stop_token_ids", "must be a list of non-negative token ids")
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:

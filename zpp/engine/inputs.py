@@ -72,6 +72,10 @@ class InputProcessor:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        bad = [t for t in sampling.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise RequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                               "logit_bias")
         room = min(self.max_model_len, self.num_kv_blocks * self.block_size) - n
         if sampling.max_tokens is None and room < 1:
             raise RequestError(

@@ -42,6 +42,19 @@ class ServerConfig:
     """accept a `chat_template` in requests (by default they get HTTP 400: a template is a program
     the server would run)"""
 
+    generation_config: str = setting("auto", metavar="{auto,vllm,DIR}", group="sampling")
+    """sampling defaults for fields a request leaves out: auto = the model's generation_config.json
+    (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm = zpp's built-in
+    (OpenAI's) defaults, DIR = that directory's generation_config.json"""
+    enable_auto_tool_choice: bool = setting(False, group="sampling")
+    """parse tool calls of tool_choice auto with --tool-call-parser (needs it; without these flags
+    the hermes format is parsed, as before)"""
+    tool_call_parser: Optional[str] = setting(None, choices=("deepseek_v3", "hermes", "llama3_json", "mistral"),
+                                              group="sampling")
+    """the model's tool-call format (default hermes)"""
+    reasoning_parser: Optional[str] = setting(None, choices=("deepseek_r1", "qwen3"), group="sampling")
+    """split the model's <think> reasoning into reasoning_content"""
+
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: not a TCP port (0-65535)")
@@ -53,9 +66,13 @@ class ServerConfig:
             raise ConfigError(f"--max-stop-sequences {self.max_stop_sequences}: must be >= 0")
         if not self.log_stats_interval > 0:
             raise ConfigError(f"--log-stats-interval {self.log_stats_interval}: must be > 0 seconds")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser NAME (hermes, llama3_json, mistral, "
+                              "deepseek_v3)")
 
     def server_options(self) -> dict:
         """The keyword arguments ``zpp.server.openai_server.serve`` takes for the request limits."""
         return {"max_request_body_bytes": self.max_request_body_bytes, "max_stop_sequences": self.max_stop_sequences,
                 "trust_request_chat_template": self.trust_request_chat_template,
-                "log_requests": not self.disable_log_requests}
+                "log_requests": not self.disable_log_requests, "generation_config": self.generation_config,
+                "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser}

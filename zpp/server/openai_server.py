@@ -32,7 +32,8 @@ from zpp.server.protocol import (ChatCompletionRequest, CompletionRequest, Detok
                                  check_unsupported_chat_fields,
                                  TokenizeRequest, body_too_large, content_codings, decode_request, error_body,
                                  new_id, now, structured_outputs_of, to_sampling_params, undo_content_encoding)
-from zpp.server.tools import ToolPlan, ToolStream, parse_output, parse_tools
+from zpp.server.tools import ToolPlan, parse_tools
+from zpp.parsers.chat import ChatParsers
 
 logger = logging.getLogger(__name__)
 
@@ -194,13 +195,27 @@ class OpenAIServer:
             name; off by default: a template is a program, and one with nested loops would hold the
             event loop, and with it every stream and the engine, for as long as it runs).
         log_requests: log one INFO line per finished request (off: ``--disable-log-requests``).
+        generation_defaults: sampling defaults for fields a request leaves out (the model's
+            generation config, :func:`zpp.generation_config.generation_defaults`).
+        tool_call_parser, reasoning_parser: ``--tool-call-parser`` / ``--reasoning-parser`` names
+            (see :class:`zpp.parsers.chat.ChatParsers`).
+
+    Raises:
+        ConfigError: an unknown parser name.
     """
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: Optional[str] = None,
                  chat_template: Optional[str] = None,
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                  max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES,
-                 trust_request_chat_template: bool = False, log_requests: bool = True):
+                 trust_request_chat_template: bool = False, log_requests: bool = True,
+                 generation_defaults: Optional[dict] = None, tool_call_parser: Optional[str] = None,
+                 reasoning_parser: Optional[str] = None):
+        try:
+            self.parsers = ChatParsers(tool_call_parser, reasoning_parser, engine.tokenizer)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.generation_defaults = generation_defaults or {}
         self.engine = engine
         self.model_name = served_model_name
         self.api_key = api_key
@@ -474,8 +489,10 @@ class OpenAIServer:
             raise ProtocolError("best_of is not supported (only best_of == n)", "best_of")
         so, so_param = structured_outputs_of(req)
         prompts = await _off_loop_if_large(self._tokenize_prompts, req.prompt, _text_size(req.prompt))
-        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        sampling = to_sampling_params(req, max_tokens, req.logprobs, structured_outputs=so)
+        max_tokens = (self.generation_defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+                      if req.max_tokens is None else req.max_tokens)
+        sampling = to_sampling_params(req, max_tokens, req.logprobs, structured_outputs=so,
+                                      defaults=self.generation_defaults)
         want_prompt_lps = req.echo and req.logprobs is not None
         # echo + logprobs + max_tokens 0 scores the prompt: run one step for its logprobs and
         # drop the sampled token.
@@ -648,10 +665,11 @@ class OpenAIServer:
                 if with_tools != text:
                     text = with_tools
                 else:  # the template ignores tools: describe them in the system message
+                    described = plan.system_text(self.parsers.tool.call_format)
                     if msgs[0]["role"] == "system":
-                        msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + plan.system_text()}
+                        msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + described}
                     else:
-                        msgs.insert(0, {"role": "system", "content": plan.system_text()})
+                        msgs.insert(0, {"role": "system", "content": described})
                     text = render(msgs)
         except Exception as e:  # template errors are the request's fault (e.g. role order)
             raise ProtocolError(f"the chat template failed on these messages: {e}", "messages") from None
@@ -661,11 +679,12 @@ class OpenAIServer:
         self._check_prompt_chars(text, "messages")
         return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
-    async def _send_tool_deltas(self, sse: _SSE, chunk, c: CompletionOutput, ts: ToolStream, logprobs: bool,
+    async def _send_tool_deltas(self, sse: _SSE, chunk, c: CompletionOutput, ts, logprobs: bool,
                                 k: int, sent_tok: dict[int, int]) -> None:
-        """Stream one choice of a request with tools: content and ``tool_calls`` deltas from its
-        ToolStream, logprobs on the first delta of each step, the finish reason (``"tool_calls"``
-        when calls were sent and the output ended normally) on the last."""
+        """Stream one choice of a request with tools or a reasoning parser: reasoning, content and
+        ``tool_calls`` deltas from its ChatStream (``ts``), logprobs on the first delta of each step,
+        the finish reason (``"tool_calls"`` when calls were sent and the output ended normally) on
+        the last."""
         final = c.finish_reason is not None
         deltas = ts.feed(c.text, final)
         t0 = sent_tok.get(c.index, 0)
@@ -721,7 +740,11 @@ class OpenAIServer:
         sampling = to_sampling_params(req, req.max_completion_tokens if use_mct else req.max_tokens,
                                       (req.top_logprobs or 0) if req.logprobs else None,
                                       rename={"max_tokens": "max_completion_tokens" if use_mct else "max_tokens",
-                                              "logprobs": "top_logprobs"}, structured_outputs=so)
+                                              "logprobs": "top_logprobs"}, structured_outputs=so,
+                                      defaults=self.generation_defaults)
+        reasons = self.parsers.reasoning is not None
+        if self.parsers.keep_special_tokens(plan, reasons):
+            sampling = sampling.clone(skip_special_tokens=False)
         self._check_stop_token_ids(sampling)
         prompt_ids = await _off_loop_if_large(lambda r: self._chat_prompt(r, plan), req,
                                               _text_size(req.messages) + 100 * len(req.messages))
@@ -734,15 +757,13 @@ class OpenAIServer:
         cid, created, k = new_id("chatcmpl"), now(), req.top_logprobs or 0
         if plan is not None and plan.mode == "none":
             plan = None
+        # A grammar-constrained output reasons only if it writes <think> itself (the grammar holds
+        # from its first token).
+        opened = reasons and so is None and self.parsers.opened(self.tokenizer.decode(prompt_ids[-16:]))
 
         def message(c: CompletionOutput) -> tuple[dict, Optional[str]]:
-            if plan is None:
-                return {"role": "assistant", "content": c.text}, c.finish_reason
-            content, calls = parse_output(plan, c.text)
-            if not calls:
-                return {"role": "assistant", "content": content}, c.finish_reason
-            return ({"role": "assistant", "content": content, "tool_calls": calls},
-                    "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
+            msg, called = self.parsers.message(c.text, plan, reasons, opened, req.include_reasoning)
+            return msg, "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
 
         if not req.stream:
             final = None
@@ -766,7 +787,8 @@ class OpenAIServer:
         sent_tok: dict[int, int] = {}
         finished: set[int] = set()
         completion_tokens = 0
-        tool_streams = {j: ToolStream(plan) for j in range(sampling.n)} if plan is not None else {}
+        tool_streams = ({j: self.parsers.stream(plan, reasons, opened, req.include_reasoning)
+                         for j in range(sampling.n)} if plan is not None or reasons else {})
 
         continuous = bool(req.stream_options and req.stream_options.include_usage
                           and req.stream_options.continuous_usage_stats)
@@ -927,6 +949,7 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
         WorkerDiedError: a worker or the engine core failed to start.
     """
     template = load_chat_template(chat_template)
+    _generation_defaults(config, server_options)
     loop = asyncio.get_running_loop()
     starting = asyncio.current_task()
     signalled: list[int] = []
@@ -970,6 +993,16 @@ async def serve(config, host: str, port: int, api_key: Optional[str] = None,
             loop.remove_signal_handler(sig)
             os.kill(os.getpid(), sig)
         return 128 + sig
+
+
+def _generation_defaults(config, server_options: dict) -> None:
+    """``--generation-config``: replace ``server_options["generation_config"]`` (auto, vllm or a
+    directory) by the defaults it gives, logged once. Raises ConfigError."""
+    from zpp.generation_config import generation_defaults, log_generation_defaults
+    source = server_options.pop("generation_config", "auto")
+    defaults = generation_defaults(config.model.model, source)
+    log_generation_defaults(defaults, source, config.model.model)
+    server_options["generation_defaults"] = defaults
 
 
 async def _run_front_end(engine: AsyncEngine, config, host: str, port: int, api_key: Optional[str],

@@ -188,6 +188,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: Optional[list[Any]] = None
     tool_choice: Union[None, str, dict[str, Any]] = None
     parallel_tool_calls: Optional[bool] = None
+    include_reasoning: bool = True
+    """vLLM's: with a ``--reasoning-parser``, false leaves ``reasoning_content`` out (None)."""
     # OpenAI fields that would change the output and that zpp does not implement: null is accepted,
     # anything else refused naming the field (check_unsupported_chat_fields), not silently ignored.
     modalities: Optional[list[str]] = None
@@ -445,8 +447,13 @@ def structured_outputs_of(req: _SamplingFields) -> tuple[Optional[StructuredOutp
 
 def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
                        rename: Optional[dict[str, str]] = None,
-                       structured_outputs: Optional[StructuredOutputsParams] = None) -> SamplingParams:
-    """Map OpenAI fields onto SamplingParams (None -> OpenAI defaults: temperature 1, top_p 1).
+                       structured_outputs: Optional[StructuredOutputsParams] = None,
+                       defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
+    """Map OpenAI fields onto SamplingParams. A field the request leaves out (or sends as null)
+    takes its value from ``defaults`` (the model's generation config, see
+    :mod:`zpp.generation_config`: ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+    ``repetition_penalty``, ``max_tokens`` for a None ``max_tokens``), else OpenAI's default
+    (temperature 1, top_p 1, no top-k / min-p / repetition penalty).
 
     ``rename`` maps a SamplingParams field to the request field it came from (``max_tokens`` ->
     ``max_completion_tokens``), so that an error names what the client sent.
@@ -455,20 +462,25 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
     Raises:
         ProtocolError: an out-of-range value or a field zpp does not support (``param`` names it).
     """
-    if req.logit_bias:
-        raise ProtocolError("logit_bias is not supported", "logit_bias")
+    d = defaults or {}
+
+    def pick(name: str, builtin):
+        v = getattr(req, name)
+        return d.get(name, builtin) if v is None else v
+
     try:
         return SamplingParams(
+            logit_bias=logit_bias_of(req.logit_bias),
             n=req.n,
-            temperature=_temperature(req.temperature),
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            temperature=_temperature(pick("temperature", None)),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             seed=req.seed,
-            max_tokens=max_tokens,
+            max_tokens=d.get("max_tokens") if max_tokens is None else max_tokens,
             min_tokens=req.min_tokens,
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
@@ -485,6 +497,24 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
         if param != e.param and msg.startswith(e.param + ":"):
             msg = param + msg[len(e.param):]
         raise ProtocolError(msg, param) from None
+
+
+def logit_bias_of(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
+    """OpenAI's ``logit_bias`` (JSON object: token id as a string -> bias) as ``{int: float}``;
+    None when absent or empty. The range of the biases ([-100, 100]) is checked by SamplingParams,
+    the ids against the vocabulary when the request is validated.
+
+    Raises:
+        ProtocolError: (``param`` ``"logit_bias"``) a key that is not a non-negative integer."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        s = k.strip()
+        if not s.isascii() or not s.isdigit():
+            raise ProtocolError(f"logit_bias: {k[:40]!r} is not a token id (a non-negative integer)", "logit_bias")
+        out[int(s)] = v
+    return out
 
 
 def _temperature(t: Optional[float]) -> float:

@@ -3,9 +3,10 @@ constraining the output and turning it into OpenAI ``tool_calls``.
 
 * ``tool_choice: "none"``: the tools are not shown to the model; plain text.
 * ``"auto"`` (the default with tools): the tools go to the chat template (``tools=``); the output
-  is free and is parsed afterwards: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-  blocks (the Hermes format many templates teach) or an output that is just such a JSON object
-  become tool calls, the text before them the message content.
+  is free and is parsed by the server's tool-call parser (``--tool-call-parser``, see
+  :mod:`zpp.parsers.tool`; default ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  blocks, the format many templates teach, or an output that is just such a JSON object); the calls
+  become ``tool_calls``, the text before them the message content.
 * ``"required"``: the output is constrained to a JSON array of ``{"name", "parameters"}`` objects,
   one ``anyOf`` branch per tool (vLLM's schema), and every element becomes a call.
 * ``{"type": "function", "function": {"name": N}}``: the output is constrained to N's
@@ -17,7 +18,7 @@ they were generated and the ``finish_reason`` saying why they stop (``"length"``
 ``"abort"``); ``required`` and ``auto`` outputs that do not parse as calls are content.
 
 A chat template that ignores ``tools`` (renders the same text with and without them, as
-SmolLM2's does) gets a short system text listing the tools and the ``<tool_call>`` format instead.
+SmolLM2's does) gets a short system text listing the tools and the parser's call format instead.
 """
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from zpp.parsers.tool import HermesToolParser, ToolParser
 from zpp.sampling_params import StructuredOutputsParams
 from zpp.server.protocol import ProtocolError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+_HERMES = HermesToolParser()
 
 
 @dataclass
@@ -75,13 +77,14 @@ class ToolPlan:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema)
 
-    def system_text(self) -> str:
-        """The tools described for a chat template that does not render ``tools`` itself."""
+    def system_text(self, call_format: Optional[str] = None) -> str:
+        """The tools described for a chat template that does not render ``tools`` itself;
+        ``call_format``: how a call is written (the tool-call parser's; default Hermes')."""
         funcs = [{k: v for k, v in t["function"].items() if k in ("name", "description", "parameters")}
                  for t in self.tools]
         return ("You can call these functions (JSON Schema of their parameters):\n"
                 + json.dumps(funcs, ensure_ascii=False)
-                + f'\nTo call one, answer with {_OPEN}{{"name": "<function name>", "arguments": {{...}}}}{_CLOSE}.')
+                + f"\nTo call one, answer with {call_format or _HERMES.call_format}.")
 
 
 def parse_tools(tools: Optional[list], tool_choice, parallel_tool_calls: Optional[bool]) -> Optional[ToolPlan]:
@@ -128,9 +131,9 @@ def parse_tools(tools: Optional[list], tool_choice, parallel_tool_calls: Optiona
                         '{"name": ...}}', "tool_choice")
 
 
-def _call(name: str, arguments) -> dict:
+def _call(name: str, arguments, call_id: Optional[str] = None) -> dict:
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+    return {"id": call_id or f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
             "function": {"name": name, "arguments": args}}
 
 
@@ -149,16 +152,16 @@ def _as_call(obj, names: set[str]) -> Optional[dict]:
     return None
 
 
-def parse_output(plan: ToolPlan, text: str) -> tuple[Optional[str], list[dict]]:
+def parse_output(plan: ToolPlan, text: str, parser: Optional[ToolParser] = None) -> tuple[Optional[str], list[dict]]:
     """``(content, tool_calls)`` of a finished output (``tool_calls`` empty: plain content), the
     same message :class:`ToolStream` streams for that text, however the output ended.
 
     ``named``: always the function's call, the text its arguments as generated -- incomplete JSON
     when the output was cut off (``finish_reason`` ``"length"``, a stop string, a grammar dead end),
     as vLLM gives it; ``required``: a JSON array of ``{"name", "parameters"}`` (an output cut off
-    before the array is complete stays content); ``auto``: ``<tool_call>`` blocks or a bare
-    ``{"name", "arguments"}`` object, the text before the first block (as generated) being the
-    content (None when empty)."""
+    before the array is complete stays content); ``auto``: the calls ``parser`` (``--tool-call-parser``,
+    default hermes: ``<tool_call>`` blocks or a bare ``{"name", "arguments"}`` object) finds, the text
+    before the first (as generated) being the content (None when empty)."""
     if plan.mode == "named":
         return None, [_call(plan.name, text)]
     if plan.mode == "required":
@@ -167,21 +170,11 @@ def parse_output(plan: ToolPlan, text: str) -> tuple[Optional[str], list[dict]]:
         return (None, calls) if calls else (text, [])
     if plan.mode != "auto":
         return text, []
-    calls = []
-    start = text.find(_OPEN)
-    if start >= 0:
-        for block in text[start:].split(_OPEN)[1:]:
-            c = _as_call(_json_prefix(block.split(_CLOSE, 1)[0]), plan.names)
-            if c:
-                calls.append(c)
-        if calls:
-            return text[:start] or None, calls
+    parser = parser or _HERMES
+    end, calls = parser.extract(text, plan.names)
+    if not calls:
         return text, []
-    if text.lstrip().startswith("{"):
-        c = _as_call(_json_prefix(text), plan.names)
-        if c:
-            return None, [c]
-    return text, []
+    return text[:end] or None, [_call(n, a, parser.new_id()) for n, a in calls]
 
 
 class ToolStream:
@@ -191,12 +184,14 @@ class ToolStream:
     (``{"content": ...}`` or ``{"tool_calls": [...]}``); ``calls`` counts the tool calls sent.
     ``named``: the call's id and name go out with the first text, then the text as argument
     pieces; ``required``: the calls go out when the output is complete; ``auto``: text is streamed
-    as content except what might start a tool call (a ``<tool_call>`` tag, or an output that
-    opens with ``{``), which is held until the end and parsed.
+    as content up to where ``parser`` (default hermes) sees a tool call might start (held from
+    there), and each call goes out (id and name, then its arguments) as soon as the parser has
+    read all of it; at the end, held text that holds no call is content.
     """
 
-    def __init__(self, plan: ToolPlan):
+    def __init__(self, plan: ToolPlan, parser: Optional[ToolParser] = None):
         self.plan = plan
+        self.parser = parser or _HERMES
         self.sent = 0  # characters of text handled
         self.calls = 0
         self._named_id: Optional[str] = None
@@ -205,21 +200,36 @@ class ToolStream:
         mode = self.plan.mode
         if mode == "named":
             return self._named(text, final)
-        if mode not in ("auto", "required"):
+        if mode == "required":
+            if not final:
+                return []
+            content, calls = parse_output(self.plan, text)
+            if not calls:
+                return self._content(text, len(text))
+            self.sent = len(text)
+            return self._send_calls([(c["function"]["name"], c["function"]["arguments"]) for c in calls],
+                                    [c["id"] for c in calls])
+        if mode != "auto":
             return self._content(text, len(text))
-        if not final:
-            return self._content(text, self._safe_end(text)) if mode == "auto" else []
-        content, calls = parse_output(self.plan, text)
-        if not calls:
-            return self._content(text, len(text))
+        if final:
+            end, calls = self.parser.extract(text, self.plan.names)
+            if not calls:
+                end = len(text)
+        else:
+            end, calls = self.parser.partial(text, self.plan.names)
+        out = self._content(text, end)
+        if calls:
+            self.sent = max(self.sent, end)
+        return out + self._send_calls(calls)
+
+    def _send_calls(self, calls: list, ids: Optional[list] = None) -> list[dict]:
         out = []
-        head = text[:text.find(_OPEN)] if _OPEN in text else ""
-        out += self._content(text, len(head))
-        self.sent = len(text)
-        for c in calls:
-            out.append({"tool_calls": [{"index": self.calls, "id": c["id"], "type": "function",
-                                        "function": {"name": c["function"]["name"], "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": self.calls, "function": {"arguments": c["function"]["arguments"]}}]})
+        for j in range(self.calls, len(calls)):
+            name, args = calls[j]
+            call_id = ids[j] if ids else self.parser.new_id()
+            out.append({"tool_calls": [{"index": self.calls, "id": call_id, "type": "function",
+                                        "function": {"name": name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": self.calls, "function": {"arguments": args}}]})
             self.calls += 1
         return out
 
@@ -228,18 +238,6 @@ class ToolStream:
             return []
         piece, self.sent = text[self.sent:end], end
         return [{"content": piece}]
-
-    def _safe_end(self, text: str) -> int:
-        """Where the text that cannot be part of a tool call ends (auto mode)."""
-        if self.sent == 0 and (not text.strip() or text.lstrip().startswith("{")):
-            return 0  # may be a bare JSON call: hold it
-        k = text.find(_OPEN)
-        if k >= 0:
-            return k
-        for n in range(min(len(_OPEN) - 1, len(text)), 0, -1):  # a tag may be starting at the end
-            if text.endswith(_OPEN[:n]):
-                return len(text) - n
-        return len(text)
 
     def _named(self, text: str, final: bool) -> list[dict]:
         out = []

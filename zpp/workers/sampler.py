@@ -108,6 +108,16 @@ def apply_allowed(logits: torch.Tensor, allowed) -> None:
         logits[rows] = logits[rows].masked_fill(disallowed, float("-inf"))
 
 
+def apply_logit_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
+    """Add OpenAI's ``logit_bias`` (token id -> bias) to one row of logits ``[V]`` in place; ids
+    at or past ``V`` are skipped (the front end refuses ids outside the vocabulary)."""
+    V = row.shape[0]
+    ids = [t for t in bias if t < V]
+    if ids:
+        row[torch.tensor(ids, dtype=torch.int64, device=row.device)] += torch.tensor(
+            [bias[t] for t in ids], dtype=row.dtype, device=row.device)
+
+
 class Sampler:
     """Samples one token per row of logits.
 
@@ -115,7 +125,8 @@ class Sampler:
     ``(token_ids: list[int], logprobs: list[TokenLogprobs | None])``. ``allowed`` (structured
     outputs) is ``(rows int64[R], disallowed bool[R, V])`` (see :func:`apply_allowed`): those rows
     may only pick a token whose ``disallowed`` is False; it is applied before penalties, temperature, top-k/p, min-p and the draw, so it holds
-    in every sampling mode, and other rows are untouched. Logprobs are the model's own (before
+    in every sampling mode, and other rows are untouched. Each row's ``logit_bias`` is added next
+    (after the mask, so a biased token the grammar forbids stays forbidden), before penalties. Logprobs are the model's own (before
     the mask).
     """
 
@@ -153,6 +164,8 @@ class Sampler:
         logits = logits.clone()
         apply_allowed(logits, allowed)
         for i, (s, p) in enumerate(zip(seqs, params)):
+            if p.logit_bias:
+                apply_logit_bias(logits[i], p.logit_bias)
             if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
                 self._apply_penalties(logits[i], s, p)
             if p.min_tokens and s.num_output_tokens < p.min_tokens:
@@ -229,7 +242,7 @@ def is_plain_greedy(p: Optional[SamplingParams]) -> bool:
     """Greedy with nothing to adjust or report (None: greedy): the token is just the argmax."""
     p = p or _GREEDY
     return not (p.temperature != 0.0 or p.logprobs is not None or p.repetition_penalty != 1.0
-                or p.frequency_penalty or p.presence_penalty or p.min_tokens)
+                or p.frequency_penalty or p.presence_penalty or p.min_tokens or p.logit_bias)
 
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
