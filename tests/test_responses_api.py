@@ -17,7 +17,7 @@ from openai import OpenAI
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France?"
-TOKENS = 20  # max_output_tokens of the text tests (greedy: temperature 0)
+TOKENS = 12  # max_output_tokens of the text tests (greedy: temperature 0)
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
            "required": ["city", "unit"], "additionalProperties": False}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The current weather in a city.",
@@ -90,9 +90,22 @@ def test_stateful_and_unsupported_fields_are_refused(client, server):
     refused("text", text={"format": {"type": "yaml"}})
     refused("max_output_tokens", max_output_tokens=100_000)
     refused("temperature", temperature=-1)
+    refused("input", input=[{"type": "function_call_output", "output": "22 C"}])  # no call_id
+    refused("input", input=[{"role": "wizard", "content": "hi"}])
+    refused("input", input=[{"type": "reasoning", "summary": []}])
+    refused("input", input=3)
+    refused("text", text={"format": {"type": "json_schema", "name": "x"}})  # no schema
+    refused("text", text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "objec"}}})
+    refused("tool_choice", tools=TOOLS, tool_choice="required", text={"format": {"type": "json_object"}})
+    refused("stream_options", stream_options={"include_obfuscation": False})  # without stream: true
+    for name, value in [("conversation", "conv_1"), ("background", True), ("include", ["file_search_call.results"]),
+                        ("reasoning", {"effort": "high"}), ("truncation", "auto"), ("prompt", {"id": "pmpt_1"})]:
+        assert name in refused(name, **{name: value})
     with pytest.raises(openai.BadRequestError) as e:  # an unknown field, named
         client.responses.create(model=MODEL, input="hi", extra_body={"frobnicate": 1})
     assert e.value.body["param"] == "frobnicate"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="gpt-4o", input="hi")
 
 
 def test_json_schema_and_json_object_outputs(client):

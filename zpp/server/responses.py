@@ -27,9 +27,11 @@ request and the equivalent chat request see the same prompt tokens and sample th
   ``response.output_item.added``, for a message ``response.content_part.added``,
   ``response.output_text.delta``..., ``response.output_text.done``, ``response.content_part.done``,
   for a call ``response.function_call_arguments.delta``..., ``response.function_call_arguments.done``,
-  then ``response.output_item.done``; last ``response.completed`` (``response.incomplete`` when
-  ``max_output_tokens`` cut the output). An engine failure after the first event sends an
-  ``error`` event and ``response.failed``.
+  then ``response.output_item.done``; last ``response.completed``, also when ``max_output_tokens``
+  cut the output (the response inside then has ``status: "incomplete"``; OpenAI sends
+  ``response.incomplete`` there, on which the openai client's ``responses.stream`` helper raises
+  "Didn't receive a `response.completed` event"; vLLM sends ``response.completed`` too). An engine
+  failure after the first event sends an ``error`` event and ``response.failed``.
 * ``usage``: ``input_tokens``, ``output_tokens``, ``total_tokens`` (and the detail objects, zero:
   no cached-token accounting, no reasoning tokens).
 """
@@ -363,7 +365,7 @@ class ResponsesAPI:
             raise _renamed(e, _PARAMS) from None
         if plan is not None and plan.mode == "none":
             plan = None
-        run = _Run(self.server, req, plan, prompt_ids)
+        run = _Run(self.server, req, plan, prompt_ids, sampling)
         if not req.stream:
             final = None
             async with aclosing(srv._run_all([prompt_ids], sampling, run.engine_id, stream=False)) as outs:
@@ -377,8 +379,8 @@ class ResponsesAPI:
 class _Run:
     """One Responses request's response object, built whole or as stream events."""
 
-    def __init__(self, server, req: ResponsesRequest, plan: Optional[ToolPlan], prompt_ids: list[int]):
-        self.req, self.plan, self.prompt_ids = req, plan, prompt_ids
+    def __init__(self, server, req: ResponsesRequest, plan: Optional[ToolPlan], prompt_ids: list[int], sampling):
+        self.req, self.plan, self.prompt_ids, self.sampling = req, plan, prompt_ids, sampling
         self.model = server.model_name
         self.id = _new_id("resp")
         self.engine_id = "resp-" + self.id[5:]
@@ -395,7 +397,7 @@ class _Run:
                 "max_output_tokens": r.max_output_tokens, "model": self.model, "output": output,
                 "parallel_tool_calls": r.parallel_tool_calls is not False,
                 "previous_response_id": None, "reasoning": None, "store": False,
-                "temperature": r.temperature, "top_p": r.top_p, "text": {"format": fmt},
+                "temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "text": {"format": fmt},
                 "tool_choice": r.tool_choice if r.tool_choice is not None else "auto",
                 "tools": r.tools or [], "truncation": "disabled", "usage": usage, "metadata": r.metadata or {},
                 "user": r.user, "background": False, "service_tier": r.service_tier}
@@ -456,8 +458,10 @@ class _Run:
             await self._text("")
         await self._close(item_status)
         usage = _usage(len(self.prompt_ids), len(last.token_ids))
-        await self._send("response.completed" if status == "completed" else "response.incomplete",
-                         response=self.response(status, self.items, usage, incomplete))
+        # response.completed also for an output cut by max_output_tokens (status "incomplete" inside),
+        # as vLLM does: OpenAI sends response.incomplete there, on which the openai client's
+        # responses.stream(...).get_final_response() raises.
+        await self._send("response.completed", response=self.response(status, self.items, usage, incomplete))
         await self.resp.write_eof()
         return self.resp
 
