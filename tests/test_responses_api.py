@@ -214,3 +214,78 @@ def test_openapi_json_describes_the_request_types(server):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(post, timeout=30)
         assert e.value.code == 400
+
+
+# --- the event stream on recorded outputs (no server) ------------------------------------------
+class _Recorder:
+    """Stands in for the HTTP side of a streamed response: collects the events."""
+
+    def __init__(self, run):
+        self.events: list[dict] = []
+        self.ended = False
+
+        async def send(kind, **fields):
+            run.resp = self
+            self.events.append({"type": kind, **fields})
+        run._send = send
+
+    async def write_eof(self):
+        self.ended = True
+
+
+def _stream(texts, finish_reason="stop", tool_choice="auto", fail: Exception = None):
+    """Stream a recorded output (its text after each step) through a Responses run with TOOLS."""
+    import asyncio
+
+    from zpp.outputs import CompletionOutput, RequestOutput
+    from zpp.sampling_params import SamplingParams
+    from zpp.server.responses import ResponsesRequest, _Run
+    from zpp.server.tools import parse_tools
+
+    req = ResponsesRequest(input="hi", tools=TOOLS, tool_choice=tool_choice, stream=True)
+    plan = parse_tools(CHAT_TOOLS, tool_choice, None)
+    server = type("S", (), {"model_name": MODEL})()
+    run = _Run(server, req, plan, [1, 2, 3], SamplingParams(temperature=0))
+    rec = _Recorder(run)
+
+    async def outs():
+        for i, text in enumerate(texts):
+            last = i == len(texts) - 1
+            if last and fail is not None:
+                raise fail
+            yield 0, RequestOutput("r", None, [1, 2, 3], [CompletionOutput(
+                0, text, list(range(i + 1)), finish_reason if last else None)], finished=last)
+
+    asyncio.run(run.stream(None, outs()))
+    assert rec.ended
+    return rec.events, run
+
+
+def test_streamed_text_then_tool_call_gives_the_items_of_the_whole_response():
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>'
+    steps = ["Let me ", "Let me check. ", "Let me check. <tool", "Let me check. " + call]
+    events, run = _stream(steps)
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.content_part.added",
+                     "response.output_text.delta", "response.output_text.delta",
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.output_item.added", "response.function_call_arguments.delta",
+                     "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    final = events[-1]["response"]
+    whole = run.finish(type("C", (), {"text": steps[-1], "finish_reason": "stop", "token_ids": [0] * 4})())
+    strip = lambda items: [{k: v for k, v in o.items() if k not in ("id", "call_id")} for o in items]  # noqa: E731
+    assert strip(final["output"]) == strip(whole["output"])
+    assert final["output"][0]["content"][0]["text"] == "Let me check. "
+    assert json.loads(final["output"][1]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    assert final["usage"]["output_tokens"] == 4 and final["status"] == "completed"
+
+
+def test_an_engine_failure_mid_stream_ends_with_error_and_response_failed():
+    from zpp.engine.async_engine import EngineDeadError
+    events, _ = _stream(["Hello", "Hello there"], tool_choice="none", fail=EngineDeadError("stage 1 died"))
+    kinds = [e["type"] for e in events]
+    assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", "response.output_text.delta"]
+    assert kinds[-2:] == ["error", "response.failed"]
+    assert "stage 1 died" in events[-2]["message"] and events[-1]["response"]["status"] == "failed"
