@@ -289,3 +289,21 @@ def test_an_engine_failure_mid_stream_ends_with_error_and_response_failed():
                          "response.content_part.added", "response.output_text.delta"]
     assert kinds[-2:] == ["error", "response.failed"]
     assert "stage 1 died" in events[-2]["message"] and events[-1]["response"]["status"] == "failed"
+
+
+def test_openapi_document_marks_v1_routes_with_the_api_key():
+    from aiohttp import web
+
+    from zpp.server.openapi import openapi_document
+
+    async def nothing(request):
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", nothing)
+    app.router.add_get("/health", nothing)
+    doc = openapi_document(app, api_key="k")
+    assert doc["paths"]["/v1/responses"]["post"]["security"] == [{"bearer": []}]
+    assert "security" not in doc["paths"]["/health"]["get"] and "head" not in doc["paths"]["/health"]
+    assert doc["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    assert "securitySchemes" not in openapi_document(app)["components"]
