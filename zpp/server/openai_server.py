@@ -1,5 +1,6 @@
-"""OpenAI-compatible HTTP server on aiohttp: /v1/completions, /v1/chat/completions, /v1/models,
-/health, /ping, /version, /metrics, and vLLM's /tokenize and /detokenize.
+"""OpenAI-compatible HTTP server on aiohttp: /v1/completions, /v1/chat/completions, /v1/responses
+(zpp.server.responses), /v1/models, /health, /ping, /version, /metrics, /openapi.json
+(zpp.server.openapi), and vLLM's /tokenize and /detokenize.
 
 Bad requests get HTTP 4xx in OpenAI's error shape and never reach the engine. A client that goes
 away aborts its requests: the runner is built with ``handler_cancellation=True``, so aiohttp
@@ -246,6 +247,10 @@ class OpenAIServer:
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics.handler)
+        from zpp.server.openapi import openapi_handler
+        from zpp.server.responses import ResponsesAPI
+        app.router.add_post("/v1/responses", ResponsesAPI(self).create)
+        app.router.add_get("/openapi.json", openapi_handler(self.api_key))
         return app
 
     @web.middleware

@@ -1,0 +1,536 @@
+"""OpenAI's Responses API, ``POST /v1/responses``, without server-side state.
+
+The server keeps no responses: every request carries the whole conversation in ``input``.
+``store`` absent or false is served, and the response says ``"store": false``; ``store: true``,
+``previous_response_id``, ``conversation``, ``background`` and ``item_reference`` items need stored
+state and are refused with HTTP 400 naming the field.
+
+A request becomes a chat completion request (:func:`to_chat_request`) and runs on the chat path's
+pieces: the chat template with tools, the tool plan and its output parsing (zpp.server.tools), the
+structured-output mapping and the sampling-parameter mapping (zpp.server.protocol). So a Responses
+request and the equivalent chat request see the same prompt tokens and sample the same text.
+
+* ``input``: a string (one user message) or a list of items: messages (``role`` user, system,
+  developer or assistant; ``content`` a string or ``input_text`` / ``output_text`` / ``refusal``
+  parts), ``function_call`` items (replayed calls) and ``function_call_output`` items (their
+  results, as ``tool`` messages). ``instructions`` becomes a first system message.
+* ``tools``: function tools ``{"type": "function", "name", "description", "parameters", "strict"}``;
+  ``tool_choice`` ``"none"`` / ``"auto"`` / ``"required"`` / ``{"type": "function", "name": N}``.
+  Calls come back as ``function_call`` output items (``call_id``, ``name``, ``arguments``).
+* ``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+  "name", "schema", "strict"}``: the output is constrained by the grammar of that format.
+* ``max_output_tokens`` (an output cut by it has ``status: "incomplete"`` and
+  ``incomplete_details.reason: "max_output_tokens"``, as OpenAI's), ``temperature``, ``top_p`` and
+  vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``.
+* ``stream: true``: server-sent events with ``event:`` lines and OpenAI's event types, numbered by
+  ``sequence_number``: ``response.created``, ``response.in_progress``, then per output item
+  ``response.output_item.added``, for a message ``response.content_part.added``,
+  ``response.output_text.delta``..., ``response.output_text.done``, ``response.content_part.done``,
+  for a call ``response.function_call_arguments.delta``..., ``response.function_call_arguments.done``,
+  then ``response.output_item.done``; last ``response.completed``, also when ``max_output_tokens``
+  cut the output (the response inside then has ``status: "incomplete"``; OpenAI sends
+  ``response.incomplete`` there, on which the openai client's ``responses.stream`` helper raises
+  "Didn't receive a `response.completed` event"; vLLM sends ``response.completed`` too). An engine
+  failure after the first event sends an ``error`` event and ``response.failed``.
+* ``usage``: ``input_tokens``, ``output_tokens``, ``total_tokens`` (and the detail objects, zero:
+  no cached-token accounting, no reasoning tokens).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from typing import Any, Optional, Union
+
+import msgspec
+from aiohttp import web
+
+from zpp.engine.async_engine import EngineDeadError
+from zpp.engine.inputs import RequestError
+from zpp.sampling_params import SamplingParamsError
+from zpp.server.protocol import (ChatCompletionRequest, ChatMessage, Int64, ProtocolError, _Request,
+                                 structured_outputs_of, to_sampling_params)
+from zpp.server.tools import ToolPlan, ToolStream, parse_output, parse_tools
+
+logger = logging.getLogger(__name__)
+
+_LARGE_TEXT = 100_000  # characters of input above which the prompt is rendered off the event loop
+
+
+class ResponsesStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """``stream_options`` of a Responses request: ``include_obfuscation`` is accepted (zpp adds no
+    obfuscation field)."""
+
+    include_obfuscation: Optional[bool] = None
+
+
+class ResponsesRequest(_Request, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/responses`` (OpenAI's Responses API, stateless: see the module docstring).
+
+    ``input`` is a string or a list of input items (messages, ``function_call``,
+    ``function_call_output``); ``tools`` are function tools; ``text.format`` is ``text``,
+    ``json_object`` or ``json_schema``. Fields that need stored state (``store: true``,
+    ``previous_response_id``, ``conversation``, ``background: true``) or that zpp does not implement
+    (``reasoning``, ``prompt``, ``top_logprobs``, ``include`` other than
+    ``reasoning.encrypted_content``, ``truncation: "auto"``) are refused with HTTP 400 naming them.
+    """
+
+    input: Union[None, str, list[dict[str, Any]]] = None
+    model: Optional[str] = None
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[Int64] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[None, str, dict[str, Any]] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[dict[str, Any]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[ResponsesStreamOptions] = None
+    store: Optional[bool] = None
+    previous_response_id: Optional[str] = None
+    conversation: Union[None, str, dict[str, Any]] = None
+    background: Optional[bool] = None
+    include: Optional[list[str]] = None
+    truncation: Optional[str] = None
+    reasoning: Optional[dict[str, Any]] = None
+    prompt: Optional[dict[str, Any]] = None
+    top_logprobs: Optional[Int64] = None
+    max_tool_calls: Optional[Int64] = None
+    # OpenAI fields with no effect on a self-hosted server, accepted and echoed.
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    service_tier: Optional[str] = None
+    # vLLM's sampling extensions
+    top_k: Optional[Int64] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[Int64] = None
+
+
+_MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _check_stateless(req: ResponsesRequest) -> None:
+    """Refuse what needs stored responses or what zpp does not implement. Raises ProtocolError."""
+    if req.store:
+        raise ProtocolError("store: true is not supported: this server keeps no responses (it serves the Responses "
+                            "API statelessly); send store: false, or leave it out, and pass the whole conversation "
+                            "in input", "store")
+    if req.previous_response_id is not None:
+        raise ProtocolError("previous_response_id is not supported: this server keeps no responses; pass the "
+                            "earlier turns (their output items) in input instead", "previous_response_id")
+    if req.conversation is not None:
+        raise ProtocolError("conversation is not supported: this server keeps no conversations; pass the "
+                            "earlier turns in input instead", "conversation")
+    if req.background:
+        raise ProtocolError("background: true is not supported: this server keeps no responses to poll",
+                            "background")
+    if req.prompt is not None:
+        raise ProtocolError("prompt (a stored prompt template) is not supported by this server", "prompt")
+    if req.reasoning is not None and any(v is not None for v in req.reasoning.values()):
+        raise ProtocolError("reasoning is not supported by this server", "reasoning")
+    if req.top_logprobs:
+        raise ProtocolError("top_logprobs is not supported by this server's Responses API", "top_logprobs")
+    if req.max_tool_calls is not None:
+        raise ProtocolError("max_tool_calls is not supported by this server", "max_tool_calls")
+    for name in req.include or ():
+        if name != "reasoning.encrypted_content":  # accepted: this server returns no reasoning items
+            raise ProtocolError(f"include {name[:60]!r} is not supported by this server", "include")
+    if req.truncation not in (None, "disabled"):
+        raise ProtocolError(f"truncation {str(req.truncation)[:30]!r} is not supported: an input longer than the "
+                            "model's context is refused (truncation: \"disabled\")", "truncation")
+    if req.text is not None and req.text.get("verbosity") is not None:
+        raise ProtocolError("text.verbosity is not supported by this server", "text")
+
+
+def _content_text(content, where: str) -> str:
+    """The text of a message's ``content``: a string or a list of text parts. Raises ProtocolError."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ProtocolError(f"{where}.content must be a string or a list of content parts", "input")
+    out = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind in _TEXT_PARTS and isinstance(p.get("text"), str):
+            out.append(p["text"])
+        elif kind == "refusal" and isinstance(p.get("refusal"), str):
+            out.append(p["refusal"])
+        else:
+            raise ProtocolError(f"{where}.content[{j}]: only text parts (input_text, output_text) are supported, "
+                                f"got {str(kind)[:40]!r}", "input")
+    return "".join(out)
+
+
+def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
+    """The chat messages of a Responses request: ``instructions`` first (system), then the input.
+
+    Consecutive ``function_call`` items become one assistant message's ``tool_calls`` (joined to
+    the assistant message just before them, if any); a ``function_call_output`` becomes a ``tool``
+    message answering its ``call_id``.
+
+    Raises:
+        ProtocolError: (``param`` ``"input"``) no input, an item of a type zpp does not serve
+            (``item_reference``, ``reasoning``, images, files, built-in tool calls), a malformed item.
+    """
+    msgs: list[ChatMessage] = []
+    if req.instructions:
+        msgs.append(ChatMessage(role="system", content=req.instructions))
+    if req.input is None or req.input == "" or req.input == []:
+        raise ProtocolError("input is required (a string or a non-empty list of items)", "input")
+    if isinstance(req.input, str):
+        msgs.append(ChatMessage(role="user", content=req.input))
+        return msgs
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _MESSAGE_ROLES:
+                raise ProtocolError(f"{where}.role must be one of {', '.join(_MESSAGE_ROLES)}, got "
+                                    f"{str(role)[:30]!r}", "input")
+            if "content" not in item:
+                raise ProtocolError(f"{where}.content is required", "input")
+            msgs.append(ChatMessage(role=role, content=_content_text(item["content"], where)))
+        elif kind == "function_call":
+            name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
+            if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
+                raise ProtocolError(f"{where}: a function_call item needs call_id, name and arguments (strings)",
+                                    "input")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            last = msgs[-1] if msgs else None
+            if last is not None and last.role == "assistant":
+                last.tool_calls = (last.tool_calls or []) + [call]
+            else:
+                msgs.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise ProtocolError(f"{where}: a function_call_output item needs the call_id of its call", "input")
+            if output is None:
+                raise ProtocolError(f"{where}: a function_call_output item needs an output", "input")
+            msgs.append(ChatMessage(role="tool", content=_content_text(output, where + ".output"),
+                                    tool_call_id=call_id))
+        elif kind == "item_reference":
+            raise ProtocolError(f"{where}: item_reference is not supported: this server keeps no items; pass the "
+                                "item itself", "input")
+        else:
+            raise ProtocolError(f"{where}: input items of type {str(kind)[:40]!r} are not supported (message, "
+                                "function_call and function_call_output are)", "input")
+    return msgs
+
+
+def _chat_tools(tools: Optional[list]) -> Optional[list[dict]]:
+    """Responses function tools -> chat tools. Raises ProtocolError for other tool types."""
+    if not tools:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise ProtocolError(f"tools[{i}]: only function tools are supported ({{\"type\": \"function\", \"name\": "
+                                f"..., \"parameters\": {{...}}}}), got type {str(kind)[:40]!r}", "tools")
+        f = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+        out.append({"type": "function", "function": f})
+    return out
+
+
+def _chat_tool_choice(choice):
+    """Responses ``tool_choice`` -> chat's. Raises ProtocolError."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise ProtocolError('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
+                        "tool_choice")
+
+
+def _response_format(text: Optional[dict]) -> Optional[dict]:
+    """``text.format`` -> chat's ``response_format``. Raises ProtocolError (param ``"text"``)."""
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise ProtocolError('text.format: a json_schema format needs "schema" (a JSON Schema object)', "text")
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"],
+                                                       "strict": fmt.get("strict")}}
+    raise ProtocolError(f"text.format.type must be 'text', 'json_object' or 'json_schema', got {str(kind)[:40]!r}",
+                        "text")
+
+
+def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat completion request a Responses request runs as. Raises ProtocolError."""
+    return ChatCompletionRequest(
+        messages=input_messages(req), max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
+        top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
+        tools=_chat_tools(req.tools), tool_choice=_chat_tool_choice(req.tool_choice),
+        parallel_tool_calls=req.parallel_tool_calls, response_format=_response_format(req.text))
+
+
+def _renamed(e: ProtocolError, names: dict[str, str]) -> ProtocolError:
+    """``e`` with its param (and the message's leading ``param:``) renamed to the Responses field."""
+    new = names.get(e.param, e.param)
+    msg = str(e)
+    if new != e.param and e.param and msg.startswith(e.param):
+        msg = new + msg[len(e.param):]
+    return ProtocolError(msg, new, e.status, e.err_type, e.code)
+
+
+_PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+           "response_format": "text", "messages": "input"}
+
+
+def _usage(input_tokens: int, output_tokens: int) -> dict:
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens}
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: Optional[str], status: str) -> dict:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [] if text is None else [_text_part(text)]}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def _status(finish_reason: Optional[str]) -> tuple[str, Optional[dict]]:
+    """(response status, incomplete_details) for a finished output's finish_reason."""
+    if finish_reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    return "completed", None
+
+
+class ResponsesAPI:
+    """The ``POST /v1/responses`` handler over an OpenAIServer: uses its body reading and model
+    check (``_read``, ``_check_model``), chat prompt rendering (``_chat_prompt``), grammar
+    compilation (``_compile_grammar``) and engine runs (``_run_all``), and its ``engine``."""
+
+    def __init__(self, server):
+        self.server = server
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        srv = self.server
+        req: ResponsesRequest = await srv._read(request, ResponsesRequest)
+        srv._check_model(req.model)
+        _check_stateless(req)
+        try:
+            chat = to_chat_request(req)
+            plan = parse_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+            so, so_param = structured_outputs_of(chat)
+            tool_so = plan.structured_outputs() if plan is not None else None
+            if tool_so is not None:
+                if so is not None:
+                    raise ProtocolError(f"tool_choice {plan.mode!r} constrains the output, so text.format cannot "
+                                        "ask for JSON too", "tool_choice")
+                so, so_param = tool_so, "tools"
+            sampling = to_sampling_params(chat, chat.max_completion_tokens, None,
+                                          rename={"max_tokens": "max_output_tokens"}, structured_outputs=so)
+            size = sum(len(m.content or "") for m in chat.messages)
+            if size < _LARGE_TEXT:
+                prompt_ids = srv._chat_prompt(chat, plan)
+            else:
+                prompt_ids = await asyncio.get_running_loop().run_in_executor(None, srv._chat_prompt, chat, plan)
+        except ProtocolError as e:
+            raise _renamed(e, _PARAMS) from None
+        try:
+            srv.engine.validate(prompt_ids, sampling)
+        except RequestError as e:
+            raise ProtocolError(str(e), _PARAMS.get(e.param, e.param)) from None
+        try:
+            await srv._compile_grammar(sampling, so_param)
+        except ProtocolError as e:
+            raise _renamed(e, _PARAMS) from None
+        if plan is not None and plan.mode == "none":
+            plan = None
+        run = _Run(self.server, req, plan, prompt_ids, sampling)
+        if not req.stream:
+            final = None
+            async with aclosing(srv._run_all([prompt_ids], sampling, run.engine_id, stream=False)) as outs:
+                async for _, out in outs:
+                    final = out
+            return web.Response(body=json.dumps(run.finish(final.outputs[0]), ensure_ascii=False),
+                                content_type="application/json")
+        return await run.stream(request, srv._run_all([prompt_ids], sampling, run.engine_id))
+
+
+class _Run:
+    """One Responses request's response object, built whole or as stream events."""
+
+    def __init__(self, server, req: ResponsesRequest, plan: Optional[ToolPlan], prompt_ids: list[int], sampling):
+        self.req, self.plan, self.prompt_ids, self.sampling = req, plan, prompt_ids, sampling
+        self.model = server.model_name
+        self.id = _new_id("resp")
+        self.engine_id = "resp-" + self.id[5:]
+        self.created = int(time.time())
+        self.seq = 0
+
+    def response(self, status: str, output: list, usage: Optional[dict] = None,
+                 incomplete: Optional[dict] = None, error: Optional[dict] = None) -> dict:
+        r = self.req
+        fmt = (r.text or {}).get("format") or {"type": "text"}
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "completed_at": int(time.time()) if status == "completed" else None,
+                "error": error, "incomplete_details": incomplete, "instructions": r.instructions,
+                "max_output_tokens": r.max_output_tokens, "model": self.model, "output": output,
+                "parallel_tool_calls": r.parallel_tool_calls is not False,
+                "previous_response_id": None, "reasoning": None, "store": False,
+                "temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "text": {"format": fmt},
+                "tool_choice": r.tool_choice if r.tool_choice is not None else "auto",
+                "tools": r.tools or [], "truncation": "disabled", "usage": usage, "metadata": r.metadata or {},
+                "user": r.user, "background": False, "service_tier": r.service_tier}
+
+    def finish(self, c) -> dict:
+        """The finished response object for the final CompletionOutput ``c`` (not streamed)."""
+        status, incomplete = _status(c.finish_reason)
+        item_status = "incomplete" if status == "incomplete" else "completed"
+        output = []
+        content, calls = parse_output(self.plan, c.text) if self.plan is not None else (c.text, [])
+        if content or not calls:
+            output.append(_message_item(_new_id("msg"), content or "", item_status))
+        for call in calls:
+            output.append(_call_item(_new_id("fc"), _new_id("call"), call["function"]["name"],
+                                     call["function"]["arguments"], item_status))
+        return self.response(status, output, _usage(len(self.prompt_ids), len(c.token_ids)), incomplete)
+
+    # --- streaming ----------------------------------------------------------------------------
+    async def stream(self, request: web.Request, outs) -> web.StreamResponse:
+        self.resp: Optional[web.StreamResponse] = None
+        self.request = request
+        self.items: list[dict] = []   # output items so far (the open one last)
+        self.open: Optional[dict] = None  # the item being streamed
+        ts = ToolStream(self.plan) if self.plan is not None else None
+        sent = 0
+        last = None
+        try:
+            async with aclosing(outs) as it:
+                async for _, out in it:
+                    if self.resp is None:
+                        await self._send("response.created", response=self.response("in_progress", []))
+                        await self._send("response.in_progress", response=self.response("in_progress", []))
+                    c = out.outputs[0]
+                    last = c
+                    final = c.finish_reason is not None
+                    if ts is None:
+                        if len(c.text) > sent:
+                            await self._text(c.text[sent:])
+                            sent = len(c.text)
+                    else:
+                        for d in ts.feed(c.text, final):
+                            if "content" in d:
+                                await self._text(d["content"])
+                            for tc in d.get("tool_calls", ()):
+                                if "id" in tc:
+                                    await self._open_call(tc["function"]["name"])
+                                if tc["function"].get("arguments"):
+                                    await self._arguments(tc["function"]["arguments"])
+        except (asyncio.CancelledError, ConnectionError):
+            raise  # the client went away: nothing to tell it
+        except Exception as e:
+            if self.resp is None:
+                raise  # before any event: an ordinary JSON error response
+            return await self._fail(e)
+        status, incomplete = _status(last.finish_reason)
+        item_status = "incomplete" if status == "incomplete" else "completed"
+        if not self.items:  # no text and no call: an empty message, as the whole response has
+            await self._text("")
+        await self._close(item_status)
+        usage = _usage(len(self.prompt_ids), len(last.token_ids))
+        # response.completed also for an output cut by max_output_tokens (status "incomplete" inside),
+        # as vLLM does: OpenAI sends response.incomplete there, on which the openai client's
+        # responses.stream(...).get_final_response() raises.
+        await self._send("response.completed", response=self.response(status, self.items, usage, incomplete))
+        await self.resp.write_eof()
+        return self.resp
+
+    async def _send(self, kind: str, **fields) -> None:
+        if self.resp is None:
+            self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                    "X-Accel-Buffering": "no"})
+            await self.resp.prepare(self.request)
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        await self.resp.write(f"event: {kind}\ndata: ".encode() + json.dumps(data, ensure_ascii=False).encode()
+                              + b"\n\n")
+
+    async def _text(self, delta: str) -> None:
+        o = self.open
+        if o is None or o["type"] != "message":
+            await self._close("completed")
+            o = self.open = _message_item(_new_id("msg"), None, "in_progress")
+            self.items.append(o)
+            await self._send("response.output_item.added", output_index=len(self.items) - 1, item=o)
+            o["content"].append(_text_part(""))
+            await self._send("response.content_part.added", item_id=o["id"], output_index=len(self.items) - 1,
+                             content_index=0, part=_text_part(""))
+        if delta:
+            o["content"][0]["text"] += delta
+            await self._send("response.output_text.delta", item_id=o["id"], output_index=len(self.items) - 1,
+                             content_index=0, delta=delta, logprobs=[])
+
+    async def _open_call(self, name: str) -> None:
+        await self._close("completed")
+        o = self.open = _call_item(_new_id("fc"), _new_id("call"), name, "", "in_progress")
+        self.items.append(o)
+        await self._send("response.output_item.added", output_index=len(self.items) - 1, item=dict(o))
+
+    async def _arguments(self, delta: str) -> None:
+        o = self.open
+        o["arguments"] += delta
+        await self._send("response.function_call_arguments.delta", item_id=o["id"], output_index=len(self.items) - 1,
+                         delta=delta)
+
+    async def _close(self, status: str) -> None:
+        """Finish the open item (its done events), if any."""
+        o, self.open = self.open, None
+        if o is None:
+            return
+        k = len(self.items) - 1
+        if o["type"] == "message":
+            part = o["content"][0]
+            await self._send("response.output_text.done", item_id=o["id"], output_index=k, content_index=0,
+                             text=part["text"], logprobs=[])
+            await self._send("response.content_part.done", item_id=o["id"], output_index=k, content_index=0,
+                             part=part)
+        else:
+            await self._send("response.function_call_arguments.done", item_id=o["id"], output_index=k,
+                             name=o["name"], arguments=o["arguments"])
+        o["status"] = status
+        await self._send("response.output_item.done", output_index=k, item=o)
+
+    async def _fail(self, e: Exception) -> web.StreamResponse:
+        if isinstance(e, (ProtocolError, RequestError, SamplingParamsError)):
+            message, code = str(e), "invalid_request_error"
+        elif isinstance(e, EngineDeadError):
+            message, code = f"the engine is dead: {e}", "server_error"
+        else:
+            logger.exception("error while streaming %s", self.request.path)
+            message, code = f"internal error: {type(e).__name__}: {e}", "server_error"
+        await self._send("error", code=code, message=message, param=getattr(e, "param", None))
+        await self._send("response.failed", response=self.response("failed", self.items, error={
+            "code": "server_error", "message": message}))
+        await self.resp.write_eof()
+        return self.resp
+
