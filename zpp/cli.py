@@ -45,6 +45,92 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"zpp: error: {message} (see: {self.prog} --help)\n")
 
 
+def _innermost_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)command parser ``argv`` names (``zpp bench serve ...`` -> the ``bench serve`` parser),
+    so that an unknown flag's hint points to the help that lists the command's flags."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            return parser
+        for i, arg in enumerate(argv):
+            if arg in subs[0].choices:
+                parser, argv = subs[0].choices[arg], argv[i + 1:]
+                break
+        else:
+            return parser
+
+
+def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """vLLM's ``--config FILE``: a YAML mapping of flag names (``max-num-seqs: 8`` or
+    ``max_num_seqs: 8``) to values, read as if those flags came first, so that the command line
+    overrides the file. ``true`` gives a switch, ``false`` its ``--no-`` form (or nothing), a list
+    its items joined by commas. Returns ``argv`` with ``--config FILE`` replaced by the file's
+    flags (unchanged without ``--config``). Raises ConfigError (unreadable file, not a mapping, a
+    key that is not a flag of the command)."""
+    cmd = _innermost_parser(parser, argv)
+    if "--config" not in cmd._option_string_actions:
+        return argv
+    at = next((i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), None)
+    if at is None:
+        return argv
+    if argv[at] == "--config":
+        if at + 1 >= len(argv):
+            return argv  # argparse says "expected one argument"
+        path, rest = argv[at + 1], argv[:at] + argv[at + 2:]
+    else:
+        path, rest = argv[at].split("=", 1)[1], argv[:at] + argv[at + 1:]
+    import yaml
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"--config {path!r}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path!r}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path!r}: must hold a mapping of flag names to values, not a {type(data).__name__}")
+    flags: list[str] = []
+    for key, value in data.items():
+        name = "--" + str(key).strip().lstrip("-").replace("_", "-")
+        action = cmd._option_string_actions.get(name)
+        if action is None or name == "--config":
+            raise ConfigError(f"--config {path!r}: {key!r} is not a flag of `{cmd.prog}` (see: {cmd.prog} --help)")
+        if action.nargs == 0:  # a switch: true gives it, false its --no- form where there is one
+            if not isinstance(value, bool):
+                raise ConfigError(f"--config {path!r}: {key!r} is a switch; give true or false, not {value!r}")
+            if value:
+                flags.append(name)
+            elif isinstance(action, argparse._StoreTrueAction) and "--no-" + name[2:] in cmd._option_string_actions:
+                flags.append("--no-" + name[2:])
+            continue
+        if value is None:
+            continue
+        if isinstance(value, (list, tuple)):
+            value = ",".join(str(v) for v in value)
+        elif isinstance(value, bool):
+            value = str(value).lower()
+        flags += [name, str(value)]
+    start = len(argv) - len(_args_after_command(parser, argv))
+    start = min(start, at)
+    return rest[:start] + flags + rest[start:]
+
+
+def _args_after_command(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The part of ``argv`` after the (sub)command names."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            return argv
+        for i, arg in enumerate(argv):
+            if arg in subs[0].choices:
+                parser, argv = subs[0].choices[arg], argv[i + 1:]
+                break
+        else:
+            return argv
+
+
 def _port(value: str) -> int:
     try:
         port = int(value)
@@ -257,6 +343,7 @@ def cmd_serve(args) -> int:
     if args.headless and not (args.node_rank or 0) > 0:
         raise ConfigError("--headless is for node ranks > 0 of a per-node launch (--nnodes N --node-rank R); node "
                           "rank 0 serves the API")
+    _check_vllm_only_flags(args)
     config = engine_config_from_args(args)  # before the heavy imports: a bad flag fails at once
     if config.parallel.nnodes > 1 and config.parallel.node_rank > 0:  # headless: this node's stages only
         from zpp.engine.async_engine import validate_startup
@@ -281,6 +368,51 @@ def cmd_serve(args) -> int:
                              api_server_count=args.api_server_count, **options))
 
 
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    """The HTTP server's flags beyond the request limits (vLLM's / uvicorn's names)."""
+    g = p.add_argument_group("HTTP server")
+    g.add_argument("--root-path", default="",
+                   help="the path prefix a proxy serves this server under (e.g. /llm): routes answer both with "
+                        "and without it (vLLM's / uvicorn's --root-path)")
+    g.add_argument("--response-role", default="assistant",
+                   help="the role name of chat completion messages (with add_generation_prompt)")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs / top_logprobs / prompt_logprobs a request may ask for (more: HTTP 400); "
+                        "-1: no limit")
+    g.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="S",
+                   help="seconds a connection may go without a complete request head (after it opens, or after "
+                        "its last response) before it is closed: idle keep-alive connections and clients that "
+                        "stop sending headers alike (uvicorn's name)")
+    g.add_argument("--timeout-request-body", type=float, default=30.0, metavar="S",
+                   help="seconds a request body may go without a byte arriving before the request gets HTTP 408 "
+                        "and its connection is closed")
+    g.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="S",
+                   help="on SIGTERM / SIGINT: stop accepting requests (new ones get HTTP 503) and let those in "
+                        "progress finish for up to S seconds, then end the rest with an error (0: end them at once)")
+    g.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="level of the HTTP server's own loggers (aiohttp.*); given, each request also gets an "
+                        "access-log line (unless --disable-uvicorn-access-log), as with vLLM")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access-log line per HTTP request (the default unless --uvicorn-log-level is given)")
+
+
+def _check_vllm_only_flags(args) -> None:
+    """One warning per vLLM flag that has no effect here; ConfigError for one zpp cannot honour."""
+    if args.download_dir is not None or args.revision is not None:
+        flag = "--download-dir" if args.download_dir is not None else "--revision"
+        raise ConfigError(f"{flag}: zpp does not download models; give a local model directory (config.json + "
+                          f"safetensors + tokenizer)")
+    if args.distributed_executor_backend == "ray":
+        raise ConfigError("--distributed-executor-backend ray: zpp has no Ray; it starts its workers itself "
+                          "(mp, the default; other hosts through --nodes or a per-node launch)")
+    if args.distributed_executor_backend is not None:
+        logger.warning("--distributed-executor-backend %s: has no effect (zpp always starts its workers with "
+                       "multiprocessing)", args.distributed_executor_backend)
+    if args.swap_space is not None:
+        logger.warning("--swap-space %s: has no effect (zpp recomputes preempted requests; there is no CPU swap "
+                       "space)", args.swap_space)
+
+
 def _server_options(args) -> dict:
     """The HTTP server's request limits from the flags. Raises ConfigError."""
     body = parse_size(args.max_request_body_bytes, "--max-request-body-bytes")
@@ -290,9 +422,26 @@ def _server_options(args) -> dict:
         raise ConfigError(f"--max-stop-sequences {args.max_stop_sequences}: must be >= 0")
     if not args.log_stats_interval > 0:
         raise ConfigError(f"--log-stats-interval {args.log_stats_interval}: must be > 0 seconds")
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.rstrip("/") == ""):
+        raise ConfigError(f"--root-path {args.root_path!r}: must start with / (e.g. /llm)")
+    if not args.response_role.strip():
+        raise ConfigError("--response-role: must not be empty")
+    if args.max_logprobs < -1:
+        raise ConfigError(f"--max-logprobs {args.max_logprobs}: must be >= 0 (or -1: no limit)")
+    for flag in ("timeout_keep_alive", "timeout_request_body"):
+        if not getattr(args, flag) > 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be > 0 seconds")
+    if not args.shutdown_timeout >= 0:
+        raise ConfigError(f"--shutdown-timeout {args.shutdown_timeout}: must be >= 0 seconds")
     return {"max_request_body_bytes": body, "max_stop_sequences": args.max_stop_sequences,
             "trust_request_chat_template": args.trust_request_chat_template,
-            "log_requests": not args.disable_log_requests}
+            "log_requests": not args.disable_log_requests,
+            "root_path": args.root_path.rstrip("/"), "response_role": args.response_role,
+            "max_logprobs": args.max_logprobs, "timeout_request_body": args.timeout_request_body,
+            # the HTTP runner's, not OpenAIServer's (zpp.server.openai_server._run_front_end takes them)
+            "timeout_keep_alive": args.timeout_keep_alive, "shutdown_timeout": args.shutdown_timeout,
+            "access_log": args.uvicorn_log_level is not None and not args.disable_uvicorn_access_log,
+            "http_log_level": args.uvicorn_log_level}
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -341,6 +490,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-stats-interval", type=float, default=10.0, help=argparse.SUPPRESS)
     g = p.add_argument_group("accepted for vLLM compatibility (no effect in zpp; a warning says so)")
     g.add_argument("--trust-remote-code", action="store_true", help="zpp runs only its own model code")
+    g.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                   help="vLLM's CPU swap space per GPU; zpp recomputes preempted requests instead of swapping")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray", "uni", "external_launcher"],
+                   default=None, help="zpp starts its workers with multiprocessing (mp) always; ray is refused")
+    g.add_argument("--download-dir", default=None, help="refused: zpp does not download models")
+    g.add_argument("--revision", default=None, help="refused: zpp does not download models")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help="a YAML file of flags (vLLM's: `max-num-seqs: 8` per line); the command line overrides it")
+    add_server_flags(p)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--chat-template", default=None, help="Jinja chat template file (overrides the tokenizer's)")
     g = p.add_argument_group("request limits")
@@ -394,7 +552,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config_file(parser, argv)
+    except ConfigError as e:
+        print(f"zpp: error: {e}", file=sys.stderr)
+        return 2
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the hint names the command's own help, which lists its flags
+        _innermost_parser(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")
     _setup_logging(args.log_level)
     try:
         return args.func(args) or 0
