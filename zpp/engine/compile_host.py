@@ -158,10 +158,8 @@ def host_main(conn, front_end: int, tokenizer_path: str, vocab_size: int, stop_t
     _set_pdeathsig()
     if os.getppid() != front_end:  # the front end died before the line above
         return
-    try:
-        ctypes.CDLL("libc.so.6").prctl(15, b"zpp-grammar", 0, 0, 0)  # PR_SET_NAME: /proc/PID/comm
-    except OSError:
-        pass
+    from zpp.proctitle import set_process_title
+    set_process_title("zpp::grammar")  # /proc/PID/cmdline and comm
     logging.basicConfig(level=log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end stops us
     try:

@@ -1185,6 +1185,8 @@ def _front_end_main(config_bytes: bytes, core_address: str, index: int, args_jso
     from zpp.config import EngineConfig
     from zpp.workers.worker import watch_parent
     watch_parent()
+    from zpp.proctitle import set_process_title
+    set_process_title(f"zpp::api{index}")
     a = json.loads(args_json)
     logging.basicConfig(level=a["level"], format=f"%(asctime)s %(levelname)s [api {index}] %(name)s: %(message)s")
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
