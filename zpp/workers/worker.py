@@ -352,7 +352,10 @@ def _serve(runner, sock, init) -> None:
                 _rejoin(runner, sock, init, gen)
             rejoin = _serve_batches(runner, sock, init)
         except (LinkError, dist.DistError) as e:  # DistStoreError: a restarted rank never came
-            logger.warning("a stage-to-stage channel failed (%s); waiting for the engine to restart the stage", e)
+            if getattr(e, "peer_gone", False):  # a neighbour died: the engine reports that death itself
+                logger.info("a neighbouring stage went away (%s); waiting for the engine to restart it", e)
+            else:
+                logger.warning("a stage-to-stage channel failed (%s); waiting for the engine to restart the stage", e)
             sock.send(m.LinkDown(rank=init.rank, message=str(e)))
             rejoin = _await_rejoin(sock)
         if rejoin is None:
