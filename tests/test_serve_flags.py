@@ -1,11 +1,12 @@
 """The rest of a `vllm serve` line (--config YAML, --response-role, --root-path, --max-logprobs,
 the uvicorn log flags, flags accepted with a warning or refused), slow and idle clients shed by the
 keep-alive / body timeouts, and SIGTERM draining with --shutdown-timeout: all on one real server
-(the demo model), which the last test stops."""
+(the demo model, two front-end processes), which the last test stops."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -15,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from conftest import ServerProcess
+from conftest import ServerProcess, descendants
 from zpp.cli import build_parser, expand_config_file, main
 
 KEEP_ALIVE_S = 2.0
@@ -35,7 +36,8 @@ def server(demo_model, tmp_path_factory):
                        "--distributed-executor-backend", "mp", "--disable-uvicorn-access-log",
                        "--uvicorn-log-level", "warning", "--trust-remote-code", "--dtype", "float32",
                        "--kv-cache-memory", "128MiB", "--timeout-keep-alive", str(KEEP_ALIVE_S),
-                       "--timeout-request-body", str(BODY_S), "--shutdown-timeout", str(SHUTDOWN_S)])
+                       "--timeout-request-body", str(BODY_S), "--shutdown-timeout", str(SHUTDOWN_S),
+                       "--api-server-count", "2"])
     yield s
     s.stop()
 
@@ -55,6 +57,13 @@ def test_vllm_serve_line_serves(server):
     assert out.count("--swap-space 4.0: has no effect") == 1, out
     assert out.count("--distributed-executor-backend mp: has no effect") == 1, out
     assert "--trust-remote-code" in out
+    titles = set()
+    for p in descendants(server.proc.pid):  # processes named in ps (setproctitle)
+        try:
+            titles.add(open(f"/proc/{p}/cmdline").read().rstrip("\0 "))
+        except OSError:
+            pass
+    assert {"zpp::core", "zpp::stage0", "zpp::api1", "zpp::grammar"} <= titles, titles
     # --config: the file's max-model-len and name; the command line's --max-num-seqs 16 beat the file's 4
     models = json.loads(urllib.request.urlopen(server.url + "/v1/models").read())
     assert models["data"][0]["id"] == "smol" and models["data"][0]["max_model_len"] == 2048
@@ -237,4 +246,6 @@ def test_sigterm_drains_open_streams(server):
     assert results[8][-1] == "data: [DONE]", results[8][-2:]
     assert json.loads(results[8][-2][len("data: "):])["error"]["message"] == "the server is shutting down"
     assert SHUTDOWN_S - 1 < took < SHUTDOWN_S + 15, took
-    assert "draining: 9 request(s) in progress" in server.output()
+    # both front ends drained (the streams were spread over them by SO_REUSEPORT)
+    drained = [int(n) for n in re.findall(r"draining: (\d+) request\(s\) in progress", server.output())]
+    assert sum(drained) == 9, server.output()[-3000:]
