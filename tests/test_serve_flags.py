@@ -249,3 +249,6 @@ def test_sigterm_drains_open_streams(server):
     # both front ends drained (the streams were spread over them by SO_REUSEPORT)
     drained = [int(n) for n in re.findall(r"draining: (\d+) request\(s\) in progress", server.output())]
     assert sum(drained) == 9, server.output()[-3000:]
+    # front end 1 started its grammar compile host too (it could not, as a daemonic process)
+    assert "Traceback" not in server.output() and "structured outputs" not in server.output(), \
+        server.output()[-3000:]

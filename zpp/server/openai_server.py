@@ -1169,7 +1169,10 @@ def _start_front_ends(config, core_address: str, count: int, host: str, port: in
     procs = []
     with _main_module_hidden(), _sigint_blocked():  # the first front end decides when to stop
         for i in range(1, count):
-            p = ctx.Process(target=_front_end_main, name=f"zpp-api-server-{i}", daemon=True,
+            # Not daemonic: a daemonic process may not start children, and a front end starts its
+            # grammar compile host (structured outputs were unavailable on front ends 1..N-1).
+            # serve() stops and joins them; watch_parent() ends them if this process dies.
+            p = ctx.Process(target=_front_end_main, name=f"zpp-api-server-{i}", daemon=False,
                             args=(msgspec.msgpack.encode(config), core_address, i, args))
             p.start()
             procs.append(p)
