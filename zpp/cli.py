@@ -378,7 +378,7 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="the role name of chat completion messages (with add_generation_prompt)")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs / top_logprobs / prompt_logprobs a request may ask for (more: HTTP 400); "
-                        "-1: no limit")
+                        "0 to 20 (zpp's sampler returns at most 20)")
     g.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="S",
                    help="seconds a connection may go without a complete request head (after it opens, or after "
                         "its last response) before it is closed: idle keep-alive connections and clients that "
@@ -426,8 +426,9 @@ def _server_options(args) -> dict:
         raise ConfigError(f"--root-path {args.root_path!r}: must start with / (e.g. /llm)")
     if not args.response_role.strip():
         raise ConfigError("--response-role: must not be empty")
-    if args.max_logprobs < -1:
-        raise ConfigError(f"--max-logprobs {args.max_logprobs}: must be >= 0 (or -1: no limit)")
+    if not 0 <= args.max_logprobs <= 20:
+        raise ConfigError(f"--max-logprobs {args.max_logprobs}: must be 0 to 20 (zpp's sampler returns at most 20 "
+                          f"logprobs per token)")
     for flag in ("timeout_keep_alive", "timeout_request_body"):
         if not getattr(args, flag) > 0:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be > 0 seconds")

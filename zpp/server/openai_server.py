@@ -201,7 +201,8 @@ class OpenAIServer:
             well (``--root-path``: a proxy that forwards ``/llm/v1/...`` unchanged; one that strips
             the prefix reaches the plain routes).
         response_role: the ``role`` of chat completion messages and first stream deltas.
-        max_logprobs: most ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` (more: 400); -1: no limit.
+        max_logprobs: most ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` (more: 400); at most
+            20, SamplingParams' own limit, which answers first above it.
         timeout_request_body: seconds a request body may go without a byte arriving; then HTTP 408
             and the connection is closed.
     """
@@ -421,7 +422,7 @@ class OpenAIServer:
 
     def _check_logprobs(self, sampling: SamplingParams, param: str) -> None:
         for value, name in ((sampling.logprobs, param), (sampling.prompt_logprobs, "prompt_logprobs")):
-            if value is not None and self.max_logprobs >= 0 and value > self.max_logprobs:
+            if value is not None and value > self.max_logprobs:
                 raise ProtocolError(f"{name} {value} is more than this server allows ({self.max_logprobs}; "
                                     f"--max-logprobs)", name)
 
@@ -803,16 +804,18 @@ class OpenAIServer:
                                 else e.param) from None
         await self._compile_grammar(sampling, so_param)
         cid, created, k = new_id("chatcmpl"), now(), req.top_logprobs or 0
+        # vLLM's: --response-role for a new message; the continued message keeps its own role
+        role = self.response_role if req.add_generation_prompt else req.messages[-1].role
         if plan is not None and plan.mode == "none":
             plan = None
 
         def message(c: CompletionOutput) -> tuple[dict, Optional[str]]:
             if plan is None:
-                return {"role": self.response_role, "content": c.text}, c.finish_reason
+                return {"role": role, "content": c.text}, c.finish_reason
             content, calls = parse_output(plan, c.text)
             if not calls:
-                return {"role": self.response_role, "content": content}, c.finish_reason
-            return ({"role": self.response_role, "content": content, "tool_calls": calls},
+                return {"role": role, "content": content}, c.finish_reason
+            return ({"role": role, "content": content, "tool_calls": calls},
                     "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
 
         if not req.stream:
@@ -854,7 +857,7 @@ class OpenAIServer:
                 async for _, out in outs:
                     if not sse.started:  # the first chunk of every choice carries the role
                         for j in range(sampling.n):
-                            await sse.send(chunk([{"index": j, "delta": {"role": self.response_role, "content": ""},
+                            await sse.send(chunk([{"index": j, "delta": {"role": role, "content": ""},
                                                    "logprobs": None, "finish_reason": None}]))
                     for c in out.outputs:
                         if c.index in finished:
