@@ -78,6 +78,11 @@ def test_vllm_serve_line_serves(server):
     status, body = _post(server.url + "/llm/v1/chat/completions",
                          {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
     assert status == 200 and body["choices"][0]["message"]["role"] == "bot"
+    status, body = _post(server.url + "/v1/chat/completions",  # a continued message keeps its role (vLLM's)
+                         {"model": "smol", "messages": [{"role": "user", "content": "Hi"},
+                                                        {"role": "assistant", "content": "Hello! How"}],
+                          "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 2})
+    assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
     req = urllib.request.Request(server.url + "/v1/chat/completions", json.dumps(
         {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}).encode(),
         {"Content-Type": "application/json"})
