@@ -8,10 +8,21 @@ if [ -z "${ZPP_DEMO_SKIP_SETUP:-}" ]; then  # set by tests: use the python and z
   bash scripts/setup.sh
   . .venv/bin/activate
 fi
+PORT="${PORT:-8000}"
+# The port must be free before anything starts: the hint below would otherwise be printed on the
+# /health answer of whatever server already holds it.
+if ! python -c "import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(('', int(sys.argv[1])))
+except OSError as e:
+    sys.exit(f'demo.sh: port {sys.argv[1]} is in use ({e.strerror}; another server?): stop it or set PORT=N')" "$PORT"; then
+  exit 1
+fi
 MODEL_DIR="$(zpp prepare-demo-model --log-level warning | tail -n 1)"
 DEVICE=cpu
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)" 2>/dev/null; then DEVICE=cuda; fi
-PORT="${PORT:-8000}"
 echo "Starting zpp serve on $MODEL_DIR with --pipeline-parallel-size 2 on $DEVICE, port $PORT (loading the model)..."
 HINT="Ready. Try:
   curl -s localhost:$PORT/v1/chat/completions -H 'Content-Type: application/json' \\

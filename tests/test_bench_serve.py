@@ -133,6 +133,26 @@ def test_what_zpp_cannot_do_is_a_one_line_error(args, expected):
     assert len(lines) == 1 and lines[0].startswith("zpp bench serve: error: ") and expected in lines[0], r.stderr
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["bench", "serve", "--request-rate", "0"], "argument --request-rate: '0' is not a number > 0"),
+    (["bench", "serve", "--num-prompts", "0"], "argument --num-prompts: '0' is not a whole number >= 1"),
+    (["bench", "serve", "--max-concurrency", "0"], "argument --max-concurrency: '0' is not a whole number >= 1"),
+    (["bench", "serve", "--random-range-ratio", "1"], "argument --random-range-ratio: '1' is not a number in [0, 1)"),
+    (["bench", "throughput", "--num-prompts", "0"], "argument --num-prompts: '0' is not a whole number >= 1"),
+    (["bench", "throughput", "--output-len", "-3"], "argument --output-len: '-3' is not a whole number >= 1"),
+    (["bench", "latency", "--num-iters", "0"], "argument --num-iters: '0' is not a whole number >= 1"),
+])
+def test_counts_and_rates_are_checked_before_any_load(argv, expected, capsys):
+    """--request-rate 0 was a ZeroDivisionError, --num-prompts 0 an IndexError (serve) or a table
+    of zeros (throughput): now one line naming the flag and the command's help, exit 2."""
+    from zpp.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and expected in err, err
+    assert f"(see: zpp {' '.join(argv[:2])} --help)" in err
+
+
 def test_result_path_as_vllm_names_it():
     from argparse import Namespace
 

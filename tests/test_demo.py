@@ -7,6 +7,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -97,6 +98,21 @@ def test_conversion_shows_a_progress_bar(tmp_path):
     r = subprocess.run([sys.executable, "-m", "zpp.cli", "prepare-demo-model", "--output", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "steps" not in r.stderr
+
+
+def test_demo_sh_refuses_a_port_in_use(tmp_path):
+    """A port another server holds: one line saying so, exit 1, before anything starts (it printed
+    "Ready" on that server's /health before)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**os.environ, "ZPP_DEMO_SKIP_SETUP": "1", "PORT": str(port)}
+        r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh")], env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert r.returncode == 1 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr == f"demo.sh: port {port} is in use (Address already in use; another server?): stop it or " \
+                       f"set PORT=N\n", r.stderr
 
 
 def test_demo_sh_prints_its_hint_once_the_server_answers(demo_model, tmp_path):

@@ -181,12 +181,14 @@ def test_engine_core_runs_apart_and_its_death_fails_the_server(demo_model):
     import urllib.request
     s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB"])
     try:
-        cores = [p for p in _children(s.proc.pid) if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()
-                 and open(f"/proc/{p}/comm").read().strip() != "zpp-grammar"]  # the grammar compile host
+        def title(p: int) -> str:
+            return open(f"/proc/{p}/cmdline").read().rstrip("\0 ")
+        cores = [p for p in _children(s.proc.pid) if title(p) == "zpp::core"]  # not the grammar host, ...
         assert len(cores) == 1, f"expected one engine-core process under the server, got {cores}"
         core = cores[0]
         workers = _children(core)
-        assert len(workers) >= 2, "the stage workers run under the engine core"
+        assert sorted(t for t in map(title, workers) if t.startswith("zpp::")) == ["zpp::stage0", "zpp::stage1"], \
+            "the stage workers run under the engine core, named in ps"
         t, lines = _open_long_stream(s.url)
         os.kill(core, signal.SIGKILL)
         t.join(20)

@@ -202,7 +202,7 @@ def test_remote_death_fails_fast(two_hosts, demo_model, victim):
         client = h.run_in_head([sys.executable, "-c", STREAM_CLIENT, s.url], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert client.stdout.readline().strip() == "STREAMING"
-        needle = "zpp.workers.worker" if victim == "worker" else "zpp-node"
+        needle = "zpp::" if victim == "worker" else "zpp-node"  # zpp::worker1 / zpp::stage1
         pids = _node_pids(h, needle)
         assert pids, f"no {victim} on the node: {[_cmdline(p) for p in h.pids_in(h.node_ns)]}"
         os.kill(pids[0], signal.SIGKILL)
@@ -227,7 +227,7 @@ def test_head_sigkill_empties_node(two_hosts, demo_model):
     h = two_hosts
     s = _Server(h, demo_model)
     try:
-        assert _node_pids(h, "zpp.workers.worker")
+        assert _node_pids(h, "zpp::")
         os.kill(s.proc.pid, signal.SIGKILL)
         s.proc.wait(10)
         assert not _wait_empty(h, h.node_ns, 10), "the node kept processes of a SIGKILLed head"
@@ -420,12 +420,12 @@ def test_remote_stage_restarts_in_place(two_hosts, demo_model):
 
         ref = run()
         assert ref["error"] is None and ref["text"], ref
-        for victim in ("zpp.workers.worker", "zpp-node"):
-            workers, agents = _node_pids(h, "zpp.workers.worker"), _node_pids(h, "zpp-node")
+        for victim in ("zpp::", "zpp-node"):  # a worker (zpp::stage1), its agent
+            workers, agents = _node_pids(h, "zpp::"), _node_pids(h, "zpp-node")
             assert workers and agents, [_cmdline(p) for p in h.pids_in(h.node_ns)]
-            got = run(kill=(workers if victim == "zpp.workers.worker" else agents)[0])
+            got = run(kill=(workers if victim == "zpp::" else agents)[0])
             assert got == ref, (victim, got, s.output()[-4000:])
-            new_workers, new_agents = _node_pids(h, "zpp.workers.worker"), _node_pids(h, "zpp-node")
+            new_workers, new_agents = _node_pids(h, "zpp::"), _node_pids(h, "zpp-node")
             assert new_workers and not set(new_workers) & set(workers), (victim, workers, new_workers)
             assert new_agents and not set(new_agents) & set(agents), (victim, agents, new_agents)
         assert s.output().count("pipeline formed again") == 2, s.output()[-4000:]

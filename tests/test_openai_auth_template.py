@@ -192,7 +192,7 @@ def test_engine_death_mid_stream(server):
         first = await stream.__anext__()
         assert first.choices[0].text is not None
         kids = descendants(server.proc.pid)
-        workers = [p for p in kids if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+        workers = [p for p in kids if open(f"/proc/{p}/cmdline").read().startswith("zpp::stage")]
         assert workers
         os.kill(workers[0], signal.SIGKILL)
         with pytest.raises(openai.APIError) as e:

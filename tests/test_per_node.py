@@ -213,7 +213,7 @@ def test_per_node_pp2_equals_pp1_and_fails_together(hosts, demo_model, keys_file
         texts = [c["text"] for c in sorted(got["choices"], key=lambda c: c["index"])]
         assert texts == ref
         if how == "flags":  # the head's own stage restarts in place; the node's rejoins
-            core = [p for p in h.pids_in(h.head_ns) if "spawn_main" in _cmdline(p)]
+            core = [p for p in h.pids_in(h.head_ns) if _cmdline(p).startswith(("zpp::core", "zpp::stage"))]
             (worker,) = [p for p in core if _ppid(p) in core]  # the engine core's child: stage 0's worker
             os.kill(worker, signal.SIGKILL)
             again = _complete(h, url, {"prompt": prompts[0], "max_tokens": MAX_TOKENS, "temperature": 0,

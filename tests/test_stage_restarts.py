@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -150,6 +151,10 @@ def test_each_stage_restarts_and_every_request_resumes(demo_model, pp, hits):
         log = s.output()
         assert log.count("pipeline formed again") == len(hits), log[-3000:]
         assert "Traceback" not in log, log[-5000:]
+        # a surviving stage says its neighbour went away, at INFO, without gloo's own error text
+        assert "reset by peer." not in log and "GLHF" not in log, log[-5000:]
+        assert re.search(r"INFO \[worker \d\] a neighbouring stage went away \((send to|receive from) rank \d "
+                         r"failed: the peer went away", log), log[-5000:]
         kids = descendants(s.proc.pid)
     finally:
         s.stop()
@@ -205,3 +210,15 @@ def test_crash_loop_ends_in_fail_stop(demo_model, monkeypatch):
     finally:
         s.stop()
     assert wait_gone(kids, 10) == [], "processes left after the fail-stop"
+
+
+def test_link_error_names_a_peer_that_went_away():
+    """gloo's multi-line "Read error ...: Connection reset by peer. This is typically caused by ..."
+    becomes one line saying the peer went away (the survivor logs it at INFO, not as its own error)."""
+    from zpp.transport.p2p import LinkError
+    gloo = RuntimeError("[/w/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:6053: Connection reset by peer. "
+                        "This is typically caused by a remote worker hanging or bugs in the application. GLHF!")
+    e = LinkError("receive from rank 0 failed", gloo)
+    assert str(e) == "receive from rank 0 failed: the peer went away (connection reset by peer)" and e.peer_gone
+    e = LinkError("send to rank 2 failed", RuntimeError("Timed out waiting 1800000ms for send\nmore"))
+    assert str(e) == "send to rank 2 failed: Timed out waiting 1800000ms for send" and not e.peer_gone

@@ -24,3 +24,21 @@ def test_stage_busy_is_a_fraction_of_the_interval_even_when_a_long_batch_lands_i
     line = log.log_once()
     busy = [int(x) for x in re.findall(r"(\d+)%", line.split("Stage busy:")[1])]
     assert busy == [100, 0], line
+
+
+def test_first_line_counts_stage_busy_from_zero(monkeypatch):
+    """Before the stages' first report the busy totals are empty; the first line said "Stage busy: -".
+    Now it counts from 0, and leaves the field out while no stage has reported at all."""
+    import itertools
+    import types
+
+    import zpp.server.metrics as metrics
+    clock = itertools.count(0.0, 10.0)  # 10 s between snapshots
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    nothing = EngineStats(num_running=1)
+    first = EngineStats(num_running=1, stage_busy_s=[2.0, 1.0], num_generation_tokens=5)
+    log = StatsLogger(_Counters([nothing, first]), metrics=None, interval_s=10.0)
+    line = log.log_once()
+    assert line.endswith("KV cache usage: 0.0%, Stage busy: 0: 20%, 1: 10%"), line
+    log = StatsLogger(_Counters([nothing, nothing]), metrics=None, interval_s=10.0)
+    assert "Stage busy" not in log.log_once()

@@ -36,6 +36,7 @@ GROUPS = {
     "compat": "accepted for vLLM compatibility (no effect in zpp; a warning says so)",
     "limits": "request limits",
     "sampling": "sampling defaults, tool calls and reasoning",
+    "http": "HTTP server",
 }
 """``--help`` sections, in their order: a setting's ``group`` (``zpp.settings.setting``), else its
 class's (``CLASS_GROUPS``); None: the parser's own options."""
@@ -149,7 +150,16 @@ def add_per_node_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """``zpp serve``'s HTTP front-end flags (``ServerConfig``) and the vLLM flags it only accepts."""
     groups = add_settings(p, server_settings(), extra_groups=("compat",))
-    groups["compat"].add_argument("--trust-remote-code", action="store_true", help="zpp runs only its own model code")
+    g = groups["compat"]
+    g.add_argument("--trust-remote-code", action="store_true", help="zpp runs only its own model code")
+    g.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                   help="vLLM's CPU swap space per GPU; zpp recomputes preempted requests instead of swapping")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray", "uni", "external_launcher"],
+                   default=None, help="zpp starts its workers with multiprocessing (mp) always; ray is refused")
+    g.add_argument("--download-dir", default=None, help="refused: zpp does not download models")
+    g.add_argument("--revision", default=None, help="refused: zpp does not download models")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help="a YAML file of flags (vLLM's: `max-num-seqs: 8` per line); the command line overrides it")
 
 
 def engine_config(model: Optional[str] = None, *, streaming: bool, **values: Any) -> EngineConfig:

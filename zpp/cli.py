@@ -41,6 +41,92 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"zpp: error: {message} (see: {self.prog} --help)\n")
 
 
+def _innermost_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)command parser ``argv`` names (``zpp bench serve ...`` -> the ``bench serve`` parser),
+    so that an unknown flag's hint points to the help that lists the command's flags."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            return parser
+        for i, arg in enumerate(argv):
+            if arg in subs[0].choices:
+                parser, argv = subs[0].choices[arg], argv[i + 1:]
+                break
+        else:
+            return parser
+
+
+def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """vLLM's ``--config FILE``: a YAML mapping of flag names (``max-num-seqs: 8`` or
+    ``max_num_seqs: 8``) to values, read as if those flags came first, so that the command line
+    overrides the file. ``true`` gives a switch, ``false`` its ``--no-`` form (or nothing), a list
+    its items joined by commas. Returns ``argv`` with ``--config FILE`` replaced by the file's
+    flags (unchanged without ``--config``). Raises ConfigError (unreadable file, not a mapping, a
+    key that is not a flag of the command)."""
+    cmd = _innermost_parser(parser, argv)
+    if "--config" not in cmd._option_string_actions:
+        return argv
+    at = next((i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), None)
+    if at is None:
+        return argv
+    if argv[at] == "--config":
+        if at + 1 >= len(argv):
+            return argv  # argparse says "expected one argument"
+        path, rest = argv[at + 1], argv[:at] + argv[at + 2:]
+    else:
+        path, rest = argv[at].split("=", 1)[1], argv[:at] + argv[at + 1:]
+    import yaml
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"--config {path!r}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path!r}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path!r}: must hold a mapping of flag names to values, not a {type(data).__name__}")
+    flags: list[str] = []
+    for key, value in data.items():
+        name = "--" + str(key).strip().lstrip("-").replace("_", "-")
+        action = cmd._option_string_actions.get(name)
+        if action is None or name == "--config":
+            raise ConfigError(f"--config {path!r}: {key!r} is not a flag of `{cmd.prog}` (see: {cmd.prog} --help)")
+        if action.nargs == 0:  # a switch: true gives it, false its --no- form where there is one
+            if not isinstance(value, bool):
+                raise ConfigError(f"--config {path!r}: {key!r} is a switch; give true or false, not {value!r}")
+            if value:
+                flags.append(name)
+            elif isinstance(action, argparse._StoreTrueAction) and "--no-" + name[2:] in cmd._option_string_actions:
+                flags.append("--no-" + name[2:])
+            continue
+        if value is None:
+            continue
+        if isinstance(value, (list, tuple)):
+            value = ",".join(str(v) for v in value)
+        elif isinstance(value, bool):
+            value = str(value).lower()
+        flags += [name, str(value)]
+    start = len(argv) - len(_args_after_command(parser, argv))
+    start = min(start, at)
+    return rest[:start] + flags + rest[start:]
+
+
+def _args_after_command(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The part of ``argv`` after the (sub)command names."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            return argv
+        for i, arg in enumerate(argv):
+            if arg in subs[0].choices:
+                parser, argv = subs[0].choices[arg], argv[i + 1:]
+                break
+        else:
+            return argv
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -86,6 +172,7 @@ def cmd_serve(args) -> int:
     if args.headless and not (args.node_rank or 0) > 0:
         raise ConfigError("--headless is for node ranks > 0 of a per-node launch (--nnodes N --node-rank R); node "
                           "rank 0 serves the API")
+    _check_vllm_only_flags(args)
     config = engine_config_from_args(args)  # before the heavy imports: a bad flag fails at once
     if config.parallel.nnodes > 1 and config.parallel.node_rank > 0:  # headless: this node's stages only
         from zpp.engine.async_engine import validate_startup
@@ -106,6 +193,23 @@ def cmd_serve(args) -> int:
     return asyncio.run(serve(config, server.host, server.port, server.api_key, server.chat_template,
                              log_stats_interval=None if server.disable_log_stats else server.log_stats_interval,
                              api_server_count=server.api_server_count, **server.server_options()))
+
+
+def _check_vllm_only_flags(args) -> None:
+    """One warning per vLLM flag that has no effect here; ConfigError for one zpp cannot honour."""
+    if args.download_dir is not None or args.revision is not None:
+        flag = "--download-dir" if args.download_dir is not None else "--revision"
+        raise ConfigError(f"{flag}: zpp does not download models; give a local model directory (config.json + "
+                          f"safetensors + tokenizer)")
+    if args.distributed_executor_backend == "ray":
+        raise ConfigError("--distributed-executor-backend ray: zpp has no Ray; it starts its workers itself "
+                          "(mp, the default; other hosts through --nodes or a per-node launch)")
+    if args.distributed_executor_backend is not None:
+        logger.warning("--distributed-executor-backend %s: has no effect (zpp always starts its workers with "
+                       "multiprocessing)", args.distributed_executor_backend)
+    if args.swap_space is not None:
+        logger.warning("--swap-space %s: has no effect (zpp recomputes preempted requests; there is no CPU swap "
+                       "space)", args.swap_space)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -167,7 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config_file(parser, argv)
+    except ConfigError as e:
+        print(f"zpp: error: {e}", file=sys.stderr)
+        return 2
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the hint names the command's own help, which lists its flags
+        _innermost_parser(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")
     _setup_logging(args.log_level)
     try:
         return args.func(args) or 0

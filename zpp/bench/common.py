@@ -1,5 +1,51 @@
-"""What the benchmarks share: the result table, random prompts, the run's fields, the JSON file."""
+"""What the benchmarks share: argparse types checked before any load, the result table, random prompts, the run's fields, the JSON file."""
 from __future__ import annotations
+
+import argparse
+
+
+def positive_int(value: str) -> int:
+    """argparse type: an integer >= 1 (a bad value is one ``zpp: error:`` line before any load)."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= 1")
+    return n
+
+
+def non_negative_int(value: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= 0")
+    return n
+
+
+def positive_float(value: str) -> float:
+    """argparse type: a number > 0 (``inf`` allowed)."""
+    try:
+        x = float(value)
+    except ValueError:
+        x = 0.0
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number > 0 (inf: no limit)")
+    return x
+
+
+def fraction(value: str) -> float:
+    """argparse type: a number in [0, 1)."""
+    try:
+        x = float(value)
+    except ValueError:
+        x = -1.0
+    if not 0 <= x < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number in [0, 1)")
+    return x
 
 
 def print_table(title: str, rows: list[tuple[str, object]]) -> None:

@@ -10,13 +10,14 @@ import time
 
 def add_parser(sub) -> None:
     from zpp.args import add_engine_args
+    from zpp.bench.common import non_negative_int, positive_int
     p = sub.add_parser("latency", help="batch latency and time per output token")
     add_engine_args(p, model_optional=False)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-iters-warmup", type=int, default=2)
-    p.add_argument("--num-iters", type=int, default=5)
+    p.add_argument("--batch-size", type=positive_int, default=1)
+    p.add_argument("--input-len", type=positive_int, default=128)
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--num-iters-warmup", type=non_negative_int, default=2)
+    p.add_argument("--num-iters", type=positive_int, default=5)
     p.add_argument("--backend", choices=["zpp", "hf"], default="zpp",
                    help="hf: HF transformers generate on the same prompts (the reference; same device and dtype)")
     p.add_argument("--output-json", default=None)

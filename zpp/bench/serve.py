@@ -39,6 +39,7 @@ from typing import Optional
 
 
 def add_parser(sub) -> None:
+    from zpp.bench.common import fraction, positive_float, positive_int
     p = sub.add_parser("serve", help="load-test a running server (streaming /v1/completions)",
                        description="Load-test a running OpenAI-compatible server. vLLM's `vllm bench serve` "
                                    "flag names are accepted (those zpp can honour).")
@@ -61,12 +62,12 @@ def add_parser(sub) -> None:
     g.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file for --dataset-name sharegpt")
     g.add_argument("--dataset", default=None,
                    help="zpp's older spelling: 'random' or a ShareGPT-format JSON file")
-    g.add_argument("--num-prompts", type=int, default=100, help="requests to send")
-    g.add_argument("--random-input-len", type=int, default=1024, help="random dataset: prompt tokens")
-    g.add_argument("--random-output-len", type=int, default=128, help="random dataset: tokens to generate")
-    g.add_argument("--random-range-ratio", type=float, default=0.0,
+    g.add_argument("--num-prompts", type=positive_int, default=100, help="requests to send")
+    g.add_argument("--random-input-len", type=positive_int, default=1024, help="random dataset: prompt tokens")
+    g.add_argument("--random-output-len", type=positive_int, default=128, help="random dataset: tokens to generate")
+    g.add_argument("--random-range-ratio", type=fraction, default=0.0,
                    help="random dataset: lengths drawn uniformly from [len * (1 - r), len * (1 + r)]")
-    g.add_argument("--sharegpt-output-len", type=int, default=None,
+    g.add_argument("--sharegpt-output-len", type=positive_int, default=None,
                    help="ShareGPT: generate this many tokens (default: the reference answer's length)")
     g.add_argument("--tokenizer", default=None,
                    help="ShareGPT: tokenizer directory to measure lengths (default: the served model's "
@@ -74,9 +75,9 @@ def add_parser(sub) -> None:
     g.add_argument("--ignore-eos", action="store_true",
                    help="accepted for vLLM's command lines: zpp always sends ignore_eos, so that every "
                         "request generates its full length")
-    g.add_argument("--request-rate", type=float, default=float("inf"),
+    g.add_argument("--request-rate", type=positive_float, default=float("inf"),
                    help="requests per second (Poisson arrivals); inf = all at once")
-    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    g.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight at once")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--start-at", type=float, default=None, metavar="UNIX_TIME",
                    help="wait until this wall-clock time (after the set-up request) before sending the "

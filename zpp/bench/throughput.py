@@ -8,13 +8,14 @@ import time
 
 def add_parser(sub) -> None:
     from zpp.args import add_engine_args
+    from zpp.bench.common import positive_int
     p = sub.add_parser("throughput", help="offline throughput (requests/s, tokens/s)")
     add_engine_args(p, model_optional=False)
     p.add_argument("--backend", choices=["zpp", "hf"], default="zpp")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--hf-max-batch-size", type=int, default=64, help="HF backend: prompts per generate call")
+    p.add_argument("--input-len", type=positive_int, default=128)
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--num-prompts", type=positive_int, default=64)
+    p.add_argument("--hf-max-batch-size", type=positive_int, default=64, help="HF backend: prompts per generate call")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run)
 

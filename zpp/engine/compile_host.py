@@ -158,10 +158,8 @@ def host_main(conn, front_end: int, tokenizer_path: str, vocab_size: int, stop_t
     _set_pdeathsig()
     if os.getppid() != front_end:  # the front end died before the line above
         return
-    try:
-        ctypes.CDLL("libc.so.6").prctl(15, b"zpp-grammar", 0, 0, 0)  # PR_SET_NAME: /proc/PID/comm
-    except OSError:
-        pass
+    from zpp.proctitle import set_process_title
+    set_process_title("zpp::grammar")  # /proc/PID/cmdline and comm
     logging.basicConfig(level=log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end stops us
     try:
@@ -305,24 +303,26 @@ class CompileHost:
         Raises:
             CompileHostDied: the host could not start (xgrammar failed there), with the reason.
         """
-        if self._ready is None:
+        ready = self._ready
+        if ready is None:
             self._dead = None
-            self._ready = asyncio.get_running_loop().create_future()
+            self._ready = ready = asyncio.get_running_loop().create_future()
             try:
                 self._spawn()
             except Exception as e:
-                self._fail(f"the grammar compile process did not start: {e}")
-        return await asyncio.shield(self._ready)
+                self._fail(f"the grammar compile process did not start: {e}")  # sets self._ready = None
+        return await asyncio.shield(ready)
 
     def _spawn(self) -> None:
         from zpp.engine.executor import _main_module_hidden, _sigint_blocked
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         with _main_module_hidden(), _sigint_blocked():
-            self._proc = ctx.Process(target=host_main, name="zpp-grammar-host", daemon=True,
-                                     args=(child, os.getpid(), *self._host_args, GENERAL_SLOTS, SMALL_SLOTS,
-                                           logging.getLogger("zpp").getEffectiveLevel()))
-            self._proc.start()
+            proc = ctx.Process(target=host_main, name="zpp-grammar-host", daemon=True,
+                               args=(child, os.getpid(), *self._host_args, GENERAL_SLOTS, SMALL_SLOTS,
+                                     logging.getLogger("zpp").getEffectiveLevel()))
+            proc.start()
+            self._proc = proc  # only once started (close() joins it)
         child.close()
         self._conn = parent
         loop = asyncio.get_running_loop()

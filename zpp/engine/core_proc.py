@@ -48,6 +48,8 @@ def core_main(config_bytes: bytes, address: str, eos_token_ids: list[int], log_l
     """Entry point of the engine-core process. Exits 0 after ShutdownCore, 1 on a failure."""
     from zpp.workers.worker import watch_parent
     watch_parent()
+    from zpp.proctitle import set_process_title
+    set_process_title("zpp::core")
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)

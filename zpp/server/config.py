@@ -55,6 +55,31 @@ class ServerConfig:
     reasoning_parser: Optional[str] = setting(None, choices=("deepseek_r1", "qwen3"), group="sampling")
     """split the model's <think> reasoning into reasoning_content"""
 
+    root_path: str = setting("", group="http")
+    """the path prefix a proxy serves this server under (e.g. /llm): routes answer both with and
+    without it (vLLM's / uvicorn's --root-path)"""
+    response_role: str = setting("assistant", group="http")
+    """the role name of chat completion messages (with add_generation_prompt)"""
+    max_logprobs: int = setting(20, group="http")
+    """most logprobs / top_logprobs / prompt_logprobs a request may ask for (more: HTTP 400); 0 to
+    20 (zpp's sampler returns at most 20)"""
+    timeout_keep_alive: float = setting(5.0, metavar="S", group="http")
+    """seconds a connection may go without a complete request head (after it opens, or after its
+    last response) before it is closed: idle keep-alive connections and clients that stop sending
+    headers alike (uvicorn's name)"""
+    timeout_request_body: float = setting(30.0, metavar="S", group="http")
+    """seconds a request body may go without a byte arriving before the request gets HTTP 408 and
+    its connection is closed"""
+    shutdown_timeout: float = setting(0.0, metavar="S", group="http")
+    """on SIGTERM / SIGINT: stop accepting requests (new ones get HTTP 503) and let those in
+    progress finish for up to S seconds, then end the rest with an error (0: end them at once)"""
+    uvicorn_log_level: Optional[str] = setting(None, choices=("critical", "error", "warning", "info", "debug",
+                                                               "trace"), group="http")
+    """level of the HTTP server's own loggers (aiohttp.*); given, each request also gets an
+    access-log line (unless --disable-uvicorn-access-log), as with vLLM"""
+    disable_uvicorn_access_log: bool = setting(False, group="http")
+    """no access-log line per HTTP request (the default unless --uvicorn-log-level is given)"""
+
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: not a TCP port (0-65535)")
@@ -66,6 +91,18 @@ class ServerConfig:
             raise ConfigError(f"--max-stop-sequences {self.max_stop_sequences}: must be >= 0")
         if not self.log_stats_interval > 0:
             raise ConfigError(f"--log-stats-interval {self.log_stats_interval}: must be > 0 seconds")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.rstrip("/") == ""):
+            raise ConfigError(f"--root-path {self.root_path!r}: must start with / (e.g. /llm)")
+        if not self.response_role.strip():
+            raise ConfigError("--response-role: must not be empty")
+        if not 0 <= self.max_logprobs <= 20:
+            raise ConfigError(f"--max-logprobs {self.max_logprobs}: must be 0 to 20 (zpp's sampler returns at most 20 "
+                              f"logprobs per token)")
+        for name in ("timeout_keep_alive", "timeout_request_body"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be > 0 seconds")
+        if not self.shutdown_timeout >= 0:
+            raise ConfigError(f"--shutdown-timeout {self.shutdown_timeout}: must be >= 0 seconds")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser NAME (hermes, llama3_json, mistral, "
                               "deepseek_v3)")
@@ -75,4 +112,10 @@ class ServerConfig:
         return {"max_request_body_bytes": self.max_request_body_bytes, "max_stop_sequences": self.max_stop_sequences,
                 "trust_request_chat_template": self.trust_request_chat_template,
                 "log_requests": not self.disable_log_requests, "generation_config": self.generation_config,
-                "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser}
+                "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser,
+                "root_path": self.root_path.rstrip("/"), "response_role": self.response_role,
+                "max_logprobs": self.max_logprobs, "timeout_request_body": self.timeout_request_body,
+                # the HTTP runner's, not OpenAIServer's (zpp.server.openai_server._run_front_end takes them)
+                "timeout_keep_alive": self.timeout_keep_alive, "shutdown_timeout": self.shutdown_timeout,
+                "access_log": self.uvicorn_log_level is not None and not self.disable_uvicorn_access_log,
+                "http_log_level": self.uvicorn_log_level}

@@ -236,12 +236,15 @@ class StatsLogger:
             return None
         # A stage reports its busy time with each result, so a long micro-batch lands whole in the
         # interval it ends in: clamp to 100% (the counters in /metrics stay exact).
+        # Before the stages' first report the totals are empty: count from 0 (the first line said
+        # "Stage busy: -"); no report at all yet: the field is left out.
+        b0s = list(s0.stage_busy_s) + [0.0] * (len(s1.stage_busy_s) - len(s0.stage_busy_s))
         busy = ", ".join(f"{i}: {min(100.0, 100.0 * max(b1 - b0, 0.0) / dt):.0f}%"
-                         for i, (b0, b1) in enumerate(zip(s0.stage_busy_s, s1.stage_busy_s)))
+                         for i, (b0, b1) in enumerate(zip(b0s, s1.stage_busy_s)))
         line = (f"Avg prompt throughput: {(p1 - p0) / dt:.1f} tokens/s, "
                 f"Avg generation throughput: {(g1 - g0) / dt:.1f} tokens/s, "
                 f"Running: {s1.num_running} seqs, Waiting: {s1.num_waiting} seqs, "
-                f"KV cache usage: {100.0 * s1.kv_cache_usage:.1f}%, Stage busy: {busy or '-'}")
+                f"KV cache usage: {100.0 * s1.kv_cache_usage:.1f}%" + (f", Stage busy: {busy}" if busy else ""))
         if self.prefix_caching:
             q, h = s1.prefix_cache_queries - s0.prefix_cache_queries, s1.prefix_cache_hits - s0.prefix_cache_hits
             line += f", Prefix cache hit rate: {100.0 * h / q:.1f}%" if q > 0 else ", Prefix cache hit rate: n/a"

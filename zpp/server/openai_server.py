@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20  # --max-request-body-bytes
 DEFAULT_MAX_STOP_SEQUENCES = 64  # --max-stop-sequences
+DEFAULT_MAX_LOGPROBS = 20  # --max-logprobs (vLLM's default)
+DEFAULT_TIMEOUT_REQUEST_BODY_S = 30.0  # --timeout-request-body
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # --timeout-keep-alive (uvicorn's default)
 MAX_WARNED_FIELDS = 256  # distinct unknown field names logged; later new names are not
 _CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -196,6 +199,14 @@ class OpenAIServer:
             name; off by default: a template is a program, and one with nested loops would hold the
             event loop, and with it every stream and the engine, for as long as it runs).
         log_requests: log one INFO line per finished request (off: ``--disable-log-requests``).
+        root_path: a path prefix (``/llm``, no trailing slash) under which every route answers as
+            well (``--root-path``: a proxy that forwards ``/llm/v1/...`` unchanged; one that strips
+            the prefix reaches the plain routes).
+        response_role: the ``role`` of chat completion messages and first stream deltas.
+        max_logprobs: most ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` (more: 400); at most
+            20, SamplingParams' own limit, which answers first above it.
+        timeout_request_body: seconds a request body may go without a byte arriving; then HTTP 408
+            and the connection is closed.
         generation_defaults: sampling defaults for fields a request leaves out (the model's
             generation config, :func:`zpp.generation_config.generation_defaults`).
         tool_call_parser, reasoning_parser: ``--tool-call-parser`` / ``--reasoning-parser`` names
@@ -210,6 +221,8 @@ class OpenAIServer:
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                  max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES,
                  trust_request_chat_template: bool = False, log_requests: bool = True,
+                 root_path: str = "", response_role: str = "assistant", max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                 timeout_request_body: float = DEFAULT_TIMEOUT_REQUEST_BODY_S,
                  generation_defaults: Optional[dict] = None, tool_call_parser: Optional[str] = None,
                  reasoning_parser: Optional[str] = None):
         try:
@@ -218,6 +231,14 @@ class OpenAIServer:
             raise ConfigError(str(e)) from None
         self.generation_defaults = generation_defaults or {}
         self.engine = engine
+        self.root_path = root_path.rstrip("/")
+        self.response_role = response_role
+        self.max_logprobs = max_logprobs
+        self.timeout_request_body = timeout_request_body
+        self.draining = False
+        """Set on the first SIGTERM / SIGINT with --shutdown-timeout: new requests get 503."""
+        self.in_flight = 0
+        """Requests being handled (streams until their last event)."""
         self.model_name = served_model_name
         self.api_key = api_key
         self.chat_template = chat_template
@@ -251,11 +272,35 @@ class OpenAIServer:
         from zpp.server.responses import ResponsesAPI
         app.router.add_post("/v1/responses", ResponsesAPI(self).create)
         app.router.add_get("/openapi.json", openapi_handler(self.api_key))
+        if self.root_path:  # every route under the prefix too
+            for route in list(app.router.routes()):
+                app.router.add_route(route.method, self.root_path + route.resource.canonical, route.handler)
         return app
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
-        if self.api_key and request.path.startswith("/v1/"):
+        if self.draining:
+            resp = _error("the server is shutting down", 503, "server_error")
+            resp.force_close()
+            return resp
+        self.in_flight += 1
+        try:
+            resp = await self._handle(request, handler)
+        finally:
+            self.in_flight -= 1
+        if getattr(resp, "close_connection", False):  # 408: write it, then close (no lingering read)
+            resp.force_close()
+            await resp.prepare(request)
+            await resp.write_eof()
+            if request.transport is not None:
+                request.transport.close()
+        return resp
+
+    async def _handle(self, request: web.Request, handler):
+        path = request.path
+        if self.root_path and path.startswith(self.root_path + "/"):
+            path = path[len(self.root_path):]
+        if self.api_key and path.startswith("/v1/"):
             got = request.headers.get("Authorization", "")
             if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
                 return _error("invalid or missing API key (send 'Authorization: Bearer <key>')", 401,
@@ -272,6 +317,7 @@ class OpenAIServer:
             status, err_type, param = _classify(e)
             resp = _error(_message(e), status, err_type, param, getattr(e, "code", None))
             resp.headers.update(getattr(e, "headers", None) or {})
+            resp.close_connection = status == 408
             return resp
         except Exception as e:  # a bug: answer in the API's shape and keep serving
             logger.exception("error handling %s", request.path)
@@ -364,9 +410,7 @@ class OpenAIServer:
         if request.content_length is not None and request.content_length > limit:
             raise body_too_large(limit)
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise body_too_large(limit) from None
+            body = await self._read_body(request, limit)
         except web.RequestPayloadError as e:  # the body arrived malformed (HTTP framing): the client's fault
             raise ProtocolError(f"the request body could not be read: {e}") from None
         if codings:
@@ -378,6 +422,29 @@ class OpenAIServer:
             raise
         self._check_stop_limits(req)
         return req
+
+    async def _read_body(self, request: web.Request, limit: int) -> bytes:
+        """The raw body; 413 past ``limit`` bytes, 408 when no byte arrives for
+        ``timeout_request_body`` seconds (a client that promised a body and stopped sending it)."""
+        chunks, size = [], 0
+        while True:
+            try:
+                chunk = await asyncio.wait_for(request.content.readany(), self.timeout_request_body)
+            except asyncio.TimeoutError:
+                raise ProtocolError(f"the request body stopped arriving (no byte for {self.timeout_request_body:g} s, "
+                                    f"{size} bytes read)", status=408, code="request_timeout") from None
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > limit:
+                raise body_too_large(limit)
+            chunks.append(chunk)
+
+    def _check_logprobs(self, sampling: SamplingParams, param: str) -> None:
+        for value, name in ((sampling.logprobs, param), (sampling.prompt_logprobs, "prompt_logprobs")):
+            if value is not None and value > self.max_logprobs:
+                raise ProtocolError(f"{name} {value} is more than this server allows ({self.max_logprobs}; "
+                                    f"--max-logprobs)", name)
 
     def _warn_unknown_fields(self, path: str, names) -> None:
         """Log a warning the first time each unknown request field name is seen (as vLLM logs
@@ -506,6 +573,7 @@ class OpenAIServer:
             sampling = sampling.clone(prompt_logprobs=max(req.logprobs, sampling.prompt_logprobs or 0),
                                       max_tokens=1 if prompt_only else max_tokens)
         self._check_stop_token_ids(sampling)
+        self._check_logprobs(sampling, "logprobs")
         for _, ids in prompts:
             self.engine.validate(ids, sampling)
         await self._compile_grammar(sampling, so_param)
@@ -649,6 +717,9 @@ class OpenAIServer:
                 content = "".join(parts)
             elif content is None and m.role != "assistant":
                 raise ProtocolError(f"messages[{i}].content is required for role {m.role!r}", "messages")
+            if m.role == "tool" and not m.tool_call_id:
+                raise ProtocolError(f"messages[{i}].tool_call_id is required for role 'tool' (the id of the "
+                                    f"assistant's tool call it answers)", f"messages[{i}].tool_call_id")
             msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
             if m.name is not None:
                 msg["name"] = m.name
@@ -751,6 +822,7 @@ class OpenAIServer:
         if self.parsers.keep_special_tokens(plan, reasons):
             sampling = sampling.clone(skip_special_tokens=False)
         self._check_stop_token_ids(sampling)
+        self._check_logprobs(sampling, "top_logprobs")
         prompt_ids = await _off_loop_if_large(lambda r: self._chat_prompt(r, plan), req,
                                               _text_size(req.messages) + 100 * len(req.messages))
         try:
@@ -760,6 +832,8 @@ class OpenAIServer:
                                 else e.param) from None
         await self._compile_grammar(sampling, so_param)
         cid, created, k = new_id("chatcmpl"), now(), req.top_logprobs or 0
+        # vLLM's: --response-role for a new message; the continued message keeps its own role
+        role = self.response_role if req.add_generation_prompt else req.messages[-1].role
         if plan is not None and plan.mode == "none":
             plan = None
         # A grammar-constrained output reasons only if it writes <think> itself (the grammar holds
@@ -768,6 +842,7 @@ class OpenAIServer:
 
         def message(c: CompletionOutput) -> tuple[dict, Optional[str]]:
             msg, called = self.parsers.message(c.text, plan, reasons, opened, req.include_reasoning)
+            msg["role"] = role
             return msg, "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
 
         if not req.stream:
@@ -810,7 +885,7 @@ class OpenAIServer:
                 async for _, out in outs:
                     if not sse.started:  # the first chunk of every choice carries the role
                         for j in range(sampling.n):
-                            await sse.send(chunk([{"index": j, "delta": {"role": "assistant", "content": ""},
+                            await sse.send(chunk([{"index": j, "delta": {"role": role, "content": ""},
                                                    "logprobs": None, "finish_reason": None}]))
                     for c in out.outputs:
                         if c.index in finished:
@@ -1012,10 +1087,13 @@ def _generation_defaults(config, server_options: dict) -> None:
 
 async def _run_front_end(engine: AsyncEngine, config, host: str, port: int, api_key: Optional[str],
                          template: Optional[str], log_stats_interval: Optional[float], extra_front_ends=(),
-                         reuse_port: bool = False, owner: bool = True, **server_options) -> int:
+                         reuse_port: bool = False, owner: bool = True, timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+                         shutdown_timeout: float = 0.0, access_log: bool = False, http_log_level: Optional[str] = None,
+                         **server_options) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     lost: list[str] = []
+    draining: list[bool] = []
 
     def on_signal() -> None:
         if stop.is_set() and owner:  # a second signal: stop the workers and leave now
@@ -1033,6 +1111,8 @@ async def _run_front_end(engine: AsyncEngine, config, host: str, port: int, api_
     for p in extra_front_ends:
         def gone(p=p):
             loop.remove_reader(p.sentinel)
+            if draining:  # it drained and exited, as told
+                return
             lost.append(f"front end {p.name} exited (exit code {p.exitcode})")
             stop.set()
         loop.add_reader(p.sentinel, gone)
@@ -1041,8 +1121,15 @@ async def _run_front_end(engine: AsyncEngine, config, host: str, port: int, api_
     # unsupported coding and a corrupt body get answers in OpenAI's shape (aiohttp's parser
     # answered br / zstd with plain text before any handler ran, took unknown codings for identity
     # and failed corrupt bodies as a payload error).
-    runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
-                           auto_decompress=False)
+    # keepalive_timeout: aiohttp's one timer for a connection without a complete request head,
+    # started when it opens and after each response: it sheds idle keep-alive connections and
+    # clients that stop sending headers alike (a slow header does not restart it).
+    if http_log_level is not None:
+        level = logging.DEBUG if http_log_level == "trace" else getattr(logging, http_log_level.upper())
+        logging.getLogger("aiohttp").setLevel(level)
+    runner = web.AppRunner(server.build_app(), handler_cancellation=True, shutdown_timeout=5.0,
+                           access_log=logging.getLogger("aiohttp.access") if access_log else None,
+                           keepalive_timeout=timeout_keep_alive, auto_decompress=False)
     status = 0
     stats_task = None
     try:
@@ -1071,6 +1158,9 @@ async def _run_front_end(engine: AsyncEngine, config, host: str, port: int, api_
         if lost:
             logger.error("%s; stopping", lost[0])
             status = 1
+        elif shutdown_timeout > 0 and not engine.dead:
+            draining.append(True)
+            await _drain(server, site, shutdown_timeout, extra_front_ends, owner)
     finally:
         if owner:
             logger.info("shutting down")
@@ -1081,6 +1171,28 @@ async def _run_front_end(engine: AsyncEngine, config, host: str, port: int, api_
         await runner.cleanup()
         await engine.shutdown()
     return status
+
+
+async def _drain(server: OpenAIServer, site, timeout: float, extra_front_ends, owner: bool) -> None:
+    """--shutdown-timeout: stop listening, answer new requests on open connections with 503, and
+    wait up to ``timeout`` seconds for the requests in progress (streams included) to finish; the
+    caller then ends what is left with an error. The extra front ends are told (SIGTERM) to do the
+    same."""
+    server.draining = True
+    await site.stop()  # the listening socket is closed: new connections are refused
+    for p in extra_front_ends:
+        if p.is_alive():
+            p.terminate()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    if server.in_flight:
+        logger.info("draining: %d request(s) in progress get up to %g s to finish", server.in_flight, timeout)
+    while loop.time() < deadline and (server.in_flight or any(p.is_alive() for p in extra_front_ends)):
+        await asyncio.sleep(0.05)
+    if server.in_flight:
+        logger.warning("shutdown timeout (%g s): ending %d request(s) still in progress", timeout, server.in_flight)
+    elif owner:
+        logger.info("drained: every request in progress finished")
 
 
 def _start_front_ends(config, core_address: str, count: int, host: str, port: int, api_key: Optional[str],
@@ -1099,7 +1211,10 @@ def _start_front_ends(config, core_address: str, count: int, host: str, port: in
     procs = []
     with _main_module_hidden(), _sigint_blocked():  # the first front end decides when to stop
         for i in range(1, count):
-            p = ctx.Process(target=_front_end_main, name=f"zpp-api-server-{i}", daemon=True,
+            # Not daemonic: a daemonic process may not start children, and a front end starts its
+            # grammar compile host (structured outputs were unavailable on front ends 1..N-1).
+            # serve() stops and joins them; watch_parent() ends them if this process dies.
+            p = ctx.Process(target=_front_end_main, name=f"zpp-api-server-{i}", daemon=False,
                             args=(msgspec.msgpack.encode(config), core_address, i, args))
             p.start()
             procs.append(p)
@@ -1115,6 +1230,8 @@ def _front_end_main(config_bytes: bytes, core_address: str, index: int, args_jso
     from zpp.config import EngineConfig
     from zpp.workers.worker import watch_parent
     watch_parent()
+    from zpp.proctitle import set_process_title
+    set_process_title(f"zpp::api{index}")
     a = json.loads(args_json)
     logging.basicConfig(level=a["level"], format=f"%(asctime)s %(levelname)s [api {index}] %(name)s: %(message)s")
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)

@@ -44,7 +44,29 @@ def serve_rendezvous_store(host: str) -> tuple[dist.TCPStore, str]:
 
 class LinkError(RuntimeError):
     """A stage-to-stage or tensor-parallel channel failed: a peer died or left (gloo reports
-    "Connection closed by peer"). A surviving worker waits to rejoin instead of exiting."""
+    "Connection closed by peer"). A surviving worker waits to rejoin instead of exiting.
+    ``peer_gone``: the failure is the peer's connection going away (its process died), not an error
+    of this worker's own."""
+
+    def __init__(self, what: str, cause: BaseException):
+        why, self.peer_gone = _link_failure(cause)
+        super().__init__(f"{what}: {why}")
+
+
+# What gloo / NCCL / the kernel say when the process at the other end died or left.
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+              "remote process exited", "Socket closed")
+
+
+def _link_failure(e: BaseException) -> tuple[str, bool]:
+    """(a one-line reason, whether the peer went away) for an exception of a collective or p2p op:
+    gloo's multi-line "Read error [...]: Connection reset by peer. This is typically caused by ..."
+    becomes "the peer went away (connection reset by peer)"."""
+    text = str(e)
+    for marker in _PEER_GONE:
+        if marker.lower() in text.lower():
+            return f"the peer went away ({marker.lower()})", True
+    return (text.strip().splitlines() or [type(e).__name__])[0], False
 
 
 REJOIN_RENDEZVOUS = timedelta(seconds=30)
@@ -150,7 +172,7 @@ class StageLink:
         try:
             work = dist.isend(tensor, dst=self.next_rank, group=self._groups.get(self.next_rank))
         except Exception as e:
-            raise LinkError(f"send to rank {self.next_rank} failed: {e}") from e
+            raise LinkError(f"send to rank {self.next_rank} failed", e) from e
         self._pending.append((work, tensor))
         self._reap(block=len(self._pending) > self._max_pending)
 
@@ -161,7 +183,7 @@ class StageLink:
         try:
             dist.recv(buf, src=self.prev_rank, group=self._groups.get(self.prev_rank))
         except Exception as e:
-            raise LinkError(f"receive from rank {self.prev_rank} failed: {e}") from e
+            raise LinkError(f"receive from rank {self.prev_rank} failed", e) from e
         self._reap(block=False)
         return buf.to(self.device) if self._via_host else buf
 
@@ -180,7 +202,7 @@ class StageLink:
             work.wait()
         except Exception as e:
             self._pending.clear()
-            raise LinkError(f"send to rank {self.next_rank} failed: {e}") from e
+            raise LinkError(f"send to rank {self.next_rank} failed", e) from e
 
     def flush(self) -> None:
         while self._pending:

@@ -65,5 +65,5 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     try:
         dist.all_reduce(x, group=_GROUP)
     except Exception as e:
-        raise LinkError(f"tensor-parallel all-reduce failed: {e}") from e
+        raise LinkError("tensor-parallel all-reduce failed", e) from e
     return x

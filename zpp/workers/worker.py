@@ -65,6 +65,8 @@ def worker_main(engine_address: str, rank: int, keys, log_level: int = logging.I
         keys: the run's :class:`~zpp.transport.security.RunKeys` (CURVE keys over TCP).
     """
     watch_parent()
+    from zpp.proctitle import set_process_title, stage_title
+    set_process_title(f"zpp::worker{rank}")  # its stage is known once the engine's InitWorker comes
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [worker {rank}] %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when workers stop
     from zpp.transport import messages as m
@@ -86,6 +88,7 @@ def worker_main(engine_address: str, rank: int, keys, log_level: int = logging.I
             raise _ShutdownDuringSetup("before InitWorker")
         if not isinstance(init, m.InitWorker):
             raise RuntimeError(f"expected InitWorker, got {type(init).__name__}")
+        set_process_title(stage_title(init.pp_rank, init.tp_rank, init.config.parallel.tensor_parallel_size))
         from zpp.workers.model_runner import Activity
         activity = Activity()
         _start_heartbeat(engine_address, rank, keys, activity)
@@ -351,7 +354,10 @@ def _serve(runner, sock, init) -> None:
                 _rejoin(runner, sock, init, gen)
             rejoin = _serve_batches(runner, sock, init)
         except (LinkError, dist.DistError) as e:  # DistStoreError: a restarted rank never came
-            logger.warning("a stage-to-stage channel failed (%s); waiting for the engine to restart the stage", e)
+            if getattr(e, "peer_gone", False):  # a neighbour died: the engine reports that death itself
+                logger.info("a neighbouring stage went away (%s); waiting for the engine to restart it", e)
+            else:
+                logger.warning("a stage-to-stage channel failed (%s); waiting for the engine to restart the stage", e)
             sock.send(m.LinkDown(rank=init.rank, message=str(e)))
             rejoin = _await_rejoin(sock)
         if rejoin is None:
