@@ -16,7 +16,10 @@ The same ``--batch-size`` x ``--output-len`` run is done free and JSON-constrain
   bitmask fill (their CPU time, wherever they ran);
 * per step, the grammar time *on the critical path*: how long the stages waited because of it:
   stage 0 idle between micro-batches beyond the free run's, and the last stage's wait for a bitmask
-  after its forward (``bitmask_wait_ms``).
+  after its forward (``bitmask_wait_ms``);
+* the core's turnaround, medians: from taking a result to sending the next micro-batch (what
+  stage 0 waits for when the pipeline runs dry) and to sending the next bitmask (what the last
+  stage waits for with async scheduling, if it is longer than a forward).
 
     python scripts/bench_structured_outputs.py                        # PP=1, async scheduling, 256 x 128
     python scripts/bench_structured_outputs.py --pp 2 --stage-ms 6    # a two-stage pipeline, depth 3
@@ -68,6 +71,10 @@ class SimulatedStages:
         self.bitmask_wait_s = 0.0
         self.stage0_idle_s = 0.0
         self.batches = 0
+        self._result_at = None  # when the core took the latest result
+        self.to_batch: list[float] = []  # seconds from a result taken to the next batch sent
+        self.to_bitmask: list[float] = []  # ... to the next bitmask sent
+        self._sent_batch = self._sent_bitmask = True
         self._tasks = [asyncio.ensure_future(self._stage(s)) for s in range(pp)]
 
     def _bitmask(self, batch_id: int) -> asyncio.Future:
@@ -77,38 +84,56 @@ class SimulatedStages:
         return f
 
     def send(self, batch: m.ExecuteBatch, grammar_rows=(), grammar_bitmask=b"") -> None:
+        now = time.perf_counter()
+        if not self._sent_batch:
+            self._sent_batch = True
+            self.to_batch.append(now - self._result_at)
         if grammar_rows and grammar_bitmask:
-            self._bitmask(batch.batch_id).set_result(None)
-        self.queues[0].put_nowait((batch, bool(grammar_rows)))
+            self._bitmask(batch.batch_id).set_result(now)
+        self.queues[0].put_nowait((batch, bool(grammar_rows), now))
 
     def send_grammar_bitmask(self, batch_id: int, bitmask) -> None:
-        self._bitmask(batch_id).set_result(None)
+        now = time.perf_counter()
+        if not self._sent_bitmask:
+            self._sent_bitmask = True
+            self.to_bitmask.append(now - self._result_at)
+        self._bitmask(batch_id).set_result(now)
 
     async def _stage(self, s: int) -> None:
-        last = None
+        """Stage ``s``: batches in order, on planned times (a batch starts when its input is there
+        and the stage is free, and takes ``stage_s``), so that waits are measured even when the
+        event loop, busy with the core, wakes this coroutine late."""
+        free_at = None
         while True:
-            t_wait = time.perf_counter()
-            batch, constrained = await self.queues[s].get()
-            if s == 0 and last is not None:
-                self.stage0_idle_s += time.perf_counter() - t_wait
-            last = batch
-            await asyncio.sleep(self.stage_s)
+            batch, constrained, ready_at = await self.queues[s].get()
+            start = ready_at if free_at is None else max(ready_at, free_at)
+            if s == 0 and free_at is not None:
+                self.stage0_idle_s += start - free_at
+            end = start + self.stage_s
+            await asyncio.sleep(max(0.0, end - time.perf_counter()))
             if s + 1 < self.pp:
-                self.queues[s + 1].put_nowait((batch, constrained))
+                free_at = end
+                self.queues[s + 1].put_nowait((batch, constrained, end))
                 continue
+            sample_at = end
             if constrained:
-                t = time.perf_counter()
-                await self._bitmask(batch.batch_id)
-                self.bitmask_wait_s += time.perf_counter() - t
+                arrived = await self._bitmask(batch.batch_id)
                 del self.bitmasks[batch.batch_id]
-            await asyncio.sleep(self.sample_s)
+                self.bitmask_wait_s += max(0.0, arrived - end)
+                sample_at = max(end, arrived)
+            free_at = sample_at + self.sample_s
+            await asyncio.sleep(max(0.0, free_at - time.perf_counter()))
             c = m.BatchColumns(batch)
             ends = (c.starts + c.num_tokens)[c.sample] - self.prompt_len
             self.batches += 1
             self.results.put_nowait(m.StepResult(batch.batch_id, m.pack_int32([self.text[i] for i in ends])))
 
     async def next_result(self):
-        return await self.results.get()
+        r = await self.results.get()
+        if r is not None:
+            self._result_at = time.perf_counter()
+            self._sent_batch = self._sent_bitmask = False
+        return r
 
     def interrupt(self) -> None:
         self.results.put_nowait(None)
@@ -183,7 +208,9 @@ def run(args, spec, text, eos, constrained: bool) -> dict:
         return {"seconds": el, "out_tok_s": n * out_len / el, "steps": steps,
                 "accept_ms_per_step": 1e3 * spent["accept"] / steps, "fill_ms_per_step": 1e3 * spent["fill"] / steps,
                 "bitmask_wait_ms_per_step": 1e3 * ex.bitmask_wait_s / steps,
-                "stage0_idle_ms_per_step": 1e3 * ex.stage0_idle_s / steps}
+                "stage0_idle_ms_per_step": 1e3 * ex.stage0_idle_s / steps,
+                "result_to_next_batch_ms": 1e3 * statistics.median(ex.to_batch) if ex.to_batch else None,
+                "result_to_next_bitmask_ms": 1e3 * statistics.median(ex.to_bitmask) if ex.to_bitmask else None}
 
     return asyncio.run(main())
 
@@ -239,7 +266,12 @@ def main() -> None:
     for name, r in (("free", free), ("JSON schema", js)):
         print(f"  {name:12s} {r['out_tok_s']:9.1f} out tok/s   stage 0 idle {r['stage0_idle_ms_per_step']:.2f} ms/step, "
               f"last stage waits for bitmasks {r['bitmask_wait_ms_per_step']:.2f} ms/step")
-    print(f"  JSON / free: {result['json_over_free']:.3f}")
+    print(f"  JSON / free: {result['json_over_free']:.3f} (on a machine with fewer free cores than the core's "
+          "threads, the stages' timers run late: compare the figures below)")
+    for name, r in (("free", free), ("JSON schema", js)):
+        b = r["result_to_next_bitmask_ms"]
+        print(f"  {name:12s} median from a result to the next batch sent {r['result_to_next_batch_ms']:.2f} ms"
+              + (f", to the next bitmask sent {b:.2f} ms" if b is not None else ""))
     print(f"  core grammar work per step: accept {js['accept_ms_per_step']:.2f} ms, fill "
           f"{js['fill_ms_per_step']:.2f} ms; on the critical path: {result['critical_path_ms_per_step']:.2f} ms")
     if args.output_json:

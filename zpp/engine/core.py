@@ -98,7 +98,6 @@ class EngineCore:
             except (asyncio.CancelledError, Exception):
                 pass
         self.executor.shutdown()
-        self.grammars.close()
 
     # --- requests -----------------------------------------------------------------------------
     def add_requests(self, reqs: list[CoreRequest]) -> None:
@@ -248,13 +247,12 @@ class EngineCore:
         batch_id = sched.batch.batch_id
         if self._pending_bitmasks:  # a batch in flight waits for its bitmask: the grammars first
             refused = self._accept_tokens(updates, batch_id)
-            send = self._start_bitmasks()  # filled on the store's thread while the refill is decided
+            self._send_ready_bitmasks()
             drained = self._fill_pipeline(drained)
-            send()
         else:
             drained = self._fill_pipeline(drained)
             refused = self._accept_tokens(updates, batch_id)
-            self._start_bitmasks()()
+            self._send_ready_bitmasks()
         self.emit(self._outputs(result, updates, refused))
         return drained
     def _stage_restart(self, starting: bool) -> None:
@@ -276,7 +274,7 @@ class EngineCore:
     def _grammar_rows(self, sched: ScheduledBatch) -> list[int]:
         """The constrained sampling rows of a micro-batch about to be sent (indices into its
         chunks, increasing; see ``ExecuteBatch.grammar_rows``), queued for their bitmask
-        (:meth:`_start_bitmasks`); ``[]`` when none is constrained."""
+        (:meth:`_send_ready_bitmasks`); ``[]`` when none is constrained."""
         rows, reqs, needs = [], [], []
         starts = None
         for i, (req, sample) in enumerate(zip(sched.reqs, sched.sample)):
@@ -292,30 +290,21 @@ class EngineCore:
             self._pending_bitmasks.append(PendingBitmask(sched.batch.batch_id, reqs, needs))
         return rows
 
-    def _start_bitmasks(self) -> Callable[[], None]:
+    def _send_ready_bitmasks(self) -> None:
         """Fill the bitmasks of the queued micro-batches whose rows are computable now (in batch
-        order; all rows in one batched fill, on the grammar store's thread when they are many);
-        returns the callable that waits for the fill and sends each batch's bitmask to the
-        result rank."""
+        order; all their rows in one batched fill, xgrammar's C++ threads on a many-core host)
+        and send each batch's to the result rank."""
         ready: list[PendingBitmask] = []
         while self._pending_bitmasks and self._pending_bitmasks[0].ready():
             ready.append(self._pending_bitmasks.popleft())
         if not ready:
-            return lambda: None
-        grammars = [None if r.status.finished else r.grammar for p in ready for r in p.reqs]
-        rows_of = self.grammars.fill_rows_soon(grammars)
-
-        def send() -> None:
-            bitmask = rows_of()
-            first = 0
-            for p in ready:
-                n = len(p.reqs)
-                self.executor.send_grammar_bitmask(p.batch_id, bitmask[first:first + n].data)
-                first += n
-        return send
-
-    def _send_ready_bitmasks(self) -> None:
-        self._start_bitmasks()()
+            return
+        bitmask = self.grammars.fill_rows([None if r.status.finished else r.grammar for p in ready for r in p.reqs])
+        first = 0
+        for p in ready:
+            n = len(p.reqs)
+            self.executor.send_grammar_bitmask(p.batch_id, bitmask[first:first + n].data)
+            first += n
 
     def _accept_tokens(self, updates: list, batch_id: int) -> set[str]:
         """Advance the matchers of the constrained sequences by the tokens micro-batch ``batch_id``

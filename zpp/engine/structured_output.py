@@ -23,9 +23,10 @@ The shape vLLM V1 uses, kept to zpp's size:
   bitmask of those rows follows to the result rank in a message of its own
   (:class:`~zpp.transport.messages.GrammarBitmask`) as soon as the tokens it depends on are back
   and accepted: the result rank needs it only when it samples the batch, after every stage's
-  forward, so the grammar work (xgrammar's batched accept and batched, multi-threaded fill into
-  one preallocated bitmask, the fill on a thread of its own while the core schedules) overlaps
-  the stages' compute instead of delaying stage 0. The ordering argument (why every bitmask can
+  forward, so the grammar work (xgrammar's batched accept, and its batched fill on C++ threads
+  into one preallocated bitmask) overlaps the stages' compute instead of delaying stage 0. (Not
+  on a Python thread of the core's: its wrapper code would wait for the GIL, up to the 5 ms switch
+  interval, while the core schedules.) The ordering argument (why every bitmask can
   be computed in time and nothing deadlocks, with pipeline parallelism and with async
   scheduling) is in ``EngineCore._apply_result``. This follows vLLM V1's split (the scheduler
   output names the constrained requests, the bitmask is computed for the scheduled batch and
@@ -313,8 +314,7 @@ class RequestGrammar:
 
 
 _BATCH_FILL_MIN_ROWS = 16
-"""Rows from which the core fills bitmasks on several threads (when it has them), and off its
-event loop's thread (xgrammar's batched fill releases the GIL)."""
+"""Rows from which the core fills bitmasks on several threads (when it has them)."""
 
 
 def default_fill_threads() -> int:
@@ -369,7 +369,6 @@ class GrammarStore:
         self._tokenizer_info = None
         self._grammars: OrderedDict = OrderedDict()
         self._buf = np.zeros((0, self.words), dtype="<i4")  # preallocated rows, grown as needed
-        self._pool = None  # one thread running the batched fill off the event loop's thread
 
     def new_matcher(self, spec: GrammarSpec, stop_token_ids: list[int]) -> RequestGrammar:
         """A fresh matcher for one sequence; ``stop_token_ids`` are the tokens that end the
@@ -430,23 +429,6 @@ class GrammarStore:
                 mt.fill_next_token_bitmask(bitmask, i)
         return bitmask
 
-    def fill_rows_soon(self, grammars: list[Optional[RequestGrammar]]):
-        """:meth:`fill_rows` started on the store's own thread when the rows are many (the caller's
-        thread meanwhile runs Python: xgrammar releases the GIL while it fills); returns a callable
-        giving the rows (waiting for them)."""
-        if len(grammars) < _BATCH_FILL_MIN_ROWS:
-            rows = self.fill_rows(grammars)
-            return lambda: rows
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="zpp-grammar-fill")
-        return self._pool.submit(self.fill_rows, grammars).result
-
     def fill_bitmask(self, grammars: list[RequestGrammar]) -> bytes:
         """:meth:`fill_rows` as bytes (a copy)."""
         return self.fill_rows(grammars).tobytes()
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
