@@ -115,12 +115,85 @@ def engine(request, demo_model):
         yield pp, llm
 
 
+class _Order:
+    """Records, on an in-process engine's executor, the order of micro-batches sent, token
+    bitmasks sent and results taken, and checks the structured-output ordering
+    (``EngineCore._apply_result``)."""
+
+    def __init__(self, llm):
+        from zpp.transport import messages as m
+        self.m, self.ex, self.events = m, llm.engine.core.executor, []
+        ex, ev = self.ex, self.events
+        send, send_bitmask, next_result = ex.send, ex.send_grammar_bitmask, ex.next_result
+
+        def sending(batch, grammar_rows=(), grammar_bitmask=b""):
+            ev.append(("batch", batch.batch_id, m.BatchColumns(batch), list(grammar_rows), bool(grammar_bitmask)))
+            return send(batch, grammar_rows, grammar_bitmask)
+
+        def sending_bitmask(batch_id, bitmask):
+            ev.append(("bitmask", batch_id, len(bitmask)))
+            return send_bitmask(batch_id, bitmask)
+
+        async def taking():
+            item = await next_result()
+            if isinstance(item, m.StepResult):
+                ev.append(("result", item.batch_id))
+            return item
+
+        ex.send, ex.send_grammar_bitmask, ex.next_result = sending, sending_bitmask, taking
+
+    def close(self) -> None:
+        del self.ex.send, self.ex.send_grammar_bitmask, self.ex.next_result
+
+    def check(self) -> dict:
+        """Every batch with constrained rows went out without its bitmask, which followed once,
+        after the results of the earlier batches that sampled those rows' sequences (by slot).
+        Returns counts: constrained batches, those with a constrained FROM_PREV row, and the
+        bitmasks sent while a later micro-batch was already out."""
+        sent_at, result_at, bitmask_at = {}, {}, {}
+        last_sampled: dict[int, int] = {}  # slot -> the latest batch sampling it
+        needs: dict[int, list[int]] = {}
+        counts = {"constrained": 0, "from_prev": 0, "overlapped": 0}
+        for i, e in enumerate(self.events):
+            if e[0] == "batch":
+                _, bid, cols, rows, inline = e
+                sent_at[bid] = i
+                if rows:
+                    assert not inline, f"batch {bid}: its bitmask went with it"
+                    counts["constrained"] += 1
+                    counts["from_prev"] += bool(cols.from_prev[rows].any())
+                    needs[bid] = [last_sampled[s] for s in cols.slots[rows].tolist() if s in last_sampled]
+                for s in cols.slots[cols.sample].tolist():
+                    last_sampled[s] = bid
+            elif e[0] == "bitmask":
+                bid = e[1]
+                assert bid in needs and bid not in bitmask_at, f"bitmask of batch {bid}: unexpected or twice"
+                bitmask_at[bid] = i
+                for dep in needs[bid]:
+                    assert result_at.get(dep, i) < i, f"bitmask of batch {bid} sent before the result of batch {dep}"
+                counts["overlapped"] += any(b > bid for b in sent_at)
+            else:
+                result_at[e[1]] = i
+        assert sorted(bitmask_at) == sorted(needs), "a constrained batch never got its bitmask"
+        return counts
+
+
 def test_constrained_and_free_in_one_batch(engine):
+    """A mixed batch: every constrained output is valid; the same tokens at every PP size; the
+    bitmasks follow their micro-batches in the order the ordering argument needs."""
     pp, llm = engine
     tok = llm.get_tokenizer()
     reqs = CASES + FREE
     before = llm.engine.scheduler.stats.num_preemptions
-    outs = llm.generate([_chat(tok, q) for q, *_ in reqs], [r[1] for r in reqs], use_tqdm=False)
+    order = _Order(llm)
+    try:
+        outs = llm.generate([_chat(tok, q) for q, *_ in reqs], [r[1] for r in reqs], use_tqdm=False)
+    finally:
+        order.close()
+    counts = order.check()
+    assert counts["constrained"] > 0
+    if pp > 1:  # several micro-batches in flight: bitmasks go out with later batches already sent
+        assert counts["overlapped"] > 0, counts
     for (q, _, check), o in zip(CASES, outs):
         _check(o.outputs[0].text, o.outputs[0].finish_reason, check)
     RESULTS[pp] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
@@ -138,6 +211,28 @@ def test_free_requests_unchanged_by_constrained_neighbours(engine):
     tok = llm.get_tokenizer()
     alone = llm.generate([_chat(tok, q) for q, _ in FREE], [sp for _, sp in FREE], use_tqdm=False)
     assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in alone] == RESULTS[pp][len(CASES):]
+
+
+def test_async_scheduling_constrained_mixed_batch(demo_model):
+    """Async scheduling (PP=1, forced on the CPU): a constrained sequence is scheduled again
+    while its previous token is still in flight (FROM_PREV), and its bitmask row follows once
+    that token is back. Outputs valid, and the same tokens as without async scheduling."""
+    with LLM(demo_model, async_scheduling=True, kv_cache_memory="64MiB") as llm:
+        assert llm.engine.config.async_scheduling
+        tok = llm.get_tokenizer()
+        reqs = CASES + FREE
+        order = _Order(llm)
+        try:
+            outs = llm.generate([_chat(tok, q) for q, *_ in reqs], [r[1] for r in reqs], use_tqdm=False)
+        finally:
+            order.close()
+    counts = order.check()
+    assert counts["from_prev"] > 0, counts
+    for (q, _, check), o in zip(CASES, outs):
+        _check(o.outputs[0].text, o.outputs[0].finish_reason, check)
+    if 1 in RESULTS:
+        for i, (o, want) in enumerate(zip(outs, RESULTS[1])):
+            assert (o.outputs[0].token_ids, o.outputs[0].finish_reason) == want, f"request {i} differs"
 
 
 def test_compile_errors_size_limit_and_timeout(engine):
