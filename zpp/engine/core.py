@@ -219,7 +219,7 @@ class EngineCore:
           its own to the result rank (:meth:`_send_ready_bitmasks`), which waits for it only when
           it samples that batch: after the forward of every stage, a whole pipeline pass later.
         * The bitmask row of a constrained sampling chunk is a function of the tokens the sequence
-          generated before the token the chunk samples: ``need`` of them (:class:`_PendingBitmask`).
+          generated before the token the chunk samples: ``need`` of them (:class:`PendingBitmask`).
           Those tokens come from earlier micro-batches (a sequence samples at most one token per
           micro-batch, and the results come back in batch order), so after the result of batch
           ``k`` is applied every row of every batch up to ``k + 1`` is computable, and a row of a
@@ -255,6 +255,7 @@ class EngineCore:
             self._send_ready_bitmasks()
         self.emit(self._outputs(result, updates, refused))
         return drained
+
     def _stage_restart(self, starting: bool) -> None:
         """A stage was lost (``starting``): the micro-batches in flight are void; every running
         request goes back to the queue to be recomputed from its prompt and the tokens it has
