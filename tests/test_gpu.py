@@ -885,15 +885,15 @@ def test_structured_outputs_async_scheduling_valid(demo_model, eager):
 
     from zpp import LLM, SamplingParams, StructuredOutputsParams as SO
     person = {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
+        "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
         "city": {"type": "string", "enum": ["Paris", "London", "Rome"]}}, "required": ["name", "age", "city"]}
     with LLM(demo_model, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, enforce_eager=eager) as llm:
         assert llm.engine.config.async_scheduling
         tok = llm.get_tokenizer()
         prompt = tok.apply_chat_template([{"role": "user", "content": "Describe a person from Paris as JSON."}],
                                          tokenize=False, add_generation_prompt=True)
-        sps = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=80,
-                              structured_outputs=SO(json=person)) for i in range(48)]
+        sps = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=120,
+                              structured_outputs=SO(json=person, disable_any_whitespace=True)) for i in range(48)]
         sps += [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=40) for i in range(16)]
         outs = llm.generate([prompt] * len(sps), sps, use_tqdm=False)
     for o in outs[:48]:
