@@ -326,8 +326,26 @@ def test_core_bitmask_fill_threaded_equals_row_by_row(tokenizer):
     ms2 = [many.new_matcher(specs[i % 4], [2]) for i in range(20)]
     for t in tokenizer.encode(text)[:6]:
         assert one.fill_bitmask(ms1) == many.fill_bitmask(ms2)
-        for a, b in zip(ms1[::4], ms2[::4]):  # the PERSON matchers advance
-            assert a.accept(t) and b.accept(t)
+        for a, b in zip(ms1[::4], ms2[::4]):  # the PERSON matchers advance: one by one, and batched
+            assert a.accept(t)
+        assert many.accept_tokens(ms2[::4], [t] * 5) == [True] * 5
+    assert [g.num_accepted for g in ms1] == [g.num_accepted for g in ms2] == [6, 0, 0, 0] * 5
+    # A refused token (a dead end: the stop token of an incomplete object) leaves the matcher
+    # where it was; a finished sequence's row (None) allows every token.
+    assert many.accept_tokens(ms2[:2], [2, tokenizer.encode("{")[0]]) == [False, True]
+    assert (ms2[0].num_accepted, ms2[1].num_accepted) == (6, 1)
+    rows = many.fill_rows([ms2[0], None, ms2[1]])
+    assert (rows[1] == -1).all() and rows[0].tobytes() == one.fill_bitmask([ms1[0]])
+    # Many rows: the accept runs in slices on the store's threads, with the same outcome.
+    ids = tokenizer.encode(text)
+    ms1 = [one.new_matcher(specs[0], [2]) for _ in range(80)]
+    ms2 = [many.new_matcher(specs[0], [2]) for _ in range(80)]
+    for step, t in enumerate(ids[:8]):
+        toks = [2 if i % 9 == step else t for i in range(80)]  # a few stop tokens: refused mid-object
+        assert one.accept_tokens(ms1, toks) == many.accept_tokens(ms2, toks)
+        assert one.fill_bitmask(ms1) == many.fill_bitmask(ms2)
+    assert [g.num_accepted for g in ms1] == [g.num_accepted for g in ms2]
+    assert many._pool is not None  # the threaded path ran
 
 
 HOSTILE_PATTERN = "^(a|b|c|d)*(a|b)*(c|d){3,30}[a-z]{5,50}$"  # ~0.5 MB of compiled grammar per property

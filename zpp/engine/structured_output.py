@@ -316,6 +316,10 @@ class RequestGrammar:
 _BATCH_FILL_MIN_ROWS = 16
 """Rows from which the core fills bitmasks on several threads (when it has them)."""
 
+_BATCH_ACCEPT_MIN_ROWS = 64
+"""Rows from which the core accepts sampled tokens on several threads (when it has them), at
+least half of this per thread (an accept is microseconds: fewer rows are not worth a thread)."""
+
 
 def default_fill_threads() -> int:
     """Threads for the core's bitmask fill: a quarter of the host's cores, 1 to 8 (1 on the
@@ -358,7 +362,8 @@ class GrammarStore:
     Args:
         vocab_size: logits per row; the bitmask has ``ceil(vocab_size / 32)`` int32 words per row.
         fill_threads: threads filling a batch's bitmask rows (xgrammar's ``BatchGrammarMatcher``,
-            C++ threads, from ``_BATCH_FILL_MIN_ROWS`` rows); 1 = one row after the other.
+            C++ threads, from ``_BATCH_FILL_MIN_ROWS`` rows) and accepting its sampled tokens
+            (from ``_BATCH_ACCEPT_MIN_ROWS`` rows); 1 = all on the core's thread.
     """
 
     def __init__(self, vocab_size: int, fill_threads: int = 1):
@@ -369,6 +374,7 @@ class GrammarStore:
         self._tokenizer_info = None
         self._grammars: OrderedDict = OrderedDict()
         self._buf = np.zeros((0, self.words), dtype="<i4")  # preallocated rows, grown as needed
+        self._pool = None  # threads of the batched accept (fill_threads > 1)
 
     def new_matcher(self, spec: GrammarSpec, stop_token_ids: list[int]) -> RequestGrammar:
         """A fresh matcher for one sequence; ``stop_token_ids`` are the tokens that end the
@@ -394,12 +400,26 @@ class GrammarStore:
         return RequestGrammar(xgr.GrammarMatcher(g, override_stop_tokens=stop_token_ids))
 
     def accept_tokens(self, grammars: list[RequestGrammar], tokens: list[int]) -> list[bool]:
-        """Advance each grammar by its sampled token, all in one call (xgrammar's
-        ``batch_accept_token``); False where the grammar refuses it (a dead end: it stays put)."""
+        """Advance each grammar by its sampled token (xgrammar's ``batch_accept_token``: one call,
+        or from ``_BATCH_ACCEPT_MIN_ROWS`` rows one call per slice on ``fill_threads`` threads,
+        xgrammar releasing the GIL in its C++ while this thread waits); False where the grammar
+        refuses the token (a dead end: the matcher stays where it was)."""
         if len(grammars) < 2:
             return [g.accept(t) for g, t in zip(grammars, tokens)]
         import xgrammar as xgr
-        ok = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], tokens)
+        matchers = [g.matcher for g in grammars]
+        n = len(matchers)
+        if self.fill_threads > 1 and n >= _BATCH_ACCEPT_MIN_ROWS:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+                self._pool = ThreadPoolExecutor(self.fill_threads, thread_name_prefix="zpp-grammar")
+            k = min(self.fill_threads, n // (_BATCH_ACCEPT_MIN_ROWS // 2))
+            cuts = [n * i // k for i in range(k + 1)]
+            parts = [self._pool.submit(xgr.BatchGrammarMatcher.batch_accept_token, matchers[a:b], tokens[a:b])
+                     for a, b in zip(cuts, cuts[1:])]
+            ok = [x for f in parts for x in f.result()]
+        else:
+            ok = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
         for g, a in zip(grammars, ok):
             if a:
                 g.num_accepted += 1
