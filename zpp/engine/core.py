@@ -326,9 +326,13 @@ class EngineCore:
                 tokens.append(token_id)
         refused: set[str] = set()
         done = []
-        for req, ok in zip(reqs, self.grammars.accept_tokens(grammars, tokens) if reqs else ()):
+        eos = self.eos_token_ids
+        for req, token_id, ok in zip(reqs, tokens, self.grammars.accept_tokens(grammars, tokens) if reqs else ()):
             if ok:
-                if not req.status.finished and req.grammar.terminated:
+                # A grammar completes only by accepting one of its stop tokens (EOS, the request's
+                # stop_token_ids: new_matcher's): the matcher is asked only then.
+                stop = token_id in eos or token_id in (req.sampling.stop_token_ids or ())
+                if stop and not req.status.finished and req.grammar.terminated:
                     req.status = RequestStatus.FINISHED_STOPPED
                     done.append(req)
                 continue
