@@ -527,7 +527,6 @@ def _shutdown(runner) -> None:
                                           "num_sync_all_streams", "num_ooms")})
         runner.reap_timings()
         runner.trace.dump()
-    return None
 
 
 def _fault_stall_batch(rank: int):
