@@ -4,9 +4,12 @@ Runs ``--batch-size`` prompts of ``--input-len`` random token ids through the of
 each generating exactly ``--output-len`` tokens greedily, once free and once constrained to a JSON
 schema (an array of at least 1000 ``{"id": integer, "name": string}`` objects, so that no output
 can complete, and end, within the budget); the runs alternate ``--repeats`` times and the median of
-each is reported. Also measured alone: the engine core's time to fill the token bitmask of the
-whole batch from its matchers (per step), and the last stage's time to unpack it and mask the
-logits on the device.
+each is reported. Also measured: the engine core's grammar work in the runs (batched accept and
+bitmask fill, per step), its turnaround (from taking a result to sending the next micro-batch,
+free and constrained, and to sending the next token bitmask: with async scheduling the last stage
+waits for that bitmask only if it comes later than its forward ends), and alone, the core's time
+to fill the whole batch's bitmask and the last stage's time to unpack it and mask the logits on
+the device.
 
 Prints the figures and writes them as JSON (``--output-json``).
 
@@ -82,14 +85,45 @@ def main() -> None:
                 core_s[key] += time.perf_counter() - t
         return wrapper
 
-    core._grammar_rows = timed(core._grammar_rows, "fill")
-    core._advance_grammar = timed(core._advance_grammar, "accept")
+    store = core.grammars
+    store.fill_rows = timed(store.fill_rows, "fill")
+    store.accept_tokens = timed(store.accept_tokens, "accept")
+    # The core's turnaround (what the stages may wait for): from taking a result to sending the
+    # next micro-batch and the next bitmask (medians over the runs).
+    ex = core.executor
+    turn = {"batch": [], "bitmask": [], "at": None, "sent": set()}
+    ex_send, ex_bitmask, ex_next = ex.send, ex.send_grammar_bitmask, ex.next_result
+
+    def mark(kind):
+        if turn["at"] is not None and kind not in turn["sent"]:
+            turn["sent"].add(kind)
+            turn[kind].append(time.perf_counter() - turn["at"])
+
+    def send(batch, *a, **kw):
+        mark("batch")
+        return ex_send(batch, *a, **kw)
+
+    def send_bitmask(batch_id, bitmask):
+        mark("bitmask")
+        return ex_bitmask(batch_id, bitmask)
+
+    async def next_result():
+        item = await ex_next()
+        if item is not None and hasattr(item, "batch_id"):
+            turn["at"], turn["sent"] = time.perf_counter(), set()
+        return item
+
+    ex.send, ex.send_grammar_bitmask, ex.next_result = send, send_bitmask, next_result
     times = {"free": [], "json": []}
+    turnaround = {"free": [], "json": []}
     for _ in range(args.repeats):
         for name, sp in (("free", free), ("json", constrained)):
+            n0 = len(turn["batch"])
             dt, outs = run(sp)
             assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs), name
             times[name].append(dt)
+            turnaround[name] += turn["batch"][n0:]
+    del ex.send, ex.send_grammar_bitmask, ex.next_result
     steps = args.repeats * args.output_len
     sample = outs[0].outputs[0].text
 
@@ -138,8 +172,10 @@ def main() -> None:
         "overhead_pct": 100.0 * (json_s - free_s) / free_s,
         "schema_compile_s": first_compile_s,
         "core_fill_bitmask_ms_per_step": {"median": 1e3 * statistics.median(fill_s), "max": 1e3 * max(fill_s)},
-        "core_in_runs_ms_per_step": {"schedule_rows_and_fill": 1e3 * core_s["fill"] / steps,
+        "core_in_runs_ms_per_step": {"fill": 1e3 * core_s["fill"] / steps,
                                      "accept_tokens": 1e3 * core_s["accept"] / steps},
+        "core_result_to_next_batch_ms": {k: 1e3 * statistics.median(v) if v else None for k, v in turnaround.items()},
+        "core_result_to_next_bitmask_ms": 1e3 * statistics.median(turn["bitmask"]) if turn["bitmask"] else None,
         "last_stage_mask_ms_per_step": 1e3 * statistics.median(mask_s[2:]),
         "bitmask_bytes_per_step": len(bitmask),
         "sample_output": sample[:200],
@@ -152,8 +188,11 @@ def main() -> None:
     print(f"  core bitmask fill per step: {result['core_fill_bitmask_ms_per_step']['median']:.2f} ms "
           f"({len(bitmask)} bytes to the last stage); last-stage unpack + mask: "
           f"{result['last_stage_mask_ms_per_step']:.2f} ms; first compile {first_compile_s:.2f} s")
-    print(f"  in the runs, the core per step: bitmask rows + fill {result['core_in_runs_ms_per_step']['schedule_rows_and_fill']:.2f} ms, "
+    print(f"  in the runs, the core per step: bitmask fill {result['core_in_runs_ms_per_step']['fill']:.2f} ms, "
           f"accepting the sampled tokens {result['core_in_runs_ms_per_step']['accept_tokens']:.2f} ms")
+    tb = result["core_result_to_next_batch_ms"]
+    print(f"  the core from a result to the next micro-batch sent (median): free {tb['free'] or 0:.2f} ms, "
+          f"JSON {tb['json'] or 0:.2f} ms; to the next bitmask sent: {result['core_result_to_next_bitmask_ms'] or 0:.2f} ms")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -925,3 +925,33 @@ def test_logit_bias_on_gpu(small_llama, monkeypatch, pp):
     assert list(outs[0]) == list(outs[1]) == [4242] * 4
     assert outs[2][0] != plain[2][0]
     assert list(outs[3]) == list(plain[0])
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_structured_outputs_async_scheduling_valid(demo_model, eager):
+    """Structured outputs on the GPU with async scheduling (the default at PP=1): constrained
+    requests are scheduled again with their previous token still on the device, and their token
+    bitmask follows the micro-batch (``GrammarBitmask``), waited for by the last stage only when
+    it samples (with a result still pending on the GPU, sent first). Every JSON output validates
+    next to free requests, greedy and seeded, with CUDA graphs and eagerly."""
+    import json
+
+    import jsonschema
+
+    from zpp import LLM, SamplingParams, StructuredOutputsParams as SO
+    person = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "enum": ["Paris", "London", "Rome"]}}, "required": ["name", "age", "city"]}
+    with LLM(demo_model, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, enforce_eager=eager) as llm:
+        assert llm.engine.config.async_scheduling
+        tok = llm.get_tokenizer()
+        prompt = tok.apply_chat_template([{"role": "user", "content": "Describe a person from Paris as JSON."}],
+                                         tokenize=False, add_generation_prompt=True)
+        sps = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=120,
+                              structured_outputs=SO(json=person, disable_any_whitespace=True)) for i in range(48)]
+        sps += [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=40) for i in range(16)]
+        outs = llm.generate([prompt] * len(sps), sps, use_tqdm=False)
+    for o in outs[:48]:
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
+        jsonschema.validate(json.loads(o.outputs[0].text), person)
+    assert all(len(o.outputs[0].token_ids) > 0 for o in outs[48:])

@@ -115,12 +115,98 @@ def engine(request, demo_model):
         yield pp, llm
 
 
+class _Order:
+    """Records, on an in-process engine's executor, the order of micro-batches sent, token
+    bitmasks sent and results taken, and checks the structured-output ordering
+    (``EngineCore._apply_result``)."""
+
+    def __init__(self, llm):
+        from zpp.transport import messages as m
+        self.m, self.ex, self.events = m, llm.engine.core.executor, []
+        ex, ev = self.ex, self.events
+        send, send_bitmask, next_result = ex.send, ex.send_grammar_bitmask, ex.next_result
+
+        def sending(batch, grammar_rows=(), grammar_bitmask=b""):
+            ev.append(("batch", batch.batch_id, m.BatchColumns(batch), list(grammar_rows), bool(grammar_bitmask)))
+            return send(batch, grammar_rows, grammar_bitmask)
+
+        def sending_bitmask(batch_id, bitmask):
+            ev.append(("bitmask", batch_id, len(bitmask)))
+            return send_bitmask(batch_id, bitmask)
+
+        async def taking():
+            item = await next_result()
+            if isinstance(item, m.StepResult):
+                ev.append(("result", item.batch_id))
+            return item
+
+        ex.send, ex.send_grammar_bitmask, ex.next_result = sending, sending_bitmask, taking
+        self.store = llm.engine.core.grammars
+        accept = self.store.accept_tokens
+
+        def accepting(grammars, tokens):
+            ev.append(("accept",))
+            return accept(grammars, tokens)
+
+        self.store.accept_tokens = accepting
+
+    def close(self) -> None:
+        del self.ex.send, self.ex.send_grammar_bitmask, self.ex.next_result, self.store.accept_tokens
+
+    def check(self) -> dict:
+        """Every batch with constrained rows went out without its bitmask, which followed once,
+        after the results of the earlier batches that sampled those rows' sequences (by slot).
+        Returns counts: constrained batches, those with a constrained FROM_PREV row, and those
+        sent before the grammars accepted the tokens their bitmask depends on (off the critical
+        path)."""
+        sent_at, result_at, bitmask_at, accept_at = {}, {}, {}, {}
+        last_sampled: dict[int, int] = {}  # slot -> the latest batch sampling it
+        needs: dict[int, list[int]] = {}
+        counts = {"constrained": 0, "from_prev": 0, "overlapped": 0}
+        last_result = None
+        for i, e in enumerate(self.events):
+            if e[0] == "accept":
+                accept_at.setdefault(last_result, i)
+                continue
+            if e[0] == "batch":
+                _, bid, cols, rows, inline = e
+                sent_at[bid] = i
+                if rows:
+                    assert not inline, f"batch {bid}: its bitmask went with it"
+                    counts["constrained"] += 1
+                    counts["from_prev"] += bool(cols.from_prev[rows].any())
+                    needs[bid] = [last_sampled[s] for s in cols.slots[rows].tolist() if s in last_sampled]
+                for s in cols.slots[cols.sample].tolist():
+                    last_sampled[s] = bid
+            elif e[0] == "bitmask":
+                bid = e[1]
+                assert bid in needs and bid not in bitmask_at, f"bitmask of batch {bid}: unexpected or twice"
+                bitmask_at[bid] = i
+                for dep in needs[bid]:
+                    assert result_at.get(dep, i) < i, f"bitmask of batch {bid} sent before the result of batch {dep}"
+            else:
+                last_result = e[1]
+                result_at[e[1]] = i
+        assert sorted(bitmask_at) == sorted(needs), "a constrained batch never got its bitmask"
+        counts["overlapped"] = sum(any(accept_at.get(d, -1) > sent_at[b] for d in deps) for b, deps in needs.items())
+        return counts
+
+
 def test_constrained_and_free_in_one_batch(engine):
+    """A mixed batch: every constrained output is valid; the same tokens at every PP size; the
+    bitmasks follow their micro-batches in the order the ordering argument needs."""
     pp, llm = engine
     tok = llm.get_tokenizer()
     reqs = CASES + FREE
     before = llm.engine.scheduler.stats.num_preemptions
-    outs = llm.generate([_chat(tok, q) for q, *_ in reqs], [r[1] for r in reqs], use_tqdm=False)
+    order = _Order(llm)
+    try:
+        outs = llm.generate([_chat(tok, q) for q, *_ in reqs], [r[1] for r in reqs], use_tqdm=False)
+    finally:
+        order.close()
+    counts = order.check()
+    # Decoding constrained batches leave before the grammar work their bitmask needs.
+    assert counts["overlapped"] > 0, counts
     for (q, _, check), o in zip(CASES, outs):
         _check(o.outputs[0].text, o.outputs[0].finish_reason, check)
     RESULTS[pp] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
@@ -138,6 +224,28 @@ def test_free_requests_unchanged_by_constrained_neighbours(engine):
     tok = llm.get_tokenizer()
     alone = llm.generate([_chat(tok, q) for q, _ in FREE], [sp for _, sp in FREE], use_tqdm=False)
     assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in alone] == RESULTS[pp][len(CASES):]
+
+
+def test_async_scheduling_constrained_mixed_batch(demo_model):
+    """Async scheduling (PP=1, forced on the CPU): a constrained sequence is scheduled again
+    while its previous token is still in flight (FROM_PREV), and its bitmask row follows once
+    that token is back. Outputs valid, and the same tokens as without async scheduling."""
+    with LLM(demo_model, async_scheduling=True, kv_cache_memory="64MiB") as llm:
+        assert llm.engine.config.async_scheduling
+        tok = llm.get_tokenizer()
+        reqs = CASES + FREE
+        order = _Order(llm)
+        try:
+            outs = llm.generate([_chat(tok, q) for q, *_ in reqs], [r[1] for r in reqs], use_tqdm=False)
+        finally:
+            order.close()
+    counts = order.check()
+    assert counts["from_prev"] > 0, counts
+    for (q, _, check), o in zip(CASES, outs):
+        _check(o.outputs[0].text, o.outputs[0].finish_reason, check)
+    if 1 in RESULTS:
+        for i, (o, want) in enumerate(zip(outs, RESULTS[1])):
+            assert (o.outputs[0].token_ids, o.outputs[0].finish_reason) == want, f"request {i} differs"
 
 
 def test_compile_errors_size_limit_and_timeout(engine):
@@ -218,8 +326,26 @@ def test_core_bitmask_fill_threaded_equals_row_by_row(tokenizer):
     ms2 = [many.new_matcher(specs[i % 4], [2]) for i in range(20)]
     for t in tokenizer.encode(text)[:6]:
         assert one.fill_bitmask(ms1) == many.fill_bitmask(ms2)
-        for a, b in zip(ms1[::4], ms2[::4]):  # the PERSON matchers advance
-            assert a.accept(t) and b.accept(t)
+        for a, b in zip(ms1[::4], ms2[::4]):  # the PERSON matchers advance: one by one, and batched
+            assert a.accept(t)
+        assert many.accept_tokens(ms2[::4], [t] * 5) == [True] * 5
+    assert [g.num_accepted for g in ms1] == [g.num_accepted for g in ms2] == [6, 0, 0, 0] * 5
+    # A refused token (a dead end: the stop token of an incomplete object) leaves the matcher
+    # where it was; a finished sequence's row (None) allows every token.
+    assert many.accept_tokens(ms2[:2], [2, tokenizer.encode("{")[0]]) == [False, True]
+    assert (ms2[0].num_accepted, ms2[1].num_accepted) == (6, 1)
+    rows = many.fill_rows([ms2[0], None, ms2[1]])
+    assert (rows[1] == -1).all() and rows[0].tobytes() == one.fill_bitmask([ms1[0]])
+    # Many rows: the accept runs in slices on the store's threads, with the same outcome.
+    ids = tokenizer.encode(text)
+    ms1 = [one.new_matcher(specs[0], [2]) for _ in range(80)]
+    ms2 = [many.new_matcher(specs[0], [2]) for _ in range(80)]
+    for step, t in enumerate(ids[:8]):
+        toks = [2 if i % 9 == step else t for i in range(80)]  # a few stop tokens: refused mid-object
+        assert one.accept_tokens(ms1, toks) == many.accept_tokens(ms2, toks)
+        assert one.fill_bitmask(ms1) == many.fill_bitmask(ms2)
+    assert [g.num_accepted for g in ms1] == [g.num_accepted for g in ms2]
+    assert many._pool is not None  # the threaded path ran
 
 
 HOSTILE_PATTERN = "^(a|b|c|d)*(a|b)*(c|d){3,30}[a-z]{5,50}$"  # ~0.5 MB of compiled grammar per property

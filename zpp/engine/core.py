@@ -26,8 +26,9 @@ from zpp.engine.executor import STAGES_RECOVERED, STAGES_RESTARTING, Executor, S
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
 from zpp.engine.scheduler import ScheduledBatch, Scheduler
-from zpp.engine.structured_output import GrammarStore, default_fill_threads
+from zpp.engine.structured_output import GrammarStore, PendingBitmask, default_fill_threads
 from zpp.models.registry import resolve_model_class
+from zpp.transport import messages as m
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class EngineCore:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.grammars = GrammarStore(int(config.model.hf_config["vocab_size"]), default_fill_threads())
+        self._pending_bitmasks: deque[PendingBitmask] = deque()
+        """Micro-batches in flight whose token bitmask is not sent yet, in batch order."""
         self.paused = False
         """A lost stage is being restarted: nothing is scheduled until it is back."""
 
@@ -153,23 +156,19 @@ class EngineCore:
 
     async def _run(self) -> None:
         """Keep the pipeline full; then wait for the executor: the next result (in batch order),
-        None when new or aborted requests interrupted the wait, or WorkerDiedError."""
+        None when new or aborted requests interrupted the wait, or WorkerDiedError.
+
+        A result is applied in this order (structured outputs: see :meth:`_apply_result`):
+        the scheduler's update, the pipeline refilled, the grammars advanced and the token
+        bitmasks that became computable sent, the step's outputs emitted."""
         trace = self.executor.trace
         drained = True  # nothing in flight and nothing to schedule: the workers' next gap is no bubble
         try:
             while True:
                 if self.dead:
                     return
-                while len(self.inflight) < self.depth and not self.paused:
-                    t = time.monotonic() if trace.enabled else 0.0
-                    sched = self.scheduler.schedule()
-                    if sched is None:
-                        break
-                    trace.mark("schedule", sched.batch.batch_id, t)
-                    sched.batch.after_idle = drained
-                    drained = False
-                    self.executor.send(sched.batch, *self._grammar_rows(sched))
-                    self.inflight.append(sched)
+                drained = self._fill_pipeline(drained)
+                self._send_ready_bitmasks()
                 if not self.inflight:
                     drained = True
                 item = await self.executor.next_result()
@@ -182,7 +181,7 @@ class EngineCore:
                 if item.batch_id != sched.batch.batch_id:
                     raise RuntimeError(f"result for batch {item.batch_id}, expected {sched.batch.batch_id}")
                 trace.mark("apply_start", item.batch_id)
-                self.emit(self._apply(sched, item))
+                drained = self._apply_result(sched, item, drained)
                 trace.mark("applied", item.batch_id)
         except asyncio.CancelledError:
             raise
@@ -192,6 +191,71 @@ class EngineCore:
             logger.exception("engine loop crashed")
             self._die(f"engine loop crashed: {e!r}")
 
+    def _fill_pipeline(self, drained: bool) -> bool:
+        """Schedule and send micro-batches until ``depth`` are in flight or nothing can run.
+        Returns ``drained`` for the next one (False once one was sent)."""
+        trace = self.executor.trace
+        while len(self.inflight) < self.depth and not self.paused:
+            t = time.monotonic() if trace.enabled else 0.0
+            sched = self.scheduler.schedule()
+            if sched is None:
+                break
+            trace.mark("schedule", sched.batch.batch_id, t)
+            sched.batch.after_idle = drained
+            drained = False
+            rows = self._grammar_rows(sched)
+            self.executor.send(sched.batch, rows)
+            self.inflight.append(sched)
+        return drained
+
+    def _apply_result(self, sched: ScheduledBatch, result, drained: bool) -> bool:
+        """Apply micro-batch ``sched``'s result, refill the pipeline, and emit the step's outputs.
+
+        Ordering with structured outputs (why the token bitmask can leave the critical path):
+
+        * A micro-batch carries no grammar state: stage 0 needs only the token ids, which the
+          scheduler's update has just appended. So the pipeline is refilled *before* the grammars
+          accept the tokens, and the batches go out at once; their bitmask follows in a message of
+          its own to the result rank (:meth:`_send_ready_bitmasks`), which waits for it only when
+          it samples that batch: after the forward of every stage, a whole pipeline pass later.
+        * The bitmask row of a constrained sampling chunk is a function of the tokens the sequence
+          generated before the token the chunk samples: ``need`` of them (:class:`PendingBitmask`).
+          Those tokens come from earlier micro-batches (a sequence samples at most one token per
+          micro-batch, and the results come back in batch order), so after the result of batch
+          ``k`` is applied every row of every batch up to ``k + 1`` is computable, and a row of a
+          later batch waits at most for results that do come (their batches are in flight ahead of
+          it). Rows are filled when the matcher has accepted exactly ``need`` tokens; more would be
+          an engine bug (a sequence's matcher only moves forward), and is raised.
+        * No deadlock: the result rank, before it waits for batch ``j``'s bitmask, sends every
+          result it holds (``zpp.workers.worker``); the bitmask of ``j`` depends only on results of
+          batches before ``j``, which it has therefore sent, and which the core applies in order.
+        * Async scheduling (PP=1): a constrained sequence may be in two micro-batches in flight,
+          the second fed its previous token on the device (FROM_PREV). Its row in the second
+          waits for the first's result. The worker is then waiting for that very bitmask with the
+          forward done, so when a batch in flight waits for a bitmask, the grammars go first
+          (accept, fill, send) and the pipeline is refilled after; otherwise (PP > 1, or no batch
+          waiting) the refill goes first and the grammar work overlaps the stages' compute.
+        * A sequence the grammar ends (complete: its stop token accepted, even with ``ignore_eos``;
+          or a dead end: the sampled token refused, dropped) after the refill may already be in a
+          new micro-batch: it is finished like an abort (blocks freed when that batch returns,
+          its sampled token dropped), and its bitmask row is all ones (any token: never used).
+
+        Returns ``drained`` for the next micro-batch."""
+        updates = self.scheduler.update(sched, result)
+        # Requests the update finished (EOS, stop token, length) free their blocks before the refill.
+        self.scheduler.release_finished([r for r, _, _ in updates if r.status.finished])
+        batch_id = sched.batch.batch_id
+        if self._pending_bitmasks:  # a batch in flight waits for its bitmask: the grammars first
+            refused = self._accept_tokens(updates, batch_id)
+            self._send_ready_bitmasks()
+            drained = self._fill_pipeline(drained)
+        else:
+            drained = self._fill_pipeline(drained)
+            refused = self._accept_tokens(updates, batch_id)
+            self._send_ready_bitmasks()
+        self.emit(self._outputs(result, updates, refused))
+        return drained
+
     def _stage_restart(self, starting: bool) -> None:
         """A stage was lost (``starting``): the micro-batches in flight are void; every running
         request goes back to the queue to be recomputed from its prompt and the tokens it has
@@ -200,6 +264,7 @@ class EngineCore:
         if starting:
             n = self.scheduler.restart_all(list(self.inflight))
             self.inflight.clear()
+            self._pending_bitmasks.clear()
             self.paused = True
             logger.warning("a stage is restarting: %d running request(s) will be recomputed once it is back", n)
         else:
@@ -207,30 +272,87 @@ class EngineCore:
             logger.info("stages back: %d request(s) resume", self.scheduler.num_waiting + self.scheduler.num_running)
         self.emit(StepOutputs([], self.stats()))
 
-    def _grammar_rows(self, sched: ScheduledBatch) -> tuple[list[int], bytes]:
-        """The constrained rows of a micro-batch (indices into its chunks) and their token bitmask
-        (see ``ExecuteBatch.grammar_rows``); ``([], b"")`` when none is constrained.
+    def _grammar_rows(self, sched: ScheduledBatch) -> list[int]:
+        """The constrained sampling rows of a micro-batch about to be sent (indices into its
+        chunks, increasing; see ``ExecuteBatch.grammar_rows``), queued for their bitmask
+        (:meth:`_send_ready_bitmasks`); ``[]`` when none is constrained."""
+        rows, reqs, needs = [], [], []
+        starts = None
+        for i, (req, sample) in enumerate(zip(sched.reqs, sched.sample)):
+            if req.grammar is None or not sample:
+                continue
+            if starts is None:
+                starts = m.int32s(sched.batch.starts)
+            rows.append(i)
+            reqs.append(req)
+            # Output tokens before the one this chunk samples (at its end position).
+            needs.append(int(starts[i]) + sched.chunk_tokens[i] - req.num_prompt_tokens)
+        if rows:
+            self._pending_bitmasks.append(PendingBitmask(sched.batch.batch_id, reqs, needs))
+        return rows
+
+    def _send_ready_bitmasks(self) -> None:
+        """Fill the bitmasks of the queued micro-batches whose rows are computable now (in batch
+        order; all their rows in one batched fill, xgrammar's C++ threads on a many-core host)
+        and send each batch's to the result rank."""
+        ready: list[PendingBitmask] = []
+        while self._pending_bitmasks and self._pending_bitmasks[0].ready():
+            ready.append(self._pending_bitmasks.popleft())
+        if not ready:
+            return
+        bitmask = self.grammars.fill_rows([None if r.status.finished else r.grammar for p in ready for r in p.reqs])
+        first = 0
+        for p in ready:
+            n = len(p.reqs)
+            self.executor.send_grammar_bitmask(p.batch_id, bitmask[first:first + n].data)
+            first += n
+
+    def _accept_tokens(self, updates: list, batch_id: int) -> set[str]:
+        """Advance the matchers of the constrained sequences by the tokens micro-batch ``batch_id``
+        sampled (one batched call). A complete grammar ends its sequence (``"stop"``, even with
+        ``ignore_eos``: nothing may follow). A token the grammar refuses is a dead end: the token
+        is dropped and the sequence finishes as aborted; the ids of those are returned.
 
         Raises:
-            RuntimeError: a sequence is scheduled to sample before its previous token was accepted
-                (the scheduler keeps a decoding sequence in one micro-batch at a time; this checks it).
+            RuntimeError: a queued bitmask of a batch up to ``batch_id + 1`` is still not
+                computable (its rows' tokens all come from batches up to ``batch_id``: an engine
+                bug, which would leave the result rank waiting).
         """
-        rows, grammars = [], []
-        for i, (req, sample) in enumerate(zip(sched.reqs, sched.sample)):
-            g = req.grammar
-            if g is None or not sample:
+        reqs, grammars, tokens = [], [], []
+        for req, _, token_id in updates:
+            if req.grammar is not None and token_id >= 0:
+                reqs.append(req)
+                grammars.append(req.grammar)
+                tokens.append(token_id)
+        refused: set[str] = set()
+        done = []
+        eos = self.eos_token_ids
+        for req, token_id, ok in zip(reqs, tokens, self.grammars.accept_tokens(grammars, tokens) if reqs else ()):
+            if ok:
+                # A grammar completes only by accepting one of its stop tokens (EOS, the request's
+                # stop_token_ids: new_matcher's): the matcher is asked only then.
+                stop = token_id in eos or token_id in (req.sampling.stop_token_ids or ())
+                if stop and not req.status.finished and req.grammar.terminated:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    done.append(req)
                 continue
-            if g.num_accepted != req.num_output_tokens:
-                raise RuntimeError(f"sequence {req.req_id}: scheduled to sample with {req.num_output_tokens} "
-                                   f"tokens generated but {g.num_accepted} accepted by its grammar")
-            rows.append(i)
-            grammars.append(g)
-        if not rows:
-            return [], b""
-        return rows, self.grammars.fill_bitmask(grammars)
+            logger.warning("sequence %s: its grammar allows no token the sampler could pick (dead end, e.g. "
+                           "min_tokens suppressing the only allowed stop token): finished with reason 'abort'",
+                           req.req_id)
+            req.token_ids.pop()
+            req.status = RequestStatus.FINISHED_ABORTED
+            refused.add(req.req_id)
+            done.append(req)
+        self.scheduler.release_finished(done)  # those in a batch sent meanwhile: when it returns
+        p = self._pending_bitmasks[0] if self._pending_bitmasks else None
+        if p is not None and p.batch_id <= batch_id + 1 and not p.ready():
+            raise RuntimeError(f"micro-batch {p.batch_id}: its token bitmask is not computable after the result "
+                               f"of batch {batch_id}")
+        return refused
 
-    def _apply(self, sched: ScheduledBatch, result) -> StepOutputs:
-        updates = self.scheduler.update(sched, result)
+    def _outputs(self, result, updates: list, refused: set[str]) -> StepOutputs:
+        """The step's per-sequence deltas (``updates``: from the scheduler's update; ``refused``:
+        sequences whose grammar refused their token, from :meth:`_accept_tokens`)."""
         # Logprobs and prompt logprobs come only for the chunks that asked, named by chunk index.
         plp = {p.chunk: p for p in result.prompt_logprobs} if result.prompt_logprobs else None
         lps = dict(zip(result.logprob_chunks, result.logprobs)) if result.logprobs else None
@@ -242,9 +364,8 @@ class EngineCore:
                 if p is not None:
                     deltas.append(SeqDelta(req.req_id, prompt_logprobs=p))
                 continue
-            if req.grammar is not None and not self._advance_grammar(req, token_id):
+            if refused and req.req_id in refused:
                 deltas.append(SeqDelta(req.req_id, finish_reason="abort", prompt_logprobs=p))
-                finished.append(req)
                 continue
             d = SeqDelta(req.req_id, token_id, lps.get(i) if lps else None, prompt_logprobs=p)
             self.num_generation_tokens += 1
@@ -255,21 +376,3 @@ class EngineCore:
             deltas.append(d)
         self.scheduler.release_finished(finished)
         return StepOutputs(deltas, self.stats())
-
-    def _advance_grammar(self, req: Request, token_id: int) -> bool:
-        """Feed the sampled token (already appended by the scheduler) to the sequence's matcher.
-
-        A complete grammar ends the sequence (``"stop"``, even with ``ignore_eos``: nothing may
-        follow). A token the grammar refuses is a dead end: the token is dropped, the sequence
-        finishes as aborted and False is returned."""
-        if req.grammar.accept(token_id):
-            if req.grammar.terminated and not req.status.finished:
-                req.status = RequestStatus.FINISHED_STOPPED
-            return True
-        logger.warning("sequence %s: its grammar allows no token the sampler could pick (dead end, e.g. "
-                       "min_tokens suppressing the only allowed stop token): finished with reason 'abort'",
-                       req.req_id)
-        req.token_ids.pop()
-        req.status = RequestStatus.FINISHED_ABORTED
-        return False
-

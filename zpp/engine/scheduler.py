@@ -40,8 +40,9 @@ decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
   per token). Every micro-batch then takes all such decodes (not ``1/depth`` of them). A request
   that finishes with the token in flight has the extra step's output dropped (the slot it wrote
   is in its own, private block). Requests whose sampling needs the previous token on the host
-  (repetition / frequency / presence penalties, structured outputs) are never scheduled this way,
-  nor a token that will be the request's last by length.
+  (repetition / frequency / presence penalties) are never scheduled this way, nor a token that
+  will be the request's last by length. Structured outputs are: the token bitmask of such a chunk
+  follows the batch once the previous token is back (see ``EngineCore._apply_result``).
 * LongRoPE (``rope_switch_len``, Phi-3's ``original_max_position_embeddings``): a sequence of at most
   that many tokens is computed with the short rotary factors, a longer one with the long factors
   for all its positions. A request that grows past the length is recomputed (preempted, not
@@ -471,7 +472,7 @@ class Scheduler:
         dropped. A request finishing on EOS or a stop token still gets one dropped step."""
         if not self.async_scheduling or not req.in_flight or req.num_scheduled_tokens < req.num_tokens:
             return False
-        if req.grammar is not None or not req.async_sampling_ok:
+        if not req.async_sampling_ok:
             return False
         n_after = req.num_scheduled_tokens + 1  # tokens known once the token in flight is back
         if self._crosses_rope_switch(req, n_after):

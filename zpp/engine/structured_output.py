@@ -16,19 +16,27 @@ The shape vLLM V1 uses, kept to zpp's size:
   is a :class:`~zpp.engine.inputs.RequestError` (HTTP 400) carrying xgrammar's message. The
   compiled grammar travels to the core serialized (:class:`~zpp.engine.core_messages.GrammarSpec`,
   msgpack text, no pickle).
-* **Engine core** (:class:`GrammarStore`, :class:`RequestGrammar`): the *only* grammar matcher of
-  a sequence lives in the core, which alone decides the micro-batches, so no two ranks can
-  disagree about a grammar state (the pipeline-parallel hang of vLLM #8237 / sglang #28424). When
-  a sequence is scheduled to sample, the core fills its row of a token bitmask from its matcher
-  (:meth:`GrammarStore.fill_bitmask`) and sends the rows of the constrained sequences with the
-  micro-batch to the result rank; when the sampled token comes back, the matcher accepts it.
+* **Engine core** (:class:`GrammarStore`, :class:`RequestGrammar`, :class:`PendingBitmask`): the
+  *only* grammar matcher of a sequence lives in the core, which alone decides the micro-batches,
+  so no two ranks can disagree about a grammar state (the pipeline-parallel hang of vLLM #8237 /
+  sglang #28424). A micro-batch goes to the stages at once, its constrained rows named; the token
+  bitmask of those rows follows to the result rank in a message of its own
+  (:class:`~zpp.transport.messages.GrammarBitmask`) as soon as the tokens it depends on are back
+  and accepted: the result rank needs it only when it samples the batch, after every stage's
+  forward, so the grammar work (xgrammar's batched accept, and its batched fill on C++ threads
+  into one preallocated bitmask) overlaps the stages' compute instead of delaying stage 0. (Not
+  on a Python thread of the core's: its wrapper code would wait for the GIL, up to the 5 ms switch
+  interval, while the core schedules.) The ordering argument (why every bitmask can
+  be computed in time and nothing deadlocks, with pipeline parallelism and with async
+  scheduling) is in ``EngineCore._apply_result``. This follows vLLM V1's split (the scheduler
+  output names the constrained requests, the bitmask is computed for the scheduled batch and
+  applied with the logits) and SGLang's overlap of the grammar with the forward pass.
 * **Last stage**: :func:`zpp.workers.sampler.unpack_bitmask` turns the rows into a boolean mask
   that the sampler applies to the logits before sampling.
 
-A sequence's matcher only ever moves forward: a decoding sequence is in at most one micro-batch
-in flight (the scheduler's rule), so when it is scheduled to sample every token it has produced
-has already been accepted; preemption by recompute keeps the generated tokens, and with them the
-matcher's state.
+A sequence's matcher only ever moves forward: each bitmask row is filled when the matcher has
+accepted exactly the tokens before the one its chunk samples (checked); preemption by recompute
+keeps the generated tokens, and with them the matcher's state.
 """
 from __future__ import annotations
 
@@ -308,11 +316,44 @@ class RequestGrammar:
 _BATCH_FILL_MIN_ROWS = 16
 """Rows from which the core fills bitmasks on several threads (when it has them)."""
 
+_BATCH_ACCEPT_MIN_ROWS = 64
+"""Rows from which the core accepts sampled tokens on several threads (when it has them), at
+least half of this per thread (an accept is microseconds: fewer rows are not worth a thread)."""
+
 
 def default_fill_threads() -> int:
     """Threads for the core's bitmask fill: a quarter of the host's cores, 1 to 8 (1 on the
     2-core CPU machines, where the workers need the cores; 4 on a 16-core GPU host)."""
     return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
+class PendingBitmask:
+    """A micro-batch sent with constrained rows whose token bitmask is not sent yet.
+
+    ``rows[i]`` is a constrained sampling chunk of request ``reqs[i]``; its bitmask row is computable
+    once the request's matcher has accepted ``needs[i]`` tokens (the request's output tokens before
+    the one the chunk samples), or at once when the request has finished (the row is then all
+    ones: its token is dropped)."""
+
+    __slots__ = ("batch_id", "reqs", "needs")
+
+    def __init__(self, batch_id: int, reqs: list, needs: list[int]):
+        self.batch_id, self.reqs, self.needs = batch_id, reqs, needs
+
+    def ready(self) -> bool:
+        """Whether every row is computable. Raises RuntimeError when a matcher has accepted more
+        tokens than its row's chunk has seen (an engine bug: the row would constrain the wrong
+        position)."""
+        ok = True
+        for req, need in zip(self.reqs, self.needs):
+            if req.status.finished:
+                continue
+            n = req.grammar.num_accepted
+            if n > need:
+                raise RuntimeError(f"sequence {req.req_id}: its grammar accepted {n} tokens, but micro-batch "
+                                   f"{self.batch_id} samples its token {need}")
+            ok = ok and n == need
+        return ok
 
 
 class GrammarStore:
@@ -321,7 +362,8 @@ class GrammarStore:
     Args:
         vocab_size: logits per row; the bitmask has ``ceil(vocab_size / 32)`` int32 words per row.
         fill_threads: threads filling a batch's bitmask rows (xgrammar's ``BatchGrammarMatcher``,
-            C++ threads, from ``_BATCH_FILL_MIN_ROWS`` rows); 1 = one row after the other.
+            C++ threads, from ``_BATCH_FILL_MIN_ROWS`` rows) and accepting its sampled tokens
+            (from ``_BATCH_ACCEPT_MIN_ROWS`` rows); 1 = all on the core's thread.
     """
 
     def __init__(self, vocab_size: int, fill_threads: int = 1):
@@ -331,6 +373,8 @@ class GrammarStore:
         self._batch = None
         self._tokenizer_info = None
         self._grammars: OrderedDict = OrderedDict()
+        self._buf = np.zeros((0, self.words), dtype="<i4")  # preallocated rows, grown as needed
+        self._pool = None  # threads of the batched accept (fill_threads > 1)
 
     def new_matcher(self, spec: GrammarSpec, stop_token_ids: list[int]) -> RequestGrammar:
         """A fresh matcher for one sequence; ``stop_token_ids`` are the tokens that end the
@@ -355,17 +399,56 @@ class GrammarStore:
             self._grammars.move_to_end(spec.key)
         return RequestGrammar(xgr.GrammarMatcher(g, override_stop_tokens=stop_token_ids))
 
-    def fill_bitmask(self, grammars: list[RequestGrammar]) -> bytes:
-        """The allowed next tokens of each grammar, one row each: ``int32[len(grammars),
-        ceil(vocab_size / 32)]`` little-endian, as bytes (the layout of
-        ``ExecuteBatch.grammar_bitmask``)."""
-        bitmask = np.zeros((len(grammars), self.words), dtype="<i4")
-        if self.fill_threads > 1 and len(grammars) >= _BATCH_FILL_MIN_ROWS:
+    def accept_tokens(self, grammars: list[RequestGrammar], tokens: list[int]) -> list[bool]:
+        """Advance each grammar by its sampled token (xgrammar's ``batch_accept_token``: one call,
+        or from ``_BATCH_ACCEPT_MIN_ROWS`` rows one call per slice on ``fill_threads`` threads,
+        xgrammar releasing the GIL in its C++ while this thread waits); False where the grammar
+        refuses the token (a dead end: the matcher stays where it was)."""
+        if len(grammars) < 2:
+            return [g.accept(t) for g, t in zip(grammars, tokens)]
+        import xgrammar as xgr
+        matchers = [g.matcher for g in grammars]
+        n = len(matchers)
+        if self.fill_threads > 1 and n >= _BATCH_ACCEPT_MIN_ROWS:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+                self._pool = ThreadPoolExecutor(self.fill_threads, thread_name_prefix="zpp-grammar")
+            k = min(self.fill_threads, n // (_BATCH_ACCEPT_MIN_ROWS // 2))
+            cuts = [n * i // k for i in range(k + 1)]
+            parts = [self._pool.submit(xgr.BatchGrammarMatcher.batch_accept_token, matchers[a:b], tokens[a:b])
+                     for a, b in zip(cuts, cuts[1:])]
+            ok = [x for f in parts for x in f.result()]
+        else:
+            ok = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        for g, a in zip(grammars, ok):
+            if a:
+                g.num_accepted += 1
+        return ok
+
+    def _rows(self, n: int) -> np.ndarray:
+        if self._buf.shape[0] < n:
+            self._buf = np.zeros((max(n, 2 * self._buf.shape[0]), self.words), dtype="<i4")
+        return self._buf[:n]
+
+    def fill_rows(self, grammars: list[Optional[RequestGrammar]]) -> np.ndarray:
+        """The allowed next tokens of each grammar, one row each (None: every token), into the
+        store's preallocated buffer: ``int32[len(grammars), ceil(vocab_size / 32)]`` little-endian
+        (the layout of ``ExecuteBatch.grammar_bitmask``), valid until the next fill."""
+        bitmask = self._rows(len(grammars))
+        index = [i for i, g in enumerate(grammars) if g is not None]
+        if len(index) < len(grammars):
+            bitmask[[i for i, g in enumerate(grammars) if g is None]] = -1
+        matchers = [grammars[i].matcher for i in index]
+        if self.fill_threads > 1 and len(matchers) >= _BATCH_FILL_MIN_ROWS:
             if self._batch is None:
                 import xgrammar as xgr
                 self._batch = xgr.BatchGrammarMatcher(self.fill_threads)
-            self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, index)
         else:
-            for i, g in enumerate(grammars):
-                g.matcher.fill_next_token_bitmask(bitmask, i)
-        return bitmask.tobytes()
+            for i, mt in zip(index, matchers):
+                mt.fill_next_token_bitmask(bitmask, i)
+        return bitmask
+
+    def fill_bitmask(self, grammars: list[RequestGrammar]) -> bytes:
+        """:meth:`fill_rows` as bytes (a copy)."""
+        return self.fill_rows(grammars).tobytes()

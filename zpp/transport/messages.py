@@ -217,7 +217,9 @@ class ExecuteBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True
     grammar_bitmask: bytes = b""
     """The allowed tokens of those rows: ``int32[len(grammar_rows), ceil(vocab_size / 32)]``,
     C order, little-endian; bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed
-    (xgrammar's layout)."""
+    (xgrammar's layout). Empty with ``grammar_rows`` set: the bitmask follows in a
+    :class:`GrammarBitmask` of this batch id (the engine sends it once the tokens it depends on
+    are back; the result rank waits for it only when it samples the batch)."""
 
 
 class ChunkView(NamedTuple):
@@ -357,6 +359,15 @@ class BatchBuilder:
                             self.new_reqs, pack_int32(freed_slots), after_idle)
 
 
+class GrammarBitmask(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Structured outputs: the token bitmask of micro-batch ``batch_id``'s ``grammar_rows``
+    (layout of ``ExecuteBatch.grammar_bitmask``), to the result rank only, sent after the batch
+    itself (see :mod:`zpp.engine.structured_output` for the ordering)."""
+
+    batch_id: int
+    bitmask: bytes
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
@@ -452,7 +463,7 @@ class Rejoined(msgspec.Struct, tag=True, array_like=True):
     generation: int
 
 
-ToWorker = Union[InitWorker, AssignLayers, InitKVCache, ExecuteBatch, Shutdown, Rejoin]
+ToWorker = Union[InitWorker, AssignLayers, InitKVCache, ExecuteBatch, GrammarBitmask, Shutdown, Rejoin]
 FromWorker = Union[Hello, StageCost, WorkerReady, CacheReady, StepResult, StageStats, Heartbeat, WorkerError,
                    LinkDown, Rejoined]
 

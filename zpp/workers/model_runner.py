@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -150,6 +150,10 @@ class ModelRunner:
         # batch's copy is done once its result has been waited for, before the buffer's next turn).
         self._mask_pinned = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         self._mask_idx = 0
+        self.await_bitmask: Optional[Callable[[int], bytes]] = None
+        """Structured outputs: the token bitmask of a micro-batch sent without it (it follows in a
+        ``GrammarBitmask``), by batch id; called when the batch samples, after its forward is
+        queued (set by the worker's loop, which sends the results it holds first)."""
         self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager
         self.trace = Trace(trace_name)  # ZPP_TRACE timeline (off unless set)
         self.staging = PinnedStaging(device)  # a step's index arrays -> device, never blocking the host
@@ -509,23 +513,35 @@ class ModelRunner:
     def _allowed(self, batch: m.ExecuteBatch, cols: m.BatchColumns, vocab_size: int):
         """Structured outputs: ``(rows int64[R], disallowed bool[R, vocab_size])`` over the batch's
         sampled rows (in chunk order, one per chunk with SAMPLE; ``rows`` increasing, as
-        ``grammar_rows`` is), from the batch's token bitmask; None when no row is constrained.
-        Raises ValueError when a grammar row is not a sampling chunk."""
+        ``grammar_rows`` is), from the batch's token bitmask (waited for with
+        :attr:`await_bitmask` when it did not come with the batch); None when no row is
+        constrained. Raises ValueError when a grammar row is not a sampling chunk or the bitmask
+        has the wrong size."""
         if not batch.grammar_rows:
             return None
         sample = cols.sample
         grows = np.asarray(batch.grammar_rows, dtype=np.int64)
         if int(grows.min()) < 0 or int(grows.max()) >= cols.size or not sample[grows].all():
             raise ValueError(f"ExecuteBatch: grammar rows {batch.grammar_rows} are not all sampling chunks")
+        bitmask = batch.grammar_bitmask
+        if not bitmask:
+            if self.await_bitmask is None:
+                raise ValueError(f"ExecuteBatch {batch.batch_id}: grammar rows without a bitmask")
+            self.trace.mark("bitmask_wait", batch.batch_id)
+            bitmask = self.await_bitmask(batch.batch_id)
+            self.trace.mark("bitmask_in", batch.batch_id)
+        if len(bitmask) % (4 * len(grows)):
+            raise ValueError(f"ExecuteBatch {batch.batch_id}: a token bitmask of {len(bitmask)} bytes for "
+                             f"{len(grows)} rows of int32 words")
         rows = self.staging.upload([(np.cumsum(sample) - 1)[grows].astype(np.int64)])[0]
         staging = None
         if self.device.type == "cuda":
             self._mask_idx ^= 1
-            n = len(batch.grammar_bitmask)
+            n = len(bitmask)
             if self._mask_pinned[self._mask_idx].shape[0] < n:
                 self._mask_pinned[self._mask_idx] = torch.empty(max(n, 1 << 20), dtype=torch.uint8, pin_memory=True)
             staging = self._mask_pinned[self._mask_idx]
-        return rows, unpack_bitmask(batch.grammar_bitmask, len(batch.grammar_rows), vocab_size, self.device, staging)
+        return rows, unpack_bitmask(bitmask, len(batch.grammar_rows), vocab_size, self.device, staging)
 
     def _logit_plan(self, cols: m.BatchColumns) -> tuple[list[int], list[int], list[tuple[int, int, int]]]:
         """Which hidden rows of the step need logits: ``(rows, sample_rows, plp_spans)`` -- rows into

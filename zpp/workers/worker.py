@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 
 from zpp import envs
 
@@ -374,7 +375,7 @@ def _await_rejoin(sock):
             return msg.generation
         if isinstance(msg, m.Shutdown):
             return None
-        if not isinstance(msg, m.ExecuteBatch):
+        if not isinstance(msg, (m.ExecuteBatch, m.GrammarBitmask)):
             raise RuntimeError(f"unexpected message {type(msg).__name__} while waiting to rejoin")
 
 
@@ -415,7 +416,12 @@ def _serve_batches(runner, sock, init):
     With async scheduling the engine sends batch i+1 without waiting for batch i's result, so
     the worker waits for whichever comes first, the next message or batch i's end on the GPU
     (polling both), instead of blocking on batch i: batch i+1 is launched while the GPU still
-    runs batch i."""
+    runs batch i.
+
+    Structured outputs: a batch's token bitmask may come after it (``GrammarBitmask``); the model
+    runner asks for it when it samples (``await_bitmask``), with the batch's forward queued. This
+    rank first sends the result it holds (the engine needs it for that bitmask), then reads
+    messages until the bitmask is there, keeping the batches read meanwhile for after."""
     from zpp.transport import messages as m
     from zpp.workers.model_runner import PendingResult
 
@@ -432,57 +438,103 @@ def _serve_batches(runner, sock, init):
         last_stats, reported = time.monotonic(), runner.num_batches
 
     spin = runner.async_scheduling
-    while True:
-        if pending is not None and not sock.poll(0):
-            if spin and not pending.done():
-                continue
+    # Structured outputs: token bitmasks that came before their batch samples, by batch id, and
+    # the messages read while waiting for one (handled next, in order).
+    bitmasks: dict[int, bytes] = {}
+    backlog: deque = deque()
+
+    def await_bitmask(batch_id: int) -> bytes:
+        """The bitmask of ``batch_id`` (model_runner's ``await_bitmask``). The engine computes it
+        from the results of earlier batches, so the result this rank holds goes out first."""
+        nonlocal pending
+        if pending is not None:
             _send_result(sock, runner, pending.finish(runner))
             pending = None
-            continue
-        if not sock.poll(250):
-            # Idle: non-last stages bring their busy time up to date (the last stage reports it
-            # with every StepResult), so figures read after a run are not up to a second stale.
-            if not runner.stage.is_last and runner.num_batches != reported:
-                send_stats()
-            continue
-        msg = sock.recv()
-        if isinstance(msg, m.ExecuteBatch):
-            if stall_at is not None and msg.batch_id >= stall_at:
-                runner.activity.start(msg.batch_id)
-                _stall_forever(msg.batch_id)
-            runner.trace.mark("msg", msg.batch_id)
-            result = runner.execute(msg)
-            runner.activity.done(msg.batch_id)
-            runner.trace.mark("launched", msg.batch_id)
-            if pending is not None:
+        while batch_id not in bitmasks:
+            msg = sock.recv()
+            if isinstance(msg, m.GrammarBitmask):
+                bitmasks[msg.batch_id] = msg.bitmask
+            elif isinstance(msg, (m.Rejoin, m.Shutdown)):
+                raise _Interrupted(msg)
+            else:
+                backlog.append(msg)
+        return bitmasks.pop(batch_id)
+
+    runner.await_bitmask = await_bitmask
+    try:
+        while True:
+            if pending is not None and not backlog and not sock.poll(0):
+                if spin and not pending.done():
+                    continue
                 _send_result(sock, runner, pending.finish(runner))
                 pending = None
-            if isinstance(result, PendingResult):
-                pending = result
-            elif result is not None:
-                _send_result(sock, runner, result)
-            if not runner.stage.is_last and time.monotonic() - last_stats > 1.0:
-                send_stats()
-        elif isinstance(msg, m.Rejoin):  # another stage died while this one was idle: start afresh
-            return msg.generation
-        elif isinstance(msg, m.Shutdown):
-            if pending is not None:
-                _send_result(sock, runner, pending.finish(runner))
-            if runner.link is not None:
-                runner.link.flush()
-            if runner.trace.enabled:
-                if runner.device.type == "cuda":
-                    import torch
-                    torch.cuda.synchronize()
-                    st = torch.cuda.memory_stats(runner.device)
-                    runner.trace.mark("cuda_allocator", -1, args={
-                        k: st.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
-                                                  "num_sync_all_streams", "num_ooms")})
-                runner.reap_timings()
-                runner.trace.dump()
-            return
-        else:
-            raise RuntimeError(f"unexpected message {type(msg).__name__}")
+                continue
+            if not backlog and not sock.poll(250):
+                # Idle: non-last stages bring their busy time up to date (the last stage reports it
+                # with every StepResult), so figures read after a run are not up to a second stale.
+                if not runner.stage.is_last and runner.num_batches != reported:
+                    send_stats()
+                continue
+            msg = backlog.popleft() if backlog else sock.recv()
+            if isinstance(msg, m.ExecuteBatch):
+                if stall_at is not None and msg.batch_id >= stall_at:
+                    runner.activity.start(msg.batch_id)
+                    _stall_forever(msg.batch_id)
+                runner.trace.mark("msg", msg.batch_id)
+                try:
+                    result = runner.execute(msg)
+                except _Interrupted as e:  # waiting for a bitmask that will not come
+                    msg = e.msg
+                    if isinstance(msg, m.Rejoin):
+                        return msg.generation
+                    return _shutdown(runner)
+                runner.activity.done(msg.batch_id)
+                runner.trace.mark("launched", msg.batch_id)
+                if pending is not None:
+                    _send_result(sock, runner, pending.finish(runner))
+                    pending = None
+                if isinstance(result, PendingResult):
+                    pending = result
+                elif result is not None:
+                    _send_result(sock, runner, result)
+                if not runner.stage.is_last and time.monotonic() - last_stats > 1.0:
+                    send_stats()
+            elif isinstance(msg, m.GrammarBitmask):
+                bitmasks[msg.batch_id] = msg.bitmask
+            elif isinstance(msg, m.Rejoin):  # another stage died while this one was idle: start afresh
+                return msg.generation
+            elif isinstance(msg, m.Shutdown):
+                if pending is not None:
+                    _send_result(sock, runner, pending.finish(runner))
+                return _shutdown(runner)
+            else:
+                raise RuntimeError(f"unexpected message {type(msg).__name__}")
+    finally:
+        runner.await_bitmask = None
+
+
+class _Interrupted(Exception):
+    """Rejoin or Shutdown came while the worker waited for a token bitmask (``msg``)."""
+
+    def __init__(self, msg):
+        super().__init__(type(msg).__name__)
+        self.msg = msg
+
+
+def _shutdown(runner) -> None:
+    """Shutdown: flush the activations link and dump the trace (ZPP_TRACE)."""
+    if runner.link is not None:
+        runner.link.flush()
+    if runner.trace.enabled:
+        if runner.device.type == "cuda":
+            import torch
+            torch.cuda.synchronize()
+            st = torch.cuda.memory_stats(runner.device)
+            runner.trace.mark("cuda_allocator", -1, args={
+                k: st.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                                          "num_sync_all_streams", "num_ooms")})
+        runner.reap_timings()
+        runner.trace.dump()
 
 
 def _fault_stall_batch(rank: int):
