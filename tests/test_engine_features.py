@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from zpp import LLM, SamplingParams
-from zpp.engine.async_engine import RequestError
+from zpp.frontend.async_engine import RequestError
 from zpp.sampling_params import SamplingParamsError
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "

@@ -157,7 +157,7 @@ def test_model_without_chat_template_gets_400(bos_tokenizer):
     """In-process server (aiohttp TestServer) around a stub engine: chat needs a template."""
     from aiohttp.test_utils import TestServer
 
-    from zpp.server.openai_server import OpenAIServer
+    from zpp.server.chat import OpenAIServer
 
     async def go():
         srv = TestServer(OpenAIServer(_StubEngine(bos_tokenizer), "smol").build_app(), auto_decompress=False)

@@ -25,7 +25,7 @@ from openai import AsyncOpenAI
 from pydantic import BaseModel
 
 from zpp import LLM, SamplingParams, StructuredOutputsParams as SO
-from zpp.engine.async_engine import RequestError
+from zpp.frontend.async_engine import RequestError
 from zpp.sampling_params import SamplingParamsError
 from zpp.server.tools import ToolStream, parse_output, parse_tools
 

@@ -259,7 +259,7 @@ def cmd_serve(args) -> int:
                           "rank 0 serves the API")
     config = engine_config_from_args(args)  # before the heavy imports: a bad flag fails at once
     if config.parallel.nnodes > 1 and config.parallel.node_rank > 0:  # headless: this node's stages only
-        from zpp.engine.async_engine import validate_startup
+        from zpp.frontend.async_engine import validate_startup
         from zpp.node.pernode import run_node
         validate_startup(config)
         return run_node(config, args.log_level)
@@ -271,8 +271,8 @@ def cmd_serve(args) -> int:
         import tempfile
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = d = tempfile.mkdtemp(prefix="zpp-metrics-")
         atexit.register(shutil.rmtree, d, True)
-    from zpp.engine.async_engine import validate_startup
-    from zpp.server.openai_server import serve
+    from zpp.frontend.async_engine import validate_startup
+    from zpp.server.chat import serve
     validate_startup(config)
     options = _server_options(args)
     _check_port_free(args.host, args.port)

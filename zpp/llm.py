@@ -109,7 +109,7 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig) -> None:
-        from zpp.engine.async_engine import AsyncEngine, validate_startup
+        from zpp.frontend.async_engine import AsyncEngine, validate_startup
         self.config = config
         validate_startup(config)
         runtime = _Runtime()

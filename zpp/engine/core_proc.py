@@ -2,7 +2,7 @@
 
 The front end spawns one core process; the core binds a ZeroMQ ROUTER on an ipc address and
 each front end connects a DEALER (several front ends may share one core). Every message is a
-msgspec-tagged struct from :mod:`zpp.engine.core_messages`, msgpack-encoded; nothing is pickled.
+msgspec-tagged struct from :mod:`zpp.transport.core_messages`, msgpack-encoded; nothing is pickled.
 
 Lifecycle:
 
@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from zpp.config import ConfigError, EngineConfig
-from zpp.engine import core_messages as cm
+from zpp.transport import core_messages as cm
 from zpp.engine.executor import WorkerDiedError, _main_module_hidden, _sigint_blocked
 from zpp.transport.channels import local_ipc_address
 

@@ -4,7 +4,7 @@ The shape vLLM V1 uses, kept to zpp's size:
 
 * **Front end** (:class:`GrammarCompiler`): a request's :class:`~zpp.sampling_params.StructuredOutputsParams`
   is compiled by xgrammar in a process of its own, forked for that compile by the compile host
-  (:mod:`zpp.engine.compile_host`) and killed when ``--structured-outputs-compile-timeout`` is up,
+  (:mod:`zpp.frontend.compile_host`) and killed when ``--structured-outputs-compile-timeout`` is up,
   whether or not a request still waits for it: a slow grammar never holds a core past the timeout,
   and small specifications have a compile slot of their own, so slow ones never starve them. A
   size limit on the specification (``--max-structured-outputs-spec-bytes``) and one on the
@@ -13,8 +13,8 @@ The shape vLLM V1 uses, kept to zpp's size:
   are cached by a hash of the specification, and so are refusals (a compile error, a grammar too
   large, a timeout: the latter for ``REFUSED_TIMEOUT_TTL`` seconds), so a copy of a refused
   specification is refused at once instead of compiling again. A grammar that does not compile
-  is a :class:`~zpp.engine.inputs.RequestError` (HTTP 400) carrying xgrammar's message. The
-  compiled grammar travels to the core serialized (:class:`~zpp.engine.core_messages.GrammarSpec`,
+  is a :class:`~zpp.frontend.inputs.RequestError` (HTTP 400) carrying xgrammar's message. The
+  compiled grammar travels to the core serialized (:class:`~zpp.transport.core_messages.GrammarSpec`,
   msgpack text, no pickle).
 * **Engine core** (:class:`GrammarStore`, :class:`RequestGrammar`): the *only* grammar matcher of
   a sequence lives in the core, which alone decides the micro-batches, so no two ranks can
@@ -46,9 +46,9 @@ from typing import Optional
 import msgspec
 import numpy as np
 
-from zpp.engine.compile_host import CompileFailed, CompileHost, CompileHostDied, CompileTimedOut
-from zpp.engine.core_messages import GrammarSpec
-from zpp.engine.inputs import RequestError
+from zpp.frontend.compile_host import CompileFailed, CompileHost, CompileHostDied, CompileTimedOut
+from zpp.transport.core_messages import GrammarSpec
+from zpp.frontend.inputs import RequestError
 from zpp.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class GrammarCompiler:
         max_spec_bytes: largest specification (UTF-8 bytes) accepted.
         max_grammar_bytes: largest compiled grammar (xgrammar's ``memory_size_bytes``) accepted.
 
-    The compile host (:class:`~zpp.engine.compile_host.CompileHost`: it imports xgrammar and builds
+    The compile host (:class:`~zpp.frontend.compile_host.CompileHost`: it imports xgrammar and builds
     its ``TokenizerInfo`` from the tokenizer's directory, a few seconds) is started by
     :meth:`warm_up` (``zpp serve``: while the workers load) or by the first structured-output
     request (the offline ``LLM``), and again by the next request after it died; its start does not

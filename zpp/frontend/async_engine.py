@@ -1,9 +1,9 @@
 """The asyncio engine front end: request intake, output processing, and the engine core behind it.
 
-``AsyncEngine`` tokenizes and validates requests (:mod:`zpp.engine.inputs`), fans ``n`` out into
+``AsyncEngine`` tokenizes and validates requests (:mod:`zpp.frontend.inputs`), fans ``n`` out into
 sequences, hands them to the engine core (:mod:`zpp.engine.core`: scheduler, KV blocks,
 executor) and turns the core's per-step deltas into each request's outputs
-(:mod:`zpp.engine.output_processor`: detokenization, stop strings, logprobs).
+(:mod:`zpp.frontend.output_processor`: detokenization, stop strings, logprobs).
 
 The core runs either on the same event loop (``in_process=True``: the offline ``LLM``, tests) or
 in its own process behind ZeroMQ (``in_process=False``: ``zpp serve``, see
@@ -20,9 +20,9 @@ import os
 from typing import AsyncIterator, Optional
 
 from zpp.config import ConfigError, EngineConfig
-from zpp.engine.core_messages import CoreRequest, EngineStats, GrammarSpec, StepOutputs
-from zpp.engine.inputs import InputProcessor, PromptType, RequestError
-from zpp.engine.output_processor import OutputProcessor, _Group
+from zpp.transport.core_messages import CoreRequest, EngineStats, GrammarSpec, StepOutputs
+from zpp.frontend.inputs import InputProcessor, PromptType, RequestError
+from zpp.frontend.output_processor import OutputProcessor, _Group
 from zpp.engine.structured_output import GrammarCompiler
 from zpp.models.partition import partition_layers
 from zpp.models.registry import resolve_model_class

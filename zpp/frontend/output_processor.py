@@ -1,6 +1,6 @@
 """Front-end output processing: the core's per-step deltas -> each request's outputs.
 
-For every :class:`~zpp.engine.core_messages.SeqDelta`: append the token and its logprobs, run the
+For every :class:`~zpp.transport.core_messages.SeqDelta`: append the token and its logprobs, run the
 incremental detokenizer and the stop strings (a hit ends the sequence here and aborts it in the
 core), collect prompt logprobs, and publish a :class:`~zpp.outputs.RequestOutput` to the
 request's stream. Metrics observers see every request through the ``on_*`` hooks. No engine
@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from zpp.engine.core_messages import StepOutputs
-from zpp.engine.detokenizer import IncrementalDetokenizer
+from zpp.transport.core_messages import StepOutputs
+from zpp.frontend.detokenizer import IncrementalDetokenizer
 from zpp.outputs import CompletionOutput, Logprob, RequestOutput
 from zpp.transport.messages import TokenLogprobs
 from zpp.sampling_params import SamplingParams

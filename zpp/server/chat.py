@@ -24,7 +24,7 @@ from aiohttp import hdrs, web
 import zpp
 from zpp.workers.worker import freeze_gc
 from zpp.config import ConfigError
-from zpp.engine.async_engine import AsyncEngine, EngineBusyError, EngineDeadError, EngineShutdownError, RequestError
+from zpp.frontend.async_engine import AsyncEngine, EngineBusyError, EngineDeadError, EngineShutdownError, RequestError
 from zpp.outputs import CompletionOutput, Logprob, RequestOutput
 from zpp.sampling_params import SamplingParams, SamplingParamsError
 from zpp.server.metrics import DEFAULT_LOG_STATS_INTERVAL_S, Metrics, StatsLogger
