@@ -308,7 +308,7 @@ def test_configs_validate_with_compressed_tensors(ckpt):
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
 ])
 def test_unsupported_quantization_refused_in_one_line(qc, match):
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     from zpp.models.registry import resolve_model_class
     cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
            "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100, "quantization_config": qc}
@@ -320,7 +320,7 @@ def test_unsupported_quantization_refused_in_one_line(qc, match):
 def test_fp8_flags_refused_on_cpu(demo_model):
     from zpp import LLM
     from zpp.cli import build_parser, engine_config_from_args
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     with pytest.raises(ConfigError, match=r"^--quantization fp8 needs a CUDA GPU of compute capability >= 8\.9 "
                                           r"\(FP8\), but this run is on the CPU$"):
         LLM(demo_model, device="cpu", quantization="fp8")

@@ -8,7 +8,8 @@ import msgspec
 import pytest
 
 from zpp.transport import core_messages as cm
-from zpp.frontend.inputs import InputProcessor, RequestError
+from zpp.errors import RequestError
+from zpp.frontend.inputs import InputProcessor
 from zpp.frontend.output_processor import OutputProcessor
 from zpp.outputs import Logprob
 from zpp.sampling_params import SamplingParams
@@ -162,7 +163,7 @@ class _StandInStages:
         self.queue.put_nowait(None)
 
     def die(self, reason):
-        from zpp.engine.executor import WorkerDiedError
+        from zpp.errors import WorkerDiedError
         self.queue.put_nowait(WorkerDiedError(reason))
 
     def shutdown(self):

@@ -249,7 +249,7 @@ def test_tensor_parallel_refused_with_shared_gpu(small_llama, monkeypatch):
     """ZPP_SHARE_GPU=1 (every rank on GPU 0, gloo) is for pipeline stages only: gloo all-reduces on
     CUDA tensors cannot be captured, so TP > 1 is refused before any worker starts."""
     from zpp import LLM
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     monkeypatch.setenv("ZPP_SHARE_GPU", "1")
     with pytest.raises(ConfigError, match="--tensor-parallel-size > 1 needs one GPU per rank"):
         LLM(small_llama, device="cuda", tensor_parallel_size=2)

@@ -25,8 +25,7 @@ from openai import AsyncOpenAI
 from pydantic import BaseModel
 
 from zpp import LLM, SamplingParams, StructuredOutputsParams as SO
-from zpp.frontend.async_engine import RequestError
-from zpp.sampling_params import SamplingParamsError
+from zpp.errors import RequestError, SamplingParamsError
 from zpp.server.tools import ToolStream, parse_output, parse_tools
 
 PERSON = {"type": "object", "properties": {

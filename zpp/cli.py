@@ -404,7 +404,7 @@ def main(argv=None) -> int:
         if args.log_level == "debug":
             traceback.print_exc()
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        from zpp.engine.executor import WorkerDiedError  # already imported if it was raised
+        from zpp.errors import WorkerDiedError
         if not isinstance(e, (ConfigError, WorkerDiedError)):  # those two say what failed already
             msg = f"{msg} ({type(e).__name__}; --log-level debug shows the traceback)"
         print(f"zpp: error: {msg}", file=sys.stderr)

@@ -11,12 +11,10 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from zpp.errors import ConfigError
+
 if TYPE_CHECKING:  # torch is imported where it is needed, so that `zpp --help` and flag errors are quick
     import torch
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work. The message is one line and names the setting."""
 
 
 _DTYPES = {

@@ -18,7 +18,7 @@ import torch
 from zpp import config as _config
 from zpp.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, parse_size,
                         resolve_device)
-from zpp.workers.worker import freeze_gc
+from zpp.utils.process import freeze_gc
 from zpp.outputs import RequestOutput
 from zpp.sampling_params import SamplingParams
 

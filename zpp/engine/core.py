@@ -22,7 +22,9 @@ import msgspec
 
 from zpp.config import EngineConfig
 from zpp.transport.core_messages import CoreRequest, EngineStats, SeqDelta, StepOutputs
-from zpp.engine.executor import STAGES_RECOVERED, STAGES_RESTARTING, Executor, StageExecutor, WorkerDiedError
+from zpp.engine.executor import Executor, StageExecutor
+from zpp.engine.stage_restarts import STAGES_RECOVERED, STAGES_RESTARTING
+from zpp.errors import WorkerDiedError
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
 from zpp.engine.scheduler import ScheduledBatch, Scheduler

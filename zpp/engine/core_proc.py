@@ -15,7 +15,7 @@ Lifecycle:
   the workers do from the core), so nothing is left behind.
 - stop: front -> ShutdownCore; the core stops its workers and exits 0. The core ignores SIGINT
   (a terminal's Ctrl-C reaches the whole process group; the front end decides; it is even blocked
-  from the core's first instruction, see ``_sigint_blocked``) and treats SIGTERM as ShutdownCore.
+  from the core's first instruction, see ``zpp.utils.process.sigint_blocked``) and treats SIGTERM as ShutdownCore.
   Either, during start-up, aborts the start-up: the workers started so far are stopped at once.
 """
 from __future__ import annotations
@@ -31,9 +31,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from zpp.config import ConfigError, EngineConfig
+from zpp.config import EngineConfig
+from zpp.errors import ConfigError, WorkerDiedError
 from zpp.transport import core_messages as cm
-from zpp.engine.executor import WorkerDiedError, _main_module_hidden, _sigint_blocked
+from zpp.utils.process import freeze_gc, main_module_hidden, sigint_blocked, watch_parent
 from zpp.transport.channels import local_ipc_address
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,6 @@ _from_core = msgspec.msgpack.Decoder(cm.FromCore)
 # --- the core process --------------------------------------------------------------------------
 def core_main(config_bytes: bytes, address: str, eos_token_ids: list[int], log_level: int) -> None:
     """Entry point of the engine-core process. Exits 0 after ShutdownCore, 1 on a failure."""
-    from zpp.workers.worker import watch_parent
     watch_parent()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -103,7 +103,6 @@ class _CoreServer:
                 # report after 250 ms idle) reaches /metrics now, not with the next request.
                 self.core.executor.on_stage_stats = self._push_stats_soon
                 self.ready = cm.CoreReady(self.core.kv.num_blocks, self.config.cache.block_size, self.core.depth)
-                from zpp.workers.worker import freeze_gc
                 freeze_gc()
             except (ConfigError, ValueError) as e:  # e.g. --num-kv-blocks that does not fit
                 self.ready, self.status = cm.CoreFailed("config", str(e)), 1
@@ -224,7 +223,7 @@ class CoreProcessClient:
             self.address = local_ipc_address()
             ctx = mp.get_context("spawn")
             level = logging.getLogger("zpp").getEffectiveLevel()
-            with _main_module_hidden(), _sigint_blocked():
+            with main_module_hidden(), sigint_blocked():
                 # Not a daemon: the core starts the worker processes itself.
                 self.proc = ctx.Process(target=core_main, name="zpp-engine-core",
                                         args=(msgspec.msgpack.encode(config), self.address,

@@ -48,7 +48,7 @@ import numpy as np
 
 from zpp.frontend.compile_host import CompileFailed, CompileHost, CompileHostDied, CompileTimedOut
 from zpp.transport.core_messages import GrammarSpec
-from zpp.frontend.inputs import RequestError
+from zpp.errors import RequestError
 from zpp.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)

@@ -19,9 +19,10 @@ import logging
 import os
 from typing import AsyncIterator, Optional
 
-from zpp.config import ConfigError, EngineConfig
+from zpp.config import EngineConfig
+from zpp.errors import ConfigError, EngineBusyError, EngineDeadError, EngineShutdownError, RequestError
 from zpp.transport.core_messages import CoreRequest, EngineStats, GrammarSpec, StepOutputs
-from zpp.frontend.inputs import InputProcessor, PromptType, RequestError
+from zpp.frontend.inputs import InputProcessor, PromptType
 from zpp.frontend.output_processor import OutputProcessor, _Group
 from zpp.engine.structured_output import GrammarCompiler
 from zpp.models.partition import partition_layers
@@ -32,19 +33,6 @@ from zpp.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "EngineBusyError", "EngineDeadError", "EngineShutdownError", "RequestError", "PromptType"]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine lost a worker (or its core); every request fails and the server reports unhealthy."""
-
-
-class EngineShutdownError(EngineDeadError):
-    """The server is stopping (SIGINT / SIGTERM): requests still running are ended with this."""
-
-
-class EngineBusyError(EngineDeadError):
-    """A stage is being restarted and the queue of waiting requests is full (HTTP 503): the request
-    is refused at once rather than queued without bound; the engine itself is alive."""
 
 
 RESTART_QUEUE_PER_SEQ = 4

@@ -8,17 +8,12 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
+from zpp.errors import RequestError
 from zpp.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int]]
 
 
-class RequestError(ValueError):
-    """A request the engine refuses (HTTP 400). ``param`` names the offending field."""
-
-    def __init__(self, message: str, param: Optional[str] = None):
-        super().__init__(message)
-        self.param = param
 
 
 class InputProcessor:

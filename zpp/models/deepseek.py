@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zpp.config import ConfigError
+from zpp.errors import ConfigError
 from zpp.models.base import MissingLayer, StageInfo, StageModel, layer_index
 from zpp.models.layers.activation import GatedMLP, check_activation
 from zpp.models.layers.attention import Attention, AttentionMetadata

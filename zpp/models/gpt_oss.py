@@ -36,7 +36,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from zpp.config import ConfigError
+from zpp.errors import ConfigError
 from zpp.models.base import MissingLayer, StageInfo, StageModel, layer_index
 from zpp.models.layers.attention import Attention, AttentionMetadata
 from zpp.models.layers.linear import LMHead, MergedLinear, RowParallelLinear, VocabEmbedding, default_weight_loader

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from zpp.config import ConfigError
+from zpp.errors import ConfigError
 from zpp.models.layers.moe import SparseMoeBlock
 from zpp.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 

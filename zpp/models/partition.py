@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-from zpp.config import ConfigError
+from zpp.errors import ConfigError
 
 AUTO = "auto"
 """``--pp-layer-partition auto``: each stage measures its costs at start-up and the engine picks

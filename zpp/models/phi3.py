@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from zpp.config import ConfigError
+from zpp.errors import ConfigError
 from zpp.models.base import StageInfo
 from zpp.models.layers.activation import check_activation
 from zpp.models.layers.attention import Attention

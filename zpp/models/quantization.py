@@ -50,7 +50,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from zpp.config import ConfigError
+from zpp.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

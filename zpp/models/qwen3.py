@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from zpp.config import ConfigError
+from zpp.errors import ConfigError
 from zpp.models.layers.attention import AttentionMetadata
 from zpp.models.layers.norm import RMSNorm
 from zpp.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from zpp.config import ConfigError
+from zpp.errors import ConfigError
 from zpp.models.layers.moe import SparseMoeBlock
 from zpp.models.llama import LlamaDecoderLayer
 from zpp.models.qwen3 import Qwen3ForCausalLM

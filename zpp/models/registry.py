@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from zpp.config import ConfigError
+from zpp.errors import ConfigError
 from zpp.models.quantization import check_quantization
 
 # HF ``architectures`` entry -> (module, class). One line per supported architecture.

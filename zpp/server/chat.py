@@ -22,8 +22,8 @@ from typing import Any, AsyncIterator, Optional
 from aiohttp import hdrs, web
 
 import zpp
-from zpp.workers.worker import freeze_gc
-from zpp.config import ConfigError
+from zpp.utils.process import freeze_gc, main_module_hidden, sigint_blocked, watch_parent
+from zpp.errors import ConfigError
 from zpp.frontend.async_engine import AsyncEngine, EngineBusyError, EngineDeadError, EngineShutdownError, RequestError
 from zpp.outputs import CompletionOutput, Logprob, RequestOutput
 from zpp.sampling_params import SamplingParams, SamplingParamsError
@@ -1053,13 +1053,12 @@ def _start_front_ends(config, core_address: str, count: int, host: str, port: in
 
     import msgspec
 
-    from zpp.engine.executor import _main_module_hidden, _sigint_blocked
     ctx = mp.get_context("spawn")
     level = logging.getLogger("zpp").getEffectiveLevel()
     args = json.dumps({"host": host, "port": port, "api_key": api_key, "template": template,
                        "options": server_options, "level": level})
     procs = []
-    with _main_module_hidden(), _sigint_blocked():  # the first front end decides when to stop
+    with main_module_hidden(), sigint_blocked():  # the first front end decides when to stop
         for i in range(1, count):
             p = ctx.Process(target=_front_end_main, name=f"zpp-api-server-{i}", daemon=True,
                             args=(msgspec.msgpack.encode(config), core_address, i, args))
@@ -1075,7 +1074,6 @@ def _front_end_main(config_bytes: bytes, core_address: str, index: int, args_jso
     import msgspec
 
     from zpp.config import EngineConfig
-    from zpp.workers.worker import watch_parent
     watch_parent()
     a = json.loads(args_json)
     logging.basicConfig(level=a["level"], format=f"%(asctime)s %(levelname)s [api {index}] %(name)s: %(message)s")

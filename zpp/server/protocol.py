@@ -19,7 +19,8 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-from zpp.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from zpp.errors import RequestError, SamplingParamsError
+from zpp.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 
@@ -241,18 +242,8 @@ class DetokenizeRequest(_Request, kw_only=True, forbid_unknown_fields=True):
     tokens: list[Int64]
 
 
-class ProtocolError(ValueError):
-    """A malformed request; becomes HTTP ``status`` with OpenAI's error body. ``unknown_fields``
-    lists the top-level fields the request type does not know (the server logs them); ``headers``
-    go on the error response."""
-
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
-                 err_type: str = "invalid_request_error", code: Optional[str] = None,
-                 unknown_fields: tuple[str, ...] = (), headers: Optional[dict[str, str]] = None):
-        super().__init__(message)
-        self.param, self.status, self.err_type, self.code = param, status, err_type, code
-        self.unknown_fields = unknown_fields
-        self.headers = headers or {}
+ProtocolError = RequestError
+"""A malformed request (the one request-error type, :class:`zpp.errors.RequestError`)."""
 
 
 # --- Content-Encoding of request bodies -----------------------------------------------------------

@@ -19,7 +19,7 @@ import socket
 import struct
 from typing import Optional, Sequence
 
-from zpp.config import ConfigError
+from zpp.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ _ACTS = {
 
 def check_activation(cfg: dict, key: str, default: str) -> None:
     """Raise ConfigError if the config's activation (``cfg[key]``, else ``default``) is unknown."""
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     name = cfg.get(key, default)
     if name not in _ACTS:
         raise ConfigError(f"{key} {name!r} is not supported (supported: {', '.join(sorted(_ACTS))})")
