@@ -7,7 +7,7 @@ executor) and turns the core's per-step deltas into each request's outputs
 
 The core runs either on the same event loop (``in_process=True``: the offline ``LLM``, tests) or
 in its own process behind ZeroMQ (``in_process=False``: ``zpp serve``, see
-:mod:`zpp.engine.core_proc`), so HTTP, tokenization and detokenization never hold up the
+:mod:`zpp.frontend.core_client`), so HTTP, tokenization and detokenization never hold up the
 pipeline loop. The two paths share every class but the transport.
 """
 from __future__ import annotations
@@ -22,9 +22,10 @@ from typing import AsyncIterator, Optional
 from zpp.config import EngineConfig
 from zpp.errors import ConfigError, EngineBusyError, EngineDeadError, EngineShutdownError, RequestError
 from zpp.transport.core_messages import CoreRequest, EngineStats, GrammarSpec, StepOutputs
+from zpp.frontend.core_client import CoreClient, CoreProcessClient, InProcessCoreClient
 from zpp.frontend.inputs import InputProcessor, PromptType
 from zpp.frontend.output_processor import OutputProcessor, _Group
-from zpp.engine.structured_output import GrammarCompiler
+from zpp.frontend.grammar import GrammarCompiler
 from zpp.models.partition import partition_layers
 from zpp.models.registry import resolve_model_class
 from zpp.outputs import RequestOutput
@@ -40,36 +41,6 @@ RESTART_QUEUE_PER_SEQ = 4
 sequences; past that they are refused with :class:`EngineBusyError`."""
 
 
-class _InProcessCore:
-    """The engine core on the caller's event loop."""
-
-    def __init__(self):
-        self.core = None
-
-    async def start(self, config: EngineConfig, eos_token_ids: set[int], on_step, on_dead) -> None:
-        from zpp.engine.core import EngineCore
-        self.core = await EngineCore.start(config, eos_token_ids, on_step, on_dead)
-        self.num_kv_blocks = self.core.kv.num_blocks
-        self.block_size = config.cache.block_size
-
-    def add(self, reqs: list[CoreRequest]) -> None:
-        self.core.add_requests(reqs)
-
-    def abort(self, req_ids: list[str]) -> None:
-        self.core.abort(req_ids)
-
-    def stats(self) -> EngineStats:
-        return self.core.stats()
-
-    async def shutdown(self) -> None:
-        if self.core is not None:
-            await self.core.shutdown()
-
-    def kill(self) -> None:
-        if self.core is not None:
-            self.core.executor.shutdown(timeout_s=1.0)
-
-
 class AsyncEngine:
     """Serve requests on a pipeline of stage workers.
 
@@ -77,7 +48,7 @@ class AsyncEngine:
     :meth:`shutdown` to stop the core and every worker.
     """
 
-    def __init__(self, config: EngineConfig, tokenizer, eos_token_ids: set[int], client):
+    def __init__(self, config: EngineConfig, tokenizer, eos_token_ids: set[int], client: CoreClient):
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -113,9 +84,8 @@ class AsyncEngine:
         tokenizer = load_tokenizer(config)
         eos = eos_token_ids(config.model.model, config.model.hf_config, tokenizer)
         if in_process:
-            client = _InProcessCore()
+            client = InProcessCoreClient()
         else:
-            from zpp.engine.core_proc import CoreProcessClient
             client = CoreProcessClient(core_address, front_end_index)
         engine = cls(config, tokenizer, eos, client)
         so = config.structured_outputs
