@@ -272,7 +272,7 @@ def cmd_serve(args) -> int:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = d = tempfile.mkdtemp(prefix="zpp-metrics-")
         atexit.register(shutil.rmtree, d, True)
     from zpp.frontend.async_engine import validate_startup
-    from zpp.server.chat import serve
+    from zpp.server.launch import serve
     validate_startup(config)
     options = _server_options(args)
     _check_port_free(args.host, args.port)

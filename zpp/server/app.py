@@ -1,0 +1,181 @@
+"""OpenAI-compatible HTTP server on aiohttp: the routes and the error mapping.
+
+Routes: /v1/completions (:mod:`.completions`), /v1/chat/completions (:mod:`.chat`), /v1/models,
+/health, /ping, /version, /metrics (:mod:`.metrics`), and vLLM's /tokenize and /detokenize.
+Process start-up and shutdown are in :mod:`.launch`.
+
+Bad requests get HTTP 4xx in OpenAI's error shape and never reach the engine. A client that goes
+away aborts its requests: the runner is built with ``handler_cancellation=True``, so aiohttp
+cancels the handler task, which closes the engine streams (``AsyncEngine.generate`` aborts an
+unfinished request in its ``finally``) and the engine frees the request's KV blocks once no
+micro-batch in flight still writes them.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+from typing import Optional
+
+from aiohttp import web
+
+import zpp
+from zpp.errors import EngineDeadError, RequestError
+from zpp.frontend.async_engine import AsyncEngine
+from zpp.frontend.inputs import off_loop_if_large, text_size
+from zpp.server.chat import chat_completions, chat_options
+from zpp.server.completions import completions
+from zpp.server.endpoint import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_STOP_SEQUENCES, ServingContext
+from zpp.server.metrics import Metrics
+from zpp.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from zpp.server.render import classify, error_message, error_response, json_response, now
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIServer:
+    """Routes and request handling around one AsyncEngine.
+
+    Args:
+        engine: a started AsyncEngine.
+        served_model_name: the only model name requests may use (unknown names get 404).
+        api_key: when set, every ``/v1/*`` request needs ``Authorization: Bearer <api_key>`` (401).
+        chat_template: a Jinja chat template used instead of the tokenizer's.
+        max_request_body_bytes: larger bodies (after any Content-Encoding is undone) get HTTP 413.
+        max_stop_sequences: the most entries ``stop`` and ``stop_token_ids`` may each hold (400).
+        trust_request_chat_template: accept a ``chat_template`` in the request (vLLM's flag of that
+            name; off by default: a template is a program, and one with nested loops would hold the
+            event loop, and with it every stream and the engine, for as long as it runs).
+        log_requests: log one INFO line per finished request (off: ``--disable-log-requests``).
+    """
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: Optional[str] = None,
+                 chat_template: Optional[str] = None,
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+                 max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES,
+                 trust_request_chat_template: bool = False, log_requests: bool = True):
+        self.engine = engine
+        self.model_name = served_model_name
+        self.api_key = api_key
+        self.max_request_body_bytes = max_request_body_bytes
+        self.ctx = ServingContext(engine, served_model_name, chat_template, max_request_body_bytes,
+                                  max_stop_sequences, trust_request_chat_template)
+        self.tokenizer = engine.tokenizer
+        self.metrics = Metrics(engine, served_model_name, log_requests=log_requests)
+        engine.metrics = self.metrics
+
+    def build_app(self) -> web.Application:
+        """The aiohttp application. Serve it with ``auto_decompress=False`` (an ``AppRunner`` /
+        ``TestServer`` keyword, as :func:`zpp.server.launch.serve` does): request bodies'
+        Content-Encoding is undone by :func:`zpp.server.http_body.read_request`; left to aiohttp it
+        would be undone twice."""
+        app = web.Application(middlewares=[self._middleware], client_max_size=self.max_request_body_bytes)
+        app.router.add_post("/v1/completions", functools.partial(completions, self.ctx))
+        app.router.add_post("/v1/chat/completions", functools.partial(chat_completions, self.ctx))
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ping", self.health)  # vLLM's (SageMaker's) liveness route
+        app.router.add_post("/ping", self.health)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/metrics", self.metrics.handler)
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        if self.api_key and request.path.startswith("/v1/"):
+            got = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+                return error_response("invalid or missing API key (send 'Authorization: Bearer <key>')", 401,
+                                      code="invalid_api_key")
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status >= 400:
+                return error_response(e.reason or "error", e.status,
+                                      "invalid_request_error" if e.status < 500 else "server_error")
+            raise
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except (RequestError, EngineDeadError) as e:
+            status, err_type, param = classify(e)
+            resp = error_response(error_message(e), status, err_type, param, getattr(e, "code", None))
+            resp.headers.update(getattr(e, "headers", None) or {})
+            return resp
+        except Exception as e:  # a bug: answer in the API's shape and keep serving
+            logger.exception("error handling %s", request.path)
+            return error_response(error_message(e), 500, "server_error")
+
+    # --- simple routes ------------------------------------------------------------------------
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": now(), "owned_by": "zpp",
+                "root": self.engine.config.model.model, "parent": None, "max_model_len": self.engine.max_model_len}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        self.ctx.check_model(request.match_info["model"])
+        return json_response(self._model_card())
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while the engine runs, also while a lost stage restarts (requests then wait; the
+        body is ``{"status": "recovering"}``, else ``{"status": "ok"}``); 503 once the engine is
+        dead (the server then exits)."""
+        if not self.engine.is_healthy:
+            return web.Response(status=503, text=f"engine dead: {self.engine.dead}")
+        return json_response({"status": "recovering" if self.engine.stats().recovering else "ok"})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response({"version": zpp.__version__})
+
+    # --- /tokenize, /detokenize (vLLM's) ----------------------------------------------------------
+    def _need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise RequestError(f"this model has no tokenizer, so {what} is unavailable")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """``{"prompt": str}`` or ``{"messages": [...], ...}`` -> ``{"count", "max_model_len",
+        "tokens", "token_strs"}``: the token ids ``/v1/completions`` or ``/v1/chat/completions``
+        would run (``token_strs`` with ``return_token_strs: true``), rendered and tokenized as they
+        do (:class:`~zpp.frontend.inputs.InputProcessor`)."""
+        req: TokenizeRequest = await self.ctx.read(request, TokenizeRequest)
+        self.ctx.check_model(req.model)
+        self._need_tokenizer("/tokenize")
+        inputs = self.engine.inputs
+        if req.prompt is not None and req.messages is not None:
+            raise RequestError("give either prompt or messages, not both", "messages")
+        if req.messages is not None:
+            chat = ChatCompletionRequest(
+                messages=req.messages, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                add_special_tokens=bool(req.add_special_tokens), chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs)
+            opts = chat_options(self.ctx, chat)
+            _, ids = await off_loop_if_large(inputs.tokenize_chat, req.messages, opts,
+                                              size=text_size(req.messages) + 100 * len(req.messages))
+        elif req.prompt is not None:
+            inputs.check_prompt_chars(req.prompt, "prompt")
+            special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = await off_loop_if_large(lambda p: self.tokenizer.encode(p, add_special_tokens=special),
+                                           req.prompt, size=len(req.prompt))
+        else:
+            raise RequestError("prompt (a string) or messages is required", "prompt")
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return json_response({"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids,
+                              "token_strs": strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """``{"tokens": [ids]}`` -> ``{"prompt": text}``; ids outside the vocabulary get 400."""
+        req: DetokenizeRequest = await self.ctx.read(request, DetokenizeRequest)
+        self.ctx.check_model(req.model)
+        self._need_tokenizer("/detokenize")
+        bad = [t for t in req.tokens if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})",
+                               "tokens")
+        text = await off_loop_if_large(self.tokenizer.decode, req.tokens, size=len(req.tokens))
+        return json_response({"prompt": text})
