@@ -761,7 +761,8 @@ def test_fp8_linear_gpu_kernels_match_reference(block, m):
     """fp8_linear on the GPU (W8A16 GEMV for M <= 4; per-token quant + torch._scaled_mm row-wise, or
     group quant + the Triton block GEMM) against its PyTorch reference; static input scales too."""
     from zpp.models.layers.fp8 import fp8_linear, fp8_linear_reference
-    from zpp.models.quantization import Fp8Params, quantize_block, quantize_per_channel
+    from zpp.models.layers.fp8 import quantize_block, quantize_per_channel
+    from zpp.models.quantization import Fp8Params
     torch.manual_seed(m)
     n, k = 576, 1536
     w = torch.randn(n, k, device="cuda") * 0.05

@@ -78,6 +78,7 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
         ValueError: missing or unexpected tensors (an FP8 weight's scale included; named, before any
             copy), or shape mismatches (names given).
     """
+    from zpp.models import fp8_checkpoint as ck
     from zpp.models import quantization as q
     cls = resolve_model_class(cfg, stage.tp_size)
     quant = q.parse_quantization_config(cfg)
@@ -94,16 +95,16 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
         if quant is not None and keep_fp8:
             q.quantize_model_like_checkpoint(model, quant)
     elif quant is None:
-        model.check_weight_names(q.read_index(safetensors_files(model_dir)))  # headers only
+        model.check_weight_names(ck.read_index(safetensors_files(model_dir)))  # headers only
         model.load_weights(iter_safetensors(model_dir, model))
     else:
-        index = q.read_index(safetensors_files(model_dir))
-        n = q.prepare_model_for_checkpoint(model, index, quant, keep_fp8)
-        plan = q.plan_checkpoint(model, index, quant, dtype)
+        index = ck.read_index(safetensors_files(model_dir))
+        n = ck.prepare_model_for_checkpoint(model, index, quant, keep_fp8)
+        plan = ck.plan_checkpoint(model, index, quant, dtype)
         model.check_weight_names(t.name for t in plan.tensors)
-        model.load_weights(q.iter_planned(plan, index, quant, device))
+        model.load_weights(ck.iter_planned(plan, index, quant, device))
         q.finish_fp8_loading(model)
-        kv = q.load_kv_scales(model, plan, index)
+        kv = ck.load_kv_scales(model, plan, index)
         logger.info("FP8 checkpoint (%s%s): %d linear layers kept in FP8, the other FP8 weights dequantized to %s%s",
                     quant.method, f", block {quant.block[0]}x{quant.block[1]}" if quant.block else "", n,
                     str(dtype).removeprefix("torch."), f"; KV-cache scales for {kv} layers" if kv else "")
