@@ -12,6 +12,7 @@ from aiohttp import web
 
 from zpp.errors import RequestError
 from zpp.frontend.inputs import ChatOptions
+from zpp.frontend.output_processor import ChoiceDelta, StreamDeltas
 from zpp.outputs import CompletionOutput
 from zpp.server.endpoint import ServingContext
 from zpp.server.protocol import ChatCompletionRequest, check_unsupported_chat_fields, structured_outputs_of, \
@@ -87,9 +88,7 @@ async def chat_completions(ctx: ServingContext, request: web.Request) -> web.Str
         return json_response(body)
 
     sse = SSEWriter(request)
-    sent_text: dict[int, int] = {}
-    sent_tok: dict[int, int] = {}
-    finished: set[int] = set()
+    sent = StreamDeltas()
     completion_tokens = 0
     tool_streams = {j: ToolStream(plan) for j in range(sampling.n)} if plan is not None else {}
 
@@ -100,7 +99,7 @@ async def chat_completions(ctx: ServingContext, request: web.Request) -> web.Str
         body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
                 "choices": choices}
         if continuous and choices:  # vLLM's continuous_usage_stats: the usage so far in every chunk
-            body["usage"] = usage_counts(len(prompt_ids), sum(sent_tok.values()))
+            body["usage"] = usage_counts(len(prompt_ids), sent.sent_tokens)
         return body
 
     try:
@@ -110,27 +109,22 @@ async def chat_completions(ctx: ServingContext, request: web.Request) -> web.Str
                     for j in range(sampling.n):
                         await sse.send(chunk([{"index": j, "delta": {"role": "assistant", "content": ""},
                                                "logprobs": None, "finish_reason": None}]))
-                for c in out.outputs:
-                    if c.index in finished:
-                        continue
+                for key, d in sent.deltas(out.outputs):
+                    c = d.output
                     if tool_streams:
-                        await _send_tool_deltas(tokens, sse, chunk, c, tool_streams[c.index], req.logprobs,
-                                                k, sent_tok)
+                        await _send_tool_deltas(tokens, sse, chunk, sent, key, d, tool_streams[c.index],
+                                                req.logprobs, k)
                         if c.finish_reason is not None:
-                            finished.add(c.index)
                             completion_tokens += len(c.token_ids)
                         continue
-                    start, t0 = sent_text.get(c.index, 0), sent_tok.get(c.index, 0)
-                    delta, new_ids = c.text[start:], c.token_ids[t0:]
-                    if not delta and c.finish_reason is None and not (req.logprobs and new_ids):
+                    if not d.text and c.finish_reason is None and not (req.logprobs and d.token_ids):
                         continue
-                    sent_text[c.index], sent_tok[c.index] = len(c.text), len(c.token_ids)
-                    choice = {"index": c.index, "delta": {"content": delta} if delta else {},
-                              "logprobs": tokens.chat_logprobs(k, new_ids, (c.logprobs or [])[t0:])
-                              if req.logprobs and new_ids else None,
+                    sent.sent(key, d)
+                    choice = {"index": c.index, "delta": {"content": d.text} if d.text else {},
+                              "logprobs": tokens.chat_logprobs(k, d.token_ids, d.logprobs or [])
+                              if req.logprobs and d.token_ids else None,
                               "finish_reason": c.finish_reason}
                     if c.finish_reason is not None:
-                        finished.add(c.index)
                         completion_tokens += len(c.token_ids)
                         choice["stop_reason"] = c.stop_reason
                     await sse.send(chunk([choice]))
@@ -143,19 +137,18 @@ async def chat_completions(ctx: ServingContext, request: web.Request) -> web.Str
     return await sse.done()
 
 
-async def _send_tool_deltas(tokens: TokenStrings, sse: SSEWriter, chunk, c: CompletionOutput, ts: ToolStream,
-                            logprobs: bool, k: int, sent_tok: dict[int, int]) -> None:
+async def _send_tool_deltas(tokens: TokenStrings, sse: SSEWriter, chunk, sent: StreamDeltas, key, d: ChoiceDelta,
+                            ts: ToolStream, logprobs: bool, k: int) -> None:
     """Stream one choice of a request with tools: content and ``tool_calls`` deltas from its
-    ToolStream, logprobs on the first delta of each step, the finish reason (``"tool_calls"``
-    when calls were sent and the output ended normally) on the last."""
+    ToolStream (fed the cumulative text), logprobs on the first delta of each step, the finish
+    reason (``"tool_calls"`` when calls were sent and the output ended normally) on the last."""
+    c = d.output
     final = c.finish_reason is not None
     deltas = ts.feed(c.text, final)
-    t0 = sent_tok.get(c.index, 0)
-    new_ids = c.token_ids[t0:]
-    lp = tokens.chat_logprobs(k, new_ids, (c.logprobs or [])[t0:]) if logprobs and new_ids else None
+    lp = tokens.chat_logprobs(k, d.token_ids, d.logprobs or []) if logprobs and d.token_ids else None
     if lp is not None and not deltas:
         deltas = [{}]
-    sent_tok[c.index] = len(c.token_ids)
+    sent.sent(key, d)
     for i, d in enumerate(deltas):
         await sse.send(chunk([{"index": c.index, "delta": d, "logprobs": lp if i == 0 else None,
                                "finish_reason": None}]))

@@ -10,6 +10,7 @@ from contextlib import aclosing
 from aiohttp import web
 
 from zpp.errors import RequestError
+from zpp.frontend.output_processor import StreamDeltas
 from zpp.outputs import CompletionOutput, RequestOutput
 from zpp.server.endpoint import ServingContext
 from zpp.server.protocol import CompletionRequest, structured_outputs_of, to_sampling_params
@@ -76,8 +77,8 @@ async def completions(ctx: ServingContext, request: web.Request) -> web.StreamRe
         lps = o.prompt_logprobs or [None] * len(prompt_ids[i])
         return list(zip(prompt_ids[i], lps))
 
-    def gen_pairs(c: CompletionOutput, t0: int = 0) -> list:
-        return list(zip(c.token_ids[t0:], (c.logprobs or [])[t0:] + [None] * len(c.token_ids)))
+    def gen_pairs(c: CompletionOutput) -> list:
+        return list(zip(c.token_ids, (c.logprobs or []) + [None] * len(c.token_ids)))
 
     if not req.stream:
         finals: dict[int, RequestOutput] = {}
@@ -104,10 +105,8 @@ async def completions(ctx: ServingContext, request: web.Request) -> web.StreamRe
                                                                               for i in finals])})
 
     sse = SSEWriter(request)
-    sent_text: dict[tuple[int, int], int] = {}   # characters of generated text sent
-    sent_tok: dict[tuple[int, int], int] = {}    # generated tokens whose logprobs were sent
+    sent = StreamDeltas()
     base: dict[tuple[int, int], int] = {}        # length of the echoed prompt text
-    finished: set[tuple[int, int]] = set()
     completion_tokens = 0
 
     continuous = bool(req.stream_options and req.stream_options.include_usage
@@ -119,16 +118,16 @@ async def completions(ctx: ServingContext, request: web.Request) -> web.StreamRe
                 "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
                              "stop_reason": stop_reason}]}
         if continuous:  # vLLM's continuous_usage_stats: the usage so far in every chunk
-            body["usage"] = usage_counts(prompt_total, sum(sent_tok.values()))
+            body["usage"] = usage_counts(prompt_total, sent.sent_tokens)
         return body
 
     try:
         async with aclosing(ctx.run_all(prepared, cid)) as outs:
             async for i, out in outs:
-                for c in map(shown, out.outputs):
-                    key = (i, c.index)
-                    if key in finished or (not c.token_ids and c.finish_reason is None):
-                        continue  # nothing new for this choice (or its prompt logprobs are not complete)
+                for key, d in sent.deltas(map(shown, out.outputs), i):
+                    c = d.output
+                    if not c.token_ids and c.finish_reason is None:
+                        continue  # nothing yet for this choice (or its prompt logprobs are not complete)
                     if key not in base:
                         base[key] = 0
                         if req.echo:
@@ -136,18 +135,16 @@ async def completions(ctx: ServingContext, request: web.Request) -> web.StreamRe
                             base[key] = len(head)
                             lp = tokens.completion_logprobs(k, prompt_pairs(i, out), 0) if k is not None else None
                             await sse.send(chunk(i * n + c.index, head, lp))
-                    start, t0 = sent_text.get(key, 0), sent_tok.get(key, 0)
-                    delta = c.text[start:]
                     lp = None
                     if k is not None:
-                        lp = tokens.completion_logprobs(k, gen_pairs(c, t0), base[key] + start)
-                    if not delta and c.finish_reason is None and not (lp and lp["tokens"]):
+                        lp = tokens.completion_logprobs(k, list(zip(d.token_ids, (d.logprobs or []) + [None] * len(
+                            d.token_ids))), base[key] + d.text_start)
+                    if not d.text and c.finish_reason is None and not (lp and lp["tokens"]):
                         continue
-                    sent_text[key], sent_tok[key] = len(c.text), len(c.token_ids)
+                    sent.sent(key, d)
                     if c.finish_reason is not None:
-                        finished.add(key)
                         completion_tokens += len(c.token_ids)
-                    await sse.send(chunk(i * n + c.index, delta, lp, c.finish_reason, c.stop_reason))
+                    await sse.send(chunk(i * n + c.index, d.text, lp, c.finish_reason, c.stop_reason))
     except (asyncio.CancelledError, ConnectionError):
         raise  # the client went away: nothing to tell it
     except Exception as e:
