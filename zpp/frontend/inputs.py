@@ -136,12 +136,16 @@ class InputProcessor:
             raise RequestError(f"the prompt has {len(text)} characters: more than max_model_len "
                                f"({self.max_model_len}) tokens of this tokenizer can hold", param)
 
+    def check_token_ids(self, ids, param: str, label: str = "token id") -> None:
+        """The one vocabulary check: raises RequestError (naming ``param``) for the first of ``ids``
+        that is not an int in ``[0, vocab_size)``."""
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"{label} {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param)
+
     def check_stop_token_ids(self, sampling: SamplingParams) -> None:
         """Raises RequestError (``stop_token_ids``) for an id outside the vocabulary."""
-        bad = [t for t in sampling.stop_token_ids or () if t >= self.vocab_size]
-        if bad:
-            raise RequestError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                               "stop_token_ids")
+        self.check_token_ids(sampling.stop_token_ids or (), "stop_token_ids", "stop_token_ids:")
 
     def render_chat(self, messages: list, opts: ChatOptions) -> str:
         """Render ``messages`` (OpenAI chat messages, as dicts or structs with ``role``, ``content``
@@ -255,9 +259,7 @@ class InputProcessor:
             raise RequestError(
                 f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
                 f"(the prompt must leave room for at least 1 generated token)", "prompt")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        self.check_token_ids(prompt_token_ids, "prompt")
         room = min(self.max_model_len, self.num_kv_blocks * self.block_size) - n
         if sampling.max_tokens is None and room < 1:
             raise RequestError(

@@ -173,9 +173,6 @@ class OpenAIServer:
         req: DetokenizeRequest = await self.ctx.read(request, DetokenizeRequest)
         self.ctx.check_model(req.model)
         self._need_tokenizer("/detokenize")
-        bad = [t for t in req.tokens if not 0 <= t < self.engine.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})",
-                               "tokens")
+        self.engine.inputs.check_token_ids(req.tokens, "tokens")
         text = await off_loop_if_large(self.tokenizer.decode, req.tokens, size=len(req.tokens))
         return json_response({"prompt": text})

@@ -312,7 +312,7 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
     try:
         return SamplingParams(
             n=req.n,
-            temperature=_temperature(req.temperature),
+            temperature=1.0 if req.temperature is None else req.temperature,  # below 1e-5: greedy (SamplingParams)
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
@@ -337,11 +337,3 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
         if param != e.param and msg.startswith(e.param + ":"):
             msg = param + msg[len(e.param):]
         raise ProtocolError(msg, param) from None
-
-
-def _temperature(t: Optional[float]) -> float:
-    """None -> 1 (OpenAI's default); below 1e-5 -> 0 (greedy, as vLLM does: dividing logits by a
-    tiny temperature overflows)."""
-    if t is None:
-        return 1.0
-    return 0.0 if 0 <= t < 1e-5 else t
