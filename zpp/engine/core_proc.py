@@ -28,18 +28,15 @@ import signal
 from typing import Optional
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from zpp.config import EngineConfig
 from zpp.errors import ConfigError, WorkerDiedError
 from zpp.transport import core_messages as cm
+from zpp.transport.core_channels import FrontEndsSocket
 from zpp.utils.process import freeze_gc, watch_parent
 
 logger = logging.getLogger(__name__)
 
-_encoder = msgspec.msgpack.Encoder()
-_to_core = msgspec.msgpack.Decoder(cm.ToCore)
 
 
 # --- the core process --------------------------------------------------------------------------
@@ -72,12 +69,7 @@ class _CoreServer:
         self._stats_pending = False
 
     async def run(self) -> int:
-        ctx = zmq.asyncio.Context()
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 2000)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.bind(self.address)
+        self.sock = FrontEndsSocket(self.address)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.stop.set)
         reader = asyncio.create_task(self._read())
@@ -117,8 +109,7 @@ class _CoreServer:
             if self.core is not None:
                 await self.core.shutdown()
             await asyncio.sleep(0.05)  # let queued messages (CoreDead) leave
-            self.sock.close(linger=1000)
-            ctx.term()
+            self.sock.close(linger_ms=1000)
 
     async def _linger_for_front(self) -> None:
         """After a failed start, give the front end a moment to connect and read CoreFailed."""
@@ -130,8 +121,7 @@ class _CoreServer:
 
     async def _read(self) -> None:
         while True:
-            ident, payload = await self.sock.recv_multipart()
-            msg = _to_core.decode(payload)
+            ident, msg = await self.sock.recv()
             if isinstance(msg, cm.AddRequests):
                 if self.core is None or self.core.dead:
                     continue
@@ -149,7 +139,7 @@ class _CoreServer:
                 if ident not in self.fronts:
                     self.fronts.append(ident)
                 if self.ready is not None:
-                    self.sock.send_multipart([ident, _encoder.encode(self.ready)])
+                    self.sock.send(ident, self.ready)
             elif isinstance(msg, cm.ShutdownCore):
                 self.stop.set()
 
@@ -166,9 +156,7 @@ class _CoreServer:
             self._broadcast(cm.StepOutputs([], self.core.stats()))
 
     def _broadcast(self, msg) -> None:
-        payload = _encoder.encode(msg)
-        for ident in self.fronts:
-            self.sock.send_multipart([ident, payload])
+        self.sock.broadcast(self.fronts, msg)
 
     def _emit(self, step: cm.StepOutputs) -> None:
         if len(self.fronts) <= 1:
@@ -185,7 +173,7 @@ class _CoreServer:
                 if d.finish_reason is not None:
                     self.owner.pop(d.req_id, None)
         for f, deltas in by_front.items():
-            self.sock.send_multipart([f, _encoder.encode(cm.StepOutputs(deltas, step.stats))])
+            self.sock.send(f, cm.StepOutputs(deltas, step.stats))
 
     def _on_dead(self, reason: str) -> None:
         logger.error("engine core: %s", reason)

@@ -12,19 +12,17 @@ from typing import Callable, Optional, Protocol
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from zpp.config import EngineConfig
 from zpp.engine.core_proc import core_main
 from zpp.errors import ConfigError, WorkerDiedError
 from zpp.transport import core_messages as cm
+from zpp.transport.core_channels import CoreSocket
 from zpp.transport.channels import local_ipc_address
 from zpp.utils.process import main_module_hidden, sigint_blocked
 
 logger = logging.getLogger("zpp.engine.core_proc")
 
-_encoder = msgspec.msgpack.Encoder()
-_from_core = msgspec.msgpack.Decoder(cm.FromCore)
 
 
 class CoreClient(Protocol):
@@ -120,12 +118,7 @@ class CoreProcessClient:
                                               sorted(eos_token_ids), level))
                 self.proc.start()
             loop.add_reader(self.proc.sentinel, self._core_exited)
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.connect(self.address)
+        self.sock = CoreSocket(self.address)
         self._send(cm.FrontHello(self.index))
         first = asyncio.ensure_future(self.sock.recv())
         exited = loop.create_future()
@@ -144,7 +137,7 @@ class CoreProcessClient:
             self._close()
             raise WorkerDiedError(f"the engine core process exited during start-up (exit code "
                                   f"{self.proc.exitcode}); see the log above")
-        msg = _from_core.decode(first.result())
+        msg = first.result()
         if isinstance(msg, cm.CoreFailed):
             self._stopping = True
             self._join(5.0)
@@ -167,7 +160,7 @@ class CoreProcessClient:
         self._close()
 
     def _send(self, msg) -> None:
-        self.sock.send(_encoder.encode(msg))  # HWM 0: never blocks; the future is already done
+        self.sock.send(msg)
 
     def add(self, reqs: list[cm.CoreRequest]) -> None:
         self._send(cm.AddRequests(reqs))
@@ -179,9 +172,8 @@ class CoreProcessClient:
         return self._stats
 
     async def _read(self) -> None:
-        decode = _from_core.decode
         while True:
-            msg = decode(await self.sock.recv())
+            msg = await self.sock.recv()
             if isinstance(msg, cm.StepOutputs):
                 self._stats = msg.stats
                 try:
@@ -220,8 +212,7 @@ class CoreProcessClient:
     def _close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-        self.sock.close(linger=0)
-        self.ctx.term()
+        self.sock.close()
 
     async def shutdown(self) -> None:
         """Ask the core to stop its workers and exit; wait (then SIGTERM, SIGKILL). Idempotent."""
