@@ -134,7 +134,7 @@ def main() -> None:
     store = GrammarStore(vocab)
     first = engine.grammar.for_core(spec)
     if not first.tokenizer_info:  # the engine's first request carried it; read it again for this store
-        from zpp.engine.core_messages import GrammarSpec
+        from zpp.transport.core_messages import GrammarSpec
         first = GrammarSpec(spec.key, spec.compiled, engine.grammar.tokenizer_info_json)
     matchers = [store.new_matcher(first, sorted(engine.eos_token_ids)) for _ in range(args.batch_size)]
     out_ids = outs[0].outputs[0].token_ids

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from zpp.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
 from zpp.engine.core import EngineCore  # noqa: E402
-from zpp.engine.core_messages import CoreRequest  # noqa: E402
+from zpp.transport.core_messages import CoreRequest  # noqa: E402
 from zpp.sampling_params import SamplingParams  # noqa: E402
 from zpp.trace import Trace  # noqa: E402
 from zpp.transport import messages as m  # noqa: E402

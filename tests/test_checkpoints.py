@@ -125,7 +125,7 @@ def test_quantized_checkpoints_refused_for_every_family():
     """Every supported architecture refuses each quantization method zpp cannot load (FP8 loads:
     tests/test_fp8.py) in one line naming the method and the architecture, before looking at the
     rest of the config."""
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     from zpp.models.registry import resolve_model_class, supported_architectures
     for arch in supported_architectures():
         for method, q in QUANT_METHODS.items():
@@ -142,7 +142,7 @@ def test_quantized_checkpoint_refused_before_any_worker(tmp_path):
 
     from conftest import alive, descendants
     from zpp import LLM
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     cfg = {**Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4).to_dict(),
            "architectures": ["Phi3ForCausalLM"], "quantization_config": QUANT_METHODS["mxfp4"]}

@@ -5,7 +5,6 @@ those runs take well under a second."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 

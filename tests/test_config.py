@@ -98,7 +98,7 @@ def test_balanced_partition_is_the_min_max_split():
 
 
 def test_balanced_partition_examples():
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     from zpp.models.partition import balanced_partition, parse_partition, partition_layers
     assert balanced_partition(30, [1.0, 1.0], [0.0, 0.0]) == (15, 15)      # equal costs: even
     assert balanced_partition(31, [1.0, 1.0], [0.0, 0.0]) == (16, 15)      # remainder first, as the default

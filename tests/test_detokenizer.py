@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from zpp.engine.detokenizer import IncrementalDetokenizer
+from zpp.frontend.detokenizer import IncrementalDetokenizer
 
 MULTIBYTE = ["😀", "你好世界", "こんにちは", "👍🏽 great", "Hi 👋, 日本語とEnglish 😀😀!", "Ünïcödé ✓ — “quotes” €5",
              "🇫🇷 Paris 🗼", "한국어 텍스트"]

@@ -7,8 +7,7 @@ import asyncio
 import pytest
 
 from zpp import LLM, SamplingParams
-from zpp.engine.async_engine import RequestError
-from zpp.sampling_params import SamplingParamsError
+from zpp.errors import RequestError, SamplingParamsError
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
          "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()

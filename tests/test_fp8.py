@@ -171,7 +171,7 @@ def test_fp8_weights_kept_and_scaled(ckpt, family, layout, tp, kept, reverted):
     canonical scales (per-tensor q/k/v scales as per-channel rows of one qkv, block grids, this TP
     rank's slice) dequantize to exactly the checkpoint's weights; the others are dequantized on load.
     MoE experts are always dequantized (the fused MoE kernel takes no FP8 yet)."""
-    from zpp.models.quantization import dequantize
+    from zpp.models.layers.fp8 import dequantize
     d, deq = ckpt(family, layout)
     full = _full_weights(deq)
     for rank in range(tp):
@@ -308,7 +308,7 @@ def test_configs_validate_with_compressed_tensors(ckpt):
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
 ])
 def test_unsupported_quantization_refused_in_one_line(qc, match):
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     from zpp.models.registry import resolve_model_class
     cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
            "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100, "quantization_config": qc}
@@ -320,7 +320,7 @@ def test_unsupported_quantization_refused_in_one_line(qc, match):
 def test_fp8_flags_refused_on_cpu(demo_model):
     from zpp import LLM
     from zpp.cli import build_parser, engine_config_from_args
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     with pytest.raises(ConfigError, match=r"^--quantization fp8 needs a CUDA GPU of compute capability >= 8\.9 "
                                           r"\(FP8\), but this run is on the CPU$"):
         LLM(demo_model, device="cpu", quantization="fp8")
@@ -340,7 +340,8 @@ def test_online_quantization_and_kv_bytes(ckpt):
     """``--quantization fp8``'s quantizer on a bf16 model (run here on the CPU): every linear layer e4m3
     per output channel, within e4m3's rounding of the weights; an FP8 KV cache takes half the bytes
     per block."""
-    from zpp.models.quantization import FP8_DTYPE, dequantize, quantize_model_fp8
+    from zpp.models.layers.fp8 import FP8_DTYPE, dequantize
+    from zpp.models.quantization import quantize_model_fp8
     from zpp.workers.model_runner import ModelRunner
     _, deq = ckpt("llama", "ct-channel")
     model = _stage_model(deq)

@@ -36,7 +36,7 @@ if not ON_GPU:
 
 from zpp.models.layers import fp8_kernels as K  # noqa: E402
 from zpp.models.layers import triton_ops as ops  # noqa: E402
-from zpp.models.quantization import FP8_DTYPE, dequantize, quantize_block, quantize_per_channel  # noqa: E402
+from zpp.models.layers.fp8 import FP8_DTYPE, dequantize, quantize_block, quantize_per_channel  # noqa: E402
 
 DT = torch.bfloat16 if ON_GPU else torch.float32
 EXACT = 2e-2 if ON_GPU else 1e-5   # products of the same FP8 operands (bf16 output on the GPU)

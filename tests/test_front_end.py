@@ -1,5 +1,5 @@
-"""The front end without workers: input checks (zpp/engine/inputs.py) and the output processor
-(zpp/engine/output_processor.py) fed hand-made core deltas, with the real SmolLM2 tokenizer."""
+"""The front end without workers: input checks (zpp/frontend/inputs.py) and the output processor
+(zpp/frontend/output_processor.py) fed hand-made core deltas, with the real SmolLM2 tokenizer."""
 from __future__ import annotations
 
 import asyncio
@@ -7,9 +7,10 @@ import asyncio
 import msgspec
 import pytest
 
-from zpp.engine import core_messages as cm
-from zpp.engine.inputs import InputProcessor, RequestError
-from zpp.engine.output_processor import OutputProcessor
+from zpp.transport import core_messages as cm
+from zpp.errors import RequestError
+from zpp.frontend.inputs import InputProcessor
+from zpp.frontend.output_processor import OutputProcessor
 from zpp.outputs import Logprob
 from zpp.sampling_params import SamplingParams
 from zpp.transport.messages import PromptLogprobsOutput, TokenLogprobs
@@ -162,7 +163,7 @@ class _StandInStages:
         self.queue.put_nowait(None)
 
     def die(self, reason):
-        from zpp.engine.executor import WorkerDiedError
+        from zpp.errors import WorkerDiedError
         self.queue.put_nowait(WorkerDiedError(reason))
 
     def shutdown(self):

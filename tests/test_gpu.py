@@ -249,7 +249,7 @@ def test_tensor_parallel_refused_with_shared_gpu(small_llama, monkeypatch):
     """ZPP_SHARE_GPU=1 (every rank on GPU 0, gloo) is for pipeline stages only: gloo all-reduces on
     CUDA tensors cannot be captured, so TP > 1 is refused before any worker starts."""
     from zpp import LLM
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     monkeypatch.setenv("ZPP_SHARE_GPU", "1")
     with pytest.raises(ConfigError, match="--tensor-parallel-size > 1 needs one GPU per rank"):
         LLM(small_llama, device="cuda", tensor_parallel_size=2)
@@ -795,7 +795,8 @@ def test_fp8_linear_gpu_kernels_match_reference(block, m):
     """fp8_linear on the GPU (W8A16 GEMV for M <= 4; per-token quant + torch._scaled_mm row-wise, or
     group quant + the Triton block GEMM) against its PyTorch reference; static input scales too."""
     from zpp.models.layers.fp8 import fp8_linear, fp8_linear_reference
-    from zpp.models.quantization import Fp8Params, quantize_block, quantize_per_channel
+    from zpp.models.layers.fp8 import quantize_block, quantize_per_channel
+    from zpp.models.quantization import Fp8Params
     torch.manual_seed(m)
     n, k = 576, 1536
     w = torch.randn(n, k, device="cuda") * 0.05

@@ -4,7 +4,6 @@ split both sides compute, the head's listening address, and the one-line refusal
 flag combinations)."""
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import socket
@@ -14,7 +13,7 @@ import sys
 
 import pytest
 
-from zpp.cli import DEFAULT_MASTER_PORT, build_parser, resolve_per_node
+from zpp.cli import build_parser, resolve_per_node
 from zpp.config import ConfigError, ParallelConfig
 from zpp.node.launch_env import expand_hostlist, from_lws, from_slurm, from_torchrun, launcher_env
 from zpp.node.pernode import head_bind_address

@@ -224,7 +224,7 @@ def _live_descendants() -> set[int]:
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_refused_by_llm(tmp_path, case):
     from zpp import LLM
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     cfg, word = REFUSALS[case]
     model_dir = _config_only_dir(tmp_path, cfg)
     before = _live_descendants()

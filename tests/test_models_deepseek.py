@@ -437,7 +437,7 @@ def test_tensor_parallel_slices_rebuild_the_weights(v3_dir):
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
     ({"n_group": 3}, "n_group")])
 def test_unsupported_options_refused(tmp_path, edit, word):
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     from zpp.models.registry import resolve_model_class
     _, cfg = _v3()
     d = cfg.to_dict()
@@ -449,7 +449,7 @@ def test_unsupported_options_refused(tmp_path, edit, word):
 
 
 def test_tensor_parallel_refused_when_heads_do_not_split():
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     from zpp.models.registry import resolve_model_class
     _, cfg = _v3()
     d = {**cfg.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}

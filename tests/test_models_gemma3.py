@@ -176,7 +176,7 @@ def test_old_config_keys_read_as_hf_reads_them():
                                             ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "dynamic")])
 def test_unsupported_options_refused_in_one_line(tmp_path, key, value, word):
     from zpp import LLM
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     cfg = _text_config().to_dict()
     cfg.pop("rope_parameters")
     cfg.update({"architectures": ["Gemma3ForCausalLM"], key: value})

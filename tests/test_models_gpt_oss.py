@@ -153,7 +153,7 @@ def test_greedy_matches_hf(oss_dir, prompts, reference, engine, tmp_path, monkey
 @pytest.mark.parametrize("case", ["mxfp4", "tp3"])
 def test_refused_in_one_line(oss_dir, tmp_path, case):
     from zpp import LLM
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     kw = {}
     if case == "mxfp4":
         cfg = json.load(open(os.path.join(oss_dir, "config.json")))

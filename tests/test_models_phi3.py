@@ -275,7 +275,7 @@ def test_config_forms():
     ({"sliding_window": 0}, "sliding_window"),
 ])
 def test_unsupported_configs_refused(edit, word):
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     from zpp.models.registry import resolve_model_class
     with pytest.raises(ConfigError, match=word) as info:
         resolve_model_class({**BASE, **edit})

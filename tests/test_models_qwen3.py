@@ -281,7 +281,7 @@ REFUSALS = {
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_unsupported_option_is_refused(tmp_path, case):
     from zpp import LLM
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     cfg, kw, word = REFUSALS[case]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     before = _live_descendants()

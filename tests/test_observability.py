@@ -85,7 +85,7 @@ def test_disable_log_requests_and_stats(demo_model):
         out = srv.output()
     finally:
         srv.stop()
-    assert "INFO zpp.server.openai_server: serving" in out  # INFO lines do get logged
+    assert "INFO zpp.server.launch: serving" in out  # INFO lines do get logged
     assert "zpp.requests" not in out and "Finished request" not in out, out
     assert "zpp.stats" not in out, out
     assert "ignored" not in out  # the two flags are honoured, not "accepted with no effect"

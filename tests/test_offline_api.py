@@ -252,7 +252,7 @@ def test_send_to_a_dead_worker_names_it(tiny_model):
     the engine failed with "ZMQError('Host unreachable')") fails the engine with the watcher's message:
     which stage, which process, how it ended."""
     import asyncio
-    from zpp.engine.executor import WorkerDiedError
+    from zpp.errors import WorkerDiedError
     from zpp.transport import messages as m
     llm = LLM(tiny_model, kv_cache_memory="16MiB", max_model_len=256, max_stage_restarts=0)
     ex = llm.engine.executor

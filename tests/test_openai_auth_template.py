@@ -23,6 +23,9 @@ from openai import AsyncOpenAI
 
 from conftest import ServerProcess, alive, descendants
 
+from zpp.frontend.async_engine import AsyncEngine
+from zpp.frontend.inputs import InputProcessor
+
 KEY = "sk-test-secret"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -145,9 +148,13 @@ def test_completion_prompt_gets_the_tokenizers_bos(server, bos_tokenizer):
 
 
 class _StubEngine:
-    """Just enough of AsyncEngine for requests that fail before reaching it."""
+    """Just enough of AsyncEngine for requests that fail before reaching it (its ``prepare`` and
+    input checks, no core)."""
+
+    prepare = AsyncEngine.prepare
 
     def __init__(self, tokenizer):
+        self.inputs = InputProcessor(tokenizer, 49152, 512, 32, 16)
         self.tokenizer = tokenizer
         self.config = SimpleNamespace(model=SimpleNamespace(model="/nowhere"))
         self.max_model_len, self.vocab_size, self.metrics, self.is_healthy = 512, 49152, None, True
@@ -157,7 +164,7 @@ def test_model_without_chat_template_gets_400(bos_tokenizer):
     """In-process server (aiohttp TestServer) around a stub engine: chat needs a template."""
     from aiohttp.test_utils import TestServer
 
-    from zpp.server.openai_server import OpenAIServer
+    from zpp.server.app import OpenAIServer
 
     async def go():
         srv = TestServer(OpenAIServer(_StubEngine(bos_tokenizer), "smol").build_app(), auto_decompress=False)

@@ -301,8 +301,8 @@ def test_whole_floats_accepted_for_integer_fields(server):
 def test_integer_fields_take_whole_floats_only():
     """Every integer field of the request structs (no server needed): 3.0 decodes to the int 3,
     3.5, "3" and true are refused naming the field, and the bounds still hold (``n`` 129.0)."""
-    from zpp.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ProtocolError,
-                                     decode_request)
+    from zpp.server.http_body import decode_request
+    from zpp.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ProtocolError
     comp = {"max_tokens": 3.0, "n": 3.0, "seed": 3.0, "top_k": 3.0, "min_tokens": 3.0, "prompt_logprobs": 3.0,
             "logprobs": 3.0, "best_of": 3.0}
     chat = {"max_tokens": 3.0, "max_completion_tokens": 3.0, "top_logprobs": 3.0, "n": 3.0, "seed": 3.0}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from zpp.engine.core_messages import EngineStats
+from zpp.transport.core_messages import EngineStats
 from zpp.server.metrics import StatsLogger
 
 

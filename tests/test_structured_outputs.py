@@ -25,8 +25,7 @@ from openai import AsyncOpenAI
 from pydantic import BaseModel
 
 from zpp import LLM, SamplingParams, StructuredOutputsParams as SO
-from zpp.engine.async_engine import RequestError
-from zpp.sampling_params import SamplingParamsError
+from zpp.errors import RequestError, SamplingParamsError
 from zpp.server.tools import ToolStream, parse_output, parse_tools
 
 PERSON = {"type": "object", "properties": {
@@ -311,7 +310,8 @@ def test_core_bitmask_fill_threaded_equals_row_by_row(tokenizer):
     machines), the bytes are the same, and they follow the matchers as tokens are accepted."""
     import asyncio as aio
 
-    from zpp.engine.structured_output import GrammarCompiler, GrammarStore
+    from zpp.engine.structured_output import GrammarStore
+    from zpp.frontend.grammar import GrammarCompiler
 
     async def compile_all():
         gc = GrammarCompiler(tokenizer, 49152, {2}, 30.0, 1 << 20)
@@ -366,7 +366,7 @@ def test_compiled_grammar_size_is_bounded_before_serializing(tokenizer):
     import resource
     import time
 
-    from zpp.engine.structured_output import GrammarCompiler
+    from zpp.frontend.grammar import GrammarCompiler
 
     async def go():
         gc = GrammarCompiler(tokenizer, 49152, {2}, 60.0, 1 << 20, max_grammar_bytes=4 << 20)
@@ -406,7 +406,7 @@ def test_compiles_are_killed_refused_once_and_never_starve_small_ones(tokenizer)
     import asyncio as aio
     import time
 
-    from zpp.engine.structured_output import GrammarCompiler
+    from zpp.frontend.grammar import GrammarCompiler
 
     async def go():
         gc = GrammarCompiler(tokenizer, 49152, {2}, 2.0, 1 << 20)
@@ -454,7 +454,7 @@ def test_a_running_compile_does_not_keep_the_process_alive(tmp_path):
     script.write_text(
         "import asyncio, json, sys\n"
         "from transformers import AutoTokenizer\n"
-        "from zpp.engine.structured_output import GrammarCompiler\n"
+        "from zpp.frontend.grammar import GrammarCompiler\n"
         "from zpp.sampling_params import StructuredOutputsParams as SO\n"
         "async def main():\n"
         "    gc = GrammarCompiler(AutoTokenizer.from_pretrained(sys.argv[1]), 49152, {2}, 600.0, 1 << 20)\n"

@@ -135,7 +135,7 @@ def _live_descendants() -> set[int]:
 @pytest.mark.parametrize("tp, word", [(2, "num_attention_heads (9)"), (9, "num_key_value_heads (3)")])
 def test_tp_not_dividing_heads_is_refused(demo_model, tp, word):
     from zpp import LLM
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     before = _live_descendants()
     with pytest.raises(ConfigError) as info:
         LLM(demo_model, tensor_parallel_size=tp)
@@ -147,7 +147,7 @@ def test_tp_not_dividing_heads_is_refused(demo_model, tp, word):
 @pytest.mark.parametrize("cfg", [GPT2], ids=["gpt2"])  # Mixtral / Qwen3-MoE: tests/test_models_qwen3.py
 def test_tp_for_other_families_is_refused(tmp_path, cfg):
     from zpp import LLM
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     before = _live_descendants()
     with pytest.raises(ConfigError) as info:
@@ -162,7 +162,7 @@ def test_tp_for_other_families_is_refused(tmp_path, cfg):
 
 def test_tp_below_one_is_refused(demo_model):
     from zpp import LLM
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     with pytest.raises(ConfigError, match="--tensor-parallel-size must be >= 1"):
         LLM(demo_model, tensor_parallel_size=0)
 

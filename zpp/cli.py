@@ -175,7 +175,7 @@ def cmd_serve(args) -> int:
     _check_vllm_only_flags(args)
     config = engine_config_from_args(args)  # before the heavy imports: a bad flag fails at once
     if config.parallel.nnodes > 1 and config.parallel.node_rank > 0:  # headless: this node's stages only
-        from zpp.engine.async_engine import validate_startup
+        from zpp.frontend.async_engine import validate_startup
         from zpp.node.pernode import run_node
         validate_startup(config)
         return run_node(config, args.log_level)
@@ -186,8 +186,8 @@ def cmd_serve(args) -> int:
         import tempfile
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = d = tempfile.mkdtemp(prefix="zpp-metrics-")
         atexit.register(shutil.rmtree, d, True)
-    from zpp.engine.async_engine import validate_startup
-    from zpp.server.openai_server import serve
+    from zpp.frontend.async_engine import validate_startup
+    from zpp.server.launch import serve
     validate_startup(config)
     _check_port_free(server.host, server.port)
     return asyncio.run(serve(config, server.host, server.port, server.api_key, server.chat_template,
@@ -289,7 +289,7 @@ def main(argv=None) -> int:
         if args.log_level == "debug":
             traceback.print_exc()
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        from zpp.engine.executor import WorkerDiedError  # already imported if it was raised
+        from zpp.errors import WorkerDiedError
         if not isinstance(e, (ConfigError, WorkerDiedError)):  # those two say what failed already
             msg = f"{msg} ({type(e).__name__}; --log-level debug shows the traceback)"
         print(f"zpp: error: {msg}", file=sys.stderr)

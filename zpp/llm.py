@@ -19,7 +19,8 @@ import torch
 from zpp import config as _config
 from zpp.args import engine_config, engine_settings
 from zpp.config import ConfigError, EngineConfig
-from zpp.workers.worker import freeze_gc
+from zpp.frontend.inputs import ChatOptions
+from zpp.utils.process import freeze_gc
 from zpp.outputs import RequestOutput
 from zpp.sampling_params import SamplingParams
 
@@ -77,7 +78,7 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig) -> None:
-        from zpp.engine.async_engine import AsyncEngine, validate_startup
+        from zpp.frontend.async_engine import AsyncEngine, validate_startup
         from zpp.generation_config import generation_defaults, log_generation_defaults
         self.config = config
         validate_startup(config)
@@ -141,52 +142,42 @@ class LLM:
         prompts = _parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-        return self._runtime.call(self._generate_all(prompts, list(sampling_params), use_tqdm))
+        return self._runtime.call(self._generate_all(prompts, _params_for(sampling_params, len(prompts)), use_tqdm))
 
-    def chat(self, messages, sampling_params: Optional[SamplingParams] = None,
+    def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: Union[bool, Callable[..., Any]] = True, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: Optional[list[dict]] = None,
-             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+             chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to several
-        (a list of such lists), formatted with the tokenizer's chat template (or ``chat_template``).
-        ``tools`` (OpenAI function tools) and ``chat_template_kwargs`` (e.g. ``{"enable_thinking":
-        False}``) go to the template, as in vLLM; the output text is returned as generated (no tool
-        or reasoning parsing offline).
+        (a list of such lists), formatted with the tokenizer's chat template (or ``chat_template``),
+        by the same rendering as ``zpp serve``'s /v1/chat/completions (roles ``system``, ``user``,
+        ``assistant``, ``tool``, ``developer``; text content parts; ``tools`` handed to the template).
+        Each output's ``prompt`` is the rendered conversation. ``chat_template_kwargs`` (e.g.
+        ``{"enable_thinking": False}``) go to the template, as in vLLM; the output text is returned
+        as generated (no tool or reasoning parsing offline).
 
         Raises:
-            ValueError: the model has no tokenizer or no chat template.
+            RequestError: (a ValueError) the model has no tokenizer or no chat template, a message
+                is malformed, the template fails, or a conversation breaks a limit.
             RuntimeError: the LLM was shut down.
         """
         self._check_open()
-        tok = self.engine.tokenizer
-        if tok is None:
-            raise ValueError("this model has no tokenizer, so chat() cannot format messages")
-        if chat_template is None and not getattr(tok, "chat_template", None):
-            raise ValueError("this model has no chat template; pass chat_template=...")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        extra = dict(chat_template_kwargs or {})
-        if tools is not None:
-            extra["tools"] = tools
-        texts = [tok.apply_chat_template(c, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=continue_final_message, **extra)
-                 for c in conversations]
-        outs = self.generate([tok.encode(t, add_special_tokens=False) for t in texts], sampling_params, use_tqdm)
-        for out, text in zip(outs, texts):  # as vLLM: the rendered conversation is the prompt
-            out.prompt = text
-        return outs
+        opts = ChatOptions(template=chat_template, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+                           tools=tools, tools_system_text=None if tools is None else _tools_text(tools))
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = _params_for(sampling_params, len(conversations))
+        return self._runtime.call(self._generate_all(conversations, params, use_tqdm, chat=opts))
 
-    async def _generate_all(self, prompts, params, use_tqdm):
+    async def _generate_all(self, prompts, params, use_tqdm, chat: Optional[ChatOptions] = None):
         engine = self.engine
-        for p, sp in zip(prompts, params):  # validate everything before queuing anything
-            engine.validate(engine.tokenize_prompt(p)[1], sp)
-        for sp in {id(sp): sp for sp in params if sp.structured_outputs is not None}.values():
-            await engine.compile_grammar(sp)  # a bad grammar fails here, before anything is queued
+        # Every check, rendering, tokenization and grammar compile, before anything is queued.
+        if chat is None:
+            prepared = [await engine.prepare(p, sp) for p, sp in zip(prompts, params)]
+        else:
+            prepared = [await engine.prepare(sampling=sp, messages=c, chat=chat) for c, sp in zip(prompts, params)]
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -194,10 +185,10 @@ class LLM:
                                                                dynamic_ncols=True)
         t0, tokens_in, tokens_out = time.perf_counter(), 0, 0
 
-        async def one(p, sp):
+        async def one(req):
             nonlocal tokens_in, tokens_out
             final = None
-            async for out in engine.generate(p, sp, stream=False):
+            async for out in engine.generate(req, stream=False):
                 final = out
             if bar is not None:
                 tokens_in += len(final.prompt_token_ids)
@@ -209,7 +200,7 @@ class LLM:
             return final
 
         try:
-            return list(await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params))))
+            return list(await asyncio.gather(*(one(req) for req in prepared)))
         finally:
             if bar is not None:
                 bar.close()
@@ -307,6 +298,23 @@ class _Runtime:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _params_for(sampling_params, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt (default ``SamplingParams()``). Raises ValueError on a count mismatch."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    if len(sampling_params) != count:
+        raise ValueError(f"{len(sampling_params)} sampling params for {count} prompts")
+    return list(sampling_params)
+
+
+def _tools_text(tools: list) -> str:
+    """The system text describing ``tools`` for a chat template that ignores them."""
+    from zpp.server.tools import parse_tools
+    return parse_tools(tools, "auto", None).system_text()
 
 
 def _parse_prompts(prompts) -> list[Union[str, list[int]]]:

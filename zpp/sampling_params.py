@@ -9,12 +9,7 @@ from typing import Any, Optional, Union
 import msgspec
 
 
-class SamplingParamsError(ValueError):
-    """An invalid sampling parameter; ``param`` names it (the OpenAI error's ``param`` field)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+from zpp.errors import SamplingParamsError
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):

@@ -53,7 +53,7 @@ def run(args) -> int:
 
 def _run_zpp(config, prompts, args):
     from zpp import LLM, SamplingParams
-    from zpp.engine.async_engine import AsyncEngine
+    from zpp.frontend.async_engine import AsyncEngine
     llm = LLM.from_config(config)
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

@@ -3,7 +3,7 @@ tokenizer.
 
 The loop keeps up to ``pipeline_depth`` micro-batches in flight (schedule, send to every stage),
 waits for the oldest to come back from the last stage, applies it to the scheduler and hands
-the step's per-sequence *deltas* (:class:`~zpp.engine.core_messages.StepOutputs`) to ``emit``.
+the step's per-sequence *deltas* (:class:`~zpp.transport.core_messages.StepOutputs`) to ``emit``.
 Requests join and leave between steps (continuous batching).
 
 The core runs in the front end's event loop for the offline ``LLM`` (in-process) and in its own
@@ -21,8 +21,10 @@ from typing import Callable, Optional
 import msgspec
 
 from zpp.config import EngineConfig
-from zpp.engine.core_messages import CoreRequest, EngineStats, SeqDelta, StepOutputs
-from zpp.engine.executor import STAGES_RECOVERED, STAGES_RESTARTING, Executor, StageExecutor, WorkerDiedError
+from zpp.transport.core_messages import CoreRequest, EngineStats, SeqDelta, StepOutputs
+from zpp.engine.executor import Executor, StageExecutor
+from zpp.engine.stage_restarts import STAGES_RECOVERED, STAGES_RESTARTING
+from zpp.errors import WorkerDiedError
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
 from zpp.engine.scheduler import ScheduledBatch, Scheduler

@@ -1,8 +1,9 @@
-"""The engine core in its own process (``zpp serve``), and the front end's client for it.
+"""The engine core in its own process (``zpp serve``); the front end's client for it is
+:class:`zpp.frontend.core_client.CoreProcessClient`.
 
 The front end spawns one core process; the core binds a ZeroMQ ROUTER on an ipc address and
 each front end connects a DEALER (several front ends may share one core). Every message is a
-msgspec-tagged struct from :mod:`zpp.engine.core_messages`, msgpack-encoded; nothing is pickled.
+msgspec-tagged struct from :mod:`zpp.transport.core_messages`, msgpack-encoded; nothing is pickled.
 
 Lifecycle:
 
@@ -15,38 +16,32 @@ Lifecycle:
   the workers do from the core), so nothing is left behind.
 - stop: front -> ShutdownCore; the core stops its workers and exits 0. The core ignores SIGINT
   (a terminal's Ctrl-C reaches the whole process group; the front end decides; it is even blocked
-  from the core's first instruction, see ``_sigint_blocked``) and treats SIGTERM as ShutdownCore.
+  from the core's first instruction, see ``zpp.utils.process.sigint_blocked``) and treats SIGTERM as ShutdownCore.
   Either, during start-up, aborts the start-up: the workers started so far are stopped at once.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
 import os
 import signal
 from typing import Optional
 
 import msgspec
-import zmq
-import zmq.asyncio
 
-from zpp.config import ConfigError, EngineConfig
-from zpp.engine import core_messages as cm
-from zpp.engine.executor import WorkerDiedError, _main_module_hidden, _sigint_blocked
-from zpp.transport.channels import local_ipc_address
+from zpp.config import EngineConfig
+from zpp.errors import ConfigError, WorkerDiedError
+from zpp.transport import core_messages as cm
+from zpp.transport.core_channels import FrontEndsSocket
+from zpp.utils.process import freeze_gc, watch_parent
 
 logger = logging.getLogger(__name__)
 
-_encoder = msgspec.msgpack.Encoder()
-_to_core = msgspec.msgpack.Decoder(cm.ToCore)
-_from_core = msgspec.msgpack.Decoder(cm.FromCore)
 
 
 # --- the core process --------------------------------------------------------------------------
 def core_main(config_bytes: bytes, address: str, eos_token_ids: list[int], log_level: int) -> None:
     """Entry point of the engine-core process. Exits 0 after ShutdownCore, 1 on a failure."""
-    from zpp.workers.worker import watch_parent
     watch_parent()
     from zpp.proctitle import set_process_title
     set_process_title("zpp::core")
@@ -76,12 +71,7 @@ class _CoreServer:
         self._stats_pending = False
 
     async def run(self) -> int:
-        ctx = zmq.asyncio.Context()
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 2000)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.bind(self.address)
+        self.sock = FrontEndsSocket(self.address)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.stop.set)
         reader = asyncio.create_task(self._read())
@@ -105,7 +95,6 @@ class _CoreServer:
                 # report after 250 ms idle) reaches /metrics now, not with the next request.
                 self.core.executor.on_stage_stats = self._push_stats_soon
                 self.ready = cm.CoreReady(self.core.kv.num_blocks, self.config.cache.block_size, self.core.depth)
-                from zpp.workers.worker import freeze_gc
                 freeze_gc()
             except (ConfigError, ValueError) as e:  # e.g. --num-kv-blocks that does not fit
                 self.ready, self.status = cm.CoreFailed("config", str(e)), 1
@@ -122,8 +111,7 @@ class _CoreServer:
             if self.core is not None:
                 await self.core.shutdown()
             await asyncio.sleep(0.05)  # let queued messages (CoreDead) leave
-            self.sock.close(linger=1000)
-            ctx.term()
+            self.sock.close(linger_ms=1000)
 
     async def _linger_for_front(self) -> None:
         """After a failed start, give the front end a moment to connect and read CoreFailed."""
@@ -135,8 +123,7 @@ class _CoreServer:
 
     async def _read(self) -> None:
         while True:
-            ident, payload = await self.sock.recv_multipart()
-            msg = _to_core.decode(payload)
+            ident, msg = await self.sock.recv()
             if isinstance(msg, cm.AddRequests):
                 if self.core is None or self.core.dead:
                     continue
@@ -154,7 +141,7 @@ class _CoreServer:
                 if ident not in self.fronts:
                     self.fronts.append(ident)
                 if self.ready is not None:
-                    self.sock.send_multipart([ident, _encoder.encode(self.ready)])
+                    self.sock.send(ident, self.ready)
             elif isinstance(msg, cm.ShutdownCore):
                 self.stop.set()
 
@@ -171,9 +158,7 @@ class _CoreServer:
             self._broadcast(cm.StepOutputs([], self.core.stats()))
 
     def _broadcast(self, msg) -> None:
-        payload = _encoder.encode(msg)
-        for ident in self.fronts:
-            self.sock.send_multipart([ident, payload])
+        self.sock.broadcast(self.fronts, msg)
 
     def _emit(self, step: cm.StepOutputs) -> None:
         if len(self.fronts) <= 1:
@@ -190,172 +175,10 @@ class _CoreServer:
                 if d.finish_reason is not None:
                     self.owner.pop(d.req_id, None)
         for f, deltas in by_front.items():
-            self.sock.send_multipart([f, _encoder.encode(cm.StepOutputs(deltas, step.stats))])
+            self.sock.send(f, cm.StepOutputs(deltas, step.stats))
 
     def _on_dead(self, reason: str) -> None:
         logger.error("engine core: %s", reason)
         self._broadcast(cm.CoreDead(reason))
         self.status = 1
         self.stop.set()
-
-
-# --- the front end's side ----------------------------------------------------------------------
-class CoreProcessClient:
-    """Spawns the core process (or joins one at ``address``) and talks to it.
-
-    ``start`` raises ConfigError / WorkerDiedError with the core's one-line reason when the core
-    cannot start; cancelled while the core starts, it stops the core (and so its workers) first.
-    After start: ``add``/``abort`` send without waiting; ``on_step`` gets every StepOutputs and
-    ``on_dead`` the reason once if the core or a worker dies.
-    """
-
-    def __init__(self, address: Optional[str] = None, index: int = 0):
-        self.address = address
-        self.index = index
-        self.proc: Optional[mp.Process] = None
-        self._stats = cm.EngineStats()
-        self._stopping = False
-        self._dead = False
-        self._reader: Optional[asyncio.Task] = None
-        self._on_exit_during_start: Optional[asyncio.Future] = None
-
-    async def start(self, config: EngineConfig, eos_token_ids: set[int], on_step, on_dead) -> None:
-        self.on_step, self.on_dead = on_step, on_dead
-        loop = asyncio.get_running_loop()
-        if self.address is None:
-            self.address = local_ipc_address()
-            ctx = mp.get_context("spawn")
-            level = logging.getLogger("zpp").getEffectiveLevel()
-            with _main_module_hidden(), _sigint_blocked():
-                # Not a daemon: the core starts the worker processes itself.
-                self.proc = ctx.Process(target=core_main, name="zpp-engine-core",
-                                        args=(msgspec.msgpack.encode(config), self.address,
-                                              sorted(eos_token_ids), level))
-                self.proc.start()
-            loop.add_reader(self.proc.sentinel, self._core_exited)
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.connect(self.address)
-        self._send(cm.FrontHello(self.index))
-        first = asyncio.ensure_future(self.sock.recv())
-        exited = loop.create_future()
-        self._on_exit_during_start = exited
-        try:
-            done, _ = await asyncio.wait([first, exited], return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # cancelled (zpp serve got SIGINT / SIGTERM): stop the core and its workers
-            first.cancel()
-            await self._abort_start()
-            raise
-        finally:
-            self._on_exit_during_start = None
-        if first not in done:
-            first.cancel()
-            self._stopping = True
-            self._close()
-            raise WorkerDiedError(f"the engine core process exited during start-up (exit code "
-                                  f"{self.proc.exitcode}); see the log above")
-        msg = _from_core.decode(first.result())
-        if isinstance(msg, cm.CoreFailed):
-            self._stopping = True
-            self._join(5.0)
-            self._close()
-            raise (ConfigError if msg.kind == "config" else WorkerDiedError)(msg.message)
-        assert isinstance(msg, cm.CoreReady), msg
-        self.num_kv_blocks, self.block_size, self.pipeline_depth = msg.num_kv_blocks, msg.block_size, msg.pipeline_depth
-        self._reader = asyncio.create_task(self._read())
-
-    async def _abort_start(self) -> None:
-        """Stop a core that is still starting: SIGTERM makes it abort its start-up and stop the
-        workers it started (then it exits); SIGKILL if it has not within 10 s."""
-        self._stopping = True
-        if self.proc is not None:
-            loop = asyncio.get_running_loop()
-            loop.remove_reader(self.proc.sentinel)
-            if self.proc.is_alive():
-                self.proc.terminate()
-            await loop.run_in_executor(None, self._join, 10.0)
-        self._close()
-
-    def _send(self, msg) -> None:
-        self.sock.send(_encoder.encode(msg))  # HWM 0: never blocks; the future is already done
-
-    def add(self, reqs: list[cm.CoreRequest]) -> None:
-        self._send(cm.AddRequests(reqs))
-
-    def abort(self, req_ids: list[str]) -> None:
-        self._send(cm.AbortRequests(req_ids))
-
-    def stats(self) -> cm.EngineStats:
-        return self._stats
-
-    async def _read(self) -> None:
-        decode = _from_core.decode
-        while True:
-            msg = decode(await self.sock.recv())
-            if isinstance(msg, cm.StepOutputs):
-                self._stats = msg.stats
-                try:
-                    self.on_step(msg)
-                except Exception:  # a front-end bug must not silence the core's stream
-                    logger.exception("processing the engine core's outputs failed")
-            elif isinstance(msg, cm.CoreDead):
-                self._die(msg.reason)
-
-    def _die(self, reason: str) -> None:
-        if not self._dead and not self._stopping:
-            self._dead = True
-            self.on_dead(reason)
-
-    def _core_exited(self) -> None:
-        loop = asyncio.get_event_loop()
-        loop.remove_reader(self.proc.sentinel)
-        self.proc.join(0)
-        if self._on_exit_during_start is not None and not self._on_exit_during_start.done():
-            self._on_exit_during_start.set_result(None)
-            return
-        # A CoreDead message sent just before exiting may still be in the socket: let it win.
-        loop.call_later(0.2, self._die, f"the engine core process exited (exit code {self.proc.exitcode})")
-
-    def _join(self, timeout: float) -> None:
-        if self.proc is None:
-            return
-        self.proc.join(timeout)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(3.0)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(1.0)
-
-    def _close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        self.sock.close(linger=0)
-        self.ctx.term()
-
-    async def shutdown(self) -> None:
-        """Ask the core to stop its workers and exit; wait (then SIGTERM, SIGKILL). Idempotent."""
-        if self._stopping:
-            return
-        self._stopping = True
-        if self.proc is not None:
-            try:
-                asyncio.get_running_loop().remove_reader(self.proc.sentinel)
-            except Exception:
-                pass
-        if self.proc is not None:  # only the front end that started the core stops it
-            try:
-                self._send(cm.ShutdownCore())
-            except zmq.ZMQError:
-                pass
-            await asyncio.get_running_loop().run_in_executor(None, self._join, 15.0)
-        self._close()
-
-    def kill(self) -> None:
-        """Stop the core now (SIGTERM: it still stops its workers)."""
-        self._stopping = True
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.terminate()

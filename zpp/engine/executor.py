@@ -10,23 +10,19 @@ their connection probed each watchdog tick (:meth:`EngineSocket.connected`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import functools
 import logging
 import multiprocessing as mp
 import os
 import secrets
-import signal
-import sys
 import threading
 import time
-from multiprocessing.connection import wait as mp_wait
 from typing import Callable, Optional, Protocol
 
 import msgspec
 
-from zpp.config import STAGE_RESTART_WINDOW_S, ConfigError, EngineConfig, cpu_threads_per_worker
+from zpp.config import EngineConfig, cpu_threads_per_worker
+from zpp.errors import ConfigError, WorkerDiedError
 from zpp.models.partition import AUTO, balanced_partition, partition_layers, stage_times
 from zpp.transport import messages as m
 from zpp.transport.channels import EngineSocket, PeerUnreachable, local_ipc_address, tcp_address
@@ -34,46 +30,15 @@ from zpp.trace import Trace
 from zpp.transport.p2p import serve_rendezvous_store
 from zpp.node.placement import describe_stages
 from zpp.transport.security import RunKeys, keys_for_run
+from zpp.utils.process import main_module_hidden, sigint_blocked
+from zpp.engine.stage_restarts import StageRestarts
+from zpp.engine.watchdog import _ROOT_CAUSE_GRACE_S, StallWatchdog
 
 logger = logging.getLogger(__name__)
 
 
-_ROOT_CAUSE_GRACE_S = 2.0
-"""How long a worker's own error report waits for a process death or a lost node to explain it
-(the node agent's report of a remote worker's death took over a second on a loaded 2-core CI VM)."""
-
-
 _START_ABORT_GRACE_S = 1.0
 """How long workers get to act on Shutdown when start-up fails or is aborted before SIGTERM."""
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker process exited or reported an error; the engine cannot continue."""
-
-
-class _Marker:
-    def __init__(self, name: str):
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-STAGES_RESTARTING = _Marker("STAGES_RESTARTING")
-"""Put in the result stream when a stage is lost and will be restarted: the micro-batches in flight
-are void (their results never come); the core requeues every running request and schedules
-nothing until :data:`STAGES_RECOVERED`."""
-
-STAGES_RECOVERED = _Marker("STAGES_RECOVERED")
-"""The restarted stages and the survivors form one pipeline again: scheduling resumes."""
-
-
-class _TryFailed(Exception):
-    """One restart try failed (a rank died or did not answer in time); the reason is the message."""
-
-
-class _GiveUp(Exception):
-    """A restart cannot succeed whatever the tries left (the message says why): fail-stop now."""
 
 
 class StageExecutor(Protocol):
@@ -116,7 +81,7 @@ class StageExecutor(Protocol):
     def shutdown(self) -> None: ...
 
 
-class Executor:
+class Executor(StallWatchdog, StageRestarts):
     """Owns the workers of one engine.
 
     Use ``await Executor.start(config)``; then the :class:`StageExecutor` interface: ``send(batch)``
@@ -225,7 +190,7 @@ class Executor:
                         " + embedding" * (r == 0) + " + norm, lm_head, sampler" * (r == self.pp - 1),
                         ", until measured (--pp-layer-partition auto)"
                         * (cfg.parallel.pp_layer_partition == AUTO and self.pp > 1))
-        ctx = self._ctx = mp.get_context("spawn")
+        self._ctx = mp.get_context("spawn")
         level = self._level = logging.getLogger("zpp").getEffectiveLevel()
         local_ranks = list(range(self.world))
         par = cfg.parallel
@@ -296,7 +261,7 @@ class Executor:
 
     def _spawn_local(self, ranks) -> None:
         """Start a worker process for each of ``ranks`` on this host (replacing a dead one's entry)."""
-        with _main_module_hidden(), _sigint_blocked():
+        with main_module_hidden(), sigint_blocked():
             for rank in ranks:
                 p = self._ctx.Process(target=_worker_entry, args=(self.socket.address, rank, self.keys, self._level),
                                       name=f"zpp-worker-{rank}", daemon=True)
@@ -549,351 +514,6 @@ class Executor:
         except Exception as e:  # malformed frame etc.
             self._fail(f"bad message from a worker: {e!r}")
 
-    # --- stall watchdog ---------------------------------------------------------------------------
-    def _heard(self, hb: m.Heartbeat) -> None:
-        now = time.monotonic()
-        old = self.heartbeats.get(hb.rank)
-        if old is not None and hb.last_done > old.last_done:
-            self.last_progress = now  # some stage finished a micro-batch
-        self.heartbeats[hb.rank] = hb
-        self.last_heard[hb.rank] = now
-
-    async def _watchdog(self, tick_s: float = 0.5) -> None:
-        """Fail the engine when a worker goes silent (no heartbeat for --worker-heartbeat-timeout:
-        stopped or hung process or host) or the pipeline makes no progress for --stage-timeout
-        while a micro-batch is in flight (a live worker stuck, e.g. in a wedged gloo/NCCL call);
-        warn once at half that limit. Either names the stage and host and what it waits for."""
-        par = self.config.parallel
-        last_tick = time.monotonic()
-        warned: set[int] = set()
-        while not self.dead and not self._stopping:
-            await asyncio.sleep(tick_s)
-            now = time.monotonic()
-            if now - last_tick > 4 * tick_s:
-                # This loop itself was held up: heartbeats queued meanwhile are not the workers' fault.
-                self.last_heard = {r: max(t, now) for r, t in self.last_heard.items()}
-                self.last_progress = max(self.last_progress, now)
-            last_tick = now
-            silent = [(r, t) for r, t in self.last_heard.items()
-                      if now - t > par.worker_heartbeat_timeout and r not in self._lost_ranks]
-            for rank, t in silent:
-                self._lost(rank, f"{self.describe_rank(rank)} sent no heartbeat for {now - t:.0f} s "
-                                 f"(--worker-heartbeat-timeout {par.worker_heartbeat_timeout:g}): its process is "
-                                 f"stopped or hung", kill=True)
-            if self.dead or silent:
-                continue
-            if self._probed and self._recovery is None:
-                # Remote ranks no SSH session watches (per-node launch, --node-launcher manual): a
-                # connection that dropped (its process or host died) is seen within a tick, not
-                # after --worker-heartbeat-timeout. Only ranks heard from are probed: a worker
-                # connects its heartbeat socket once it has its configuration.
-                for rank in sorted(self._probed & set(self.heartbeats)):
-                    if rank not in self._lost_ranks and not self.socket.connected(rank):
-                        self._lost(rank, f"{self.describe_rank(rank)}: its connection to the engine closed (its "
-                                         f"process or its host died)")
-                        break
-                if self.dead:
-                    continue
-            if not self.inflight or self._recovery is not None:
-                continue
-            oldest = min(self.inflight)
-            stalled = now - self.last_progress
-            if stalled > par.stage_timeout:
-                rank, doing = self._stuck_rank(oldest)
-                self._lost(rank, f"micro-batch {oldest} made no progress for {stalled:.0f} s (--stage-timeout "
-                                 f"{par.stage_timeout:g}): {doing}", kill=True)
-                continue
-            if stalled > par.stage_timeout / 2 and oldest not in warned:
-                warned.add(oldest)
-                logger.warning("micro-batch %d has made no progress for %.0f s (the engine fails at "
-                               "--stage-timeout %g): %s", oldest, stalled, par.stage_timeout, self._stuck_at(oldest))
-
-    def _stuck_at(self, batch_id: int) -> str:
-        """The first stage that has not finished ``batch_id``, and what it is doing."""
-        return self._stuck_rank(batch_id)[1]
-
-    def _stuck_rank(self, batch_id: int) -> tuple[int, str]:
-        """(rank, description) of the first stage that has not finished ``batch_id``: the one to
-        restart when the pipeline stalls (the stages after it wait for it)."""
-        for rank in range(self.world):
-            hb = self.heartbeats.get(rank)
-            if hb is not None and hb.last_done >= batch_id:
-                continue
-            if hb is None or hb.batch_id != batch_id:
-                doing = "has not started it (still on an earlier micro-batch, or its message is late)"
-            elif hb.waiting:
-                doing = f"has waited {hb.seconds:.0f} s for activations from stage {rank // self.tp - 1}"
-            else:
-                doing = f"has been computing it for {hb.seconds:.0f} s"
-            return rank, f"{self.describe_rank(rank)} {doing}"
-        last = self.world - self.tp
-        return last, f"every stage finished it, but its result has not arrived ({self.describe_rank(last)})"
-
-    def _watch_procs(self) -> None:
-        """Thread: report every local worker's death and every node agent's lost session to the
-        loop (processes started by a restart are watched from their start; ones the executor killed
-        on purpose are not reported)."""
-        while not self._stopping:
-            procs = [p for p in self.procs if p.pid not in self._reported]
-            sentinels = {p.sentinel: p for p in procs}
-            ready = mp_wait(list(sentinels), timeout=0.5) if sentinels else time.sleep(0.5) or []
-            for s in ready:
-                p = sentinels.pop(s)
-                self._reported.add(p.pid)
-                rank = int(p.name.rsplit("-", 1)[1])
-                if self._stopping or p.pid in self._killed:
-                    continue
-                msg = self._death_of(rank, p)
-                if p.exitcode == 1 and not self._restarts_on():
-                    # A worker that failed by itself, after its WorkerError: often the echo of a
-                    # neighbour's death (a remote stage's, reported by its node agent later), so the
-                    # root cause gets the same grace as that WorkerError (the earlier of the two
-                    # reasons is the one reported).
-                    self._notify(self._loop.call_later, _ROOT_CAUSE_GRACE_S, self._fail, msg)
-                else:
-                    self._notify(functools.partial(self._lost, rank, msg, pid=p.pid))
-            if self.nodes is not None and not self._stopping:
-                for host, (err, session) in self.nodes.poll_lost().items():
-                    ranks = self.nodes.assignment.get(host, [])
-                    self._notify(functools.partial(self._lost, ranks[0] if ranks else 0, err, session=session))
-
-    def _notify(self, fn, *args) -> None:
-        """From the watcher thread: run ``fn(*args)`` on the engine's loop; nothing once that loop is
-        closed (the engine stopped while a death was being looked into)."""
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed
-            pass
-
-    def _death_of(self, rank: int, proc=None) -> str:
-        """Why ``rank`` is gone: its local process's exit (waited for up to 1 s: the sentinel, or a
-        dropped connection, comes before the exit code is collected), else its lost connection."""
-        for p in ([proc] if proc is not None else self.procs):
-            if p.name.rsplit("-", 1)[1] == str(rank):
-                p.join(1.0)
-                code = p.exitcode
-                deadline = time.monotonic() + 1.0
-                while code is None and time.monotonic() < deadline:
-                    # Another thread may have reaped the process and not yet stored its code
-                    # (multiprocessing's poll reads None meanwhile): look again shortly.
-                    time.sleep(0.02)
-                    code = p.exitcode
-                if code is None:
-                    return f"{self.describe_rank(rank)}: its worker process (pid {p.pid}) closed its connection to the engine"
-                how = f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
-                    else f"exited with code {code}"
-                err = self._last_error.pop(rank, None)
-                return f"{self.describe_rank(rank)}: its worker process (pid {p.pid}) {how}" + (f" ({err})" if err else "")
-        return f"{self.describe_rank(rank)}: its connection to the engine closed (its process or its host died)"
-
-    def _fail(self, reason: str) -> None:
-        if self.dead or self._stopping:
-            return
-        self.dead = reason
-        logger.error("%s", reason)
-        if self._recovery is not None and self._recovery is not asyncio.current_task():
-            self._recovery.cancel()
-        self._results.put_nowait(WorkerDiedError(reason))
-
-    # --- stage supervision ------------------------------------------------------------------------
-    def _restarts_on(self) -> bool:
-        return self._supervised and self.max_restarts > 0
-
-    def _why_not_restartable(self, rank: int) -> Optional[str]:
-        par = self.config.parallel
-        if par.device == "cuda" and not par.share_gpu and self.world > 1:
-            return "stage restarts need gloo channels (NCCL cannot re-form a communicator with a new process)"
-        if self.nodes is not None and rank not in self._local_ranks and par.node_launcher == "manual":
-            return "its host's agent was started by hand (--node-launcher manual)"
-        if self.nodes is not None and rank not in self._local_ranks and self.nodes.launcher == "pernode":
-            return (f"{self.nodes.host_of_rank(rank)} runs its own zpp serve (--nnodes), which the head cannot start "
-                    f"again: its launcher restarts the group")
-        return None
-
-    def _restart_budget_left(self) -> bool:
-        now = time.monotonic()
-        self._restart_times = [t for t in self._restart_times if now - t < STAGE_RESTART_WINDOW_S]
-        return len(self._restart_times) < self.max_restarts
-
-    def _ranks_of_loss(self, rank: int) -> set[int]:
-        """The ranks to start again when ``rank`` is lost: itself on this host; every rank of its
-        host elsewhere (its agent stops them all and is started again over SSH)."""
-        if self.nodes is None or rank in self._local_ranks:
-            return {rank}
-        host = self.nodes.host_of_rank(rank)
-        return set(self.nodes.assignment.get(host, [rank]))
-
-    @property
-    def recovering(self) -> bool:
-        """A lost stage is being restarted (the pipeline is paused)."""
-        return self._recovery is not None
-
-    def _lost(self, rank: int, reason: str, kill: bool = False, pid: Optional[int] = None,
-              session: object = None) -> None:
-        """``rank``'s worker (or host) is gone, silent or stuck: restart it in place while the other
-        stages keep their processes (see :meth:`_recover`), or fail the engine when restarts are off,
-        spent, impossible, or the engine is still starting. ``kill``: the process may still be alive
-        (stopped or stuck) and is killed first. ``pid`` / ``session``: the process or node session
-        the report is about; a report about one a restart has already replaced is ignored. Runs on
-        the engine's loop."""
-        if self.dead or self._stopping:
-            return
-        if pid is not None and not any(p.pid == pid for p in self.procs):
-            return  # an earlier incarnation of the rank (killed by a restart), reported late
-        if session is not None and (self.nodes is None or not self.nodes.is_current(session)):
-            return
-        why_not = self._why_not_restartable(rank) if self._restarts_on() else None
-        if not self._restarts_on() or why_not:
-            self._fail(reason + (f" (not restarted: {why_not})" if why_not else ""))
-            return
-        ranks = self._ranks_of_loss(rank)
-        if self._recovery is None and ranks <= self._lost_ranks:
-            return  # already known (several watchers saw the same loss)
-        if kill:
-            for r in ranks & self._local_ranks:
-                self._kill_local(r)
-        self._lost_ranks |= ranks
-        self._causes.append(" ".join(reason.split("\n", 1)[0].split()))
-        self.trace.mark("stage_lost", -1, args={"rank": rank, "reason": reason[:200]})
-        if self._recovery is None:
-            logger.warning("%s; restarting %s (the other stages keep running; requests resume)", reason,
-                           ", ".join(f"stage {r // self.tp}" + (f" rank {r}" if self.tp > 1 else "")
-                                     for r in sorted(ranks)))
-            self.inflight.clear()
-            self._recovery = asyncio.ensure_future(self._recover())
-            self._results.put_nowait(STAGES_RESTARTING)
-            self._stats_changed()
-        else:
-            logger.warning("%s (during the restart)", reason)
-            self._control.put_nowait((rank, None))
-
-    def _stats_changed(self) -> None:
-        if self.on_stage_stats is not None:
-            self.on_stage_stats()
-
-    def _kill_local(self, rank: int) -> None:
-        for p in self.procs:
-            if p.name == f"zpp-worker-{rank}" and p.is_alive():
-                self._killed.add(p.pid)
-                p.kill()
-                p.join(2.0)
-
-    async def _recover(self) -> None:
-        """Bring the lost ranks back: each try kills what is left of them, starts them again (this
-        host: a new process; another host: a new ``zpp-node`` session), has every rank form process
-        group generation ``g + 1`` (survivors: Rejoin; new ranks: InitWorker), loads the new ranks'
-        weights and KV cache, and then resumes scheduling (:data:`STAGES_RECOVERED`). Each try
-        counts against ``--max-stage-restarts``; when none is left the engine fails with every
-        try's cause in one line."""
-        t0 = time.monotonic()
-        tries = 0
-        try:
-            while True:
-                ranks = set(self._lost_ranks)
-                if not self._restart_budget_left():
-                    stages = ", ".join(sorted({self.describe_rank(r) for r in ranks}))
-                    causes = "; ".join(f"try {i}: {c}" if i else c for i, c in enumerate(self._causes))
-                    self._fail(f"{stages}: not restarted, --max-stage-restarts {self.max_restarts} used up within "
-                               f"{STAGE_RESTART_WINDOW_S / 60:g} min: {causes}")
-                    return
-                self._restart_times.append(time.monotonic())
-                tries += 1
-                for stage in {r // self.tp for r in ranks}:
-                    self.stage_restarts[stage] += 1
-                try:
-                    await self._restart_try(ranks)
-                except _TryFailed as e:
-                    logger.warning("restart try %d failed: %s", tries, e)
-                    if not self._causes or self._causes[-1] != str(e):  # a death is recorded by _lost
-                        self._causes.append(str(e))
-                    continue
-                if self._lost_ranks - ranks:  # another rank was lost meanwhile: restart it too
-                    continue
-                break
-        except asyncio.CancelledError:
-            return
-        except _GiveUp as e:
-            self._fail(str(e))
-            return
-        except Exception as e:  # a bug in the recovery: fail loudly, never hang
-            logger.exception("stage restart failed")
-            self._fail(f"stage restart failed: {e!r}")
-            return
-        took = time.monotonic() - t0
-        self.recovery_seconds.append(took)
-        logger.info("pipeline formed again in %.1fs (generation %d, %d try/tries); requests resume", took,
-                    self.generation, tries)
-        self.trace.mark("stages_recovered", -1, args={"seconds": took})
-        self._lost_ranks.clear()
-        self._causes.clear()
-        self._recovery = None
-        self.last_progress = time.monotonic()
-        self._results.put_nowait(STAGES_RECOVERED)
-        self._stats_changed()
-
-    async def _restart_try(self, ranks: set[int]) -> None:
-        """One try of :meth:`_recover` for ``ranks``. Raises _TryFailed."""
-        while not self._control.empty():  # what came for an earlier try
-            self._control.get_nowait()
-        for r in ranks & self._local_ranks:
-            self._kill_local(r)
-        hosts = {self.nodes.host_of_rank(r) for r in ranks - self._local_ranks} if self.nodes else set()
-        self.generation += 1
-        gen = self.generation
-        self._lost_ranks = set(ranks)
-        now = time.monotonic()
-        for r in ranks:
-            self.last_heard.pop(r, None)
-            self.heartbeats.pop(r, None)
-        survivors = [r for r in range(self.world) if r not in ranks]
-        for r in survivors:
-            self.last_heard[r] = max(self.last_heard.get(r, now), now)
-        logger.info("restarting %s (process group generation %d)", ", ".join(map(self.describe_rank, sorted(ranks))), gen)
-        self._spawn_local(sorted(ranks & self._local_ranks))
-        for host in hosts:
-            await asyncio.get_running_loop().run_in_executor(None, self.nodes.restart, host)
-
-        hello_s = 120.0
-        waiting_hello, waiting_ready, waiting_cache = set(ranks), set(ranks), set(ranks)
-        waiting_rejoin = set(survivors)
-        deadline = time.monotonic() + hello_s
-        what = "its Hello"
-        while waiting_hello or waiting_ready or waiting_cache or waiting_rejoin:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                late = sorted(waiting_hello or waiting_rejoin or waiting_ready or waiting_cache)
-                raise _TryFailed(f"{'; '.join(map(self.describe_rank, late))}: no {what} within {hello_s:.0f} s")
-            try:
-                rank, msg = await asyncio.wait_for(self._control.get(), timeout=min(left, 1.0))
-            except asyncio.TimeoutError:
-                continue
-            if msg is None:  # a rank died during this try
-                raise _TryFailed(self._causes[-1] if self._causes else f"{self.describe_rank(rank)} died")
-            if isinstance(msg, m.Hello) and rank in waiting_hello:
-                self._check_hello(rank, msg)
-                self.placement[rank] = msg
-                self.last_heard[rank] = time.monotonic()
-                waiting_hello.discard(rank)
-                self.socket.send(rank, self._init_worker(rank, self.num_blocks))
-                if not waiting_hello:  # every new rank is alive and about to form the groups
-                    for r in survivors:
-                        self.socket.send(r, m.Rejoin(generation=gen))
-                    deadline, what = time.monotonic() + 1800.0, "answer (weights, KV cache, process groups)"
-            elif isinstance(msg, m.Rejoined) and msg.generation == gen:
-                waiting_rejoin.discard(rank)
-            elif isinstance(msg, m.WorkerReady) and rank in waiting_ready:
-                waiting_ready.discard(rank)
-                if msg.num_kv_blocks_fit < self.num_blocks:
-                    raise _GiveUp(f"{self.describe_rank(rank)}: restarted, but it holds only {msg.num_kv_blocks_fit} "
-                                  f"KV blocks, not the engine's {self.num_blocks}")
-                self.socket.send(rank, m.InitKVCache(num_blocks=self.num_blocks))
-            elif isinstance(msg, m.CacheReady) and rank in waiting_cache:
-                waiting_cache.discard(rank)
-            elif isinstance(msg, m.LinkDown):
-                logger.info("%s: %s", self.describe_rank(rank), msg.message)
-        for r in sorted(ranks):
-            self._log_placement(r, " (restarted)")
-
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop every worker: Shutdown message, then SIGTERM, then SIGKILL. Idempotent. After a
         failure (``dead``) the workers get at most 1 s to act on the message: a stopped or hung one
@@ -946,50 +566,6 @@ def _stopped(pid: Optional[int]) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
     except (OSError, IndexError):
         return False
-
-
-@contextlib.contextmanager
-def _main_module_hidden():
-    """Spawn workers without re-running the user's ``__main__`` in them.
-
-    multiprocessing's spawn re-imports the parent's main script in every child, so a script that
-    creates an ``LLM`` at top level without an ``if __name__ == "__main__"`` guard would recurse.
-    Workers need nothing from ``__main__`` (their target is a zpp function), so hide it while
-    starting them.
-    """
-    main = sys.modules.get("__main__")
-    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if main is not None and hasattr(main, k)}
-    try:
-        for k in saved:
-            if k == "__file__":
-                delattr(main, k)
-            else:
-                setattr(main, k, None)
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(main, k, v)
-
-
-@contextlib.contextmanager
-def _sigint_blocked():
-    """Block SIGINT in the calling thread while it spawns child processes.
-
-    Children inherit the signal mask through fork and exec, so a child starts with SIGINT blocked
-    and a terminal's Ctrl-C (sent to the whole process group) never reaches it, not even while it
-    imports, before it could ignore the signal (it would print a KeyboardInterrupt traceback and
-    die, racing the parent's orderly stop). Every zpp child leaves stopping to its parent. A SIGINT
-    that arrives here meanwhile stays pending and is handled when the block ends: none is lost.
-    """
-    # The first spawn starts multiprocessing's resource tracker, and starting it unblocks SIGINT
-    # (SIG_UNBLOCK, not a restore): start it before blocking, or the first child would not be.
-    from multiprocessing import resource_tracker
-    resource_tracker.ensure_running()
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _worker_entry(address: str, rank: int, keys: RunKeys, level: int) -> None:

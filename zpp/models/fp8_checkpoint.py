@@ -1,7 +1,9 @@
-"""Reading an FP8 checkpoint: its tensor index from the safetensors headers, the plan that says
-which tensors load as stored and which are dequantized, and the iterator that feeds the planned
-tensors to a family's strict loader. The layouts, and which layers keep FP8, are described in
-:mod:`zpp.models.quantization`."""
+"""Reading an FP8 checkpoint: which tensors the safetensors files hold (:func:`read_index`), which
+linear layers become FP8 (:func:`prepare_model_for_checkpoint`), the plan of what to read for
+this stage (:func:`plan_checkpoint`), the tensors read and (de)quantized as planned
+(:func:`iter_planned`), and the attention layers' KV-cache scales (:func:`load_kv_scales`).
+The checkpoint's ``quantization_config`` and the FP8 layers are :mod:`zpp.models.quantization`.
+"""
 from __future__ import annotations
 
 import logging
@@ -12,9 +14,11 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from zpp.models.quantization import (CheckpointQuant, FP8_DTYPE, _KV_SCALE_RE, _SCALE_SUFFIXES, _keep_dtype, _linear_modules, dequantize, fp8_layout_ok, make_fp8_linear)
+from zpp.models.layers.fp8 import FP8_DTYPE, dequantize
+from zpp.models.quantization import (_KV_SCALE_RE, _SCALE_SUFFIXES, CheckpointQuant, _keep_dtype,
+                                     _linear_modules, fp8_layout_ok, make_fp8_linear)
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("zpp.models.quantization")
 
 
 @dataclass

@@ -78,7 +78,8 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
         ValueError: missing or unexpected tensors (an FP8 weight's scale included; named, before any
             copy), or shape mismatches (names given).
     """
-    from zpp.models import fp8_checkpoint as ck, quantization as q
+    from zpp.models import fp8_checkpoint as ck
+    from zpp.models import quantization as q
     cls = resolve_model_class(cfg, stage.tp_size)
     quant = q.parse_quantization_config(cfg)
     old = torch.get_default_dtype()

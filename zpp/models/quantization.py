@@ -20,7 +20,7 @@ over its block). What is quantized is read from the checkpoint itself (a float8 
 scale next to it), not from ``ignore`` / ``targets`` patterns: ``ignore`` only says which layers
 were left in high precision, and those are stored so.
 
-How a checkpoint loads (:mod:`zpp.models.fp8_checkpoint`):
+How a checkpoint loads (:func:`plan_checkpoint`, :func:`iter_planned`):
 
 * Where FP8 cannot run (CPU; a GPU of compute capability < 8.9) every FP8 weight is dequantized
   on load to the model's dtype and handed to the family's strict loader under its own name, so a
@@ -50,12 +50,10 @@ import torch
 from torch import nn
 
 from zpp.errors import ConfigError
+from zpp.models.layers.fp8 import FP8_DTYPE, quantize_block, quantize_per_channel
 
 logger = logging.getLogger(__name__)
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-"""Largest finite float8_e4m3fn value."""
 
 SUPPORTED_QUANTIZATION = ("compressed-tensors", "fp8")
 """``quantization_config.quant_method`` values zpp loads (FP8 only)."""
@@ -212,74 +210,6 @@ def check_quantization(cfg: dict[str, Any]) -> None:
 def fp8_supported(device: torch.device) -> bool:
     """Whether FP8 GEMMs run on ``device``: a CUDA GPU of compute capability >= 8.9 (Ada, Hopper)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-# --- quantize / dequantize -----------------------------------------------------------------------
-def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` -> (float8_e4m3fn ``[N, K]``, float32 scale ``[N]``), ``w ~= q * scale[:, None]``,
-    ``scale = amax(|w_row|) / 448`` (all-zero rows get scale 1). Computed in float32 on ``w``'s device."""
-    wf = w.float()
-    scale = wf.abs().amax(dim=1) / FP8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
-
-
-def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` -> (float8_e4m3fn, float32 scalar scale ``[]``), ``scale = amax(|w|) / 448``."""
-    wf = w.float()
-    scale = wf.abs().amax() / FP8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
-
-
-def quantize_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` -> (float8_e4m3fn ``[N, K]``, float32 scale ``[ceil(N/bn), ceil(K/bk)]``): one
-    scale per ``bn x bk`` tile (the last row / column of tiles may be partial), ``amax / 448``,
-    as DeepSeek-V3's ``weight_block_size`` checkpoints."""
-    N, K = w.shape
-    bn, bk = block
-    nb, kb = -(-N // bn), -(-K // bk)
-    wf = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=w.device)
-    wf[:N, :K] = w.float()
-    tiles = wf.view(nb, bn, kb, bk)
-    scale = tiles.abs().amax(dim=(1, 3)) / FP8_MAX                                 # [nb, kb]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nb * bn, kb * bk)[:N, :K]
-    return q.to(FP8_DTYPE).contiguous(), scale
-
-
-def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
-    """A block grid ``[ceil(N/bn), ceil(K/bk)]`` -> the per-element scale ``[N, K]`` (float32)."""
-    N, K = shape
-    return scale.float().repeat_interleave(block[0], 0)[:N].repeat_interleave(block[1], 1)[:, :K]
-
-
-def dequantize(w: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
-    """``w_fp8.float() * scale`` in ``dtype``; ``scale``: a scalar / ``[1]`` (per tensor), ``[N]`` or
-    ``[N, 1]`` (per channel), or with ``block`` the grid ``[ceil(N/bn), ceil(K/bk)]``. Works for 2-D
-    weights and for stacked experts ``[E, N, K]`` with ``[E, ...]`` scales.
-
-    Raises:
-        ValueError: the scale's shape fits none of these.
-    """
-    wf = w.float()
-    s = scale.float().to(w.device)
-    if s.numel() == 1:
-        return (wf * s.reshape(())).to(dtype)
-    N, K = w.shape[-2:]
-    lead = tuple(w.shape[:-2])
-    if s.shape in (lead + (N,), lead + (N, 1)):
-        return (wf * s.reshape(lead + (N, 1))).to(dtype)
-    if block is not None:
-        grid = lead + (-(-N // block[0]), -(-K // block[1]))
-        if tuple(s.shape) == grid:
-            if lead:
-                full = torch.stack([expand_block_scale(si, (N, K), block) for si in s.reshape(-1, *grid[-2:])])
-                return (wf * full.reshape(wf.shape)).to(dtype)
-            return (wf * expand_block_scale(s, (N, K), block)).to(dtype)
-    raise ValueError(f"scale of shape {tuple(s.shape)} fits neither per-tensor, per-channel nor "
-                     f"{'block ' + str(block) if block else 'block'} scaling of a weight {tuple(w.shape)}")
 
 
 # --- FP8 linear layers ---------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
                         "until its workers exit")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
-    from zpp.config import ConfigError
+    from zpp.errors import ConfigError
     from zpp.transport.security import RunKeys, read_keys_file
     try:
         if args.keys_file:

@@ -23,7 +23,7 @@ import itertools
 import re
 from typing import Mapping, Optional
 
-from zpp.config import ConfigError
+from zpp.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,8 @@ import time
 import uuid
 from typing import Optional
 
-from zpp.config import ConfigError, EngineConfig
+from zpp.config import EngineConfig
+from zpp.errors import ConfigError
 from zpp.node.placement import describe_stages, split_ranks
 from zpp.transport.addresses import interface_of, is_loopback, route_source_address
 from zpp.transport.channels import tcp_address

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from zpp.config import ConfigError
+from zpp.errors import ConfigError
 
 
 def split_ranks(world: int, pins: Sequence[Optional[int]]) -> list[list[int]]:

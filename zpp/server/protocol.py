@@ -1,6 +1,6 @@
 """OpenAI API request schemas (msgspec) and their translation into SamplingParams.
 
-Decoding a body with :func:`decode_request` checks every field's type and the ranges that can be
+Decoding a body with :func:`zpp.server.http_body.decode_request` checks every field's type and the ranges that can be
 checked without the model (an integer must fit in 64 bits, ``n`` is at most 128, ...; a whole
 float such as ``5.0`` is an integer, as in vLLM); a ValidationError's path (``$.temperature``)
 names the parameter for the 400 response. An unknown top-level field is refused with a 400 naming
@@ -11,15 +11,12 @@ it, as OpenAI does ("Unrecognized request argument"): silently ignoring, say,
 """
 from __future__ import annotations
 
-import re
-import time
-import uuid
-import zlib
 from typing import Any, Optional, Union
 
 import msgspec
 
-from zpp.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from zpp.errors import RequestError, SamplingParamsError
+from zpp.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 
@@ -243,155 +240,10 @@ class DetokenizeRequest(_Request, kw_only=True, forbid_unknown_fields=True):
     tokens: list[Int64]
 
 
-class ProtocolError(ValueError):
-    """A malformed request; becomes HTTP ``status`` with OpenAI's error body. ``unknown_fields``
-    lists the top-level fields the request type does not know (the server logs them); ``headers``
-    go on the error response."""
-
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
-                 err_type: str = "invalid_request_error", code: Optional[str] = None,
-                 unknown_fields: tuple[str, ...] = (), headers: Optional[dict[str, str]] = None):
-        super().__init__(message)
-        self.param, self.status, self.err_type, self.code = param, status, err_type, code
-        self.unknown_fields = unknown_fields
-        self.headers = headers or {}
+ProtocolError = RequestError
+"""A malformed request (the one request-error type, :class:`zpp.errors.RequestError`)."""
 
 
-# --- Content-Encoding of request bodies -----------------------------------------------------------
-CONTENT_CODINGS = ("gzip", "deflate")
-"""The request-body codings the server undoes (besides ``identity``); ``x-gzip`` is gzip (RFC 9110)."""
-MAX_CONTENT_CODINGS = 4
-"""Most codings one ``Content-Encoding`` may stack (each is undone in turn)."""
-
-
-def body_too_large(limit: int) -> ProtocolError:
-    """The 413 for a body over ``limit`` bytes (``--max-request-body-bytes``), decoded or not."""
-    return ProtocolError(f"the request body is larger than this server accepts ({limit} bytes; "
-                         "see --max-request-body-bytes)", None, 413)
-
-
-def content_codings(values) -> list[str]:
-    """The codings named by a request's ``Content-Encoding`` header values, in the order they were
-    applied (``identity`` and empty entries dropped, names lower-cased, ``x-gzip`` -> ``gzip``).
-
-    Raises:
-        ProtocolError: HTTP 415 for a coding this server cannot undo (``br``, ``zstd``, ``compress``,
-            an unknown name: never taken for identity) or more than MAX_CONTENT_CODINGS of them;
-            the message lists the supported ones, the ``Accept-Encoding`` header too (RFC 7694).
-    """
-    codings = []
-    for value in values:
-        for name in value.split(","):
-            name = name.strip().lower()
-            if name and name != "identity":
-                codings.append("gzip" if name == "x-gzip" else name)
-    unsupported = [c for c in codings if c not in CONTENT_CODINGS]
-    if unsupported or len(codings) > MAX_CONTENT_CODINGS:
-        msg = (f"Content-Encoding {unsupported[0][:40]!r} is not supported: this server accepts request "
-               "bodies in identity, gzip or deflate encoding" if unsupported else
-               f"Content-Encoding stacks {len(codings)} codings: this server undoes at most "
-               f"{MAX_CONTENT_CODINGS} (each gzip or deflate)")
-        raise ProtocolError(msg, None, 415, headers={"Accept-Encoding": "gzip, deflate"})
-    return codings
-
-
-def undo_content_encoding(body: bytes, codings: list[str], limit: int) -> bytes:
-    """``body`` with its ``codings`` (from :func:`content_codings`) undone, last applied first.
-
-    gzip may hold several members (RFC 1952); deflate is a zlib stream (RFC 1950) or, as some
-    clients send it, raw deflate. Decoding stops as soon as the output passes ``limit`` bytes.
-    An empty body stays empty.
-
-    Raises:
-        ProtocolError: HTTP 413 past ``limit``; HTTP 400 when the body is not valid data of its
-            coding (corrupt, truncated, or followed by other bytes).
-    """
-    for coding in reversed(codings):
-        body = _inflate(body, coding, limit)
-    return body
-
-
-def _inflate(data: bytes, coding: str, limit: int) -> bytes:
-    out: list[bytes] = []
-    size = 0
-
-    def bad(why: str) -> ProtocolError:
-        return ProtocolError(f"the request body could not be decoded as {coding} (its Content-Encoding): {why}")
-
-    while data:
-        if coding == "gzip":
-            wbits = 16 + zlib.MAX_WBITS
-        else:  # a zlib header has compression method 8 in its low nibble; else raw deflate
-            wbits = zlib.MAX_WBITS if data[0] & 0x0F == 8 else -zlib.MAX_WBITS
-        d = zlib.decompressobj(wbits)
-        pending = data
-        try:
-            while not d.eof:
-                piece = d.decompress(pending, limit - size + 1)
-                size += len(piece)
-                if size > limit:
-                    raise body_too_large(limit)
-                out.append(piece)
-                pending = d.unconsumed_tail
-                if not pending and not piece:
-                    break
-        except zlib.error as e:
-            raise bad(str(e)) from None
-        if not d.eof:
-            raise bad("the data ends early (truncated)")
-        data = d.unused_data
-        if data and coding == "deflate":
-            raise bad(f"{len(data)} bytes follow the end of the compressed data")
-        # gzip: what follows must be another member (else its header check fails above)
-    return b"".join(out)
-
-
-_PATH_RE = re.compile(r"at `\$\.([A-Za-z_]+)")
-_UNKNOWN_RE = re.compile(r"^Object contains unknown field `(.*)`$", re.DOTALL)  # top level only
-_MISSING_RE = re.compile(r"^Object missing required field `([A-Za-z_]+)`$")  # top level only
-MAX_FIELD_NAME = 100  # characters of an unknown field's name kept in messages and logs
-
-
-def _unknown_fields(body: bytes, kind: type) -> tuple[str, ...]:
-    """Every top-level key of ``body`` that ``kind`` does not know (msgspec names only the first)."""
-    try:
-        obj = msgspec.json.decode(body)
-    except (msgspec.DecodeError, RecursionError):
-        return ()
-    if not isinstance(obj, dict):
-        return ()
-    known = {f.encode_name for f in msgspec.structs.fields(kind)}
-    return tuple(k[:MAX_FIELD_NAME] for k in obj if k not in known)
-
-
-def decode_request(body: bytes, kind: type):
-    """Parse and type-check a JSON body into ``kind`` (a request struct of this module).
-
-    Raises:
-        ProtocolError: the body is not JSON, not an object, or a field has the wrong type or is
-            out of range (``param`` names the top-level field); an unknown top-level field
-            (``unknown_fields`` lists them all).
-    """
-    try:
-        req = msgspec.json.decode(body, type=kind, dec_hook=_dec_hook)
-    except msgspec.ValidationError as e:
-        unknown = _UNKNOWN_RE.search(str(e))
-        if unknown:
-            name = unknown.group(1)[:MAX_FIELD_NAME]
-            raise ProtocolError(f"unrecognized request argument supplied: {name!r}", name,
-                                unknown_fields=_unknown_fields(body, kind) or (name,)) from None
-        missing = _MISSING_RE.search(str(e))
-        if missing:
-            raise ProtocolError(f"invalid request: {e}", missing.group(1)) from None
-        m = _PATH_RE.search(str(e))
-        raise ProtocolError(f"invalid request: {e}", m.group(1) if m else None) from None
-    except msgspec.DecodeError as e:
-        raise ProtocolError(f"the body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise ProtocolError("the body is nested too deeply") from None
-    if getattr(req, "stream_options", None) is not None and not req.stream:
-        raise ProtocolError("stream_options is only allowed with stream: true", "stream_options")
-    return req
 
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -472,7 +324,7 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
         return SamplingParams(
             logit_bias=logit_bias_of(req.logit_bias),
             n=req.n,
-            temperature=_temperature(pick("temperature", None)),
+            temperature=pick("temperature", 1.0),  # below 1e-5: greedy (SamplingParams)
             top_p=pick("top_p", 1.0),
             top_k=pick("top_k", 0),
             min_p=pick("min_p", 0.0),
@@ -516,26 +368,3 @@ def logit_bias_of(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]
         out[int(s)] = v
     return out
 
-
-def _temperature(t: Optional[float]) -> float:
-    """None -> 1 (OpenAI's default); below 1e-5 -> 0 (greedy, as vLLM does: dividing logits by a
-    tiny temperature overflows)."""
-    if t is None:
-        return 1.0
-    return 0.0 if 0 <= t < 1e-5 else t
-
-
-def error_body(message: str, err_type: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[str] = None) -> dict:
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-
-
-def new_id(prefix: str) -> str:
-    """A fresh response id, e.g. ``cmpl-<32 hex digits>``."""
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    """Unix time in whole seconds (the ``created`` field)."""
-    return int(time.time())

@@ -48,8 +48,7 @@ from typing import Any, Optional, Union
 import msgspec
 from aiohttp import web
 
-from zpp.engine.async_engine import EngineDeadError
-from zpp.engine.inputs import RequestError
+from zpp.errors import EngineDeadError, RequestError
 from zpp.sampling_params import SamplingParamsError
 from zpp.server.protocol import (ChatCompletionRequest, ChatMessage, Int64, ProtocolError, _Request,
                                  structured_outputs_of, to_sampling_params)
@@ -324,17 +323,19 @@ def _status(finish_reason: Optional[str]) -> tuple[str, Optional[dict]]:
 
 
 class ResponsesAPI:
-    """The ``POST /v1/responses`` handler over an OpenAIServer: uses its body reading and model
-    check (``_read``, ``_check_model``), chat prompt rendering (``_chat_prompt``), grammar
-    compilation (``_compile_grammar``) and engine runs (``_run_all``), and its ``engine``."""
+    """The ``POST /v1/responses`` handler over the endpoints' shared
+    :class:`~zpp.server.endpoint.ServingContext`: its body reading and model check, the chat
+    options of ``/v1/chat/completions`` (:func:`zpp.server.chat.chat_options`), the engine's one way
+    in (:meth:`~zpp.frontend.async_engine.AsyncEngine.prepare`) and its ``run_all``."""
 
-    def __init__(self, server):
-        self.server = server
+    def __init__(self, ctx):
+        self.ctx = ctx
 
     async def create(self, request: web.Request) -> web.StreamResponse:
-        srv = self.server
-        req: ResponsesRequest = await srv._read(request, ResponsesRequest)
-        srv._check_model(req.model)
+        from zpp.server.chat import chat_options
+        ctx = self.ctx
+        req: ResponsesRequest = await ctx.read(request, ResponsesRequest)
+        ctx.check_model(req.model)
         _check_stateless(req)
         try:
             chat = to_chat_request(req)
@@ -347,33 +348,25 @@ class ResponsesAPI:
                                         "ask for JSON too", "tool_choice")
                 so, so_param = tool_so, "tools"
             sampling = to_sampling_params(chat, chat.max_completion_tokens, None,
-                                          rename={"max_tokens": "max_output_tokens"}, structured_outputs=so)
-            size = sum(len(m.content or "") for m in chat.messages)
-            if size < _LARGE_TEXT:
-                prompt_ids = srv._chat_prompt(chat, plan)
-            else:
-                prompt_ids = await asyncio.get_running_loop().run_in_executor(None, srv._chat_prompt, chat, plan)
+                                          rename={"max_tokens": "max_output_tokens"}, structured_outputs=so,
+                                          defaults=ctx.generation_defaults)
+            prepared = await ctx.engine.prepare(sampling=sampling, messages=chat.messages,
+                                                chat=chat_options(ctx, chat, plan), grammar_param=so_param,
+                                                rename={"max_tokens": "max_output_tokens"})
         except ProtocolError as e:
             raise _renamed(e, _PARAMS) from None
-        try:
-            srv.engine.validate(prompt_ids, sampling)
-        except RequestError as e:
-            raise ProtocolError(str(e), _PARAMS.get(e.param, e.param)) from None
-        try:
-            await srv._compile_grammar(sampling, so_param)
-        except ProtocolError as e:
-            raise _renamed(e, _PARAMS) from None
+        prompt_ids = prepared.prompt_token_ids
         if plan is not None and plan.mode == "none":
             plan = None
-        run = _Run(self.server, req, plan, prompt_ids, sampling)
+        run = _Run(ctx, req, plan, prompt_ids, sampling)
         if not req.stream:
             final = None
-            async with aclosing(srv._run_all([prompt_ids], sampling, run.engine_id, stream=False)) as outs:
+            async with aclosing(ctx.run_all([prepared], run.engine_id, stream=False)) as outs:
                 async for _, out in outs:
                     final = out
             return web.Response(body=json.dumps(run.finish(final.outputs[0]), ensure_ascii=False),
                                 content_type="application/json")
-        return await run.stream(request, srv._run_all([prompt_ids], sampling, run.engine_id))
+        return await run.stream(request, ctx.run_all([prepared], run.engine_id))
 
 
 class _Run:

@@ -20,7 +20,7 @@ import struct
 from typing import Optional, Sequence
 
 from zpp import envs
-from zpp.config import ConfigError
+from zpp.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

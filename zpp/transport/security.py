@@ -22,7 +22,7 @@ from typing import Optional
 import msgspec
 import zmq
 
-from zpp.config import ConfigError
+from zpp.errors import ConfigError
 
 
 class RunKeys(msgspec.Struct, frozen=True):

@@ -9,7 +9,6 @@ A worker never outlives its engine: it asks the kernel to kill it when its paren
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -23,37 +22,9 @@ from collections import deque
 
 from zpp import envs
 
+from zpp.utils.process import freeze_gc, watch_parent
+
 logger = logging.getLogger("zpp.worker")
-
-
-def watch_parent(poll_s: float = 0.5) -> None:
-    """Exit this process as soon as its parent dies (even by SIGKILL)."""
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != parent:
-        os._exit(1)
-
-    def loop():
-        while True:
-            if os.getppid() != parent:
-                os._exit(1)
-            time.sleep(poll_s)
-
-    threading.Thread(target=loop, name="zpp-parent-watch", daemon=True).start()
-
-
-def freeze_gc() -> None:
-    """Collect once, then move every object alive now (modules, weights' wrappers, CUDA graphs'
-    Python state...) out of the cyclic garbage collector's reach (``gc.freeze``), as vLLM does after
-    start-up: a full collection otherwise walks them all, which stalled a worker ~90 ms a few times
-    per run at 1000 running requests (seen as GPU gaps in a ``ZPP_TRACE`` timeline)."""
-    import gc
-    gc.collect()
-    gc.freeze()
 
 
 def worker_main(engine_address: str, rank: int, keys, log_level: int = logging.INFO) -> None:

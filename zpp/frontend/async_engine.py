@@ -1,13 +1,13 @@
 """The asyncio engine front end: request intake, output processing, and the engine core behind it.
 
-``AsyncEngine`` tokenizes and validates requests (:mod:`zpp.engine.inputs`), fans ``n`` out into
+``AsyncEngine`` tokenizes and validates requests (:mod:`zpp.frontend.inputs`), fans ``n`` out into
 sequences, hands them to the engine core (:mod:`zpp.engine.core`: scheduler, KV blocks,
 executor) and turns the core's per-step deltas into each request's outputs
-(:mod:`zpp.engine.output_processor`: detokenization, stop strings, logprobs).
+(:mod:`zpp.frontend.output_processor`: detokenization, stop strings, logprobs).
 
 The core runs either on the same event loop (``in_process=True``: the offline ``LLM``, tests) or
 in its own process behind ZeroMQ (``in_process=False``: ``zpp serve``, see
-:mod:`zpp.engine.core_proc`), so HTTP, tokenization and detokenization never hold up the
+:mod:`zpp.frontend.core_client`), so HTTP, tokenization and detokenization never hold up the
 pipeline loop. The two paths share every class but the transport.
 """
 from __future__ import annotations
@@ -17,13 +17,15 @@ import itertools
 import json
 import logging
 import os
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Union
 
-from zpp.config import ConfigError, EngineConfig
-from zpp.engine.core_messages import CoreRequest, EngineStats, GrammarSpec, StepOutputs
-from zpp.engine.inputs import InputProcessor, PromptType, RequestError
-from zpp.engine.output_processor import OutputProcessor, _Group
-from zpp.engine.structured_output import GrammarCompiler
+from zpp.config import EngineConfig
+from zpp.errors import ConfigError, EngineBusyError, EngineDeadError, EngineShutdownError, RequestError
+from zpp.transport.core_messages import CoreRequest, EngineStats, GrammarSpec, StepOutputs
+from zpp.frontend.core_client import CoreClient, CoreProcessClient, InProcessCoreClient
+from zpp.frontend.inputs import ChatOptions, InputProcessor, PreparedRequest, PromptType, off_loop_if_large, text_size
+from zpp.frontend.output_processor import OutputProcessor, _Group
+from zpp.frontend.grammar import GrammarCompiler
 from zpp.models.partition import partition_layers
 from zpp.models.registry import resolve_model_class
 from zpp.outputs import RequestOutput
@@ -34,52 +36,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncEngine", "EngineBusyError", "EngineDeadError", "EngineShutdownError", "RequestError", "PromptType"]
 
 
-class EngineDeadError(RuntimeError):
-    """The engine lost a worker (or its core); every request fails and the server reports unhealthy."""
-
-
-class EngineShutdownError(EngineDeadError):
-    """The server is stopping (SIGINT / SIGTERM): requests still running are ended with this."""
-
-
-class EngineBusyError(EngineDeadError):
-    """A stage is being restarted and the queue of waiting requests is full (HTTP 503): the request
-    is refused at once rather than queued without bound; the engine itself is alive."""
-
-
 RESTART_QUEUE_PER_SEQ = 4
 """While a stage restarts, new requests queue up to this many times ``--max-num-seqs`` waiting
 sequences; past that they are refused with :class:`EngineBusyError`."""
-
-
-class _InProcessCore:
-    """The engine core on the caller's event loop."""
-
-    def __init__(self):
-        self.core = None
-
-    async def start(self, config: EngineConfig, eos_token_ids: set[int], on_step, on_dead) -> None:
-        from zpp.engine.core import EngineCore
-        self.core = await EngineCore.start(config, eos_token_ids, on_step, on_dead)
-        self.num_kv_blocks = self.core.kv.num_blocks
-        self.block_size = config.cache.block_size
-
-    def add(self, reqs: list[CoreRequest]) -> None:
-        self.core.add_requests(reqs)
-
-    def abort(self, req_ids: list[str]) -> None:
-        self.core.abort(req_ids)
-
-    def stats(self) -> EngineStats:
-        return self.core.stats()
-
-    async def shutdown(self) -> None:
-        if self.core is not None:
-            await self.core.shutdown()
-
-    def kill(self) -> None:
-        if self.core is not None:
-            self.core.executor.shutdown(timeout_s=1.0)
 
 
 class AsyncEngine:
@@ -89,7 +48,7 @@ class AsyncEngine:
     :meth:`shutdown` to stop the core and every worker.
     """
 
-    def __init__(self, config: EngineConfig, tokenizer, eos_token_ids: set[int], client):
+    def __init__(self, config: EngineConfig, tokenizer, eos_token_ids: set[int], client: CoreClient):
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -125,9 +84,8 @@ class AsyncEngine:
         tokenizer = load_tokenizer(config)
         eos = eos_token_ids(config.model.model, config.model.hf_config, tokenizer)
         if in_process:
-            client = _InProcessCore()
+            client = InProcessCoreClient()
         else:
-            from zpp.engine.core_proc import CoreProcessClient
             client = CoreProcessClient(core_address, front_end_index)
         engine = cls(config, tokenizer, eos, client)
         so = config.structured_outputs
@@ -205,6 +163,52 @@ class AsyncEngine:
         self.output.end_all(EngineShutdownError(reason))
 
     # --- requests -----------------------------------------------------------------------------
+    async def prepare(self, prompt: Optional[PromptType] = None, sampling: Optional[SamplingParams] = None, *,
+                      messages: Optional[list] = None, chat: Optional[ChatOptions] = None,
+                      grammar_param: Optional[str] = None,
+                      rename: Optional[dict[str, str]] = None) -> PreparedRequest:
+        """The one way in for a request: every check, the chat rendering, the tokenization, the
+        ``max_tokens`` resolution and the grammar compile, once. :meth:`generate` queues the result
+        as it is.
+
+        Args:
+            prompt: a text or token ids; or ``messages`` (a conversation, rendered with ``chat``,
+                default :class:`ChatOptions`), not both.
+            sampling: the sampling parameters (default ``SamplingParams()``).
+            grammar_param: the request field a structured-output constraint came from
+                (``response_format``, ``tools``, ...): a grammar error then reads
+                ``"<grammar_param>: <error>"`` and names it.
+            rename: maps a parameter to the request field the client sent for it
+                (``max_tokens`` -> ``max_completion_tokens``), for the errors' ``param``.
+
+        Large texts are rendered and tokenized in a worker thread, off the event loop.
+
+        Raises:
+            RequestError: the request breaks a limit or its grammar cannot be compiled.
+        """
+        sampling = sampling if sampling is not None else SamplingParams()
+        try:
+            if messages is not None:
+                opts = chat or ChatOptions()
+                text, ids = await off_loop_if_large(self.inputs.tokenize_chat, messages, opts,
+                                                     size=text_size(messages) + 100 * len(messages))
+            else:
+                text, ids = await off_loop_if_large(self.inputs.tokenize_prompt, prompt,
+                                                     size=text_size(prompt) if isinstance(prompt, str) else 0)
+            self.inputs.check_stop_token_ids(sampling)
+            max_tokens = self.inputs.validate(ids, sampling)
+            try:
+                grammar = await self.compile_grammar(sampling)
+            except RequestError as e:
+                if grammar_param is None:
+                    raise
+                raise RequestError(f"{grammar_param}: {e}", grammar_param) from None
+        except RequestError as e:
+            if rename and e.param in rename:
+                e.param = rename[e.param]
+            raise
+        return PreparedRequest(text, ids, sampling, max_tokens, grammar)
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """See :meth:`InputProcessor.tokenize_prompt`."""
         return self.inputs.tokenize_prompt(prompt)
@@ -225,18 +229,21 @@ class AsyncEngine:
             return None
         return await self.grammar.compile(sampling.structured_outputs)
 
-    async def generate(self, prompt: PromptType, sampling: SamplingParams, request_id: Optional[str] = None,
-                       stream: bool = True) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: Union[PromptType, PreparedRequest], sampling: Optional[SamplingParams] = None,
+                       request_id: Optional[str] = None, stream: bool = True) -> AsyncIterator[RequestOutput]:
         """Submit a request and iterate over its outputs (cumulative; the last has finished=True).
         With ``stream=False`` only the final output is produced (cheaper for offline batches).
+
+        ``prompt`` is a text or token ids (prepared here, with ``sampling``), or a
+        :class:`PreparedRequest` from :meth:`prepare` (queued as it is; ``sampling`` unused).
 
         Raises:
             RequestError: the request breaks a limit, or its structured-output grammar cannot be
                 compiled (before it is queued).
             EngineDeadError: a worker died.
         """
-        grammar = await self.compile_grammar(sampling)
-        group = self.add_request(prompt, sampling, request_id, stream, grammar)
+        prepared = prompt if isinstance(prompt, PreparedRequest) else await self.prepare(prompt, sampling)
+        group = self.add_request(prepared, request_id, stream)
         try:
             while True:
                 item = await group.queue.get()
@@ -251,38 +258,33 @@ class AsyncEngine:
             if not group.finished:
                 self.abort(group.request_id)
 
-    def add_request(self, prompt: PromptType, sampling: SamplingParams,
-                    request_id: Optional[str] = None, stream: bool = True,
-                    grammar: Optional[GrammarSpec] = None) -> _Group:
-        """Queue a request (``grammar``: from :meth:`compile_grammar`, required when ``sampling``
-        has ``structured_outputs``). Raises RequestError, EngineDeadError."""
+    def add_request(self, prepared: PreparedRequest, request_id: Optional[str] = None, stream: bool = True) -> _Group:
+        """Queue a request made by :meth:`prepare`. Raises RequestError (the id is in use),
+        EngineDeadError, EngineBusyError."""
         if self.dead:
             raise EngineDeadError(self.dead)
+        sampling = prepared.sampling
         st = self.stats()
         cap = RESTART_QUEUE_PER_SEQ * self.config.scheduler.max_num_seqs
         if st.recovering and st.num_waiting + sampling.n > cap:
             raise EngineBusyError(f"a pipeline stage is restarting and {st.num_waiting} sequences already wait (at most "
                                   f"{cap} during a restart: {RESTART_QUEUE_PER_SEQ} x --max-num-seqs); retry shortly")
-        if (grammar is None) != (sampling.structured_outputs is None):
-            raise ValueError("a structured-output request needs its compiled grammar (compile_grammar)")
-        text, ids = self.inputs.tokenize_prompt(prompt)
-        max_tokens = self.inputs.validate(ids, sampling)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.output.groups:
             raise RequestError(f"request id {rid!r} is already in use", "request_id")
         n = sampling.n
         seq_ids = [f"{rid}#{i}" for i in range(n)] if n > 1 else [rid]
-        group = self.output.new_group(rid, text, ids, sampling, seq_ids, stream)
-        if max_tokens == 0:
+        group = self.output.new_group(rid, prepared.prompt, prepared.prompt_token_ids, sampling, seq_ids, stream)
+        if prepared.max_tokens == 0:
             self.output.finish_empty(group)
             return group
+        grammar = self.grammar.for_core(prepared.grammar) if prepared.grammar is not None else None
         reqs = []
         for i, sid in enumerate(seq_ids):
             sp = sampling
             if n > 1 and sampling.seed is not None:
                 sp = sampling.clone(seed=(sampling.seed + i * 7919) & 0x7FFFFFFFFFFFFFFF)
-            reqs.append(CoreRequest(sid, ids, sp, max_tokens,
-                                    self.grammar.for_core(grammar) if grammar is not None else None))
+            reqs.append(CoreRequest(sid, prepared.prompt_token_ids, sp, prepared.max_tokens, grammar))
         self.output.add(group)
         self.client.add(reqs)
         return group

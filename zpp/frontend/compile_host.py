@@ -31,7 +31,6 @@ msgpack lists over a ``multiprocessing`` pipe (no pickle).
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import heapq
 import itertools
 import logging
@@ -44,6 +43,8 @@ import time
 from typing import Optional
 
 import msgspec
+
+from zpp.utils.process import main_module_hidden, set_pdeathsig, sigint_blocked
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +85,6 @@ class CompileHostDied(Exception):
 
 
 # --- the host process --------------------------------------------------------------------------
-def _set_pdeathsig() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _compile(compiler, kind: str, text: str, any_whitespace: bool, max_grammar_bytes: int) -> list:
     """In a forked child: ``["ok", serialized]``, ``["too_large", message]`` or ``["error", message]``."""
     import json
@@ -116,7 +110,7 @@ def _child(info, w: int, job: list, host: int) -> None:
     ``w``; never returns."""
     code = 0
     try:
-        _set_pdeathsig()
+        set_pdeathsig()
         if os.getppid() != host:  # the host died before the line above
             os._exit(1)
         os.nice(CHILD_NICE)
@@ -155,7 +149,7 @@ def host_main(conn, front_end: int, tokenizer_path: str, vocab_size: int, stop_t
     ``["started", job_id]`` and one of ``["ok", job_id, serialized]``, ``["error", job_id, message]``,
     ``["too_large", job_id, message]``, ``["timeout", job_id]``, ``["died", job_id, message]``.
     """
-    _set_pdeathsig()
+    set_pdeathsig()
     if os.getppid() != front_end:  # the front end died before the line above
         return
     from zpp.proctitle import set_process_title
@@ -314,10 +308,9 @@ class CompileHost:
         return await asyncio.shield(ready)
 
     def _spawn(self) -> None:
-        from zpp.engine.executor import _main_module_hidden, _sigint_blocked
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        with _main_module_hidden(), _sigint_blocked():
+        with main_module_hidden(), sigint_blocked():
             proc = ctx.Process(target=host_main, name="zpp-grammar-host", daemon=True,
                                args=(child, os.getpid(), *self._host_args, GENERAL_SLOTS, SMALL_SLOTS,
                                      logging.getLogger("zpp").getEffectiveLevel()))

@@ -1,6 +1,6 @@
 """Front-end output processing: the core's per-step deltas -> each request's outputs.
 
-For every :class:`~zpp.engine.core_messages.SeqDelta`: append the token and its logprobs, run the
+For every :class:`~zpp.transport.core_messages.SeqDelta`: append the token and its logprobs, run the
 incremental detokenizer and the stop strings (a hit ends the sequence here and aborts it in the
 core), collect prompt logprobs, and publish a :class:`~zpp.outputs.RequestOutput` to the
 request's stream. Metrics observers see every request through the ``on_*`` hooks. No engine
@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from zpp.engine.core_messages import StepOutputs
-from zpp.engine.detokenizer import IncrementalDetokenizer
+from zpp.transport.core_messages import StepOutputs
+from zpp.frontend.detokenizer import IncrementalDetokenizer
 from zpp.outputs import CompletionOutput, Logprob, RequestOutput
 from zpp.transport.messages import TokenLogprobs
 from zpp.sampling_params import SamplingParams
@@ -229,3 +229,63 @@ class OutputProcessor:
                 self.seq_to_group.pop(s.req_id, None)
             if self.metrics:
                 self.metrics.on_request_finished(group, aborted=False)
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice of a streamed request has new since the previous chunk sent for it.
+
+    Attributes:
+        output: the choice's cumulative output (as :class:`~zpp.outputs.CompletionOutput`).
+        text: the generated text not sent yet; ``text_start``: its offset in ``output.text``.
+        token_ids / logprobs: the generated tokens (and their logprobs, when asked) not sent yet;
+            ``token_start``: their offset in ``output.token_ids``.
+    """
+
+    output: CompletionOutput
+    text: str
+    text_start: int
+    token_ids: list[int]
+    logprobs: Optional[list]
+    token_start: int
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.output.finish_reason
+
+
+class StreamDeltas:
+    """Turns a request's cumulative outputs (what :meth:`AsyncEngine.generate` yields: several
+    engine steps may arrive as one) into per-choice deltas, the one place streams are cut.
+
+    ``deltas(out.outputs)`` gives a :class:`ChoiceDelta` per choice not finished-and-sent; ``sent(delta)``
+    records that it went out (a consumer may hold a delta back, e.g. one with no text yet, and
+    get it again, with more, next time); ``sent_tokens`` is the tokens sent over all choices.
+    Keys are the choice index, or ``(prompt index, choice index)`` for several prompts.
+    """
+
+    def __init__(self):
+        self._text: dict = {}
+        self._tokens: dict = {}
+        self._finished: set = set()
+
+    def deltas(self, outputs, prompt: Optional[int] = None) -> list[tuple[object, ChoiceDelta]]:
+        """(key, delta) for each of ``outputs`` (a RequestOutput's choices) not finished and sent."""
+        res = []
+        for c in outputs:
+            key = c.index if prompt is None else (prompt, c.index)
+            if key in self._finished:
+                continue
+            start, t0 = self._text.get(key, 0), self._tokens.get(key, 0)
+            res.append((key, ChoiceDelta(c, c.text[start:], start, c.token_ids[t0:],
+                                         (c.logprobs or [])[t0:] if c.logprobs is not None else None, t0)))
+        return res
+
+    def sent(self, key, d: ChoiceDelta) -> None:
+        self._text[key], self._tokens[key] = len(d.output.text), len(d.output.token_ids)
+        if d.output.finish_reason is not None:
+            self._finished.add(key)
+
+    @property
+    def sent_tokens(self) -> int:
+        return sum(self._tokens.values())

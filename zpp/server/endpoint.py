@@ -1,0 +1,136 @@
+"""What every endpoint shares: the engine and the server's limits, reading a request body,
+the model-name check, and running a request's prompts concurrently.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Optional
+
+from aiohttp import web
+
+from zpp.errors import RequestError
+from zpp.frontend.async_engine import AsyncEngine
+from zpp.frontend.inputs import PreparedRequest
+from zpp.outputs import RequestOutput
+from zpp.server.http_body import read_request
+from zpp.server.render import TokenStrings
+
+logger = logging.getLogger("zpp.server.app")
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20  # --max-request-body-bytes
+DEFAULT_MAX_STOP_SEQUENCES = 64  # --max-stop-sequences
+DEFAULT_MAX_LOGPROBS = 20  # --max-logprobs (vLLM's default)
+DEFAULT_TIMEOUT_REQUEST_BODY_S = 30.0  # --timeout-request-body
+MAX_WARNED_FIELDS = 256  # distinct unknown field names logged; later new names are not
+
+
+class ServingContext:
+    """The state the endpoints share (one per front-end process; see :class:`~zpp.server.app.OpenAIServer`
+    for the arguments)."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str, chat_template: Optional[str] = None,
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+                 max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES, trust_request_chat_template: bool = False,
+                 response_role: str = "assistant", max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                 timeout_request_body: float = DEFAULT_TIMEOUT_REQUEST_BODY_S,
+                 generation_defaults: Optional[dict] = None, parsers=None):
+        self.engine = engine
+        self.model_name = served_model_name
+        self.chat_template = chat_template
+        self.max_request_body_bytes = max_request_body_bytes
+        self.max_stop_sequences = max_stop_sequences
+        self.trust_request_chat_template = trust_request_chat_template
+        self.tokenizer = engine.tokenizer
+        self.tokens = TokenStrings(engine.tokenizer)
+        self._warned_fields: set[str] = set()
+        self.response_role = response_role
+        self.max_logprobs = max_logprobs
+        self.timeout_request_body = timeout_request_body
+        self.generation_defaults = generation_defaults or {}
+        if parsers is None:
+            from zpp.parsers.chat import ChatParsers
+            parsers = ChatParsers(None, None, engine.tokenizer)
+        self.parsers = parsers
+
+    def check_logprobs(self, sampling, param: str) -> None:
+        """Raises RequestError naming ``param`` (or ``prompt_logprobs``) past --max-logprobs."""
+        for value, name in ((sampling.logprobs, param), (sampling.prompt_logprobs, "prompt_logprobs")):
+            if value is not None and value > self.max_logprobs:
+                raise RequestError(f"{name} {value} is more than this server allows ({self.max_logprobs}; "
+                                   f"--max-logprobs)", name)
+
+    def check_model(self, name: Optional[str]) -> None:
+        """Raises RequestError (404, ``model_not_found``) for a model name this server does not serve."""
+        if name is not None and name != self.model_name:
+            raise RequestError(f"the model {name!r} does not exist (this server serves {self.model_name!r})",
+                               "model", 404, "invalid_request_error", "model_not_found")
+
+    def chat_template_for(self, requested: Optional[str]) -> Optional[str]:
+        """The chat template a request renders with: its own (only with --trust-request-chat-template;
+        else RequestError), the server's --chat-template, or None (the tokenizer's)."""
+        if requested is not None and not self.trust_request_chat_template:
+            raise RequestError("a chat_template in the request is refused: this server uses its own "
+                               "(start it with --trust-request-chat-template to allow request templates)",
+                               "chat_template")
+        return requested or self.chat_template
+
+    async def read(self, request: web.Request, kind):
+        """The request body decoded into ``kind`` (see :func:`~zpp.server.http_body.read_request`),
+        with ``stop`` / ``stop_token_ids`` within --max-stop-sequences. Raises RequestError."""
+        try:
+            req = await read_request(request, kind, self.max_request_body_bytes, self.timeout_request_body)
+        except RequestError as e:
+            self._warn_unknown_fields(request.path, e.unknown_fields)
+            raise
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(req, name, None)
+            if isinstance(value, list) and len(value) > self.max_stop_sequences:
+                raise RequestError(f"{name} has {len(value)} entries; this server accepts at most "
+                                   f"{self.max_stop_sequences} (--max-stop-sequences)", name)
+        return req
+
+    def _warn_unknown_fields(self, path: str, names) -> None:
+        """Log a warning the first time each unknown request field name is seen (as vLLM logs
+        ignored fields; here the request still gets its 400). At most MAX_WARNED_FIELDS names."""
+        for name in names:
+            if name in self._warned_fields or len(self._warned_fields) >= MAX_WARNED_FIELDS:
+                continue
+            self._warned_fields.add(name)
+            logger.warning("%s: unrecognized request field %r: refused with HTTP 400 (logged once per field "
+                           "name)", path, name)
+
+    async def run_all(self, prepared: list[PreparedRequest], base_id: str,
+                      stream: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every prepared prompt concurrently; yield (prompt index, output) as they progress
+        (with ``stream=False`` only each prompt's final output); outputs are cumulative.
+
+        Use under ``contextlib.aclosing``: closing the generator (the handler was cancelled, the
+        client went away, an error) cancels the per-prompt tasks, which aborts their requests.
+        Raises whatever a request raised (EngineDeadError, RequestError).
+        """
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def one(i: int, req: PreparedRequest) -> None:
+            try:
+                async for out in self.engine.generate(req, request_id=f"{base_id}-{i}", stream=stream):
+                    queue.put_nowait((i, out))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # forwarded to the consumer
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(one(i, req)) for i, req in enumerate(prepared)]
+        done = 0
+        try:
+            while done < len(tasks):
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    done += 1
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

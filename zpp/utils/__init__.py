@@ -1,0 +1,1 @@
+"""Helpers with no place in one process of zpp (see :mod:`.process`)."""
