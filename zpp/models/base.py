@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
 
+from zpp.errors import ConfigError
 from zpp.models.layers.linear import default_weight_loader
 
 _LAYER_RE = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
@@ -134,9 +135,45 @@ class StageModel(nn.Module):
         return ["decoder"] * cls.num_layers_of(cfg)
 
     def stage_owns(self, name: str) -> bool:
-        """Does this stage hold checkpoint tensor ``name``? (Embedding on the first stage,
-        final norm / lm_head on the last, layers by index.)"""
-        raise NotImplementedError
+        """Does this stage hold checkpoint tensor ``name``? Default (HF's ``model.embed_tokens`` /
+        ``model.layers.N`` / ``model.norm`` / ``lm_head`` naming): layers by index, the embedding
+        on the first stage, everything else (final norm, LM head) on the last."""
+        i = layer_index(name)
+        if i is not None:
+            return self.stage.owns_layer(i)
+        if name.startswith("model.embed_tokens."):
+            return self.stage.is_first
+        return self.stage.is_last
+
+    def build_decoder(self, vocab_size: int, hidden_size: int, num_layers: int,
+                      make_layer: Callable[[int], nn.Module], make_norm: Callable[[], nn.Module]) -> None:
+        """The stage's share of an HF decoder under HF's names: ``model.embed_tokens`` (first stage
+        only), ``model.layers`` (``make_layer(i)`` for the owned global indices, a
+        :class:`MissingLayer` elsewhere, so checkpoint names index straight in), ``model.norm`` and
+        ``lm_head`` (last stage only)."""
+        from zpp.models.layers.linear import LMHead, VocabEmbedding
+        self.hidden_size = hidden_size
+        self.model = nn.Module()
+        if self.stage.is_first:
+            self.model.embed_tokens = VocabEmbedding(vocab_size, hidden_size)
+        self.model.layers = nn.ModuleList(
+            make_layer(i) if self.stage.owns_layer(i) else MissingLayer() for i in range(num_layers))
+        if self.stage.is_last:
+            self.model.norm = make_norm()
+            self.lm_head = LMHead(vocab_size, hidden_size)
+
+    def compute_logits(self, h: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """``h [N, hidden]`` -> logits ``[N, vocab]``, float32 unless ``upcast=False``. Default:
+        the LM head alone (families with a logit soft-cap or scale override this)."""
+        return self.lm_head(h, upcast)
+
+    @staticmethod
+    def check_divisible(sizes: dict[str, int], tp_size: int) -> None:
+        """Raise ConfigError naming the first of ``sizes`` (config key -> value) that
+        ``tp_size`` does not divide."""
+        for key, n in sizes.items():
+            if int(n) % tp_size:
+                raise ConfigError(f"--tensor-parallel-size {tp_size} does not divide the model's {key} ({n})")
 
     @property
     def num_local_layers(self) -> int:
@@ -260,3 +297,28 @@ class StageModel(nn.Module):
     @property
     def tie_embeddings(self) -> bool:
         return bool(self.cfg.get("tie_word_embeddings", self.tie_word_embeddings_default))
+
+
+class PreNormDecoder(StageModel):
+    """A stage of a pre-norm residual decoder (LLaMA and the families built like it): the hidden
+    state and the residual stream travel between stages.
+
+    forward(input_ids [T] int64 | None, positions [T] int64 (or the family's rotary rows),
+    acts [2, T, H] | None, kv_caches, meta) -> ``[2, T, H]`` (hidden, residual) on non-last stages,
+    the final normed hidden ``[T, H]`` on the last. Each layer is called as
+    ``layer(positions, h, residual, kv_cache, meta) -> (h, residual)`` and the final norm as
+    ``norm(h, residual) -> (h, residual)`` (fused add + RMSNorm)."""
+
+    num_acts = 2
+
+    def forward(self, input_ids, positions, acts, kv_caches, meta):
+        if self.stage.is_first:
+            h, residual = self.model.embed_tokens(input_ids), None     # [T, H]
+        else:
+            h, residual = acts[0], acts[1]
+        for j, i in enumerate(range(self.stage.layer_start, self.stage.layer_end)):
+            h, residual = self.model.layers[i](positions, h, residual, kv_caches[j], meta)
+        if not self.stage.is_last:
+            return torch.stack([h, residual])                          # [2, T, H]
+        h, _ = self.model.norm(h, residual)
+        return h

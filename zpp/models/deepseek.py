@@ -57,10 +57,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from zpp.errors import ConfigError
-from zpp.models.base import MissingLayer, StageInfo, StageModel, layer_index
+from zpp.models.base import PreNormDecoder, StageInfo
 from zpp.models.layers.activation import GatedMLP, check_activation
 from zpp.models.layers.attention import Attention, AttentionMetadata
-from zpp.models.layers.linear import LMHead, Linear, MergedLinear, RowParallelLinear, VocabEmbedding
+from zpp.models.layers.linear import Linear, MergedLinear, RowParallelLinear
 from zpp.models.layers.linear import default_weight_loader
 from zpp.models.layers.moe import FusedExperts
 from zpp.models.layers.norm import RMSNorm
@@ -246,7 +246,7 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class DeepseekV2ForCausalLM(StageModel):
+class DeepseekV2ForCausalLM(PreNormDecoder):
     """One stage of a DeepSeek-V2 causal LM (V2, V2-Lite, V2.5).
 
     forward(input_ids [T] int64 | None, positions [T] int64, acts [2, T, H] | None, kv_caches, meta)
@@ -326,23 +326,14 @@ class DeepseekV2ForCausalLM(StageModel):
             sizes["intermediate_size"] = cfg["intermediate_size"]
         if "moe" in kinds:  # routed experts split; the shared experts' n_shared multiple then too
             sizes["moe_intermediate_size"] = cfg["moe_intermediate_size"]
-        for key, n in sizes.items():
-            if n % tp_size:
-                raise ConfigError(f"--tensor-parallel-size {tp_size} does not divide the model's {key} ({n})")
+        cls.check_divisible(sizes, tp_size)
 
     def __init__(self, cfg: dict[str, Any], stage: StageInfo, max_positions: int):
         cfg = self.with_defaults(cfg)
         super().__init__(cfg, stage)
-        self.hidden_size = cfg["hidden_size"]
-        n_layers = cfg["num_hidden_layers"]
-        self.model = nn.Module()
-        if stage.is_first:
-            self.model.embed_tokens = VocabEmbedding(cfg["vocab_size"], self.hidden_size)
-        self.model.layers = nn.ModuleList(
-            self.make_layer(cfg, i, max_positions) if stage.owns_layer(i) else MissingLayer() for i in range(n_layers))
-        if stage.is_last:
-            self.model.norm = RMSNorm(self.hidden_size, cfg.get("rms_norm_eps", 1e-6))
-            self.lm_head = LMHead(cfg["vocab_size"], self.hidden_size)
+        self.build_decoder(cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"],
+                           lambda i: self.make_layer(cfg, i, max_positions),
+                           lambda: RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)))
         self.kv_lora_rank = int(cfg["kv_lora_rank"])
         self.num_kv_heads = 1  # the latent row, shared by every head (and replicated over TP ranks)
         self.head_dim = self.kv_lora_rank + int(cfg["qk_rope_head_dim"])
@@ -369,12 +360,7 @@ class DeepseekV2ForCausalLM(StageModel):
     def stage_owns(self, name: str) -> bool:
         """Layers by index (so the multi-token-prediction layer ``model.layers.{num_hidden_layers}``
         belongs to no stage), the embedding on the first stage, final norm / lm_head on the last."""
-        i = layer_index(name)
-        if i is not None:
-            return self.stage.owns_layer(i)
-        if name.startswith("model.embed_tokens."):
-            return self.stage.is_first
-        return self.stage.is_last
+        return super().stage_owns(name)
 
     def map_weight_name(self, name: str) -> Optional[list[tuple[str, Optional[int]]]]:
         """Per-expert ``gate_proj`` / ``up_proj`` -> shard ``2e`` / ``2e+1`` of
@@ -390,20 +376,6 @@ class DeepseekV2ForCausalLM(StageModel):
             return [(f"{prefix}.mlp.experts.down_proj", e)]
         return [(f"{prefix}.mlp.experts.gate_up_proj", 2 * e + (0 if w == "gate_proj" else 1))]
 
-    def forward(self, input_ids, positions, acts, kv_caches, meta):
-        if self.stage.is_first:
-            h, residual = self.model.embed_tokens(input_ids), None     # [T, H]
-        else:
-            h, residual = acts[0], acts[1]
-        for j, i in enumerate(range(self.stage.layer_start, self.stage.layer_end)):
-            h, residual = self.model.layers[i](positions, h, residual, kv_caches[j], meta)
-        if not self.stage.is_last:
-            return torch.stack([h, residual])                          # [2, T, H]
-        h, _ = self.model.norm(h, residual)
-        return h
-
-    def compute_logits(self, h: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.lm_head(h, upcast)                                 # [N, V] float32 (upcast)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

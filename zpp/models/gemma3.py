@@ -37,10 +37,10 @@ import torch
 from torch import nn
 
 from zpp.errors import ConfigError
-from zpp.models.base import MissingLayer, StageInfo, StageModel, layer_index
+from zpp.models.base import StageInfo, StageModel
 from zpp.models.layers.activation import GatedMLP, check_activation
 from zpp.models.layers.attention import Attention, AttentionMetadata
-from zpp.models.layers.linear import LMHead, MergedLinear, RowParallelLinear, VocabEmbedding
+from zpp.models.layers.linear import MergedLinear, RowParallelLinear
 from zpp.models.layers.norm import GemmaRMSNorm
 from zpp.models.layers.rotary import check_rope_scaling, get_rope
 
@@ -197,23 +197,16 @@ class Gemma3ForCausalLM(StageModel):
     @classmethod
     def check_tensor_parallel(cls, cfg: dict[str, Any], tp_size: int) -> None:
         cfg = cls.normalize_config(cfg)
-        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            if cfg[key] % tp_size:
-                raise ConfigError(f"--tensor-parallel-size {tp_size} does not divide the model's {key} ({cfg[key]})")
+        cls.check_divisible({k: cfg[k] for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")},
+                            tp_size)
 
     def __init__(self, cfg: dict[str, Any], stage: StageInfo, max_positions: int):
         cfg = self.normalize_config(cfg)
         super().__init__(cfg, stage)
-        self.hidden_size = H = cfg["hidden_size"]
-        self.model = nn.Module()
-        if stage.is_first:
-            self.model.embed_tokens = VocabEmbedding(cfg["vocab_size"], H)
-        self.model.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, i, max_positions, stage.tp_rank, stage.tp_size) if stage.owns_layer(i)
-            else MissingLayer() for i in range(cfg["num_hidden_layers"]))
-        if stage.is_last:
-            self.model.norm = GemmaRMSNorm(H, cfg["rms_norm_eps"])
-            self.lm_head = LMHead(cfg["vocab_size"], H)
+        H = cfg["hidden_size"]
+        self.build_decoder(cfg["vocab_size"], H, cfg["num_hidden_layers"],
+                           lambda i: Gemma3DecoderLayer(cfg, i, max_positions, stage.tp_rank, stage.tp_size),
+                           lambda: GemmaRMSNorm(H, cfg["rms_norm_eps"]))
         self.num_kv_heads = cfg["num_key_value_heads"] // stage.tp_size
         self.head_dim = cfg["head_dim"]
         self.softcap = cfg.get("final_logit_softcapping")
@@ -221,14 +214,6 @@ class Gemma3ForCausalLM(StageModel):
         # construction under the loader's default device and dtype): no host-to-device copy per step,
         # which a CUDA-graph capture refuses.
         self.register_buffer("embed_scale", torch.tensor(math.sqrt(H)), persistent=False)
-
-    def stage_owns(self, name: str) -> bool:
-        i = layer_index(name)
-        if i is not None:
-            return self.stage.owns_layer(i)
-        if name.startswith("model.embed_tokens."):
-            return self.stage.is_first
-        return self.stage.is_last  # model.norm, lm_head
 
     def map_weight_name(self, name: str) -> Optional[list[tuple[str, Optional[int]]]]:
         """Also the language-model tensors of a ``Gemma3ForConditionalGeneration`` checkpoint;

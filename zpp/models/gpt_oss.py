@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from zpp.errors import ConfigError
-from zpp.models.base import MissingLayer, StageInfo, StageModel, layer_index
+from zpp.models.base import PreNormDecoder, StageInfo
 from zpp.models.layers.attention import Attention, AttentionMetadata
-from zpp.models.layers.linear import LMHead, MergedLinear, RowParallelLinear, VocabEmbedding, default_weight_loader
+from zpp.models.layers.linear import MergedLinear, RowParallelLinear, default_weight_loader
 from zpp.models.layers.moe import ClampedSwiGLU, FusedExperts, TopKRouter
 from zpp.models.layers.norm import RMSNorm
 from zpp.models.layers.rotary import get_rope, rope_params
@@ -161,7 +161,7 @@ class GptOssDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class GptOssForCausalLM(StageModel):
+class GptOssForCausalLM(PreNormDecoder):
     """One stage of gpt-oss. forward(input_ids [T] | None, positions [T], acts [2, T, H] | None,
     kv_caches, meta) -> ``[2, T, H]`` (hidden, residual) on non-last stages, the final normed
     hidden ``[T, H]`` on the last; with tensor parallelism the same, whole, on every TP rank."""
@@ -207,46 +207,15 @@ class GptOssForCausalLM(StageModel):
     @classmethod
     def check_tensor_parallel(cls, cfg: dict[str, Any], tp_size: int) -> None:
         cfg = cls.normalize_config(cfg)
-        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            if int(cfg[key]) % tp_size:
-                raise ConfigError(f"--tensor-parallel-size {tp_size} does not divide the model's {key} ({cfg[key]})")
+        cls.check_divisible({k: cfg[k] for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")},
+                            tp_size)
 
     def __init__(self, cfg: dict[str, Any], stage: StageInfo, max_positions: int):
         cfg = self.normalize_config(cfg)
         super().__init__(cfg, stage)
-        self.hidden_size = H = cfg["hidden_size"]
-        self.model = nn.Module()
-        if stage.is_first:
-            self.model.embed_tokens = VocabEmbedding(cfg["vocab_size"], H)
-        self.model.layers = nn.ModuleList(
-            GptOssDecoderLayer(cfg, i, max_positions, stage.tp_rank, stage.tp_size) if stage.owns_layer(i)
-            else MissingLayer()
-            for i in range(cfg["num_hidden_layers"]))
-        if stage.is_last:
-            self.model.norm = RMSNorm(H, cfg["rms_norm_eps"], weight_in_float32=True)
-            self.lm_head = LMHead(cfg["vocab_size"], H)
+        self.build_decoder(cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"],
+                           lambda i: GptOssDecoderLayer(cfg, i, max_positions, stage.tp_rank, stage.tp_size),
+                           lambda: RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], weight_in_float32=True))
         self.num_kv_heads = cfg["num_key_value_heads"] // stage.tp_size  # this rank's
         self.head_dim = cfg["head_dim"]
 
-    def stage_owns(self, name: str) -> bool:
-        i = layer_index(name)
-        if i is not None:
-            return self.stage.owns_layer(i)
-        if name.startswith("model.embed_tokens."):
-            return self.stage.is_first
-        return self.stage.is_last  # model.norm, lm_head
-
-    def forward(self, input_ids, positions, acts, kv_caches, meta):
-        if self.stage.is_first:
-            h, residual = self.model.embed_tokens(input_ids), None         # [T, H]
-        else:
-            h, residual = acts[0], acts[1]
-        for j, i in enumerate(range(self.stage.layer_start, self.stage.layer_end)):
-            h, residual = self.model.layers[i](positions, h, residual, kv_caches[j], meta)
-        if not self.stage.is_last:
-            return torch.stack([h, residual])                              # [2, T, H]
-        h, _ = self.model.norm(h, residual)
-        return h
-
-    def compute_logits(self, h: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.lm_head(h, upcast)                                     # [N, V]

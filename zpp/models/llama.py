@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from zpp.errors import ConfigError
-from zpp.models.base import MissingLayer, StageInfo, StageModel, layer_index
+from zpp.models.base import PreNormDecoder, StageInfo
 from zpp.models.layers.activation import GatedMLP, check_activation
 from zpp.models.layers.attention import Attention, AttentionMetadata
-from zpp.models.layers.linear import LMHead, MergedLinear, RowParallelLinear, VocabEmbedding
+from zpp.models.layers.linear import MergedLinear, RowParallelLinear
 from zpp.models.layers.norm import RMSNorm
 from zpp.models.layers.rotary import get_rope, rope_params
 
@@ -101,7 +101,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaForCausalLM(StageModel):
+class LlamaForCausalLM(PreNormDecoder):
     """One stage of a LLaMA-architecture causal LM.
 
     forward(input_ids [T] int64 | None, positions [T] int64, acts [2, T, H] | None, kv_caches, meta)
@@ -129,24 +129,14 @@ class LlamaForCausalLM(StageModel):
     @classmethod
     def check_tensor_parallel(cls, cfg: dict[str, Any], tp_size: int) -> None:
         heads = cfg["num_attention_heads"]
-        sizes = {"num_attention_heads": heads, "num_key_value_heads": cfg.get("num_key_value_heads") or heads,
-                 "intermediate_size": cfg["intermediate_size"]}
-        for key, n in sizes.items():
-            if n % tp_size:
-                raise ConfigError(f"--tensor-parallel-size {tp_size} does not divide the model's {key} ({n})")
+        cls.check_divisible({"num_attention_heads": heads, "num_key_value_heads": cfg.get("num_key_value_heads") or heads,
+                             "intermediate_size": cfg["intermediate_size"]}, tp_size)
 
     def __init__(self, cfg: dict[str, Any], stage: StageInfo, max_positions: int):
         super().__init__(cfg, stage)
-        self.hidden_size = cfg["hidden_size"]
-        n_layers = cfg["num_hidden_layers"]
-        self.model = nn.Module()
-        if stage.is_first:
-            self.model.embed_tokens = VocabEmbedding(cfg["vocab_size"], self.hidden_size)
-        self.model.layers = nn.ModuleList(
-            self.make_layer(cfg, max_positions, i) if stage.owns_layer(i) else MissingLayer() for i in range(n_layers))
-        if stage.is_last:
-            self.model.norm = RMSNorm(self.hidden_size, cfg.get("rms_norm_eps", 1e-6))
-            self.lm_head = LMHead(cfg["vocab_size"], self.hidden_size)
+        self.build_decoder(cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"],
+                           lambda i: self.make_layer(cfg, max_positions, i),
+                           lambda: RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)))
         self.num_kv_heads = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // stage.tp_size
         self.head_dim = cfg.get("head_dim") or self.hidden_size // cfg["num_attention_heads"]
         for i, window in enumerate(layer_windows(cfg)):  # sliding-window layers (Mistral, Qwen2, Mixtral)
@@ -158,28 +148,6 @@ class LlamaForCausalLM(StageModel):
         return LlamaDecoderLayer(cfg, max_positions, self.qkv_bias or bool(cfg.get("attention_bias", False)),
                                  tp_rank=self.stage.tp_rank, tp_size=self.stage.tp_size)
 
-    def stage_owns(self, name: str) -> bool:
-        i = layer_index(name)
-        if i is not None:
-            return self.stage.owns_layer(i)
-        if name.startswith("model.embed_tokens."):
-            return self.stage.is_first
-        return self.stage.is_last  # model.norm, lm_head
-
-    def forward(self, input_ids, positions, acts, kv_caches, meta):
-        if self.stage.is_first:
-            h, residual = self.model.embed_tokens(input_ids), None     # [T, H]
-        else:
-            h, residual = acts[0], acts[1]
-        for j, i in enumerate(range(self.stage.layer_start, self.stage.layer_end)):
-            h, residual = self.model.layers[i](positions, h, residual, kv_caches[j], meta)
-        if not self.stage.is_last:
-            return torch.stack([h, residual])                          # [2, T, H]
-        h, _ = self.model.norm(h, residual)
-        return h
-
-    def compute_logits(self, h: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.lm_head(h, upcast)                                 # [N, V] float32 (upcast)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
