@@ -210,7 +210,8 @@ def test_generation_config_values(tmp_path):
 def test_request_fields_override_generation_defaults():
     """A field the request sends wins; one it leaves out or sends as null takes the model's default
     (vLLM's rule: null is "use the default", and the default is the model's)."""
-    from zpp.server.protocol import ChatCompletionRequest, decode_request, to_sampling_params
+    from zpp.server.http_body import decode_request
+    from zpp.server.protocol import ChatCompletionRequest, to_sampling_params
     d = {"temperature": 0.6, "top_k": 20, "max_tokens": 7}
 
     def sp(body):

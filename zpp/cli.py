@@ -98,7 +98,7 @@ def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list
                 raise ConfigError(f"--config {path!r}: {key!r} is a switch; give true or false, not {value!r}")
             if value:
                 flags.append(name)
-            elif isinstance(action, argparse._StoreTrueAction) and "--no-" + name[2:] in cmd._option_string_actions:
+            elif "--no-" + name[2:] in cmd._option_string_actions:
                 flags.append("--no-" + name[2:])
             continue
         if value is None:

@@ -108,14 +108,14 @@ class ServerConfig:
                               "deepseek_v3)")
 
     def server_options(self) -> dict:
-        """The keyword arguments ``zpp.server.openai_server.serve`` takes for the request limits."""
+        """The keyword arguments ``zpp.server.launch.serve`` takes for the request limits."""
         return {"max_request_body_bytes": self.max_request_body_bytes, "max_stop_sequences": self.max_stop_sequences,
                 "trust_request_chat_template": self.trust_request_chat_template,
                 "log_requests": not self.disable_log_requests, "generation_config": self.generation_config,
                 "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser,
                 "root_path": self.root_path.rstrip("/"), "response_role": self.response_role,
                 "max_logprobs": self.max_logprobs, "timeout_request_body": self.timeout_request_body,
-                # the HTTP runner's, not OpenAIServer's (zpp.server.openai_server._run_front_end takes them)
+                # the HTTP runner's, not OpenAIServer's (zpp.server.launch._run_front_end takes them)
                 "timeout_keep_alive": self.timeout_keep_alive, "shutdown_timeout": self.shutdown_timeout,
                 "access_log": self.uvicorn_log_level is not None and not self.disable_uvicorn_access_log,
                 "http_log_level": self.uvicorn_log_level}

@@ -20,13 +20,14 @@ GEMV's W8A16 included), weights dequantized.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-_FP8_GEMV = os.environ.get("ZPP_FP8_GEMV", "1") != "0"
+from zpp import envs
+
+_FP8_GEMV = envs.ZPP_FP8_GEMV
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
