@@ -283,7 +283,7 @@ def test_streamed_text_then_tool_call_gives_the_items_of_the_whole_response():
 
 
 def test_an_engine_failure_mid_stream_ends_with_error_and_response_failed():
-    from zpp.engine.async_engine import EngineDeadError
+    from zpp.errors import EngineDeadError
     events, _ = _stream(["Hello", "Hello there"], tool_choice="none", fail=EngineDeadError("stage 1 died"))
     kinds = [e["type"] for e in events]
     assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",
