@@ -16,7 +16,8 @@ from zpp.models.base import StageInfo
 from zpp.models.loader import load_stage_model
 from zpp.sampling_params import SamplingParams
 from zpp.transport import messages as m
-from zpp.workers.model_runner import ModelRunner, PendingResult
+from zpp.workers.model_runner import ModelRunner
+from zpp.workers.runner_state import PendingResult
 
 cfg_dir = sys.argv[1]
 num_blocks = int(sys.argv[2]) if len(sys.argv) > 2 else 4096

@@ -208,7 +208,7 @@ def worker_side(sent: list[bytes], num_seqs: int, profile: bool) -> tuple[list[f
     micro-batch on each stage (message decoding included; on the last stage the result's encoding
     too) and its number of sequences."""
     import torch
-    from zpp.workers.model_runner import PendingResult
+    from zpp.workers.runner_state import PendingResult
     torch.cuda.Event = _HostEvent
     first, last = _runner(0, num_seqs), _runner(1, num_seqs)
     t0s, t1s, sizes = [], [], []

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from zpp.bench.serve import BenchRequest, _one, _Result, _session
+from zpp.bench.serve_client import BenchRequest, _one, _Result, _session
 
 
 def test_stream_reader_handles_split_and_packed_events():
@@ -172,7 +172,8 @@ def test_merge_client_results_is_one_run():
     duration spans both, and the summary is the one of the same results from one process."""
     from dataclasses import asdict
 
-    from zpp.bench.serve import merge_client_results, summarize
+    from zpp.bench.serve import merge_client_results
+    from zpp.bench.serve_client import summarize
     one = [_Result(ok=True, prompt_len=10 + i, output_tokens=4, ttft=0.1 * (i + 1), latency=1.0 + i,
                    itl=[0.2 + i, 0.3, 0.1]) for i in range(5)]
     one[3] = _Result(ok=False, prompt_len=13, error="HTTP 500: boom")

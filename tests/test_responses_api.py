@@ -239,7 +239,8 @@ def _stream(texts, finish_reason="stop", tool_choice="auto", fail: Exception = N
 
     from zpp.outputs import CompletionOutput, RequestOutput
     from zpp.sampling_params import SamplingParams
-    from zpp.server.responses import ResponsesRequest, _Run
+    from zpp.server.responses import _Run
+    from zpp.server.responses_protocol import ResponsesRequest
     from zpp.server.tools import parse_tools
 
     req = ResponsesRequest(input="hi", tools=TOOLS, tool_choice=tool_choice, stream=True)

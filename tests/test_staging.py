@@ -56,10 +56,10 @@ def test_uploads_queued_behind_gpu_work_all_arrive_intact():
 
 
 def test_logit_buckets_cover_every_row_count_with_little_padding():
-    """The LM head's padded row counts (zpp.workers.model_runner.logit_buckets): a short fixed list
+    """The LM head's padded row counts (zpp.workers.runner_state.logit_buckets): a short fixed list
     that covers 1..max_rows, each count up to 1024 padded by less than 128 rows, larger ones (prompt
     logprobs) by less than 1024, none more than doubled."""
-    from zpp.workers.model_runner import logit_buckets
+    from zpp.workers.runner_state import logit_buckets
     for max_rows in (1, 5, 100, 256, 1000, 1024, 8192):
         b = logit_buckets(max_rows)
         assert b == sorted(set(b)) and b[0] == 1 and b[-1] == max_rows and len(b) <= 24

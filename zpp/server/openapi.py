@@ -12,7 +12,7 @@ from aiohttp import web
 import zpp
 from zpp.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                  _WholeInt)
-from zpp.server.responses import ResponsesRequest
+from zpp.server.responses_protocol import ResponsesRequest
 
 REQUEST_TYPES: dict[str, type] = {
     "/v1/completions": CompletionRequest,

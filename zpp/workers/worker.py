@@ -61,7 +61,7 @@ def worker_main(engine_address: str, rank: int, keys, log_level: int = logging.I
         if not isinstance(init, m.InitWorker):
             raise RuntimeError(f"expected InitWorker, got {type(init).__name__}")
         set_process_title(stage_title(init.pp_rank, init.tp_rank, init.config.parallel.tensor_parallel_size))
-        from zpp.workers.model_runner import Activity
+        from zpp.workers.runner_state import Activity
         activity = Activity()
         _start_heartbeat(engine_address, rank, keys, activity)
         runner = _setup(init, sock)
@@ -394,7 +394,7 @@ def _serve_batches(runner, sock, init):
     rank first sends the result it holds (the engine needs it for that bitmask), then reads
     messages until the bitmask is there, keeping the batches read meanwhile for after."""
     from zpp.transport import messages as m
-    from zpp.workers.model_runner import PendingResult
+    from zpp.workers.runner_state import PendingResult
 
     last_stats = time.monotonic()
     reported = 0  # batches covered by the last StageStats
