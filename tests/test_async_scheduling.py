@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import ROOT
 from zpp import LLM, SamplingParams
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request
@@ -40,6 +41,7 @@ def _run(model, prompts, params, async_on: bool, **kw):
     return outs, n_async[0]
 
 
+@pytest.mark.slow
 def test_async_equals_sync_every_sampling_mode(demo_model, tokenizer):
     """One batch mixing greedy (EOS allowed, so some stop early and drop their extra step),
     max_tokens 1 and 2, logprobs, seeded temperature / top-k / top-p / min-p, min_tokens,
@@ -69,6 +71,7 @@ def test_async_equals_sync_every_sampling_mode(demo_model, tokenizer):
             assert [sorted(d) for d in ob.logprobs] == [sorted(d) for d in oa.logprobs], f"request {i}"
 
 
+@pytest.mark.slow
 def test_async_equals_sync_with_n_preemption_and_chunked_prefill(demo_model, tokenizer):
     """n > 1 with seeds, a prompt longer than the token budget (chunked prefill), and a KV cache
     small enough to preempt: the same outputs either way."""
@@ -164,7 +167,7 @@ def test_config_default_and_refusal(monkeypatch):
     import os
 
     from zpp.config import ConfigError, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-    model = ModelConfig(os.path.join(os.path.dirname(__file__), "..", "scripts", "configs", "smollm2-135m"))
+    model = ModelConfig(os.path.join(ROOT, "scripts", "configs", "smollm2-135m"))
     monkeypatch.delenv("ZPP_ASYNC_SCHEDULING", raising=False)
     cpu = EngineConfig(model)
     assert not cpu.async_scheduling and cpu.pipeline_depth == 1

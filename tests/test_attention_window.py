@@ -48,6 +48,7 @@ BATCHES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("window", [None, 1, 8, 16, 33, 500])
 @pytest.mark.parametrize("with_sinks", [False, True])

@@ -23,7 +23,7 @@ import zlib
 import aiohttp
 import pytest
 
-from conftest import ServerProcess, parse_metrics
+from helpers import ServerProcess, parse_metrics
 
 C, H = "/v1/completions", "/v1/chat/completions"
 FR = [{"role": "user", "content": "What is the capital of France?"}]
@@ -267,6 +267,7 @@ def test_corpus_is_large_and_ids_unique():
     assert len(ids) >= 50 and len(set(ids)) == len(ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,method,path,body,headers,status,param", CORPUS, ids=[c[0] for c in CORPUS])
 def test_bad_request_gets_4xx_in_openai_shape_within_a_second(server, name, method, path, body, headers,
                                                                status, param):
@@ -300,6 +301,7 @@ def _post_raw(server, path: str, body: bytes, headers: dict) -> tuple[int, dict,
     return asyncio.run(go())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("coding", ["br", "zstd", "foo", "gzip, foo"])
 def test_unsupported_content_encoding_is_415_naming_what_is_supported(server, coding):
     """An encoding the server cannot undo (never taken for identity) gets 415 Unsupported Media
@@ -311,6 +313,7 @@ def test_unsupported_content_encoding_is_415_naming_what_is_supported(server, co
     assert headers.get("Accept-Encoding") == "gzip, deflate"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("coding,body", [("gzip", b"\x1f\x8b\x08\x00garbage"), ("deflate", b"xxxxgarbage"),
                                          ("gzip", gzip.compress(j(GREEDY))[:-12])],
                          ids=["gzip-corrupt", "deflate-corrupt", "gzip-truncated"])
@@ -328,6 +331,7 @@ def _raw_deflate(data: bytes) -> bytes:
 _GREEDY_HEAD, _GREEDY_TAIL = j(GREEDY)[:20], j(GREEDY)[20:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("coding,body", [
     ("gzip", gzip.compress(j(GREEDY))),
     ("GZIP", gzip.compress(j(GREEDY))),  # coding names are case-insensitive
@@ -346,6 +350,7 @@ def test_supported_content_encodings_are_undone(server, coding, body):
     assert out["choices"][0]["text"] == server.reference[1]["choices"][0]["text"]
 
 
+@pytest.mark.slow
 def test_openai_optional_fields_null_and_no_op_fields_are_accepted(server):
     """OpenAI's schema allows null for n, stream, echo and chat logprobs (the default then), and
     knows metadata, store, service_tier, prompt_cache_key, safety_identifier and modalities
@@ -364,6 +369,7 @@ def test_openai_optional_fields_null_and_no_op_fields_are_accepted(server):
     assert status == 200 and out["choices"][0]["finish_reason"] == "stop", out
 
 
+@pytest.mark.slow
 def test_server_unharmed_after_corpus(server):
     """Runs after the corpus (file order): same greedy answer as before it, healthy, nothing left
     running or holding KV blocks."""

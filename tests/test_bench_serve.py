@@ -106,6 +106,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_help_lists_vllm_flag_names():
     r = _bench("--help")
     assert r.returncode == 0, r.stderr
@@ -116,6 +117,7 @@ def test_help_lists_vllm_flag_names():
         assert flag in r.stdout, flag
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, expected", [
     (["--dataset-name", "sonnet"], "--dataset-name sonnet: not supported (zpp does: random, sharegpt"),
     (["--dataset-name", "sharegpt"], "--dataset-name sharegpt needs --dataset-path FILE"),
@@ -197,12 +199,13 @@ def test_client_shares_and_default():
 
 @pytest.fixture(scope="module")
 def server(demo_model):
-    from conftest import ServerProcess
+    from helpers import ServerProcess
     srv = ServerProcess([demo_model, "--max-model-len", "256", "--num-kv-blocks", "64", "--log-level", "warning"])
     yield srv
     srv.stop()
 
 
+@pytest.mark.slow
 def test_two_client_processes_against_zpp_serve(server, tmp_path, capsys):
     """8 prompts x 16/8 from one process and from two: both complete every request with the same
     prompts, and the two processes' results come back as one JSON with every request in it."""

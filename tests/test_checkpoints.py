@@ -53,6 +53,7 @@ def _rename_in_last_file(src: str, dst: str) -> tuple[str, str]:
     return old, new
 
 
+@pytest.mark.slow
 def test_misnamed_tensor_refused_before_any_copy(sharded_llama, tmp_path, monkeypatch):
     """A tensor misnamed in the checkpoint's last file is refused in one line naming it (and the
     parameter left without a tensor) before a single tensor is copied: copying (load_weights) and
@@ -101,6 +102,7 @@ def test_misnamed_tensor_refused_before_any_copy(sharded_llama, tmp_path, monkey
     _load(sharded_llama)  # and loads
 
 
+@pytest.mark.slow
 def test_missing_tensor_of_another_stage_is_not_this_stages_business(sharded_llama, tmp_path):
     """The check covers only what the stage owns: a stage that does not hold the renamed layer loads."""
     bad = str(tmp_path / "bad")
@@ -140,7 +142,7 @@ def test_quantized_checkpoint_refused_before_any_worker(tmp_path):
     directory holds none)."""
     from transformers import Phi3Config
 
-    from conftest import alive, descendants
+    from helpers import alive, descendants
     from zpp import LLM
     from zpp.config import ConfigError
     cfg = {**Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

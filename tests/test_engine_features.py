@@ -10,6 +10,8 @@ from zpp import LLM, SamplingParams
 from zpp.engine.async_engine import RequestError
 from zpp.sampling_params import SamplingParamsError
 
+pytestmark = pytest.mark.slow
+
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
          "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 

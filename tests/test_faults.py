@@ -28,7 +28,9 @@ from typing import Optional
 import aiohttp
 import pytest
 
-from conftest import ServerProcess, descendants, parse_metrics, stage_pids, wait_gone
+from helpers import ServerProcess, descendants, parse_metrics, stage_pids, wait_gone
+
+pytestmark = pytest.mark.slow
 
 HEARTBEAT_S = 3
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 30  # ~300 tokens: several prefill chunks

@@ -21,7 +21,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import hf_greedy
+from helpers import hf_greedy
 from fp8_checkpoint import write_fp8_checkpoint
 
 MAX_NEW = 10
@@ -94,6 +94,7 @@ def _greedy(llm, prompts, n=MAX_NEW):
 
 # Each layout at PP = 1 and 2 across the families (a layout's loading does not depend on the split:
 # every stage runs the same loader on its own tensors), kept to seven engines for the suite's time.
+@pytest.mark.slow
 @pytest.mark.parametrize("family, layout, pp", [
     ("llama", "ct-channel", 1), ("llama", "ct-tensor", 2), ("llama", "block", 1), ("qwen3-moe", "block", 2),
     ("smollm2", "ct-channel", 2), ("smollm2", "block", 1), ("deepseek-v3", "block", 2)])
@@ -114,6 +115,7 @@ def test_greedy_matches_hf(ckpt, prompts, family, layout, pp):
         assert got[i] == ref, f"{family} {layout} PP={pp}, prompt {i}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, layout", [("llama", "ct-channel"), ("llama", "ct-tensor"), ("qwen3-moe", "block")])
 def test_hf_reads_fp8(ckpt, family, layout):
     """HF transformers loading the FP8 checkpoint itself (compressed-tensors with ``dequantize=True``;
@@ -156,6 +158,7 @@ def _full_weights(deq: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(deq, "model.safetensors"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, layout, tp, kept, reverted", [
     ("llama", "ct-tensor", 1, {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}, set()),
     ("llama", "ct-channel", 2, {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}, set()),
@@ -212,6 +215,7 @@ def test_fp8_weights_kept_and_scaled(ckpt, family, layout, tp, kept, reverted):
                                        rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_fp8_forward_reference_on_cpu(ckpt):
     """A stage whose layers kept FP8 weights runs its forward through the PyTorch stand-in of the GPU
     kernels. One token (the W8A16 GEMV's case: activations not quantized) gives the dequantized
@@ -235,6 +239,7 @@ def test_fp8_forward_reference_on_cpu(ckpt):
     assert rel(logits(fp8, torch.bfloat16, 6), logits(ref, torch.float32, 6)) < 0.3
 
 
+@pytest.mark.slow
 def test_missing_scale_or_weight_is_named(ckpt, tmp_path):
     d = str(tmp_path / "no-scale")
     write_fp8_checkpoint(_src_of(ckpt, "llama"), d, "ct-channel",
@@ -259,6 +264,7 @@ def _src_of(ckpt, family: str) -> str:
     return deq
 
 
+@pytest.mark.slow
 def test_kv_scales_from_checkpoint(ckpt):
     from zpp.models.layers.attention import Attention
     d, _ = ckpt("llama", "ct-channel", kv_scales=True)
@@ -270,6 +276,7 @@ def test_kv_scales_from_checkpoint(ckpt):
     assert attn[0].k_scale == pytest.approx(0.07) and attn[0].v_scale == pytest.approx(0.05)
 
 
+@pytest.mark.slow
 def test_configs_validate_with_compressed_tensors(ckpt):
     """The configs the writer makes (and zpp accepts) are valid for the compressed-tensors library."""
     ct = pytest.importorskip("compressed_tensors.quantization")
@@ -336,6 +343,7 @@ def test_fp8_flags_refused_on_cpu(demo_model):
         engine_config_from_args(args).validate()
 
 
+@pytest.mark.slow
 def test_online_quantization_and_kv_bytes(ckpt):
     """``--quantization fp8``'s quantizer on a bf16 model (run here on the CPU): every linear layer e4m3
     per output channel, within e4m3's rounding of the weights; an FP8 KV cache takes half the bytes

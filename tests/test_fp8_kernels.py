@@ -38,6 +38,8 @@ from zpp.models.layers import fp8_kernels as K  # noqa: E402
 from zpp.models.layers import triton_ops as ops  # noqa: E402
 from zpp.models.quantization import FP8_DTYPE, dequantize, quantize_block, quantize_per_channel  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the kernels under the Triton interpreter on the CPU: minutes
+
 DT = torch.bfloat16 if ON_GPU else torch.float32
 EXACT = 2e-2 if ON_GPU else 1e-5   # products of the same FP8 operands (bf16 output on the GPU)
 

@@ -11,6 +11,8 @@ import pytest
 
 from zpp import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow
+
 TEXTS = ["The capital of France is", "Once upon a time", "List three colors:", "1, 2, 3, 4,",
          "def fibonacci(n):", "Water boils at"]
 PARAMS = [SamplingParams(temperature=0, max_tokens=24),

@@ -173,6 +173,7 @@ def test_config_refusals(kwargs, match):
         ParallelConfig(pipeline_parallel_size=2, **kwargs)
 
 
+@pytest.mark.slow
 def test_key_files(tmp_path):
     path = str(tmp_path / "run.keys")
     r = subprocess.run([sys.executable, "-m", "zpp.cli", "node-keys", path], capture_output=True, text=True, timeout=60)
@@ -197,6 +198,7 @@ def test_key_files(tmp_path):
         read_node_keys(worker_copy, head=True)
 
 
+@pytest.mark.slow
 def test_serve_refusals_are_one_line(tmp_path, demo_model):
     """Before anything starts: no key file, a missing one, --headless on the head."""
     base = [sys.executable, "-m", "zpp.cli", "serve", demo_model, "-pp", "2", "--nnodes", "2", "--master-addr",

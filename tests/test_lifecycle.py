@@ -14,7 +14,9 @@ import time
 
 import pytest
 
-from conftest import ServerProcess, descendants, free_port, wait_gone as _wait_gone
+from helpers import ServerProcess, descendants, free_port, wait_gone as _wait_gone
+
+pytestmark = pytest.mark.slow
 
 
 def test_sigterm_stops_everything(demo_model):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import alive, descendants, hf_greedy
+from helpers import alive, descendants, hf_greedy
 
 MAX_NEW = 16
 VOCAB = 49152  # SmolLM2's tokenizer
@@ -113,6 +113,7 @@ def family_model(request, model_dir_of, prompts):
     return model_dir_of(family), _REFERENCES[family]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pp", [1, 2, 3])
 @pytest.mark.parametrize("family_model", list(FAMILIES), indirect=True)
 def test_greedy_matches_hf(family_model, prompts, pp):
@@ -151,6 +152,7 @@ def _rewrite_checkpoint(src: str, dst: str, edit) -> str:
     return dst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_missing_and_unexpected_tensors_are_named(family, model_dir_of, tmp_path):
     import re
@@ -174,6 +176,7 @@ def _tensor_names(model_dir: str) -> list[str]:
         return list(f.keys())
 
 
+@pytest.mark.slow
 def test_mixtral_fused_expert_checkpoint_loads(model_dir_of, tmp_path):
     """HF 5.x's in-memory layout (``mlp.gate``, fused ``mlp.experts.gate_up_proj`` / ``down_proj``)
     loads into the same parameters as the per-expert ``block_sparse_moe.experts.{e}.w1/w2/w3`` that
@@ -237,6 +240,7 @@ def test_refused_by_llm(tmp_path, case):
     assert _live_descendants() <= before, "a process was left running"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_refused_by_cli(tmp_path, case):
     cfg, word = REFUSALS[case]

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from conftest import hf_greedy
+from helpers import hf_greedy
 
 MAX_NEW = 12
 VOCAB = 49152  # SmolLM2's tokenizer
@@ -114,6 +114,7 @@ def _check(got, reference, what: str) -> None:
 
 
 # --- greedy parity against HF transformers --------------------------------------------------------
+@pytest.mark.slow
 def test_v3_pp1_chunked_prefill_prefix_caching(model_of, prompts, shared_prefix):
     """PP=1, prompts cut into 16-token chunks, prefix caching on: batched, then alone, then two
     requests sharing a cached 32-token prefix -- all equal HF."""
@@ -125,6 +126,7 @@ def test_v3_pp1_chunked_prefill_prefix_caching(model_of, prompts, shared_prefix)
         _check(_generate(llm, shared_prefix), ref[len(prompts):], "shared prefix (cached blocks)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,pp,partition", [("v3", 2, None), ("v3", 3, (1, 3, 1)), ("v2-lite", 2, (3, 1)),
                                                ("v2-qlora", 3, None)])
 def test_pipeline_parallel_matches_hf(model_of, prompts, shared_prefix, name, pp, partition):
@@ -136,6 +138,7 @@ def test_pipeline_parallel_matches_hf(model_of, prompts, shared_prefix, name, pp
         _check(_generate(llm, prompts[:2], one_by_one=True), ref, f"{name} PP={pp} alone")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["v3", "v2-qlora"])  # v2-lite's blocks are v3's and v2-qlora's (suite time)
 def test_tensor_parallel_2_matches_hf(model_of, prompts, name):
     """TP=2: 2 of 4 heads per rank, the latent cache replicated, dense MLPs, shared and routed
@@ -146,6 +149,7 @@ def test_tensor_parallel_2_matches_hf(model_of, prompts, name):
         _check(_generate(llm, prompts), ref, f"{name} TP=2")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,pp,async_on", [("v2-lite", 1, True), ("v3", 2, False)])
 def test_decode_graph_path_on_cpu(model_of, prompts, tmp_path, monkeypatch, name, pp, async_on):
     """The model runner's decode-graph path (``ZPP_EAGER_GRAPHS`` stand-in for CUDA graphs) over the
@@ -164,6 +168,7 @@ def test_decode_graph_path_on_cpu(model_of, prompts, tmp_path, monkeypatch, name
         assert stages.count(s) >= MAX_NEW - 2, f"stage {s} did not take the graph path"
 
 
+@pytest.mark.slow
 def test_auto_partition_times_dense_and_moe_layers(model_of, prompts, caplog):
     """``--pp-layer-partition auto`` at PP=2 on V3 (layer 0 dense, 1-4 MoE): each stage times a
     dense and an MoE layer, the engine logs both costs per stage and picks the best split for
@@ -196,6 +201,7 @@ def test_auto_partition_times_dense_and_moe_layers(model_of, prompts, caplog):
     assert slowest(sizes) <= min(slowest((a, 5 - a)) for a in range(1, 5)) + 5e-3  # logged costs: rounded to 1 us
 
 
+@pytest.mark.slow
 def test_llama_yarn_matches_hf(tmp_path, demo_model, prompts):
     """YaRN is not DeepSeek's alone: a LLaMA with rope_scaling yarn (attention factor from factor
     alone) equals HF too."""
@@ -237,6 +243,7 @@ def v3_dir(model_of):
     return model_of("v3")[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kw", [("v3", {"rope_interleave": False}), ("v3", {"q_lora_rank": None}),
                                      ("v3", {"norm_topk_prob": False, "rope_scaling": None}),
                                      ("v2-lite", {"topk_method": "greedy", "q_lora_rank": 24}),
@@ -270,6 +277,7 @@ def test_variants_logits_match_hf(tmp_path, name, kw):
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-4 * ref.abs().max().item())
 
 
+@pytest.mark.slow
 def test_kv_cache_holds_latent_rows(v3_dir):
     """Bytes per block = layers x block_size x (kv_lora_rank + qk_rope_head_dim) x 4 (fp32), one
     tensor per layer of ``[blocks, block_size, 1, kv_lora_rank + rope]``; the engine's block count
@@ -359,6 +367,7 @@ def test_yarn_tables_match_hf(scaling):
         assert yarn_softmax_scale(ours, 1.0) != 1.0
 
 
+@pytest.mark.slow
 def test_mtp_layer_and_fused_experts_load(v3_dir, tmp_path):
     """V3's released checkpoints carry a multi-token-prediction module as layer num_hidden_layers
     (``model.layers.61.*`` for 61 layers): skipped, not reported as unexpected. HF 5.x's fused expert
@@ -392,6 +401,7 @@ def test_mtp_layer_and_fused_experts_load(v3_dir, tmp_path):
         _stage(str(d))
 
 
+@pytest.mark.slow
 def test_tensor_parallel_slices_rebuild_the_weights(v3_dir):
     """TP=2: each rank's attention / MLP slices put back together are the TP=1 weights; each rank
     holds half of every routed expert's intermediate dim (gate rows, up rows, down columns); the
@@ -458,6 +468,7 @@ def test_tensor_parallel_refused_when_heads_do_not_split():
         resolve_model_class(d, tensor_parallel_size=3)
 
 
+@pytest.mark.slow
 def test_cuda_graphs_on_moe_stages(v3_dir):
     """Every stage is captured in CUDA graphs, MoE layers included: the CUDA experts are grouped
     Triton GEMMs without a host sync, and the routers neither read a device value on the host nor

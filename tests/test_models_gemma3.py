@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from conftest import hf_greedy
+from helpers import hf_greedy
 
 VOCAB = 49152  # SmolLM2's tokenizer
 WINDOW = 8
@@ -78,6 +78,7 @@ def reference(gemma_dir, prompts):
     return hf_greedy(gemma_dir, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 def test_hf_reference_depends_on_the_window(gemma_dir, prompts, reference, tmp_path):
     """The checkpoint's window matters for these prompts: without it (all layers global) HF's tokens
     differ, so the parity tests below do check the window."""
@@ -100,6 +101,7 @@ ENGINES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_greedy_matches_hf(gemma_dir, prompts, reference, engine, tmp_path, monkeypatch):
     from zpp import LLM, SamplingParams
@@ -122,6 +124,7 @@ def test_greedy_matches_hf(gemma_dir, prompts, reference, engine, tmp_path, monk
         assert replays.exists() and len(replays.read_text().split()) >= MAX_NEW, "the graph path did not run"
 
 
+@pytest.mark.slow
 def test_multimodal_checkpoint_serves_its_language_model(demo_model, prompts, tmp_path):
     """``Gemma3ForConditionalGeneration``: ``text_config`` nested, ``language_model.`` names, a
     vision tower that is never read; text prompts give HF's tokens (HF runs the whole model)."""

@@ -15,7 +15,9 @@ import shutil
 
 import pytest
 
-from conftest import hf_greedy
+from helpers import hf_greedy
+
+pytestmark = pytest.mark.slow
 
 VOCAB = 49152  # SmolLM2's tokenizer
 WINDOW = 8

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from conftest import hf_greedy
+from helpers import hf_greedy
 
 VOCAB = 49152  # SmolLM2's tokenizer
 MAX_NEW = 16
@@ -113,6 +113,7 @@ def _check(got, ref, what):
 
 
 # --- HF parity ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_reference_recomputes_at_the_switch(model_dir, prompts):
     """The references exercise the switch: for the prompt that crosses 32 tokens while decoding,
     HF's generate (which recomputes there) differs from a forward loop that keeps the short-factor
@@ -124,6 +125,7 @@ def test_reference_recomputes_at_the_switch(model_dir, prompts):
     assert ref[1] != plain[1]
 
 
+@pytest.mark.slow
 def test_pp1_chunked_prefill_prefix_caching_batched_and_alone(model_dir, prompts, shared_prefix):
     """PP=1 with 8-token chunks and prefix caching: the three prompts batched, then each alone (the
     cache now holds their blocks: short-factor blocks of the crossing prompt must not serve its
@@ -142,6 +144,7 @@ def test_pp1_chunked_prefill_prefix_caching_batched_and_alone(model_dir, prompts
         assert llm.engine.kv.prefix_hits - hits == 16, "the shared block was not served from the cache"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pp, partition", [(2, None), (3, (1, 3, 1))])
 def test_pipeline_parallel(model_dir, prompts, pp, partition):
     from zpp import LLM
@@ -152,6 +155,7 @@ def test_pipeline_parallel(model_dir, prompts, pp, partition):
         _check(_generate(llm, prompts), ref, f"PP={pp} {partition}")
 
 
+@pytest.mark.slow
 def test_tensor_parallel(model_dir, prompts):
     """TP=2: the fused qkv_proj is split by the q, k and v widths (4 heads, 2 KV heads of 16)."""
     from zpp import LLM
@@ -161,6 +165,7 @@ def test_tensor_parallel(model_dir, prompts):
         _check(_generate(llm, prompts), ref, "TP=2")
 
 
+@pytest.mark.slow
 def test_phi3_mini_shape_pp2_tp2(model_dir, prompts):
     """Full rotary over a head size of 24, no rope scaling, untied head, sliding window 12: TP=2 x
     PP=2 and batched, chunked prefill; the window matters (HF without it differs)."""
@@ -282,6 +287,7 @@ def test_unsupported_configs_refused(edit, word):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_on", [False, True])
 def test_decode_graph_path(model_dir, prompts, tmp_path, monkeypatch, async_on):
     """The runner's decode-graph path on the CPU (``ZPP_EAGER_GRAPHS``, see tests/test_graph_path_cpu.py),

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from conftest import alive, descendants, hf_greedy
+from helpers import alive, descendants, hf_greedy
 
 MAX_NEW = 12
 VOCAB = 49152  # SmolLM2's tokenizer
@@ -98,6 +98,7 @@ def _greedy(llm, prompts, n=MAX_NEW):
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "qwen3-moe"])
 @pytest.mark.parametrize("pp", [1, 3])
 def test_greedy_matches_hf(model_dir_of, prompts, family, pp):
@@ -113,6 +114,7 @@ def test_greedy_matches_hf(model_dir_of, prompts, family, pp):
         assert alone[i] == ref, f"{family} PP={pp} alone, prompt {i} ({len(prompts[i])} tokens)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, partition", [("qwen3", (1, 4)), ("qwen3-moe", (3, 2)), ("qwen3-tied", (3, 1))])
 def test_uneven_pp2_chunked_prefill_prefix_caching(model_dir_of, prompts, family, partition):
     """PP=2 with an uneven split, prompts cut into chunks of at most 16 tokens, prefix caching on: a
@@ -131,6 +133,7 @@ def test_uneven_pp2_chunked_prefill_prefix_caching(model_dir_of, prompts, family
         assert got[i] == ref, f"{family} PP=2 {partition}, prompt {i}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, tp, pp", [("qwen3", 2, 1), ("qwen3-moe", 2, 2), ("qwen3-moe-step2", 2, 1),
                                             ("mixtral", 2, 1)])
 def test_tensor_parallel_matches_hf(model_dir_of, prompts, family, tp, pp):
@@ -349,6 +352,7 @@ def _compositions(total: int, parts: int):
             yield (first,) + rest
 
 
+@pytest.mark.slow
 def test_auto_partition_times_dense_and_moe_layers(model_dir_of, prompts, caplog):
     """A real ``auto`` run at PP=2 on Qwen3-MoE with a dense layer (mlp_only_layers): each stage
     times a dense and an MoE layer; the engine logs both costs per stage and picks the split that

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from conftest import hf_greedy
+from helpers import hf_greedy
 
 VOCAB = 49152
 WINDOW = 8
@@ -79,6 +79,7 @@ def model_dir_of(tmp_path_factory, demo_model):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_sliding_window_matches_hf(model_dir_of, prompts, family):
     from zpp import LLM, SamplingParams

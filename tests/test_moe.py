@@ -12,6 +12,8 @@ import os
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # HF's MoE modules and the fused-MoE kernel under the Triton interpreter: minutes
+
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"  # run the kernels in Triton's CPU interpreter

@@ -22,7 +22,9 @@ import time
 
 import pytest
 
-from conftest import free_port
+from helpers import free_port
+
+pytestmark = pytest.mark.slow
 
 AGENT = os.path.join(os.path.dirname(sys.executable), "zpp-node")
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time, in a small village"]

@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 import time
 
-from conftest import alive, descendants
+import pytest
+
+from helpers import TESTS_DIR, alive, descendants
 
 
+@pytest.mark.slow
 def test_remote_stage_via_agent(demo_model, tokenizer, monkeypatch):
     from zpp import LLM, SamplingParams
-    monkeypatch.setenv("ZPP_SSH", os.path.join(os.path.dirname(__file__), "fake_ssh.sh"))
+    monkeypatch.setenv("ZPP_SSH", os.path.join(TESTS_DIR, "fake_ssh.sh"))
     prompts = [tokenizer.encode("The capital of France is"), tokenizer.encode("1, 2, 3, 4,")]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with LLM(demo_model, kv_cache_memory="64MiB") as llm:

@@ -12,10 +12,10 @@ import urllib.request
 
 import pytest
 
-from conftest import OBSERVED_NAME, ServerProcess, parse_metrics
+from helpers import OBSERVED_NAME, ROOT, ServerProcess, parse_metrics
 
 NAME = OBSERVED_NAME  # --served-model-name: the model_name label must be the served name
-DASHBOARD = os.path.join(os.path.dirname(__file__), "..", "examples", "grafana", "zpp_dashboard.json")
+DASHBOARD = os.path.join(ROOT, "examples", "grafana", "zpp_dashboard.json")
 STATS_RE = re.compile(r"INFO zpp\.stats: Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: "
                       r"[\d.]+ tokens/s, Running: \d+ seqs, Waiting: \d+ seqs, KV cache usage: [\d.]+%, "
                       r"Stage busy: 0: \d+%, 1: \d+%, Prefix cache hit rate: (?:[\d.]+%|n/a)")
@@ -49,6 +49,7 @@ def wait_for(pred, timeout: float = 20.0):
 
 
 # --- logs ----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_request_line_and_stats_lines_while_busy(server):
     r = post(server, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8,
                                          "temperature": 0, "ignore_eos": True})
@@ -65,6 +66,7 @@ def test_request_line_and_stats_lines_while_busy(server):
     assert len(STATS_RE.findall(server.output())) - before <= 1
 
 
+@pytest.mark.slow
 def test_aborted_request_is_logged(server):
     """A client that goes away: its request is logged with finish_reason=abort."""
     req = urllib.request.Request(server.url + "/v1/completions", headers={"Content-Type": "application/json"},
@@ -76,6 +78,7 @@ def test_aborted_request_is_logged(server):
                                       r"finish_reason=abort, ", server.output()), 10), server.output()
 
 
+@pytest.mark.slow
 def test_disable_log_requests_and_stats(demo_model):
     srv = ServerProcess([demo_model, "--max-model-len", "256", "--num-kv-blocks", "32", "--log-stats-interval",
                          "0.5", "--disable-log-requests", "--disable-log-stats"])
@@ -92,6 +95,7 @@ def test_disable_log_requests_and_stats(demo_model):
 
 
 # --- metrics -------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_every_series_has_the_model_name_label(server):
     post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
     series = [line for line in scrape(server).splitlines() if line.startswith("zpp:")]
@@ -100,6 +104,7 @@ def test_every_series_has_the_model_name_label(server):
         assert f'model_name="{NAME}"' in line.split("}")[0], line
 
 
+@pytest.mark.slow
 def test_prefix_cache_queries_and_hits(server, tokenizer):
     prompt = "Once upon a time, in a land far away, there lived a king who had three daughters. " * 2
     n = len(tokenizer.encode(prompt))
@@ -114,6 +119,7 @@ def test_prefix_cache_queries_and_hits(server, tokenizer):
     assert hits == (n - 1) // 16 * 16  # the second request reuses every full block but the last token's
 
 
+@pytest.mark.slow
 def test_stage_idle_seconds(server):
     """Both stages report their idle time between micro-batches (the pipeline bubble): PP=2 with one
     request decoding leaves each stage waiting on the other every token; a pause with no requests
@@ -141,6 +147,7 @@ def test_stage_idle_seconds(server):
         assert first[k] < v < first[k] + 3.0, (k, first[k], v)
 
 
+@pytest.mark.slow
 def test_prompt_token_counter_agrees_with_prompt_length_histogram(server, tokenizer):
     """Every finished request's prompt counts both in ``prompt_tokens_total`` and in the
     ``request_prompt_tokens`` histogram, including one with max_tokens 0 (echo: it runs no step)."""
@@ -190,6 +197,7 @@ def test_promql_selectors():
         [("a:b_bucket", '{x="}"}'), ("c", "")]
 
 
+@pytest.mark.slow
 def test_grafana_dashboard_queries_exist_in_a_real_scrape(server):
     with open(DASHBOARD) as f:
         dash = json.load(f)

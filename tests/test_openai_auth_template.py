@@ -21,7 +21,9 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from conftest import ServerProcess, alive, descendants
+from helpers import ServerProcess, alive, descendants
+
+pytestmark = pytest.mark.slow
 
 KEY = "sk-test-secret"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]

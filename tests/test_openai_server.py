@@ -12,7 +12,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from conftest import parse_metrics
+from helpers import parse_metrics
 
 MODEL = "SmolLM2-135M-Instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -50,6 +50,7 @@ def non_ascii(text: str) -> int:
 
 
 # --- models, health, version -------------------------------------------------------------------
+@pytest.mark.slow
 def test_models_health_version(server):
     async def go():
         c = client(server)
@@ -67,6 +68,7 @@ def test_models_health_version(server):
 
 
 # --- /v1/completions ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_completion_prompt_forms_and_exact_usage(server, tokenizer):
     texts = ["The capital of France is", "One, two, three,"]
     ids = [tokenizer.encode(t) for t in texts]
@@ -96,6 +98,7 @@ def test_completion_prompt_forms_and_exact_usage(server, tokenizer):
         assert r.usage.total_tokens == n_prompt + 6 * len(r.choices)
 
 
+@pytest.mark.slow
 def test_completion_n_choices_are_prompt_major(server, tokenizer):
     prompts = ["Apples are", "The ocean is"]
     plen = sum(len(tokenizer.encode(p)) for p in prompts)
@@ -112,6 +115,7 @@ def test_completion_n_choices_are_prompt_major(server, tokenizer):
     assert r.usage.prompt_tokens == plen  # each prompt once, whatever n
 
 
+@pytest.mark.slow
 def test_completion_echo_and_logprobs(server, tokenizer):
     prompt = "The capital of France is"
     plen = len(tokenizer.encode(prompt))
@@ -147,6 +151,7 @@ def test_completion_echo_and_logprobs(server, tokenizer):
     assert s.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:plen], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_completion_stream_matches_non_stream_with_usage(server):
     prompts = ["Once upon a time", "def fibonacci(n):"]
 
@@ -173,6 +178,7 @@ def test_completion_stream_matches_non_stream_with_usage(server):
     assert ref.usage.completion_tokens == 4 * 8
 
 
+@pytest.mark.slow
 def test_completion_suffix_and_best_of_rejected(server):
     async def go():
         c = client(server)
@@ -185,6 +191,7 @@ def test_completion_suffix_and_best_of_rejected(server):
     run(go())
 
 
+@pytest.mark.slow
 def test_completion_stop_strings_and_tokens(server, tokenizer):
     async def go():
         c = client(server)
@@ -210,6 +217,7 @@ def test_completion_stop_strings_and_tokens(server, tokenizer):
     run(go())
 
 
+@pytest.mark.slow
 def test_stop_string_on_the_length_token(server):
     """A stop string completed by the token that reaches max_tokens ends the choice with "stop" and
     the string (stop conditions before the length limit, as vLLM), streamed and not."""
@@ -234,6 +242,7 @@ def test_stop_string_on_the_length_token(server):
 
 
 # --- /v1/chat/completions ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_chat_uses_template_without_double_bos(server, tokenizer):
     msgs = [{"role": "system", "content": "You are a geography teacher."},
             {"role": "user", "content": "Name a country in Europe."},
@@ -261,6 +270,7 @@ def test_chat_uses_template_without_double_bos(server, tokenizer):
     assert multi.choices[0].message.content
 
 
+@pytest.mark.slow
 def test_chat_max_completion_tokens_and_n(server):
     async def go():
         return await client(server).chat.completions.create(
@@ -273,6 +283,7 @@ def test_chat_max_completion_tokens_and_n(server):
     assert r.usage.completion_tokens == 6
 
 
+@pytest.mark.slow
 def test_whole_floats_accepted_for_integer_fields(server):
     """As vLLM (pydantic): a float with no fractional part is an integer (``max_tokens: 5.0`` runs
     5 tokens) in both endpoints; ``5.5`` is still a 400 naming the field."""
@@ -325,6 +336,7 @@ def test_integer_fields_take_whole_floats_only():
     assert [type(t) for t in decode_request(b'{"tokens": [5.0]}', DetokenizeRequest).tokens] == [int]
 
 
+@pytest.mark.slow
 def test_chat_logprobs(server):
     async def go():
         return await client(server).chat.completions.create(
@@ -361,6 +373,7 @@ def _collect_chat(chunks):
     return text, finishes, roles
 
 
+@pytest.mark.slow
 def test_continuous_usage_stats_in_every_chunk(server):
     """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk with
     choices carries the usage so far, completion tokens never decrease and end at the final
@@ -389,6 +402,7 @@ def test_continuous_usage_stats_in_every_chunk(server):
         assert {ch.usage.prompt_tokens for ch in body} == {last.usage.prompt_tokens}, path
 
 
+@pytest.mark.slow
 def test_chat_stream_matches_non_stream(server):
     async def go():
         c = client(server)
@@ -407,6 +421,7 @@ def test_chat_stream_matches_non_stream(server):
     assert chunks[-1].choices == [] and chunks[-1].usage == ref.usage
 
 
+@pytest.mark.slow
 def test_raw_sse_ends_with_done(server):
     async def go():
         body = {"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 4, "stream": True}
@@ -422,6 +437,7 @@ def test_raw_sse_ends_with_done(server):
     run(go())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("messages", [EMOJI, PARTY, CHINESE, JAPANESE], ids=["emoji", "party", "chinese", "japanese"])
 def test_multibyte_stream_equals_non_stream(server, tokenizer, messages):
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -510,6 +526,7 @@ MALFORMED = [
 ]
 
 
+@pytest.mark.slow
 def test_malformed_requests_get_openai_errors_and_server_keeps_serving(server):
     assert len(MALFORMED) >= 25
 
@@ -535,6 +552,7 @@ def test_malformed_requests_get_openai_errors_and_server_keeps_serving(server):
     run(go())
 
 
+@pytest.mark.slow
 def test_client_errors_through_the_official_client(server):
     async def go():
         c = client(server)
@@ -560,6 +578,7 @@ async def _wait_metrics(server, pred, timeout=20.0):
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_disconnect_aborts_and_frees_kv(server):
     aborted = 'zpp:request_success_total{finished_reason="abort"}'
 
@@ -616,6 +635,7 @@ def test_disconnect_aborts_and_frees_kv(server):
     run(go())
 
 
+@pytest.mark.slow
 def test_metrics(server):
     async def go():
         before = await scrape(server)
@@ -640,6 +660,7 @@ def test_metrics(server):
 
 
 # --- zpp bench serve ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_bench_serve_random_and_sharegpt(server, tmp_path, capsys):
     from zpp.cli import main
     out = tmp_path / "random.json"
@@ -670,6 +691,7 @@ def test_bench_serve_random_and_sharegpt(server, tmp_path, capsys):
     assert res["completed"] == 3 and res["total_output_tokens"] == 9 and res["max_concurrency"] == 2
 
 
+@pytest.mark.slow
 def test_bench_serve_with_vllm_flags_saves_result(server, tmp_path):
     """A ``vllm bench serve`` command line, run as a subprocess against this server: the result
     file goes to --result-dir/--result-filename, or by default to vLLM's file name pattern."""
@@ -700,6 +722,7 @@ def test_bench_serve_with_vllm_flags_saves_result(server, tmp_path):
     assert len(saved) == 1 and json.loads(open(saved[0]).read())["completed"] == 4
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_in_responses(server, tokenizer):
     """vLLM's ``prompt_logprobs``: one entry per prompt token (None first) holding the prompt token,
     each entry ``{"logprob", "rank", "decoded_token"}`` with the top-2 ranked 1 and 2."""
@@ -733,6 +756,7 @@ async def _post(s: aiohttp.ClientSession, server, path: str, body) -> tuple[int,
         return r.status, await r.json()
 
 
+@pytest.mark.slow
 def test_tokenize_and_detokenize(server, tokenizer):
     """vLLM's shapes; the ids are those the completion and chat endpoints run."""
     text = "The capital of France is"
@@ -786,6 +810,7 @@ TOKENIZE_BAD = [
 ]
 
 
+@pytest.mark.slow
 def test_tokenize_detokenize_bad_input_gets_openai_errors(server):
     async def go():
         async with aiohttp.ClientSession() as s:
@@ -799,6 +824,7 @@ def test_tokenize_detokenize_bad_input_gets_openai_errors(server):
     run(go())
 
 
+@pytest.mark.slow
 def test_ping(server):
     async def go():
         async with aiohttp.ClientSession() as s:
@@ -809,6 +835,7 @@ def test_ping(server):
     run(go())
 
 
+@pytest.mark.slow
 def test_unknown_fields_refused_and_logged_once_per_name(server):
     """Still a 400 naming the field (OpenAI's behaviour); the server logs a warning the first time
     it sees each unknown field name, all of a body's unknown fields (as vLLM logs them)."""

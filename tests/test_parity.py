@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import hf_greedy
+from helpers import hf_greedy
+
+pytestmark = pytest.mark.slow
 
 MAX_NEW = 32
 TEXTS = [

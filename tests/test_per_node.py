@@ -26,9 +26,11 @@ import time
 
 import pytest
 
-from conftest import free_port
+from helpers import ROOT, free_port
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+pytestmark = pytest.mark.slow
+
+EXAMPLES = os.path.join(ROOT, "examples")
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time, in a small village"]
 MAX_TOKENS = 10
 HOSTS = ("zppn01", "zppn02")  # names of the head and the node, in both namespaces' /etc/hosts

@@ -238,6 +238,7 @@ def _pressure_case(seed: int):
         raise AssertionError(f"seed {seed}: {e}") from None
 
 
+@pytest.mark.slow
 def test_forward_progress_under_memory_pressure():
     # 300 random cases (~1 s); about 3% of them livelocked or starved with the earlier policy
     # (victims skipped when in flight, readmission on the first chunk).

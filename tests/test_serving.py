@@ -8,6 +8,8 @@ import json
 import aiohttp
 import pytest
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def server(shared_pp2_server):

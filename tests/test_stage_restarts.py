@@ -26,7 +26,9 @@ import time
 import aiohttp
 import pytest
 
-from conftest import ServerProcess, alive, descendants, parse_metrics, stage_pids, wait_gone
+from helpers import ServerProcess, alive, descendants, parse_metrics, stage_pids, wait_gone
+
+pytestmark = pytest.mark.slow
 
 HEARTBEAT_S = 3
 MAX_TOKENS = 16

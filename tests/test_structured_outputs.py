@@ -115,6 +115,7 @@ def engine(request, demo_model):
         yield pp, llm
 
 
+@pytest.mark.slow
 def test_constrained_and_free_in_one_batch(engine):
     pp, llm = engine
     tok = llm.get_tokenizer()
@@ -132,6 +133,7 @@ def test_constrained_and_free_in_one_batch(engine):
             assert got == want, f"request {i} differs between PP={pp} and PP=1"
 
 
+@pytest.mark.slow
 def test_free_requests_unchanged_by_constrained_neighbours(engine):
     pp, llm = engine
     assert pp in RESULTS, "runs after test_constrained_and_free_in_one_batch"
@@ -140,6 +142,7 @@ def test_free_requests_unchanged_by_constrained_neighbours(engine):
     assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in alone] == RESULTS[pp][len(CASES):]
 
 
+@pytest.mark.slow
 def test_compile_errors_size_limit_and_timeout(engine):
     pp, llm = engine
     if pp != 1:
@@ -198,6 +201,7 @@ def test_last_stage_mask_matches_xgrammar():
         assert torch.equal(logits, want)
 
 
+@pytest.mark.slow
 def test_core_bitmask_fill_threaded_equals_row_by_row(tokenizer):
     """The core's bitmask: filled on several threads (many-core hosts) or row by row (the 2-core
     machines), the bytes are the same, and they follow the matchers as tokens are accepted."""
@@ -230,6 +234,7 @@ def _pattern_schema(n: int) -> dict:
             "required": [f"p{i}" for i in range(n)]}
 
 
+@pytest.mark.slow
 def test_compiled_grammar_size_is_bounded_before_serializing(tokenizer):
     """A small schema that compiles to a huge grammar (a newcomer's 18 KB schema of 200 such
     properties made the server grow by tens of GB while serializing it) is refused with a 400
@@ -267,10 +272,11 @@ def slow_schema(n: int = 250, tag: str = "") -> dict:
 
 
 def _compile_children(host_pid: int) -> list[int]:
-    from conftest import descendants
+    from helpers import descendants
     return descendants(host_pid)
 
 
+@pytest.mark.slow
 def test_compiles_are_killed_refused_once_and_never_starve_small_ones(tokenizer):
     """Compiles run in processes forked by the compile host: two slow schemas hold both general
     slots, yet a small ``choice`` compiles at once (its own slot); a third large schema says it
@@ -311,19 +317,20 @@ def test_compiles_are_killed_refused_once_and_never_starve_small_ones(tokenizer)
         assert _compile_children(host) == [], "a compile nobody waits for still runs"
         gc.close()
         await aio.sleep(0.5)
-        from conftest import alive
+        from helpers import alive
         assert not alive(host)
 
     aio.run(go())
 
 
+@pytest.mark.slow
 def test_a_running_compile_does_not_keep_the_process_alive(tmp_path):
     """A process that exits while a grammar compiles exits at once, and its compile host and the
     compile process go with it (a stopping server waited minutes for xgrammar)."""
     import subprocess
     import sys
 
-    from conftest import alive
+    from helpers import alive
     script = tmp_path / "exit_during_compile.py"
     script.write_text(
         "import asyncio, json, sys\n"
@@ -338,7 +345,7 @@ def test_a_running_compile_does_not_keep_the_process_alive(tmp_path):
         "    print(gc.host_pid, flush=True)\n"
         "asyncio.run(main())\n"
         "print('exiting', flush=True)\n")
-    from conftest import demo_model_or_skip
+    from helpers import demo_model_or_skip
     out = subprocess.run([sys.executable, str(script), demo_model_or_skip(), json.dumps(slow_schema())],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.split()[-1] == "exiting", out.stderr
@@ -414,6 +421,7 @@ class Person(BaseModel):
     age: int
 
 
+@pytest.mark.slow
 def test_server_parse_tools_and_vllm_fields(server):
     async def go():
         c = _client(server)
@@ -490,6 +498,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 def test_server_bad_inputs_get_400_naming_the_field(server):
     async def go():
         c = _client(server)
@@ -554,6 +563,7 @@ def _kw(fields: dict) -> dict:
     return {**std, "extra_body": extra} if extra else std
 
 
+@pytest.mark.slow
 def test_named_tool_call_cut_off_has_one_shape(server):
     """shared/cases/named-tool-call-cut-off.md: a named tool call cut off by max_tokens (8, 15) is
     its call in both modes, the arguments as far as generated (at 8 tokens: the case's fragment),
@@ -586,6 +596,7 @@ def test_named_tool_call_cut_off_has_one_shape(server):
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_every_early_end_has_one_shape_streamed_or_not(server):
     """The whole kind of that case: for plain text, tool calls (auto, named, required) and
     structured outputs (JSON schema, choice), each way an output ends early -- max_tokens, a stop
@@ -622,7 +633,7 @@ def test_every_early_end_has_one_shape_streamed_or_not(server):
 def _tree_cpu_seconds(pid: int) -> float:
     """CPU time (user + system) of ``pid`` and its live descendants."""
     import os
-    from conftest import descendants
+    from helpers import descendants
     total = 0
     for p in [pid] + descendants(pid):
         try:
@@ -634,6 +645,7 @@ def _tree_cpu_seconds(pid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.slow
 def test_slow_schema_is_stopped_refused_once_and_starves_nobody(server):
     """shared/cases/grammar-compile-outlives-timeout.md on the server (compile timeout 10 s): a
     client that gives up after 1 s; the same schema from a patient client gets a 400 naming the

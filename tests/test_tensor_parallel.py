@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import alive, descendants, hf_greedy
+from helpers import alive, descendants, hf_greedy
 
 MAX_NEW = 16
 VOCAB = 49152  # SmolLM2's tokenizer
@@ -61,6 +61,7 @@ def model_dir_of(tmp_path_factory, demo_model):
     return get
 
 
+@pytest.mark.slow
 def test_tp3_smollm2_matches_hf(demo_model, tokenizer):
     """9 query heads and 3 KV heads split 3 ways: one KV head per rank; prompts batched."""
     from zpp import LLM, SamplingParams
@@ -73,6 +74,7 @@ def test_tp3_smollm2_matches_hf(demo_model, tokenizer):
         assert list(got[i]) == ref, f"TP=3, prompt {i} ({len(prompts[i])} tokens)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_tp2_pp2_matches_hf(model_dir_of, family):
     import random
@@ -167,6 +169,7 @@ def test_tp_below_one_is_refused(demo_model):
         LLM(demo_model, tensor_parallel_size=0)
 
 
+@pytest.mark.slow
 def test_tp_refused_by_cli(demo_model):
     proc = subprocess.run([sys.executable, "-m", "zpp.cli", "serve", demo_model, "-tp", "2", "--port", "0"],
                           capture_output=True, text=True, timeout=120)

@@ -11,6 +11,8 @@ import torch
 
 from test_triton_ops import DEV, DT, TOL, ops, rel_err
 
+pytestmark = pytest.mark.slow  # the kernels under the Triton interpreter on the CPU: minutes
+
 
 def ref_latent_attention(q, cache, block_tables, seq_lens, q_lens, dv, scale):
     """``q [T, H, D]``, ``cache [N, bs, 1, D]`` -> ``[T, H, dv]``: causal attention with K = the rows,

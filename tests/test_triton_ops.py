@@ -15,6 +15,8 @@ triton = pytest.importorskip("triton")
 
 from zpp.models.layers import triton_ops as ops  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the kernels under the Triton interpreter on the CPU: minutes
+
 if not ON_GPU:
     # Triton 3.6's interpreter converts loaded scalars (numpy shape (1,)) with int(), which numpy 2
     # refuses; convert through .item() instead so `range(0, loaded_scalar, step)` works.

@@ -10,8 +10,10 @@ import time
 
 import pytest
 
-from conftest import alive
+from helpers import alive
 from two_hosts import TwoHosts, unavailable_reason
+
+pytestmark = pytest.mark.slow
 
 # Serves b"head\n" to every connection on (HOST, 0); prints its port once listening.
 LISTENER = """

@@ -21,7 +21,9 @@ import urllib.request
 
 import pytest
 
-from conftest import ServerProcess, descendants, stage_pids as _stage_pids, wait_gone as _wait_gone
+from helpers import ServerProcess, descendants, stage_pids as _stage_pids, wait_gone as _wait_gone
+
+pytestmark = pytest.mark.slow
 
 
 class _Stream:
