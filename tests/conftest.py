@@ -67,7 +67,7 @@ def shared_pp2_server(request, demo_model):
 def shared_pp2_prefix_server(request, demo_model):
     """``zpp serve`` at PP=2 with prefix caching (max-model-len 512, 64 KV blocks), the default log
     level (info), stats every 0.5 s, served as ``OBSERVED_NAME``: the server of
-    tests/test_observability.py, and of the prefix-cache test of tests/test_serving.py after it."""
+    tests/server/test_observability.py, and of the prefix-cache test of tests/server/test_serving.py after it."""
     yield from _shared_server(request, lambda: ServerProcess(
         [demo_model, "-pp", "2", "--served-model-name", OBSERVED_NAME, "--max-model-len", "512",
          "--num-kv-blocks", "64", "--enable-prefix-caching", "--log-stats-interval", "0.5"]))

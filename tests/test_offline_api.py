@@ -144,7 +144,7 @@ def test_progress_bar_by_default(llm, capsys):
 @pytest.mark.slow
 def test_device_auto_by_default(llm):
     assert inspect.signature(LLM).parameters["device"].default == "auto"
-    if not torch.cuda.is_available():  # CUDA machines: tests/test_gpu.py::test_llm_device_auto_is_cuda
+    if not torch.cuda.is_available():  # CUDA machines: tests/gpu/test_gpu.py::test_llm_device_auto_is_cuda
         assert llm.config.parallel.device == "cpu"
 
 

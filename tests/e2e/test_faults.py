@@ -37,7 +37,7 @@ LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 30  # ~300 token
 
 
 def _server(demo_model, *extra) -> ServerProcess:
-    # Fail-stop (no stage restarts): tests/test_stage_restarts.py covers the supervised default.
+    # Fail-stop (no stage restarts): tests/e2e/test_stage_restarts.py covers the supervised default.
     return ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--max-model-len", "1024",
                           "--worker-heartbeat-timeout", str(HEARTBEAT_S), "--max-stage-restarts", "0", *extra])
 

@@ -533,7 +533,7 @@ def test_deepseek_moe_layer_in_cuda_graph(method):
 # --- sliding-window attention and attention sinks: Gemma 3 and gpt-oss ---------------------------
 # Windows of 16 tokens against prompts of up to 120 (+ 24 generated): every long sequence's
 # sliding layers skip KV blocks. The Triton kernel itself is checked against a reference on the GPU
-# by tests/test_triton_ops.py (its window / sink cases run there too, in bf16).
+# by tests/models/layers/test_triton_ops.py (its window / sink cases run there too, in bf16).
 def _save_random(tmp_path_factory, name, cls, cfg, randomize):
     torch.manual_seed(0)
     model = cls(cfg).eval()

@@ -125,7 +125,7 @@ QUANT_METHODS = {  # quantization_config as HF writes it -> the method named in 
 
 def test_quantized_checkpoints_refused_for_every_family():
     """Every supported architecture refuses each quantization method zpp cannot load (FP8 loads:
-    tests/test_fp8.py) in one line naming the method and the architecture, before looking at the
+    tests/models/test_fp8.py) in one line naming the method and the architecture, before looking at the
     rest of the config."""
     from zpp.config import ConfigError
     from zpp.models.registry import resolve_model_class, supported_architectures

@@ -146,7 +146,7 @@ def test_tp_not_dividing_heads_is_refused(demo_model, tp, word):
     assert _live_descendants() <= before, "a process was left running"
 
 
-@pytest.mark.parametrize("cfg", [GPT2], ids=["gpt2"])  # Mixtral / Qwen3-MoE: tests/test_models_qwen3.py
+@pytest.mark.parametrize("cfg", [GPT2], ids=["gpt2"])  # Mixtral / Qwen3-MoE: tests/models/test_models_qwen3.py
 def test_tp_for_other_families_is_refused(tmp_path, cfg):
     from zpp import LLM
     from zpp.config import ConfigError

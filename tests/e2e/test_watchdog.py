@@ -1,5 +1,5 @@
 """Stall watchdog: a stage that stops answering without dying fails the server in bounded time
-(with --max-stage-restarts 0; restarts instead: tests/test_stage_restarts.py).
+(with --max-stage-restarts 0; restarts instead: tests/e2e/test_stage_restarts.py).
 
 - SIGSTOP of a stage worker (what a hung process or host looks like) at PP=2 and PP=3: the open
   stream gets an error naming that stage within --worker-heartbeat-timeout (+ slack), /health

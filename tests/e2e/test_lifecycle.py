@@ -2,7 +2,7 @@
 open, which also ends the stream; either during start-up, which it aborts); SIGKILL of the engine
 core fails the server and leaves no worker.
 
-Covered in tests/test_faults.py, not repeated here (each case costs a server start): SIGKILL of the
+Covered in tests/e2e/test_faults.py, not repeated here (each case costs a server start): SIGKILL of the
 server process (its workers are gone within 5 s, after the client hang-ups) and a SIGKILLed stage
 worker (the server exits non-zero, nothing is left)."""
 from __future__ import annotations

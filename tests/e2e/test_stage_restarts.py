@@ -13,7 +13,7 @@ started again in place, the other stages keep their processes, and every request
   the server fails as without restarts, with one line naming the stage and each try's cause, and
   leaves nothing behind.
 
-(`--max-stage-restarts 0` is the fail-stop of tests/test_faults.py, tests/test_watchdog.py.)
+(`--max-stage-restarts 0` is the fail-stop of tests/e2e/test_faults.py, tests/e2e/test_watchdog.py.)
 """
 from __future__ import annotations
 

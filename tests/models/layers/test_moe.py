@@ -23,7 +23,7 @@ DEV = "cuda" if ON_GPU else "cpu"
 
 def _interpreter_fix():
     """Triton 3.6's interpreter converts loaded scalars (numpy shape (1,)) with int(), which numpy 2
-    refuses (as in tests/test_triton_ops.py)."""
+    refuses (as in tests/models/layers/test_triton_ops.py)."""
     import triton.runtime.interpreter as ti
     if getattr(ti, "_zpp_index_fix", False):
         return

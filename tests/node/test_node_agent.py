@@ -1,4 +1,4 @@
-"""Multi-host path on one machine (the fast path; real hosts: tests/test_multi_host.py): stages
+"""Multi-host path on one machine (the fast path; real hosts: tests/e2e/test_multi_host.py): stages
 started by `zpp-node` through an SSH stand-in give the same tokens as PP=1, and nothing is left
 running after shutdown."""
 from __future__ import annotations

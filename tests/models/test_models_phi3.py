@@ -290,7 +290,7 @@ def test_unsupported_configs_refused(edit, word):
 @pytest.mark.slow
 @pytest.mark.parametrize("async_on", [False, True])
 def test_decode_graph_path(model_dir, prompts, tmp_path, monkeypatch, async_on):
-    """The runner's decode-graph path on the CPU (``ZPP_EAGER_GRAPHS``, see tests/test_graph_path_cpu.py),
+    """The runner's decode-graph path on the CPU (``ZPP_EAGER_GRAPHS``, see tests/workers/test_graph_path_cpu.py),
     where the model derives LongRoPE's rows from the positions: with a budget of 2 tokens per step,
     batches of one decode and one prompt token reach it, also a token of the 40-token prompt at a
     position below 32 (which needs the long rows: the runner sends such a batch down the eager path).

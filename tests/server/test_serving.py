@@ -88,7 +88,7 @@ def test_prompt_logprobs_on_prefix_cache_hits(shared_pp2_prefix_server, tokenize
     """shared/cases/prefix-cache-prompt-logprobs.md over HTTP with --enable-prefix-caching: a
     repeated prompt (full hit), a shared 40-token start (partial hit) and echo + logprobs after
     them score every prompt position, equal to the first (cold) request. On the PP=2
-    prefix-caching server of tests/test_observability.py (block size 16, 64 KV blocks), whose
+    prefix-caching server of tests/server/test_observability.py (block size 16, 64 KV blocks), whose
     requests never sent these prompts."""
     words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
     ids = tokenizer.encode(" ".join(words * 6))
