@@ -2,7 +2,7 @@
 # Async scheduling on vs off on one H200, in one call (a GPU figure is only real as a ratio
 # measured in the same call):  bash scripts/gpu_async_bench.sh OUTDIR [lat|tput|tests|gemv]...
 # gemv: batch-1 TPOT with zpp's Triton GEMV (default) vs cuBLAS (ZPP_TRITON_GEMV=0), each twice.
-# lat: batch-1 TPOT, Llama-3-8B and SmolLM2 shapes; tput: 1000 x 256/256; tests: tests/test_gpu.py
+# lat: batch-1 TPOT, Llama-3-8B and SmolLM2 shapes; tput: 1000 x 256/256; tests: tests/gpu/test_gpu.py
 # with async scheduling forced on, then off (ZPP_ASYNC_SCHEDULING). JSON per run in OUTDIR.
 set -u
 OUT="${1:-benchmarks/results}"; shift
@@ -40,8 +40,8 @@ for what in "${@:-lat tput}"; do
       done ;;
     tests)
       for a in 1 0; do
-        echo "### ZPP_ASYNC_SCHEDULING=$a pytest tests/test_gpu.py"
-        ZPP_ASYNC_SCHEDULING=$a python -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -15
+        echo "### ZPP_ASYNC_SCHEDULING=$a pytest tests/gpu/test_gpu.py"
+        ZPP_ASYNC_SCHEDULING=$a python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py 2>&1 | tail -15
       done ;;
   esac
 done

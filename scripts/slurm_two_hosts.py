@@ -7,7 +7,7 @@ examples/slurm/zpp.sbatch with sbatch (the demo model, PP=2: stage 0 on zppn01 w
 1 on zppn02), sends greedy completions to the API, compares them with PP=1 on one host (the offline
 LLM), cancels the job and checks that nothing is left. Writes the job's output, the timings and
 the comparison to ``--output`` (default benchmarks/results/slurm_two_hosts_pp2.log). The same
-flow runs in the test suite (tests/test_per_node.py::test_slurm_sbatch_example).
+flow runs in the test suite (tests/e2e/test_per_node.py::test_slurm_sbatch_example).
 
     python scripts/slurm_two_hosts.py
 """

@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 import zpp.demo
-from conftest import demo_model_or_skip, free_port
+from helpers import ROOT, demo_model_or_skip, free_port
 
 
 def test_demo_model_skips_with_reason_without_the_gguf_package(monkeypatch, tmp_path):
@@ -27,7 +27,6 @@ def test_demo_model_skips_with_reason_without_the_gguf_package(monkeypatch, tmp_
 
 
 # --- first run: what a new user sees ------------------------------------------------------------
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _write(path, text: str) -> None:
@@ -37,6 +36,7 @@ def _write(path, text: str) -> None:
     os.chmod(path, 0o755)
 
 
+@pytest.mark.slow
 def test_setup_sh_prints_a_line_per_step(tmp_path):
     """scripts/setup.sh on a clean clone (a fake python and pip that log what they are asked):
     one line per step, the time each install took, pip's progress shown for PyTorch."""
@@ -79,6 +79,7 @@ chmod +x .venv/bin/python .venv/bin/pip
     assert len(log.read_text().splitlines()) == 2
 
 
+@pytest.mark.slow
 def test_conversion_shows_a_progress_bar(tmp_path):
     try:
         zpp.demo.find_gguf()
@@ -115,6 +116,7 @@ def test_demo_sh_refuses_a_port_in_use(tmp_path):
                        f"set PORT=N\n", r.stderr
 
 
+@pytest.mark.slow
 def test_demo_sh_prints_its_hint_once_the_server_answers(demo_model, tmp_path):
     """scripts/demo.sh (setup skipped: the python and zpp of this test run): the "Try: curl" hint
     comes after the server listens and /health answers, and the request it shows works."""
@@ -161,6 +163,7 @@ def test_demo_sh_prints_its_hint_once_the_server_answers(demo_model, tmp_path):
         log.close()
 
 
+@pytest.mark.slow
 def test_hint_watcher_gives_up_quietly_when_the_server_is_gone(capsys):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -168,6 +171,7 @@ def test_hint_watcher_gives_up_quietly_when_the_server_is_gone(capsys):
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.slow
 def test_readme_test_command_shows_test_names():
     """The README's test command (scripts/test.sh, which CI's .ci/run calls) runs pytest so that
     each test's name and outcome print as it finishes; run its pytest line on one quick test."""
@@ -179,7 +183,7 @@ def test_readme_test_command_shows_test_names():
         line = next(l for l in f.read().splitlines() if l.startswith("exec python -m pytest"))
     args = shlex.split(line)[4:]  # after: exec python -m pytest
     assert args[-1] == "$@"
-    test = "tests/test_demo.py::test_demo_model_skips_with_reason_without_the_gguf_package"
+    test = os.path.relpath(__file__, ROOT) + "::test_demo_model_skips_with_reason_without_the_gguf_package"
     r = subprocess.run([sys.executable, "-m", "pytest", *args[:-1], "-p", "no:cacheprovider", test],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout

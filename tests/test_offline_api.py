@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from conftest import alive
+from helpers import alive
 
 from zpp import LLM, SamplingParams
 
@@ -52,6 +52,7 @@ def _wait_gone(pids, timeout=10.0):
     return [p for p in pids if alive(p)]
 
 
+@pytest.mark.slow
 def test_vllm_prompt_forms(llm):
     ids = llm.get_tokenizer().encode("The capital of France is")
     forms = ["The capital of France is", ids, {"prompt": "The capital of France is"}, {"prompt_token_ids": ids}]
@@ -62,6 +63,7 @@ def test_vllm_prompt_forms(llm):
         assert len(llm.generate(single, GREEDY, use_tqdm=False)) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad, message", [
     (3.5, "prompts must be a prompt or a list of prompts"),
     (["ok", None], "prompt 1 is a NoneType"),
@@ -82,6 +84,7 @@ def _rank_bounds(row: torch.Tensor, token: int, eps: float = 1e-4) -> tuple[int,
     return int((row > v + eps).sum()) + 1, int((row > v - eps).sum()) + 1
 
 
+@pytest.mark.slow
 def test_logprobs_are_vllm_logprob_objects(llm, tiny_model):
     """As in vLLM: ``outputs[i].logprobs`` is one ``{token_id: Logprob}`` per generated token holding
     the sampled token (first) and the top-k, each with ``logprob``, its 1-based ``rank`` (top-k:
@@ -129,6 +132,7 @@ def test_logprobs_are_vllm_logprob_objects(llm, tiny_model):
         assert greedy.logprobs[i][t].rank == 1 and len(greedy.logprobs[i]) == k
 
 
+@pytest.mark.slow
 def test_progress_bar_by_default(llm, capsys):
     llm.generate(["a", "b"], GREEDY)
     err = capsys.readouterr().err
@@ -137,12 +141,14 @@ def test_progress_bar_by_default(llm, capsys):
     assert "Processed prompts" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_device_auto_by_default(llm):
     assert inspect.signature(LLM).parameters["device"].default == "auto"
-    if not torch.cuda.is_available():  # CUDA machines: tests/test_gpu.py::test_llm_device_auto_is_cuda
+    if not torch.cuda.is_available():  # CUDA machines: tests/gpu/test_gpu.py::test_llm_device_auto_is_cuda
         assert llm.config.parallel.device == "cpu"
 
 
+@pytest.mark.slow
 def test_generate_after_shutdown_raises_at_once(tiny_model):
     llm = LLM(tiny_model, kv_cache_memory="16MiB", max_model_len=256)
     pids = [p.pid for p in llm.engine.executor.procs]
@@ -157,6 +163,7 @@ def test_generate_after_shutdown_raises_at_once(tiny_model):
     assert _wait_gone(pids) == []
 
 
+@pytest.mark.slow
 def test_del_frees_workers(tiny_model):
     llm = LLM(tiny_model, kv_cache_memory="16MiB", max_model_len=256)
     pids = [p.pid for p in llm.engine.executor.procs]
@@ -185,6 +192,7 @@ _SCRIPT_OTHER_THREAD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_ctrl_c_delivered_to_another_thread_still_interrupts(tiny_model, tmp_path):
     """A Ctrl-C the kernel hands to a thread other than the main one (seen in CI: generate() ran to
     its end and the KeyboardInterrupt surfaced later) still aborts generate() within a second."""
@@ -214,6 +222,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_quiet_and_exit_frees_workers(tiny_model, tmp_path):
     """Ctrl-C (SIGINT to the process group, as a terminal sends it) aborts generate() at once and
     the LLM stays usable; uncaught, it ends the script with Python's KeyboardInterrupt report only,
@@ -247,6 +256,7 @@ def test_ctrl_c_is_quiet_and_exit_frees_workers(tiny_model, tmp_path):
     assert _wait_gone(pids, 5) == []
 
 
+@pytest.mark.slow
 def test_send_to_a_dead_worker_names_it(tiny_model):
     """A micro-batch sent to a worker that died before the process watcher noticed (seen once in CI:
     the engine failed with "ZMQError('Host unreachable')") fails the engine with the watcher's message:
@@ -282,6 +292,7 @@ def test_send_to_a_dead_worker_names_it(tiny_model):
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_logit_bias_offline(llm):
     prompt = [1, 504, 3458, 282]
     top = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids[0]
@@ -304,6 +315,7 @@ def test_chat_passes_tools_and_template_kwargs(llm):
     assert out.prompt == "Hi tools: get_weather hello"
 
 
+@pytest.mark.slow
 def test_generation_config_gives_generate_its_defaults(tiny_model, tmp_path):
     from zpp.config import ConfigError
     (tmp_path / "generation_config.json").write_text('{"top_k": 1, "max_new_tokens": 4, "temperature": 0.7}')

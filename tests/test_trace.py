@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+from helpers import ROOT
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,182 @@
+"""``--generation-config``, ``--tool-call-parser`` / ``--reasoning-parser`` and ``logit_bias`` through
+real servers (the demo SmolLM2) and the official ``openai`` client.
+
+SmolLM2 writes neither Mistral's tool calls nor ``<think>`` blocks on its own, so those outputs are
+forced, token by token, with a ``choice`` grammar (the request's ``structured_outputs``); the rest of
+the path is the real one: tokens sampled on the last stage, detokenized, streamed, and parsed by the
+server into ``tool_calls`` / ``reasoning_content`` that the official client reads. ``logit_bias`` is
+checked at PP=1 (this module's server) and PP=2 (the shared server).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from helpers import ServerProcess
+
+pytestmark = pytest.mark.slow  # servers / engines (see tests/helpers.py)
+
+MODEL = "SmolLM2-135M-Instruct"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+GEN_DEFAULTS = {"top_k": 1, "max_new_tokens": 6}  # greedy unless the request says otherwise; 6 tokens
+
+
+@pytest.fixture(scope="module")
+def parser_server(demo_model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("genconfig")
+    (d / "generation_config.json").write_text(json.dumps({"do_sample": True, **GEN_DEFAULTS}))
+    srv = ServerProcess([demo_model, "--max-model-len", "1024", "--num-kv-blocks", "128",
+                         "--enable-auto-tool-choice", "--tool-call-parser", "mistral", "--reasoning-parser", "qwen3",
+                         "--generation-config", str(d), "--disable-log-stats"])
+    yield srv
+    srv.stop()
+
+
+def _client(server) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_generation_config_defaults_and_request_override(parser_server):
+    assert "sampling defaults from" in parser_server.output() and "top_k=1, max_tokens=6" in parser_server.output()
+
+    async def go():
+        c = _client(parser_server)
+        prompt = "Once upon a time"
+        greedy = await c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=6)
+        # No top_k / max_tokens in the request: the model's top_k=1 (greedy whatever the seed) and 6 tokens.
+        defaults = await asyncio.gather(*[c.completions.create(model=MODEL, prompt=prompt, seed=s) for s in range(4)])
+        # top_k -1 in the request overrides the model's default: seeded sampling over the whole vocabulary.
+        sampled = await asyncio.gather(*[c.completions.create(model=MODEL, prompt=prompt, seed=s, max_tokens=6,
+                                                              extra_body={"top_k": -1}) for s in range(4)])
+        chat = await c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3)
+        await c.close()
+        return greedy, defaults, sampled, chat
+
+    greedy, defaults, sampled, chat = _run(go())
+    assert all(r.choices[0].text == greedy.choices[0].text for r in defaults)
+    assert all(r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length" for r in defaults)
+    assert any(r.choices[0].text != greedy.choices[0].text for r in sampled)
+    assert chat.usage.completion_tokens == 3  # the request's max_tokens wins over max_new_tokens
+
+
+# --- parsers, forced outputs ------------------------------------------------------------------------
+MISTRAL_CALL = 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+THINKING = "<think>\nParis?\n</think>\n\nIt is sunny."
+
+
+def _forced(text: str) -> dict:
+    return {"structured_outputs": {"choice": [text]}}
+
+
+async def _streamed(c: AsyncOpenAI, **kw) -> tuple[dict, str]:
+    """The message a client assembles from a stream, and the finish reason."""
+    msg: dict = {"content": "", "reasoning_content": "", "tool_calls": {}}
+    finish = None
+    async for chunk in await c.chat.completions.create(model=MODEL, stream=True, **kw):
+        for ch in chunk.choices:
+            d = ch.delta
+            msg["content"] += d.content or ""
+            msg["reasoning_content"] += (d.model_extra or {}).get("reasoning_content") or ""
+            for tc in d.tool_calls or ():
+                call = msg["tool_calls"].setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                if tc.id:
+                    call["id"], call["name"] = tc.id, tc.function.name
+                call["arguments"] += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    return msg, finish
+
+
+def test_tool_call_and_reasoning_parsers_through_the_server(parser_server):
+    async def go():
+        c = _client(parser_server)
+        both = THINKING.split("It is")[0] + MISTRAL_CALL
+        calls, calls_s, think, think_s, hidden, mixed, mixed_s = await asyncio.gather(
+            c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60,
+                                      extra_body=_forced(MISTRAL_CALL)),
+            _streamed(c, messages=ASK, tools=TOOLS, max_tokens=60, extra_body=_forced(MISTRAL_CALL)),
+            c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, extra_body=_forced(THINKING)),
+            _streamed(c, messages=ASK, max_tokens=60, extra_body=_forced(THINKING)),
+            c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60,
+                                      extra_body={**_forced(THINKING), "include_reasoning": False}),
+            c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, extra_body=_forced(both)),
+            _streamed(c, messages=ASK, tools=TOOLS, max_tokens=80, extra_body=_forced(both)))
+        await c.close()
+        return calls, calls_s, think, think_s, hidden, mixed, mixed_s
+
+    calls, (calls_s, calls_s_finish), think, (think_s, _), hidden, mixed, (mixed_s, _) = _run(go())
+    m = calls.choices[0].message
+    assert calls.choices[0].finish_reason == "tool_calls" and m.content == "Checking."
+    paris = [("get_weather", {"city": "Paris"})]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls] == paris
+    assert len(m.tool_calls[0].id) == 9 and m.tool_calls[0].id.isalnum()  # Mistral's id form
+    assert calls_s_finish == "tool_calls" and calls_s["content"] == "Checking."
+    assert [(t["name"], json.loads(t["arguments"])) for t in calls_s["tool_calls"].values()] == paris
+    m = think.choices[0].message
+    assert m.model_extra["reasoning_content"] == "\nParis?\n"
+    assert m.content == "\n\nIt is sunny."
+    assert (think_s["reasoning_content"], think_s["content"]) == (m.model_extra["reasoning_content"], m.content)
+    assert hidden.choices[0].message.model_extra["reasoning_content"] is None
+    assert hidden.choices[0].message.content == m.content
+    m = mixed.choices[0].message
+    assert m.model_extra["reasoning_content"] == "\nParis?\n" and m.content == "\n\nChecking."
+    assert m.tool_calls[0].function.name == "get_weather"
+    assert mixed_s["reasoning_content"] == m.model_extra["reasoning_content"] and mixed_s["content"] == m.content
+    assert [t["name"] for t in mixed_s["tool_calls"].values()] == ["get_weather"]
+
+
+# --- logit_bias at PP=1 and PP=2 ------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["pp1", "pp2"])
+def bias_server(request):
+    return request.getfixturevalue("parser_server" if request.param == "pp1" else "shared_pp2_server")
+
+
+MODES = [dict(temperature=0), dict(temperature=1.0, seed=3), dict(temperature=0.8, top_p=0.9, seed=4),
+         dict(temperature=1.0, extra_body={"top_k": 5, "min_p": 0.05}, seed=5)]
+
+
+def test_logit_bias_forces_and_forbids(bias_server, tokenizer):
+    prompt = "The capital of France is"
+    forced_id = tokenizer.encode(" banana")[0]
+
+    async def go():
+        c = _client(bias_server)
+        greedy = await c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=1)
+        top = tokenizer.encode(greedy.choices[0].text)
+        assert len(top) == 1, "the greedy token's text must encode back to it"
+        forbidden = await c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=1,
+                                               logit_bias={str(top[0]): -100})
+        forced = await asyncio.gather(*[c.completions.create(model=MODEL, prompt=prompt, max_tokens=3,
+                                                             logit_bias={str(forced_id): 100}, **mode)
+                                        for mode in MODES])
+        chat = await c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, temperature=0,
+                                               logit_bias={str(forced_id): 100})
+        chat_s, _ = await _streamed(c, messages=ASK, max_tokens=2, temperature=0, logit_bias={str(forced_id): 100})
+        errors = []
+        for bias in ({"abc": 1}, {str(len(tokenizer) + 10**6): 1}, {str(forced_id): 101}, {str(forced_id): "x"}):
+            with pytest.raises(openai.BadRequestError) as info:
+                await c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, logit_bias=bias)
+            errors.append(info.value)
+        with pytest.raises(openai.BadRequestError) as info:
+            await c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, logit_bias={"-5": 1})
+        errors.append(info.value)
+        await c.close()
+        return top[0], forbidden, forced, chat, chat_s, errors
+
+    top, forbidden, forced, chat, chat_s, errors = _run(go())
+    assert tokenizer.encode(forbidden.choices[0].text)[0] != top
+    want = tokenizer.decode([forced_id] * 3)
+    assert [r.choices[0].text for r in forced] == [want] * len(MODES)
+    assert chat.choices[0].message.content == tokenizer.decode([forced_id] * 2) == chat_s["content"]
+    for e in errors:
+        assert e.status_code == 400 and e.param == "logit_bias" and e.body["type"] == "invalid_request_error", e.body
