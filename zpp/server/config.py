@@ -63,10 +63,15 @@ class ServerConfig:
     max_logprobs: int = setting(20, group="http")
     """most logprobs / top_logprobs / prompt_logprobs a request may ask for (more: HTTP 400); 0 to
     20 (zpp's sampler returns at most 20)"""
-    timeout_keep_alive: float = setting(5.0, metavar="S", group="http")
+    timeout_keep_alive: float = setting(20.0, metavar="S", group="http")
     """seconds a connection may go without a complete request head (after it opens, or after its
     last response) before it is closed: idle keep-alive connections and clients that stop sending
-    headers alike (uvicorn's name)"""
+    headers alike (uvicorn's name)
+
+    20 s rather than uvicorn's 5: longer than the idle expiry of the common client pools (aiohttp
+    15 s, httpx 5 s), so a pooled connection is retired by its client before the server closes it;
+    a server that closes first races a client sending its next request on that connection, which
+    then fails with "server disconnected"."""
     timeout_request_body: float = setting(30.0, metavar="S", group="http")
     """seconds a request body may go without a byte arriving before the request gets HTTP 408 and
     its connection is closed"""

@@ -118,7 +118,7 @@ def _generation_defaults(config, server_options: dict) -> None:
 
 async def _run_front_end(engine: AsyncEngine, config, host: str, port: int, api_key: Optional[str],
                          template: Optional[str], log_stats_interval: Optional[float], extra_front_ends=(),
-                         reuse_port: bool = False, owner: bool = True, timeout_keep_alive: float = 5.0,
+                         reuse_port: bool = False, owner: bool = True, timeout_keep_alive: float = 20.0,
                          shutdown_timeout: float = 0.0, access_log: bool = False, http_log_level: Optional[str] = None,
                          **server_options) -> int:
     stop = asyncio.Event()
