@@ -4,6 +4,7 @@ settings likewise; every ``ZPP_*`` variable is listed in ``zpp.envs``; no import
 modules that hold them. No worker starts here (seconds in all)."""
 from __future__ import annotations
 
+import os
 import argparse
 import ast
 import builtins
@@ -306,3 +307,13 @@ def test_flags_page_lists_every_flag():
     page = flags_markdown()
     for s in engine_settings() + server_settings():
         assert (f"| `{s.flag}`" in page) != bool(s.meta.get("hidden")), s.name
+
+
+def test_docs_flags_page_is_the_generated_one():
+    """docs/flags.md holds `python -m zpp.args`'s tables as generated (regenerate it after adding a
+    setting): the flags' documentation has one source, the fields."""
+    from zpp.args import flags_markdown
+    generated = flags_markdown().split("\n", 1)[1].strip()  # without its title
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "flags.md")) as f:
+        page = f.read()
+    assert generated.split("\n", 2)[2] in page  # from the first table on
