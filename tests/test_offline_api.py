@@ -328,3 +328,22 @@ def test_generation_config_gives_generate_its_defaults(tiny_model, tmp_path):
         got = llm.generate([prompt] * 2, use_tqdm=False)  # no SamplingParams: the model's (top-k 1: greedy)
         want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
         assert [list(o.outputs[0].token_ids) for o in got] == [list(want.outputs[0].token_ids)] * 2
+
+
+def test_vllm_only_keywords_accepted_or_refused_in_one_line(caplog):
+    """vLLM's ``LLM(trust_remote_code=True, swap_space=4, distributed_executor_backend="mp")`` works
+    here (a warning each, the keywords taken out before the engine settings are checked); ``ray``,
+    ``download_dir`` and ``revision`` are refused in one line."""
+    import logging
+
+    from zpp.config import ConfigError
+    from zpp.llm import _vllm_only_keywords
+    settings = {"trust_remote_code": True, "swap_space": 4, "distributed_executor_backend": "mp", "max_num_seqs": 8}
+    with caplog.at_level(logging.WARNING, logger="zpp.llm"):
+        _vllm_only_keywords(settings)
+    assert settings == {"max_num_seqs": 8}
+    assert len(caplog.records) == 3 and "trust_remote_code" in caplog.text
+    for bad, word in (({"distributed_executor_backend": "ray"}, "Ray"), ({"download_dir": "/x"}, "download"),
+                      ({"revision": "main"}, "download")):
+        with pytest.raises(ConfigError, match=word):
+            _vllm_only_keywords(dict(bad))

@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import gc
 import inspect
+import logging
 import threading
 import time
 import weakref
@@ -23,6 +24,8 @@ from zpp.frontend.inputs import ChatOptions
 from zpp.utils.process import freeze_gc
 from zpp.outputs import RequestOutput
 from zpp.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int], dict[str, Any]]
 """A str, a list of token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}`` (vLLM's forms)."""
@@ -68,6 +71,7 @@ class LLM:
             raise ConfigError(f"node_rank={settings['node_rank']}: the LLM runs on node rank 0 (the head); start the "
                               f"other node ranks with `zpp serve --node-rank R`")
         self._generation_config = settings.pop("generation_config", "auto")
+        _vllm_only_keywords(settings)
         self._start(engine_config(model, streaming=False, **settings))
 
     @classmethod
@@ -298,6 +302,26 @@ class _Runtime:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _vllm_only_keywords(settings: dict) -> None:
+    """vLLM's ``LLM`` keywords with no meaning here, taken out of ``settings``: ``trust_remote_code``
+    and ``swap_space`` (a warning each when set), ``distributed_executor_backend`` (``mp`` and
+    ``uni`` warn; ``ray``: ConfigError); ``download_dir`` / ``revision``: ConfigError (zpp does not
+    download models)."""
+    for name in ("download_dir", "revision"):
+        if settings.pop(name, None) is not None:
+            raise ConfigError(f"{name}: zpp does not download models; give a local model directory")
+    backend = settings.pop("distributed_executor_backend", None)
+    if backend == "ray":
+        raise ConfigError("distributed_executor_backend='ray': zpp has no Ray; it starts its workers itself")
+    if backend is not None:
+        logger.warning("distributed_executor_backend=%r: has no effect (zpp starts its workers itself)", backend)
+    if settings.pop("trust_remote_code", False):
+        logger.warning("trust_remote_code=True: zpp runs no code from model directories (its own model classes "
+                       "only); ignored")
+    if settings.pop("swap_space", None) is not None:
+        logger.warning("swap_space: has no effect (zpp recomputes preempted requests; there is no CPU swap space)")
 
 
 def _params_for(sampling_params, count: int) -> list[SamplingParams]:

@@ -39,7 +39,8 @@ def server(demo_model, tmp_path_factory):
                        "--uvicorn-log-level", "warning", "--trust-remote-code", "--dtype", "float32",
                        "--kv-cache-memory", "128MiB", "--timeout-keep-alive", str(KEEP_ALIVE_S),
                        "--timeout-request-body", str(BODY_S), "--shutdown-timeout", str(SHUTDOWN_S),
-                       "--api-server-count", "2"])
+                       "--api-server-count", "2", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                       "--generation-config", "vllm"])
     yield s
     s.stop()
 
