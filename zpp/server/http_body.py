@@ -47,6 +47,11 @@ async def _read_body(request: web.Request, limit: int, timeout: float) -> bytes:
         except asyncio.TimeoutError:
             raise ProtocolError(f"the request body stopped arriving (no byte for {timeout:g} s, {size} bytes read)",
                                 status=408, code="request_timeout") from None
+        except ConnectionError:
+            # The client went away mid-body: aiohttp cancels this handler (handler_cancellation), but
+            # wait_for hands on the read's ConnectionResetError instead of the CancelledError, which
+            # aiohttp would log as an error with a traceback. Nobody is left to answer.
+            raise asyncio.CancelledError() from None
         if not chunk:
             return b"".join(chunks)
         size += len(chunk)
