@@ -13,15 +13,17 @@ from zpp.errors import RequestError
 from zpp.frontend.async_engine import AsyncEngine
 from zpp.frontend.inputs import PreparedRequest
 from zpp.outputs import RequestOutput
+from zpp.server.config import ServerConfig
 from zpp.server.http_body import read_request
 from zpp.server.render import TokenStrings
 
 logger = logging.getLogger("zpp.server.app")
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20  # --max-request-body-bytes
-DEFAULT_MAX_STOP_SEQUENCES = 64  # --max-stop-sequences
-DEFAULT_MAX_LOGPROBS = 20  # --max-logprobs (vLLM's default)
-DEFAULT_TIMEOUT_REQUEST_BODY_S = 30.0  # --timeout-request-body
+# The server settings' defaults, written once in ServerConfig (the flags' table).
+DEFAULT_MAX_REQUEST_BODY_BYTES = ServerConfig.max_request_body_bytes  # --max-request-body-bytes
+DEFAULT_MAX_STOP_SEQUENCES = ServerConfig.max_stop_sequences  # --max-stop-sequences
+DEFAULT_MAX_LOGPROBS = ServerConfig.max_logprobs  # --max-logprobs (vLLM's default)
+DEFAULT_TIMEOUT_REQUEST_BODY_S = ServerConfig.timeout_request_body  # --timeout-request-body
 MAX_WARNED_FIELDS = 256  # distinct unknown field names logged; later new names are not
 
 

@@ -15,6 +15,7 @@ from aiohttp import web
 from zpp.errors import ConfigError
 from zpp.frontend.async_engine import AsyncEngine
 from zpp.server.app import OpenAIServer
+from zpp.server.config import ServerConfig
 from zpp.server.metrics import DEFAULT_LOG_STATS_INTERVAL_S, StatsLogger
 from zpp.utils.process import freeze_gc, main_module_hidden, sigint_blocked, watch_parent
 
@@ -118,7 +119,7 @@ def _generation_defaults(config, server_options: dict) -> None:
 
 async def _run_front_end(engine: AsyncEngine, config, host: str, port: int, api_key: Optional[str],
                          template: Optional[str], log_stats_interval: Optional[float], extra_front_ends=(),
-                         reuse_port: bool = False, owner: bool = True, timeout_keep_alive: float = 20.0,
+                         reuse_port: bool = False, owner: bool = True, timeout_keep_alive: float = ServerConfig.timeout_keep_alive,
                          shutdown_timeout: float = 0.0, access_log: bool = False, http_log_level: Optional[str] = None,
                          **server_options) -> int:
     stop = asyncio.Event()
