@@ -50,6 +50,10 @@ def _text(default: str) -> Callable[[Optional[str]], str]:
     return lambda raw: default if raw is None else raw
 
 
+def _int_or_none(raw: Optional[str]) -> Optional[int]:
+    return int(raw) if raw else None
+
+
 def _tri_state(raw: Optional[str]) -> Optional[bool]:
     return {"0": False, "1": True}.get(raw or "")
 
@@ -89,6 +93,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("ZPP_TRITON_GEMV", "bool", _on_unless_0,
            "``0``: batch-1 decode on CUDA multiplies by the weights with cuBLAS instead of zpp's Triton "
            "GEMV (``zpp.models.layers.linear``), for A/B runs. Read once, at import."),
+    EnvVar("ZPP_GRAMMAR_THREADS", "Optional[int]", _int_or_none,
+           "Threads of the engine core's structured-output work (xgrammar's batched bitmask fill, and "
+           "the batched accept of sampled tokens from 64 rows); unset: a quarter of the host's cores, "
+           "1 to 8 (``zpp.engine.structured_output.default_fill_threads``). For A/B runs."),
     EnvVar("ZPP_SPLIT_MIXED_ATTENTION", "str", _text("1"),
            "How a micro-batch mixing decodes and prompt chunks attends: ``1`` in two launches (decode "
            "and prefill tile shapes) once the decodes fill a launch of their own, ``0`` one launch, "

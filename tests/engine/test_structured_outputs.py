@@ -310,6 +310,41 @@ def test_last_stage_mask_matches_xgrammar():
 
 
 @pytest.mark.slow
+def test_grammar_vocabulary_is_the_tokenizers_not_the_padded_one(tokenizer):
+    """A model with more logits than tokens (padding): xgrammar is built for the tokenizer's tokens
+    only (grammar_vocab_size), the core's bitmask is that narrow, and the last stage's mask is the
+    one the padded vocabulary gives (every padding id disallowed), step after step."""
+    import numpy as np
+    import torch
+    import xgrammar as xgr
+    from zpp.engine.structured_output import GrammarStore
+    from zpp.frontend.compile_host import grammar_vocab_size
+    from zpp.transport.core_messages import GrammarSpec
+    from zpp.workers.sampler import unpack_bitmask
+
+    padded, stop = 49152 + 300, [tokenizer.eos_token_id]
+    assert grammar_vocab_size(len(tokenizer), padded, stop) == len(tokenizer) == 49152
+    assert grammar_vocab_size(len(tokenizer), padded, [49400]) == 49401  # a stop id past the tokenizer
+    assert grammar_vocab_size(len(tokenizer), 40000, stop) == 40000  # never past the model's logits
+    schema = json.dumps(PERSON)
+    masks = {}
+    for vocab in (padded, grammar_vocab_size(len(tokenizer), padded, stop)):
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=stop)
+        compiled = xgr.GrammarCompiler(info).compile_json_schema(schema)
+        store = GrammarStore(padded)
+        g = store.new_matcher(GrammarSpec("k", compiled.serialize_json(), info.serialize_json()), stop)
+        assert store.words == (vocab + 31) // 32
+        out = []
+        for t in tokenizer.encode('{"name": "Anna", "age": 31, "city": "Paris"}') + stop:
+            bits = store.fill_bitmask([g])
+            out.append(unpack_bitmask(bits, 1, padded, torch.device("cpu")))
+            assert g.accept(t)
+        masks[vocab] = torch.cat(out)
+    wide, narrow = masks.values()
+    assert torch.equal(wide, narrow) and bool(narrow[:, 49152:].all())
+
+
+@pytest.mark.slow
 def test_core_bitmask_fill_threaded_equals_row_by_row(tokenizer):
     """The core's bitmask: filled on several threads (many-core hosts) or row by row (the 2-core
     machines), the bytes are the same, and they follow the matchers as tokens are accepted."""

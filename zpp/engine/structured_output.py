@@ -91,9 +91,12 @@ least half of this per thread (an accept is microseconds: fewer rows are not wor
 
 
 def default_fill_threads() -> int:
-    """Threads for the core's bitmask fill: a quarter of the host's cores, 1 to 8 (1 on the
-    2-core CPU machines, where the workers need the cores; 4 on a 16-core GPU host)."""
-    return max(1, min(8, (os.cpu_count() or 1) // 4))
+    """Threads for the core's bitmask fill: ``ZPP_GRAMMAR_THREADS``, else a quarter of the host's
+    cores, 1 to 8 (1 on the 2-core CPU machines, where the workers need the cores; 4 on a 16-core
+    GPU host)."""
+    from zpp import envs
+    n = envs.ZPP_GRAMMAR_THREADS
+    return max(1, n) if n is not None else max(1, min(8, (os.cpu_count() or 1) // 4))
 
 
 class PendingBitmask:
@@ -129,7 +132,10 @@ class GrammarStore:
     """The engine core's grammars: deserialized once per grammar key (LRU), a matcher per sequence.
 
     Args:
-        vocab_size: logits per row; the bitmask has ``ceil(vocab_size / 32)`` int32 words per row.
+        vocab_size: logits per row. The bitmask has ``ceil(V / 32)`` int32 words per row, ``V`` the
+            vocabulary of the front end's ``TokenizerInfo`` (at most ``vocab_size``: the tokenizer's
+            tokens, :func:`zpp.frontend.compile_host.grammar_vocab_size`), known once the first
+            grammar arrives; logits past ``32 * words`` are disallowed by the last stage.
         fill_threads: threads filling a batch's bitmask rows (xgrammar's ``BatchGrammarMatcher``,
             C++ threads, from ``_BATCH_FILL_MIN_ROWS`` rows) and accepting its sampled tokens
             (from ``_BATCH_ACCEPT_MIN_ROWS`` rows); 1 = all on the core's thread.
@@ -158,6 +164,10 @@ class GrammarStore:
             if not spec.tokenizer_info:
                 raise RuntimeError("a grammar arrived before the front end's tokenizer info")
             self._tokenizer_info = xgr.TokenizerInfo.deserialize_json(spec.tokenizer_info)
+            words = (min(self.vocab_size, self._tokenizer_info.vocab_size) + 31) // 32
+            if words != self.words:
+                self.words = words
+                self._buf = np.zeros((0, words), dtype="<i4")
         g = self._grammars.get(spec.key)
         if g is None:
             g = xgr.CompiledGrammar.deserialize_json(spec.compiled, self._tokenizer_info)
