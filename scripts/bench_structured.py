@@ -31,6 +31,34 @@ SCHEMA = {"type": "array", "minItems": 1000, "items": {
     "required": ["id", "name"]}}
 
 
+def _with_tokenizer_special_ids(model_dir: str, tokenizer_dir: str) -> str:
+    """A model shape run with another model's tokenizer (``--tokenizer``) takes its BOS/EOS ids
+    from that tokenizer: the shape's own ids (Llama-3's EOS 128001 with SmolLM2's 49,152-token
+    tokenizer) name no token of it, and would make the grammar's vocabulary reach past the
+    tokenizer to 128,002 ids (xgrammar then pays for ~79,000 ids that no grammar allows, on every
+    accept and fill: a cost no real model has). Returns a temporary model directory (config.json
+    only) when the ids had to change, else ``model_dir``."""
+    import os
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    eos = cfg.get("eos_token_id")
+    eos = eos if isinstance(eos, list) else [eos]
+    if all(e is None or e < len(tok) for e in eos):
+        return model_dir
+    cfg["eos_token_id"], cfg["bos_token_id"] = tok.eos_token_id, tok.bos_token_id
+    out = tempfile.mkdtemp(prefix="zpp-bench-shape-")
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    print(f"{model_dir}: EOS {eos} is not a token of {tokenizer_dir} ({len(tok)} tokens): "
+          f"run with the tokenizer's EOS {tok.eos_token_id}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model directory (default: the demo model)")
@@ -51,7 +79,10 @@ def main() -> None:
     from zpp import LLM, SamplingParams, StructuredOutputsParams
     from zpp.workers.sampler import apply_allowed, unpack_bitmask
 
-    llm = LLM(args.model, pipeline_parallel_size=args.pipeline_parallel_size, device=args.device,
+    model = args.model
+    if args.tokenizer and model:
+        model = _with_tokenizer_special_ids(model, args.tokenizer)
+    llm = LLM(model, pipeline_parallel_size=args.pipeline_parallel_size, device=args.device,
               load_format=args.load_format, tokenizer=args.tokenizer, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=max(256, args.batch_size))
     engine = llm.engine

@@ -345,6 +345,32 @@ def test_grammar_vocabulary_is_the_tokenizers_not_the_padded_one(tokenizer):
 
 
 @pytest.mark.slow
+def test_batched_accept_reports_each_refusal(tokenizer, monkeypatch):
+    """The core's batched accept (xgrammar's C++ array read without converting it, and the public
+    wrapper as fallback; one thread and a pool of two from 64 rows): every row's answer, a refused
+    token leaves its matcher where it was, the others advance."""
+    import xgrammar as xgr
+    from zpp.engine import structured_output as so
+    from zpp.transport.core_messages import GrammarSpec
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    spec = GrammarSpec("k", xgr.GrammarCompiler(info).compile_json_schema(json.dumps(PERSON)).serialize_json(),
+                       info.serialize_json())
+    stop = [tokenizer.eos_token_id]
+    good, bad = tokenizer.encode("{")[0], tokenizer.encode("}")[0]
+    for raw in (None, False):
+        monkeypatch.setattr(so, "_raw_batch_accept", raw)
+        for threads, n in ((1, 3), (2, 70)):
+            store = so.GrammarStore(len(tokenizer), threads)
+            gs = [store.new_matcher(spec, stop) for _ in range(n)]
+            assert store.accept_tokens(gs, [good] * n) == [True] * n
+            quote = tokenizer.encode('"')[0]  # after '{': '"' starts a key, '}' is refused (keys required)
+            ok = store.accept_tokens(gs, [bad if i % 2 == 0 else quote for i in range(n)])
+            assert ok == [i % 2 == 1 for i in range(n)], (raw, threads)
+            assert [g.num_accepted for g in gs] == [1 + (i % 2) for i in range(n)]
+
+
+@pytest.mark.slow
 def test_core_bitmask_fill_threaded_equals_row_by_row(tokenizer):
     """The core's bitmask: filled on several threads (many-core hosts) or row by row (the 2-core
     machines), the bytes are the same, and they follow the matchers as tokens are accepted."""
