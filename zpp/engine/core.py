@@ -28,7 +28,8 @@ from zpp.errors import WorkerDiedError
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
 from zpp.engine.scheduler import ScheduledBatch, Scheduler
-from zpp.engine.structured_output import GrammarStore, PendingBitmask, default_fill_threads
+from zpp.engine.structured_output import (GrammarStore, PendingBitmask, default_fill_threads,
+                                          import_xgrammar_in_background)
 from zpp.models.registry import resolve_model_class
 from zpp.transport import messages as m
 
@@ -78,6 +79,7 @@ class EngineCore:
             WorkerDiedError: a worker failed to start.
         """
         t = time.perf_counter()
+        import_xgrammar_in_background()  # while the workers load, not at the first structured request
         executor = await Executor.start(config, eos_token_ids)
         core = cls(config, executor, emit, on_dead)
         logger.info("engine ready in %.1fs: %d stage(s), %d KV blocks of %d tokens, pipeline depth %d, "
