@@ -155,12 +155,14 @@ def test_gpt_oss_mlp_matches_hf(gpt_oss_mlp):
     + ``FusedExperts``."""
     cfg, mlp = gpt_oss_mlp
     router, experts = _gpt_oss_ours(cfg, mlp)
-    x = torch.randn(3, 11, cfg.hidden_size)
+    x = torch.randn(3, 11, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref, _ = mlp(x)
     flat = x.reshape(-1, cfg.hidden_size)
     out = experts(flat, *router(flat))
-    torch.testing.assert_close(out.view_as(ref), ref, rtol=1e-5, atol=1e-5)
+    # float32 sums in another order: outputs of magnitude ~5 differ by a few ulps (6e-5 seen in CI
+    # with unseeded inputs), so the bound is relative to the output's scale
+    torch.testing.assert_close(out.view_as(ref), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_gpt_oss_tensor_parallel_partials_add_up(gpt_oss_mlp):
