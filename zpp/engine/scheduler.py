@@ -8,9 +8,11 @@ decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
   ``1/depth`` of them), so a running stream gets a token every ``depth`` micro-batches whatever
   is being prefilled;
 * chunked prefill: prompts (unfinished ones and waiting ones) share only what the decodes leave,
-  so a long prompt is computed over several batches and never delays a decode; an optional
-  attention budget (query-key pairs of prompt chunks) shrinks chunks at long contexts, where a
-  token's attention costs more than the rest of its step on the CPU; between prompts,
+  so a long prompt is computed over several batches and never delays a decode; while streams
+  decode, a target inter-token latency cuts the chunks so that the slowest stage's step, as a cost
+  model fitted to the stages' measured step times predicts it (:mod:`zpp.engine.step_cost`), keeps
+  the streams' gaps near the target (an optional fixed attention budget, query-key pairs of prompt
+  chunks, also applies); with no stream decoding, prompts take the whole budget; between prompts,
   the oldest keeps at least half of that remainder and shorter ones that fit whole in the rest
   go first (a short request sent during a long prefill is not queued behind all of its chunks;
   a long prefill is not starved by a flow of short ones). See :meth:`Scheduler._plan_prefills`;
@@ -61,6 +63,7 @@ from typing import Optional
 
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
+from zpp.engine.step_cost import MIN_PROMPT_CHUNK, StepCostModel, StepFeatures, chunk_pairs, tokens_within_pairs
 from zpp.transport import messages as m
 
 
@@ -101,18 +104,6 @@ MIN_PREFILL_SPLIT = 128
 pipeline (below this a part costs more in per-step overhead than pipelining saves)."""
 
 
-def _tokens_within_pairs(start: int, pairs: int) -> int:
-    """Largest chunk ``C`` from position ``start`` with ``C * start + C * (C + 1) / 2 <= pairs``
-    (its causal attention's query-key pairs)."""
-    b = start + 0.5
-    c = int(math.sqrt(b * b + 2 * pairs) - b)
-    while c > 0 and c * start + c * (c + 1) // 2 > pairs:
-        c -= 1
-    while (c + 1) * start + (c + 1) * (c + 2) // 2 <= pairs:
-        c += 1
-    return c
-
-
 def _priority(req: Request) -> tuple[float, int]:
     """Scheduling priority: lower is older and goes first; newer requests are preempted first."""
     return req.arrival, req.order
@@ -124,7 +115,15 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, depth: int = 1,
                  prefill_attention_budget: Optional[int] = None, async_scheduling: bool = False,
-                 rope_switch_len: Optional[int] = None):
+                 rope_switch_len: Optional[int] = None, target_inter_token_latency: Optional[float] = None,
+                 cost_model: Optional[StepCostModel] = None):
+        # A target (seconds) needs the cost model, which records each batch (the engine feeds it times).
+        if target_inter_token_latency and cost_model is None:
+            raise ValueError("a target inter-token latency needs a cost model")
+        self.cost = cost_model if target_inter_token_latency else None
+        # A stream gets a token every `depth` micro-batches (every one with async scheduling).
+        self.target_step_s = (target_inter_token_latency / (1 if async_scheduling else depth)
+                              if self.cost is not None else None)
         self.kv = kv
         self.rope_switch_len = rope_switch_len
         self.async_scheduling = async_scheduling
@@ -276,6 +275,7 @@ class Scheduler:
         max_decodes = len(running) if self.async_scheduling else math.ceil(n_decoding / self.depth)
         plan: dict[str, int] = {}
         async_ids: set[str] = set()
+        context = 0  # positions the decodes read
         for r in ready:
             if len(plan) >= min(max(max_decodes, 1), budget):
                 break
@@ -284,13 +284,20 @@ class Scheduler:
             elif self._can_async(r):
                 plan[r.req_id] = 1
                 async_ids.add(r.req_id)
+            else:
+                continue
+            context += r.num_scheduled_tokens + 1
         # Prefills: running requests with a prompt (or recompute) left, then waiting requests.
         room = self.max_num_seqs - len(self.running)
         waiting = list(itertools.islice(self.waiting, max(0, room)))
         cands = [r for r in ready if (r.in_flight and self._can_pipeline(r))
                  or (not r.in_flight and r.num_tokens - r.num_computed_tokens > 1)] + waiting
         decodes = set(plan)
-        plan.update(self._plan_prefills(cands, budget - len(plan), streams_waiting=n_decoding > 0))
+        time_left = None  # per stage, the seconds the step target leaves the prompt chunks
+        if self.target_step_s and n_decoding and self.chunked:
+            base = self.cost.stage_times(StepFeatures(1.0, len(plan), 0.0, 0.0, context))
+            time_left = [self.target_step_s - t for t in base]
+        plan.update(self._plan_prefills(cands, budget - len(plan), n_decoding > 0, time_left))
 
         reqs: list[Request] = []
         picked: list[tuple[Request, int, list[int]]] = []
@@ -344,20 +351,31 @@ class Scheduler:
         builder = m.BatchBuilder()
         samples: list[bool] = []
         num_prefill = 0
+        feats = [1.0, 0.0, 0.0, 0.0, 0.0]  # StepFeatures
         for req, num_new, new_blocks in picked:
+            start = req.num_computed_tokens + req.num_in_flight_tokens
+            feats[4] += start + num_new
+            if req.req_id in decodes:
+                feats[1] += 1
+            else:
+                num_prefill += num_new
+                feats[2] += num_new
+                feats[3] += chunk_pairs(start, num_new)
             samples.append(self._add_chunk(req, num_new, new_blocks, builder, req.req_id in async_ids))
             req.in_flight += 1
             req.num_in_flight_tokens += num_new
-            if req.req_id not in decodes:
-                num_prefill += num_new
-        batch = builder.build(next(self._batch_ids), self._freed_slots)
+        batch_id = next(self._batch_ids)
+        if self.cost is not None:
+            self.cost.record(batch_id, StepFeatures(*feats))
+        batch = builder.build(batch_id, self._freed_slots)
         self._freed_slots = []
         self._num_in_flight += 1
         self._num_prefill_in_flight += num_prefill
         chunk_tokens = builder.num_tokens
         return ScheduledBatch(batch, reqs, sum(chunk_tokens), num_prefill, chunk_tokens, samples, sum(samples))
 
-    def _plan_prefills(self, cands: list[Request], budget: int, streams_waiting: bool = True) -> dict[str, int]:
+    def _plan_prefills(self, cands: list[Request], budget: int, streams_waiting: bool = True,
+                       time_left: Optional[list[float]] = None) -> dict[str, int]:
         """Share ``budget`` tokens among prefill candidates (running requests with more than one
         token to compute, and waiting requests); returns request id -> tokens.
 
@@ -388,6 +406,12 @@ class Scheduler:
         cut to the pairs left: a chunk of ``C`` tokens from position ``s`` costs
         ``C * s + C * (C + 1) / 2`` pairs. The oldest candidate always gets at least one token.
         With nothing decoding the budget does not apply: a prompt alone is computed in full chunks.
+
+        With ``time_left`` (per stage, the seconds the step target leaves after the decodes; given
+        while streams decode), every chunk is also cut to what the cost model says fits on every
+        stage, and its predicted time is taken from what is left. The oldest candidate gets at least
+        ``MIN_PROMPT_CHUNK`` tokens, and the others take at most half of the time before it has
+        had its turn (the time version of its half of the tokens).
         """
         if not cands or budget <= 0:
             return {}
@@ -404,26 +428,37 @@ class Scheduler:
         if self.chunked and streams_waiting and self.prefill_attention_budget:
             pairs_left = self.prefill_attention_budget
 
-        def give(r: Request, room: int) -> None:
-            nonlocal used, pairs_left
+        held = [t / 2 for t in time_left] if time_left is not None else None  # the oldest's half
+
+        def give(r: Request, room: int, hold: bool = False) -> None:
+            nonlocal used, pairs_left, time_left
             have = plan.get(r.req_id, 0)
             left = need[r.req_id] - have
             start = r.num_scheduled_tokens + have
             if pairs_left is not None:
-                fit = _tokens_within_pairs(start, pairs_left)
+                fit = tokens_within_pairs(start, pairs_left)
                 if r is oldest and not have:
                     fit = max(fit, 1)  # progress whatever the budget
                 room = min(room, fit)
+            if time_left is not None:
+                avail = [t - h for t, h in zip(time_left, held)] if hold else time_left
+                fit = self.cost.max_chunk(avail, start, extend=have > 0)
+                if fit is not None:
+                    if r is oldest and not have:
+                        fit = max(fit, MIN_PROMPT_CHUNK)  # progress whatever the prediction
+                    room = min(room, fit)
             take = left if left <= room else (room if self.chunked and room > 0 else 0)
             if take > 0:
                 plan[r.req_id] = have + take
                 used += take
                 if pairs_left is not None:
-                    pairs_left = max(0, pairs_left - (take * start + take * (take + 1) // 2))
+                    pairs_left = max(0, pairs_left - chunk_pairs(start, take))
+                if time_left is not None:
+                    time_left = [t - c for t, c in zip(time_left, self.cost.chunk_times(start, take, have > 0))]
 
         others = [r for r in cands if r is not oldest]
         for r in sorted(others, key=lambda r: (need[r.req_id], _priority(r))):
-            give(r, limit - reserve - used)
+            give(r, limit - reserve - used, hold=True)
         give(oldest, budget - used)
         for r in sorted(others, key=_priority):
             give(r, limit - used)
