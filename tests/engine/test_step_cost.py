@@ -27,7 +27,7 @@ def _random_steps(rng, n):
         rows = int(rng.integers(1, 32))
         chunk = int(rng.integers(1, 512)) if rng.random() < 0.5 else 0
         start = int(rng.integers(0, 6000))
-        ctx = rows * int(rng.integers(16, 2000)) + (start + chunk if chunk else 0)
+        ctx = rows * int(rng.integers(16, 2000))
         out.append(StepFeatures(1.0, rows, chunk, chunk_pairs(start, chunk) if chunk else 0, ctx))
     return out
 
@@ -111,18 +111,19 @@ def test_prior_until_data_then_recent_data_wins():
 def test_max_chunk_is_the_largest_that_fits_on_every_stage():
     model = StepCostModel([TRUE, [2 * c for c in TRUE]])
     for start in (0, 100, 3000, 6000):
-        for extend in (False, True):
-            for left in ([0.3, 0.3], [0.05, 1.0], [1.0, 0.05]):
-                n = model.max_chunk(left, start, extend)
-                fits = lambda k: all(t <= lt + 1e-12 for t, lt in zip(model.chunk_times(start, k, extend), left))
-                assert (n == 0 or fits(n)) and not fits(n + 1), (start, extend, left, n)
+        for left in ([0.3, 0.3], [0.05, 1.0], [1.0, 0.05]):
+            n = model.max_chunk(left, start)
+            fits = lambda k: all(t <= lt + 1e-12 for t, lt in zip(model.chunk_times(start, k), left))
+            assert (n == 0 or fits(n)) and not fits(n + 1), (start, left, n)
+    a, b = model.chunk_times(0, 30), model.chunk_times(30, 50)  # chunks add up
+    assert [x + y for x, y in zip(a, b)] == pytest.approx(model.chunk_times(0, 80))
     assert model.max_chunk([-0.1, 1.0], 0) == 0
     assert StepCostModel([[0.01, 0.001, 0, 0, 0]]).max_chunk([0.1], 0) is None  # prompt tokens are free
 
 
 def test_observe_matches_times_to_recorded_batches():
     model = StepCostModel([TRUE, TRUE])
-    x = StepFeatures(1.0, 4, 100, chunk_pairs(0, 100), 4 * 50 + 100)
+    x = StepFeatures(1.0, 4, 100, chunk_pairs(0, 100), 4 * 50)
     model.record(7, x)
     model.observe(0, [6, 7], [5.0, 0.9])  # 6 was never recorded: ignored
     assert model.num_samples == [1, 0]

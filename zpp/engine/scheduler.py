@@ -275,7 +275,7 @@ class Scheduler:
         max_decodes = len(running) if self.async_scheduling else math.ceil(n_decoding / self.depth)
         plan: dict[str, int] = {}
         async_ids: set[str] = set()
-        context = 0  # positions the decodes read
+        context = 0  # positions the decodes attend
         for r in ready:
             if len(plan) >= min(max(max_decodes, 1), budget):
                 break
@@ -354,9 +354,9 @@ class Scheduler:
         feats = [1.0, 0.0, 0.0, 0.0, 0.0]  # StepFeatures
         for req, num_new, new_blocks in picked:
             start = req.num_computed_tokens + req.num_in_flight_tokens
-            feats[4] += start + num_new
             if req.req_id in decodes:
                 feats[1] += 1
+                feats[4] += start + 1
             else:
                 num_prefill += num_new
                 feats[2] += num_new
@@ -442,7 +442,7 @@ class Scheduler:
                 room = min(room, fit)
             if time_left is not None:
                 avail = [t - h for t, h in zip(time_left, held)] if hold else time_left
-                fit = self.cost.max_chunk(avail, start, extend=have > 0)
+                fit = self.cost.max_chunk(avail, start)
                 if fit is not None:
                     if r is oldest and not have:
                         fit = max(fit, MIN_PROMPT_CHUNK)  # progress whatever the prediction
@@ -454,7 +454,7 @@ class Scheduler:
                 if pairs_left is not None:
                     pairs_left = max(0, pairs_left - chunk_pairs(start, take))
                 if time_left is not None:
-                    time_left = [t - c for t, c in zip(time_left, self.cost.chunk_times(start, take, have > 0))]
+                    time_left = [t - c for t, c in zip(time_left, self.cost.chunk_times(start, take))]
 
         others = [r for r in cands if r is not oldest]
         for r in sorted(others, key=lambda r: (need[r.req_id], _priority(r))):

@@ -6,14 +6,17 @@ slowest stage's predicted step under the target.
 
 Model, per stage ``k``: the seconds of one micro-batch are
 
-    t_k ~ a + b * decode_rows + c * prompt_tokens + d * prompt_pairs + e * context_tokens
+    t_k ~ a + b * decode_rows + c * prompt_tokens + d * prompt_pairs + e * decode_context
 
 over the batch's :class:`StepFeatures` (:data:`FEATURES`). ``a`` is the per-step cost (launches,
 Python, on a GPU the weights read once); ``b`` and ``c`` a token through the linear layers (a
 decode row also through the LM head on the last stage); ``d`` a query-key pair of a prompt chunk's
 causal attention (a chunk of ``C`` tokens from position ``s`` has ``C * s + C * (C + 1) / 2``);
-``e`` a position of context a chunk reads (a chunk's whole context is gathered once on the CPU; a
-decode row's attention reads its context). The pipeline's critical figure is the slowest stage's.
+``e`` a position of context a decode row attends (memory-bound: its KV is read once per row; a
+prompt chunk's reads of its context are in its pairs, where they are compute-bound). The pipeline's
+critical figure is the slowest stage's. (A column for the context every chunk reads, the chunks'
+own included, was tried: it is almost collinear with the prompt tokens and pairs, and fits on a
+busy 2-core VM put the prompt cost there, predicting decodes at long contexts far too slow.)
 
 Fit: recency-weighted least squares of the relative error (a sample of ``t`` seconds weighs
 ``1 / t^2``: the per-step cost ``a`` shows in short steps, which absolute errors would drown in
@@ -36,10 +39,10 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-FEATURES = ("step", "decode_rows", "prompt_tokens", "prompt_pairs", "context_tokens")
+FEATURES = ("step", "decode_rows", "prompt_tokens", "prompt_pairs", "decode_context")
 """The model's columns (see the module docstring)."""
 
-PRIOR_WEIGHT = 1e-3
+PRIOR_WEIGHT = 1e-4
 """The prior's worth, in observations, per coefficient."""
 
 FORGET = 0.995
@@ -62,7 +65,7 @@ class StepFeatures(NamedTuple):
     decode_rows: float = 0.0
     prompt_tokens: float = 0.0
     prompt_pairs: float = 0.0
-    context_tokens: float = 0.0
+    decode_context: float = 0.0
 
 
 def chunk_pairs(start: int, n: int) -> int:
@@ -90,7 +93,8 @@ def prior_coefficients(hf: dict, layers: int, device: str, last: bool = False) -
     GFLOP/s for matrix products and 8 for attention (one core of the 2-core development VM ran the
     demo model's layers at ~30 and its attention at ~15: README, ``scripts/cpu_chunk_cost.py``), 5 GB/s
     of KV reads, 10 ms per step; CUDA 300 TFLOP/s (an H200 peaks at ~790 in bf16), 100 for
-    attention, 1.5 TB/s, 3 ms per step plus the stage's weights read once.
+    attention, 1.5 TB/s, 3 ms per step plus the stage's weights read once. A decode row's context
+    position costs a pair's arithmetic plus its K and V read.
     """
     h = int(hf.get("hidden_size") or hf.get("n_embd") or 1024)
     heads = int(hf.get("num_attention_heads") or hf.get("n_head") or 16)
@@ -108,7 +112,8 @@ def prior_coefficients(hf: dict, layers: int, device: str, last: bool = False) -
     elem = 2 if gpu else 4  # bytes per value (bf16 / float32)
     a = step + (params + head) * elem / bandwidth if gpu else step
     token = 2 * params / flops
-    return (a, token + 2 * head / flops, token, 4 * q * layers / attn_flops, 2 * kv * layers * elem / bandwidth)
+    pair = 4 * q * layers / attn_flops
+    return (a, token + 2 * head / flops, token, pair, pair + 2 * kv * layers * elem / bandwidth)
 
 
 def _nnls(G: np.ndarray, h: np.ndarray) -> np.ndarray:
@@ -220,24 +225,23 @@ class StepCostModel:
         """The pipeline's critical figure: the slowest stage's predicted seconds for ``x``."""
         return max(self.stage_times(x))
 
-    def chunk_times(self, start: int, n: int, extend: bool = False) -> list[float]:
+    def chunk_times(self, start: int, n: int) -> list[float]:
         """Per stage, the seconds a prompt chunk of ``n`` tokens from position ``start`` adds to a
-        step (``extend``: it lengthens a chunk already in the step, whose context is counted)."""
-        ctx = n if extend else start + n
+        step (additive: the chunk from ``start`` plus the one from ``start + n`` cost the whole)."""
         pairs = chunk_pairs(start, n)
-        return [c[2] * n + c[3] * pairs + c[4] * ctx for c in map(self.coefficients, range(self.num_stages))]
+        return [c[2] * n + c[3] * pairs for c in map(self.coefficients, range(self.num_stages))]
 
-    def max_chunk(self, time_left: Sequence[float], start: int, extend: bool = False) -> Optional[int]:
+    def max_chunk(self, time_left: Sequence[float], start: int) -> Optional[int]:
         """The most prompt tokens from position ``start`` whose chunk adds at most ``time_left[k]``
         seconds on every stage ``k`` (0 when none fits; None when no stage charges for prompt
         tokens: no limit)."""
         best = math.inf
         for k in range(self.num_stages):
-            _, _, c, d, e = self.coefficients(k)
-            room = time_left[k] - (0.0 if extend else e * start)
-            quad, lin = d / 2, c + d * (start + 0.5) + e  # cost(C) = quad C^2 + lin C (+ e start)
+            room = time_left[k]
             if room <= 0:
                 return 0
+            _, _, c, d, _ = self.coefficients(k)
+            quad, lin = d / 2, c + d * (start + 0.5)  # cost(C) = quad C^2 + lin C
             if quad > 0:
                 n = (-lin + math.sqrt(lin * lin + 4 * quad * room)) / (2 * quad)
             elif lin > 0:
@@ -247,7 +251,7 @@ class StepCostModel:
             best = min(best, n)
         if best == math.inf:
             return None
-        n = int(best)
-        while n > 0 and max(t - r for t, r in zip(self.chunk_times(start, n, extend), time_left)) > 1e-12:
+        n = int(min(best, 1 << 30))
+        while n > 0 and max(t - r for t, r in zip(self.chunk_times(start, n), time_left)) > 1e-12:
             n -= 1  # rounding
         return n
