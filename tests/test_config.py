@@ -37,7 +37,7 @@ def test_device_auto():
 def test_default_token_budget_and_target_per_device_and_use(demo_model):
     """2048 tokens per micro-batch on CPU and CUDA, serving or offline (issue 28: no 32-token CPU
     serving budget); an explicit value always wins; without chunked prefill the whole model length.
-    The target inter-token latency: 0.8 s on CPU and 0.2 s on CUDA for `zpp serve`, none offline or
+    The target inter-token latency: 0.7 s on CPU and 0.2 s on CUDA for `zpp serve`, none offline or
     without chunked prefill, 0 = none. No attention budget unless set (0 = none)."""
     from zpp.config import (CPU_TARGET_INTER_TOKEN_LATENCY, CUDA_TARGET_INTER_TOKEN_LATENCY,
                             DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, ModelConfig, ParallelConfig,
@@ -59,7 +59,7 @@ def test_default_token_budget_and_target_per_device_and_use(demo_model):
     def target(device="cpu", **kw):
         return config(device, kw).target_inter_token_latency
 
-    assert target() == CPU_TARGET_INTER_TOKEN_LATENCY == 0.8
+    assert target() == CPU_TARGET_INTER_TOKEN_LATENCY == 0.7
     assert target("cuda") == CUDA_TARGET_INTER_TOKEN_LATENCY == 0.2
     assert target(streaming=False) is None and target("cuda", streaming=False) is None
     assert target(enable_chunked_prefill=False) is None

@@ -373,15 +373,16 @@ The CPU ``zpp serve`` default was 32 tokens until issue 28: it kept a stream's g
 next to a 6000-token prompt, but left a burst of short prompts 12 tokens per micro-batch (20
 streams decoding): `zpp bench serve` 32 x 64/32 gave 22.5 out tok/s against 142.7-148.8 offline."""
 
-CPU_TARGET_INTER_TOKEN_LATENCY = 0.8
+CPU_TARGET_INTER_TOKEN_LATENCY = 0.7
 """CPU default of ``--target-inter-token-latency`` for ``zpp serve`` (seconds).
 
-At PP=2 a stream gets a token every two micro-batches, so 0.8 s asks for stage-steps of 0.4 s:
-measured on the 2-core development VM with the demo SmolLM2-135M (``scripts/bench_long_prompt.py``:
-8 streams, a 6000-token prompt), a stream's largest gap then stays under the 1 s the issue asks
-(the stages' steps vary by ~10% on a quiet machine, and the engine adds its round trip); at PP=1
-a step may take 0.8 s. Smaller targets cut chunks at long contexts to a few tokens, where a step's
-cost hardly shrinks further (one stage, context 6000: 0.40 s with 16 tokens, 0.46 s with 32)."""
+The engine aims a stream's mean gap at it; the largest gap of a long prefill is ~1.3 times the mean
+on the shared 2-core development VM (demo SmolLM2-135M, PP=2, 8 streams and a 6000-token prompt,
+``scripts/bench_long_prompt.py``'s scenario in process: stage steps aimed at 0.4 s gave a median
+gap of 0.87 s and a largest of 1.13 s), so 0.7 keeps the largest under the 1 s the issue asks. At
+PP=2 a stage-step then takes ~0.3 s; at PP=1 ~0.65 s. Smaller targets cut chunks at long contexts
+to a few tokens, where a step's cost hardly shrinks further (one stage, context 6000: 0.40 s with
+16 tokens, 0.46 s with 32)."""
 
 CUDA_TARGET_INTER_TOKEN_LATENCY = 0.2
 """CUDA default of ``--target-inter-token-latency`` for ``zpp serve`` (seconds).
@@ -410,11 +411,12 @@ class SchedulerConfig:
     may cut a step's prompt chunks below what the budget leaves."""
     target_inter_token_latency: Optional[float] = setting(None, metavar="SECONDS")
     """while streams decode, cut prompt chunks so the slowest stage's predicted step keeps a
-    stream's gap between tokens near this (default for `zpp serve`: 0.8 on CPU, 0.2 on CUDA; offline:
+    stream's gap between tokens near this (default for `zpp serve`: 0.7 on CPU, 0.2 on CUDA; offline:
     none; 0 = none)
 
     A stream gets a token every ``pipeline_depth`` micro-batches (every one with async scheduling),
-    so the step target is this divided by that. The step's cost comes from a per-stage model fitted
+    so the step target is this, less the gaps' measured excess over the predicted compute (engine
+    round trip, transfers), divided by that. The step's cost comes from a per-stage model fitted
     online to the step times the stages report (``zpp.engine.step_cost``): a chunk is the largest
     that fits (at least ``MIN_PROMPT_CHUNK`` tokens for the oldest prompt, so every prompt
     progresses; never more than ``max_num_batched_tokens`` allows). With no stream decoding, prompts

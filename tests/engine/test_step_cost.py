@@ -11,8 +11,8 @@ import pytest
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request
 from zpp.engine.scheduler import Scheduler
-from zpp.engine.step_cost import (FEATURES, MIN_PROMPT_CHUNK, StepCostModel, StepFeatures, _nnls, chunk_pairs,
-                                  prior_coefficients)
+from zpp.engine.step_cost import (FEATURES, MIN_PROMPT_CHUNK, StepCostModel, StepFeatures, StepTarget, _nnls,
+                                  chunk_pairs, prior_coefficients)
 from zpp.sampling_params import SamplingParams
 from zpp.transport import messages as m
 
@@ -133,24 +133,27 @@ def test_observe_matches_times_to_recorded_batches():
 
 # --- the scheduler's chunks follow the model ----------------------------------------------------------
 
-def _run(stage_factors, target=0.8, depth=2, long_len=3000, stream_tokens=16, budget=2048):
+def _run(stage_factors, target=0.8, depth=2, long_len=3000, stream_tokens=16, budget=2048, overhead=0.0):
     """A pipeline of ``len(stage_factors)`` simulated stages, stage ``k`` costing ``TRUE`` times its
     factor, behind a scheduler with ``target`` (seconds between a stream's tokens) and a cost model
-    whose prior is 3x too optimistic; the stages' times are fed back as the engine does. Four
+    whose prior is 3x too optimistic; the stages' times are fed back as the engine does, and the
+    engine's clock advances by the slowest stage's time plus ``overhead`` per micro-batch. Four
     streams decode ``stream_tokens`` tokens; a ``long_len``-token prompt arrives once they decode.
-    Returns, per micro-batch with a chunk of the long prompt: (its start, its tokens, whether any
-    stream was decoding when it was scheduled, the slowest stage's true seconds)."""
+    Returns (per micro-batch with a chunk of the long prompt: (its start, its tokens, whether any
+    stream was decoding when it was scheduled, the slowest stage's true seconds); the streams'
+    gaps between tokens while the long prompt was prefilled; the scheduler's StepTarget)."""
     model = StepCostModel([[c / 3 for c in TRUE]] * len(stage_factors))
     kv = KVCacheManager(2000, 16)
+    step_target = StepTarget(model, target, depth)
     sched = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=budget, max_model_len=8192, depth=depth,
-                      target_inter_token_latency=target, cost_model=model)
+                      target=step_target)
     sp = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     streams = [Request(f"s{i}", list(range(10 + i, 42 + i)), sp(stream_tokens), stream_tokens, set(), arrival=float(i))
                for i in range(4)]
     long = Request("long", [(7 * i) % 900 + 10 for i in range(long_len)], sp(1), 1, set(), arrival=10.0)
     for r in streams:
         sched.add_request(r)
-    inflight, out = [], []
+    inflight, out, gaps, clock = [], [], [], 0.0
     while not long.status.finished:
         if long.req_id not in sched.requests and all(r.num_output_tokens >= 2 for r in streams):
             sched.add_request(long)
@@ -164,13 +167,18 @@ def _run(stage_factors, target=0.8, depth=2, long_len=3000, stream_tokens=16, bu
         times = [f * _cost(TRUE, x) for f in stage_factors]
         for k, t in enumerate(times):
             model.observe(k, [b.batch.batch_id], [t])
+        clock += max(times) + overhead
         for c in b.chunks:
             if c.req_id == "long" and c.num_tokens > 1:
                 out.append((c.start, c.num_tokens, decoding, max(times)))
+        before = {r.req_id: r.last_token_at for r in streams}
         toks = m.pack_int32([11] * b.num_sampled)
-        sched.release_finished([r for r, _, _ in sched.update(b, m.StepResult(b.batch.batch_id, toks))])
+        sched.release_finished([r for r, _, _ in sched.update(b, m.StepResult(b.batch.batch_id, toks), clock)])
+        if long.req_id in sched.requests and long.num_computed_tokens < long_len:
+            gaps += [clock - before[r.req_id] for r in streams if before[r.req_id] is not None
+                     and r.last_token_at == clock]
     assert sum(n for _, n, _, _ in out) == long_len
-    return out
+    return out, gaps, step_target
 
 
 def test_chunks_follow_the_cost_model_smaller_for_a_slow_stage_full_when_nothing_decodes():
@@ -179,8 +187,8 @@ def test_chunks_follow_the_cost_model_smaller_for_a_slow_stage_full_when_nothing
     slowest stage's true step stays within 5% of the target unless the minimum chunk binds; chunks shrink
     as the context grows; a stage twice as slow gets chunks about half as large. Once no stream
     decodes, the prompt takes whole chunks of the token budget (its half of the remainder at depth 2)."""
-    even = _run([1.0, 1.0])
-    slow = _run([1.0, 2.0])
+    even = _run([1.0, 1.0])[0]
+    slow = _run([1.0, 2.0])[0]
     for run in (even, slow):
         during = [(s, n, t) for s, n, dec, t in run if dec]
         assert len(during) > 10
@@ -194,13 +202,25 @@ def test_chunks_follow_the_cost_model_smaller_for_a_slow_stage_full_when_nothing
     assert 0.35 < mean(slow) / mean(even) < 0.65, (mean(slow), mean(even))
 
 
+def test_measured_gap_overhead_is_taken_off_the_step_target():
+    """The engine adds time the stages do not see (here 0.1 s per micro-batch, 0.2 s per stream gap
+    at depth 2): the scheduler learns it from the streams' measured gaps and shrinks the steps, so
+    the gaps themselves come back to the target; without it the steps fill the target alone."""
+    _, plain_gaps, plain = _run([1.0, 1.0], stream_tokens=200)
+    _, gaps, target = _run([1.0, 1.0], stream_tokens=200, overhead=0.1)
+    assert abs(plain.overhead) < 0.04 and plain.step_s == pytest.approx(0.4, rel=0.05)
+    assert target.overhead == pytest.approx(0.2, rel=0.15) and target.step_s == pytest.approx(0.3, rel=0.05)
+    late = gaps[len(gaps) // 2:]
+    assert np.mean(late) == pytest.approx(0.8, rel=0.05) and max(late) < 0.8 * 1.1, late
+    assert np.mean(plain_gaps[len(plain_gaps) // 2:]) == pytest.approx(0.8, rel=0.05)
+    # with no overhead taken off, the same engine's gaps would be 2 x 0.4 + 0.2 = 1.0 s
+
+
 def test_no_target_keeps_the_token_budget_and_offline_chunks_unchanged():
     """Without a target the scheduler records nothing and cuts nothing: the chunks are those of the
     token budget alone (the offline default)."""
     kv = KVCacheManager(2000, 16)
     sched = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=8192, depth=1)
-    assert sched.cost is None and sched.target_step_s is None
+    assert sched.cost is None and sched.target is None
     sched.add_request(Request("a", list(range(10, 3010)), SamplingParams(max_tokens=1), 1, set(), arrival=0.0))
     assert sched.schedule().num_tokens == 2048
-    with pytest.raises(ValueError):
-        Scheduler(kv, 16, 2048, 8192, target_inter_token_latency=0.5)

@@ -28,7 +28,7 @@ from zpp.errors import WorkerDiedError
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
 from zpp.engine.scheduler import ScheduledBatch, Scheduler
-from zpp.engine.step_cost import StepCostModel, prior_coefficients
+from zpp.engine.step_cost import StepCostModel, StepTarget, prior_coefficients
 from zpp.engine.structured_output import GrammarStore, PendingBitmask, default_fill_threads
 from zpp.models.registry import resolve_model_class
 from zpp.transport import messages as m
@@ -55,15 +55,16 @@ class EngineCore:
         self.kv = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.depth = config.pipeline_depth
         hf = config.model.hf_config
-        target = config.target_inter_token_latency
-        cost = StepCostModel(self._cost_priors()) if target else None
+        itl = config.target_inter_token_latency  # a stream's tokens are `depth` micro-batches apart, or 1 (async)
+        target = StepTarget(StepCostModel(self._cost_priors()), itl, 1 if config.async_scheduling else self.depth) \
+            if itl else None
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduler.enable_chunked_prefill, self.depth,
                                    config.prefill_attention_budget, config.async_scheduling,
                                    rope_switch_len=resolve_model_class(hf).rope_switch_length(hf),
-                                   target_inter_token_latency=target, cost_model=cost)
-        if cost is not None:
-            executor.on_step_times = cost.observe  # the stages' step times teach the chunk sizes
+                                   target=target)
+        if target is not None:
+            executor.on_step_times = target.cost.observe  # the stages' step times teach the chunk sizes
         self.inflight: deque[ScheduledBatch] = deque()
         self._loop_task: Optional[asyncio.Task] = None
         self.dead: Optional[str] = None
@@ -262,7 +263,7 @@ class EngineCore:
           its sampled token dropped), and its bitmask row is all ones (any token: never used).
 
         Returns ``drained`` for the next micro-batch."""
-        updates = self.scheduler.update(sched, result)
+        updates = self.scheduler.update(sched, result, time.monotonic())
         # Requests the update finished (EOS, stop token, length) free their blocks before the refill.
         self.scheduler.release_finished([r for r, _, _ in updates if r.status.finished])
         batch_id = sched.batch.batch_id

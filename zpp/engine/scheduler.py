@@ -9,10 +9,8 @@ decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
   is being prefilled;
 * chunked prefill: prompts (unfinished ones and waiting ones) share only what the decodes leave,
   so a long prompt is computed over several batches and never delays a decode; while streams
-  decode, a target inter-token latency cuts the chunks so that the slowest stage's step, as a cost
-  model fitted to the stages' measured step times predicts it (:mod:`zpp.engine.step_cost`), keeps
-  the streams' gaps near the target (an optional fixed attention budget, query-key pairs of prompt
-  chunks, also applies); with no stream decoding, prompts take the whole budget; between prompts,
+  decode, chunks are cut to keep their gaps near a target (:mod:`zpp.engine.step_cost`: a cost model
+  fitted to the stages' step times; a fixed attention budget may apply too); between prompts,
   the oldest keeps at least half of that remainder and shorter ones that fit whole in the rest
   go first (a short request sent during a long prefill is not queued behind all of its chunks;
   a long prefill is not starved by a flow of short ones). See :meth:`Scheduler._plan_prefills`;
@@ -63,7 +61,7 @@ from typing import Optional
 
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
-from zpp.engine.step_cost import MIN_PROMPT_CHUNK, StepCostModel, StepFeatures, chunk_pairs, tokens_within_pairs
+from zpp.engine.step_cost import MIN_PROMPT_CHUNK, StepFeatures, StepTarget, chunk_pairs, tokens_within_pairs
 from zpp.transport import messages as m
 
 
@@ -86,6 +84,7 @@ class ScheduledBatch:
     chunk_tokens: Optional[list[int]] = None  # tokens each chunk computes
     sample: Optional[list[bool]] = None  # whether each chunk samples
     num_sampled: int = 0
+    predicted_s: float = 0.0  # the cost model's slowest-stage seconds for it (0 without a target)
 
     @property
     def chunks(self) -> list:
@@ -115,15 +114,9 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, depth: int = 1,
                  prefill_attention_budget: Optional[int] = None, async_scheduling: bool = False,
-                 rope_switch_len: Optional[int] = None, target_inter_token_latency: Optional[float] = None,
-                 cost_model: Optional[StepCostModel] = None):
-        # A target (seconds) needs the cost model, which records each batch (the engine feeds it times).
-        if target_inter_token_latency and cost_model is None:
-            raise ValueError("a target inter-token latency needs a cost model")
-        self.cost = cost_model if target_inter_token_latency else None
-        # A stream gets a token every `depth` micro-batches (every one with async scheduling).
-        self.target_step_s = (target_inter_token_latency / (1 if async_scheduling else depth)
-                              if self.cost is not None else None)
+                 rope_switch_len: Optional[int] = None, target: Optional[StepTarget] = None):
+        self.target = target  # a target inter-token latency; its cost model records every batch
+        self.cost = target.cost if target is not None else None
         self.kv = kv
         self.rope_switch_len = rope_switch_len
         self.async_scheduling = async_scheduling
@@ -214,6 +207,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_sent_tokens = 0
+        req.last_token_at = None  # the recompute's wait is no inter-token gap
         self._free_slot(req)  # resent in full as a NewRequest, maybe in another slot
         if count:
             self.stats.num_preemptions += 1
@@ -249,6 +243,7 @@ class Scheduler:
         for req in self.waiting:
             req.num_computed_tokens = 0
             req.num_sent_tokens = 0
+            req.last_token_at = None
             req.sent_to_workers = False
             req.slot = -1
         self._free_slots, self._num_slots, self._freed_slots = [], 0, []
@@ -294,9 +289,8 @@ class Scheduler:
                  or (not r.in_flight and r.num_tokens - r.num_computed_tokens > 1)] + waiting
         decodes = set(plan)
         time_left = None  # per stage, the seconds the step target leaves the prompt chunks
-        if self.target_step_s and n_decoding and self.chunked:
-            base = self.cost.stage_times(StepFeatures(1.0, len(plan), 0.0, 0.0, context))
-            time_left = [self.target_step_s - t for t in base]
+        if self.target and n_decoding and self.chunked:
+            time_left = self.target.time_left(len(plan), context)
         plan.update(self._plan_prefills(cands, budget - len(plan), n_decoding > 0, time_left))
 
         reqs: list[Request] = []
@@ -365,14 +359,14 @@ class Scheduler:
             req.in_flight += 1
             req.num_in_flight_tokens += num_new
         batch_id = next(self._batch_ids)
-        if self.cost is not None:
-            self.cost.record(batch_id, StepFeatures(*feats))
+        predicted = self.cost.record(batch_id, StepFeatures(*feats)) if self.cost is not None else 0.0
         batch = builder.build(batch_id, self._freed_slots)
         self._freed_slots = []
         self._num_in_flight += 1
         self._num_prefill_in_flight += num_prefill
         chunk_tokens = builder.num_tokens
-        return ScheduledBatch(batch, reqs, sum(chunk_tokens), num_prefill, chunk_tokens, samples, sum(samples))
+        return ScheduledBatch(batch, reqs, sum(chunk_tokens), num_prefill, chunk_tokens, samples, sum(samples),
+                              predicted)
 
     def _plan_prefills(self, cands: list[Request], budget: int, streams_waiting: bool = True,
                        time_left: Optional[list[float]] = None) -> dict[str, int]:
@@ -553,10 +547,12 @@ class Scheduler:
         return sample
 
     # --- results ------------------------------------------------------------------------------
-    def update(self, sched: ScheduledBatch, result: m.StepResult) -> list[tuple[Request, int, int]]:
+    def update(self, sched: ScheduledBatch, result: m.StepResult,
+               now: Optional[float] = None) -> list[tuple[Request, int, int]]:
         """Apply a returned batch. Returns (request, chunk index, sampled token id or -1 when the
         chunk does not sample) for every request of the batch that is still alive; finished /
-        aborted ones are released here.
+        aborted ones are released here. ``now`` (monotonic seconds; with a target inter-token
+        latency) times the gaps between the requests' tokens (:meth:`StepTarget.add_gaps`).
 
         Raises:
             RuntimeError: the result holds more or fewer tokens than the batch has sampling chunks.
@@ -569,6 +565,7 @@ class Scheduler:
                                f"{sched.num_sampled} sampling chunks")
         k = 0
         out = []
+        gaps: list[float] = []
         for i, (req, n, sample) in enumerate(zip(sched.reqs, sched.chunk_tokens, sched.sample)):
             tok = -1
             if sample:
@@ -585,10 +582,15 @@ class Scheduler:
             if tok >= 0:
                 req.append_token(tok)
                 req.check_stop(self.max_model_len)
+                if now is not None and req.last_token_at is not None:
+                    gaps.append(now - req.last_token_at)
+                req.last_token_at = now
             if (not req.status.finished and not req.in_flight and req.status == RequestStatus.RUNNING
                     and self._crosses_rope_switch(req, req.num_tokens)):
                 self._preempt(req, count=False)  # LongRoPE: recomputed with the long factors
             out.append((req, i, tok))
+        if gaps and self.target:
+            self.target.add_gaps(gaps, sched.predicted_s)
         return out
 
     def release_finished(self, reqs: list[Request]) -> None:

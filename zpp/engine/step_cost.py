@@ -54,6 +54,10 @@ inter-token latency, however slow the model predicts the step: every prompt prog
 chunks hardly shorten a step at long contexts on the CPU (demo model, one stage, context 6000:
 0.40 s with 16 tokens and 4 decodes, 0.46 s with 32; ``benchmarks/results/cpu_chunk_cost_stage0.json``)."""
 
+GAP_AVERAGING = 0.1
+"""Weight of each micro-batch's sample in the scheduler's running average of the measured gap
+overhead (``StepTarget.overhead``): about the last 10 micro-batches with decodes count."""
+
 _MIN_SECONDS = 1e-4  # a step's time in a sample's relative weight is at least this
 _MAX_RECORDED = 4096  # batch features kept for timings still to come (older ones are dropped)
 
@@ -184,11 +188,13 @@ class StepCostModel:
         self.num_samples[stage] += 1
         self._dirty[stage] = True
 
-    def record(self, batch_id: int, x: StepFeatures) -> None:
-        """Remember a micro-batch sent to the stages, for their timings of it (:meth:`observe`)."""
+    def record(self, batch_id: int, x: StepFeatures) -> float:
+        """Remember a micro-batch sent to the stages, for their timings of it (:meth:`observe`).
+        Returns its predicted seconds on the slowest stage."""
         self._batches[batch_id] = [x, 0]
         if len(self._batches) > _MAX_RECORDED:
             del self._batches[next(iter(self._batches))]
+        return self.predict(x)
 
     def observe(self, stage: int, batch_ids: Sequence[int], seconds: Sequence[float]) -> None:
         """Stage ``stage``'s times of recorded micro-batches (unknown ids are ignored: sent before a
@@ -255,3 +261,44 @@ class StepCostModel:
         while n > 0 and max(t - r for t, r in zip(self.chunk_times(start, n), time_left)) > 1e-12:
             n -= 1  # rounding
         return n
+
+
+class StepTarget:
+    """The step time a target inter-token latency allows (``--target-inter-token-latency``).
+
+    A stream's gap between tokens spans ``tokens_per_gap`` micro-batches (the pipeline depth; 1 with
+    async scheduling), each bounded by its slowest stage, plus what the engine adds (its round
+    trip, the transfers, the host's other work on a shared CPU, the model's own bias): measured
+    as the streams' gaps less the compute predicted for them (:meth:`add_gaps`), averaged over
+    recent micro-batches, and taken off the target (at most half of it) before dividing.
+
+    Args:
+        cost: the stages' cost model.
+        target: seconds between a stream's tokens.
+        tokens_per_gap: micro-batches between a stream's tokens.
+    """
+
+    def __init__(self, cost: StepCostModel, target: float, tokens_per_gap: int):
+        self.cost = cost
+        self.target = target
+        self.tokens_per_gap = tokens_per_gap
+        self.overhead = 0.0
+        """Seconds a stream's measured gap exceeds the compute predicted for it (running average)."""
+
+    @property
+    def step_s(self) -> float:
+        """Seconds the slowest stage's step may take."""
+        return (self.target - min(max(self.overhead, 0.0), self.target / 2)) / self.tokens_per_gap
+
+    def time_left(self, decode_rows: int, decode_context: int) -> list[float]:
+        """Per stage, the seconds :attr:`step_s` leaves for prompt chunks next to these decodes."""
+        step = self.step_s
+        return [step - t for t in self.cost.stage_times(StepFeatures(1.0, decode_rows, 0.0, 0.0, decode_context))]
+
+    def add_gaps(self, gaps: Sequence[float], predicted: float) -> None:
+        """The gaps (seconds) the streams of a returned micro-batch saw before their new tokens, and
+        the slowest stage's predicted seconds for that micro-batch."""
+        extra = sum(gaps) / len(gaps) - self.tokens_per_gap * predicted
+        extra = min(max(extra, -self.target), self.target)  # a gap spanning a preemption is no sample
+        self.overhead += GAP_AVERAGING * (extra - self.overhead)
+
