@@ -216,6 +216,40 @@ def test_measured_gap_overhead_is_taken_off_the_step_target():
     # with no overhead taken off, the same engine's gaps would be 2 x 0.4 + 0.2 = 1.0 s
 
 
+@pytest.mark.parametrize("decode_s", [0.05, 0.37])
+def test_short_prompt_next_to_a_long_prefill_goes_whole_or_gets_the_floor(decode_s):
+    """A 32-token request arriving during a long prefill while streams decode: with time to spare
+    it goes whole in the next micro-batch; when the decodes take (nearly) the whole step target it
+    still gets ``MIN_PROMPT_CHUNK`` tokens per micro-batch next to the long prompt's, instead of
+    the scraps of the time left."""
+    cost = StepCostModel([(decode_s, 0.0, 0.003, 2e-6, 0.0)])  # a fixed model: no observations
+    kv = KVCacheManager(2000, 16)
+    sched = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=8192, depth=1,
+                      target=StepTarget(cost, 0.4, 1))
+    sp = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    stream = Request("s", list(range(10, 42)), sp(100), 100, set(), arrival=0.0)
+    long = Request("long", list(range(10, 3010)), sp(1), 1, set(), arrival=1.0)
+    short = Request("short", list(range(20, 52)), sp(1), 1, set(), arrival=2.0)
+
+    def step():
+        b = sched.schedule()
+        sched.update(b, m.StepResult(b.batch.batch_id, m.pack_int32([11] * b.num_sampled)))
+        return b
+
+    sched.add_request(stream)
+    step()
+    sched.add_request(long)
+    for _ in range(3):
+        step()
+    sched.add_request(short)
+    chunks = {c.req_id: c.num_tokens for c in step().chunks}
+    if decode_s < 0.1:
+        assert chunks["short"] == 32 and chunks["long"] > MIN_PROMPT_CHUNK, chunks
+    else:
+        assert chunks["short"] == MIN_PROMPT_CHUNK == chunks["long"], chunks
+        assert {c.req_id: c.num_tokens for c in step().chunks}["short"] == MIN_PROMPT_CHUNK
+
+
 def test_no_target_keeps_the_token_budget_and_offline_chunks_unchanged():
     """Without a target the scheduler records nothing and cuts nothing: the chunks are those of the
     token budget alone (the offline default)."""

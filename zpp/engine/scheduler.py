@@ -401,11 +401,11 @@ class Scheduler:
         ``C * s + C * (C + 1) / 2`` pairs. The oldest candidate always gets at least one token.
         With nothing decoding the budget does not apply: a prompt alone is computed in full chunks.
 
-        With ``time_left`` (per stage, the seconds the step target leaves after the decodes; given
-        while streams decode), every chunk is also cut to what the cost model says fits on every
-        stage, and its predicted time is taken from what is left. The oldest candidate gets at least
-        ``MIN_PROMPT_CHUNK`` tokens, and the others take at most half of the time before it has
-        had its turn (the time version of its half of the tokens).
+        With ``time_left`` (per stage, the seconds the step target leaves after the decodes; while
+        streams decode), each chunk is also cut to what the cost model says fits on every stage. A
+        shorter candidate goes whole if it fits, else takes at most half of the time before the
+        oldest's turn; the oldest and the shortest other get ``MIN_PROMPT_CHUNK`` tokens whatever
+        the prediction (a short request next to a long prefill is not starved when time is short).
         """
         if not cands or budget <= 0:
             return {}
@@ -423,6 +423,8 @@ class Scheduler:
             pairs_left = self.prefill_attention_budget
 
         held = [t / 2 for t in time_left] if time_left is not None else None  # the oldest's half
+        others = sorted((r for r in cands if r is not oldest), key=lambda r: (need[r.req_id], _priority(r)))
+        floors = {r.req_id: MIN_PROMPT_CHUNK for r in [oldest] + others[:1]}
 
         def give(r: Request, room: int, hold: bool = False) -> None:
             nonlocal used, pairs_left, time_left
@@ -435,12 +437,11 @@ class Scheduler:
                     fit = max(fit, 1)  # progress whatever the budget
                 room = min(room, fit)
             if time_left is not None:
-                avail = [t - h for t, h in zip(time_left, held)] if hold else time_left
-                fit = self.cost.max_chunk(avail, start)
+                fit = self.cost.max_chunk(time_left, start)
+                if fit is not None and hold and fit < left:  # not whole: keep the oldest's half
+                    fit = self.cost.max_chunk([t - h for t, h in zip(time_left, held)], start)
                 if fit is not None:
-                    if r is oldest and not have:
-                        fit = max(fit, MIN_PROMPT_CHUNK)  # progress whatever the prediction
-                    room = min(room, fit)
+                    room = min(room, max(fit, floors.get(r.req_id, 0) - have))  # progress whatever the time
             take = left if left <= room else (room if self.chunked and room > 0 else 0)
             if take > 0:
                 plan[r.req_id] = have + take
@@ -450,8 +451,7 @@ class Scheduler:
                 if time_left is not None:
                     time_left = [t - c for t, c in zip(time_left, self.cost.chunk_times(start, take))]
 
-        others = [r for r in cands if r is not oldest]
-        for r in sorted(others, key=lambda r: (need[r.req_id], _priority(r))):
+        for r in others:
             give(r, limit - reserve - used, hold=True)
         give(oldest, budget - used)
         for r in sorted(others, key=_priority):

@@ -49,8 +49,9 @@ FORGET = 0.995
 """Per-sample decay of earlier samples' weight (an effective memory of ~200 steps per stage)."""
 
 MIN_PROMPT_CHUNK = 16
-"""Fewest prompt tokens the scheduler gives the oldest prompt of a micro-batch under a target
-inter-token latency, however slow the model predicts the step: every prompt progresses. Smaller
+"""Fewest prompt tokens the scheduler gives the oldest prompt of a micro-batch (and the shortest
+other, so that a short request is not starved next to a long prefill) under a target inter-token
+latency, however slow the model predicts the step: every prompt progresses. Smaller
 chunks hardly shorten a step at long contexts on the CPU (demo model, one stage, context 6000:
 0.40 s with 16 tokens and 4 decodes, 0.46 s with 32; ``benchmarks/results/cpu_chunk_cost_stage0.json``)."""
 
