@@ -227,7 +227,7 @@ def test_short_prompt_next_to_a_long_prefill_goes_whole_or_gets_the_floor(decode
     sched = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=8192, depth=1,
                       target=StepTarget(cost, 0.4, 1))
     sp = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    stream = Request("s", list(range(10, 42)), sp(100), 100, set(), arrival=0.0)
+    streams = [Request(f"s{i}", list(range(10 + i, 42 + i)), sp(100), 100, set(), arrival=0.0) for i in range(3)]
     long = Request("long", list(range(10, 3010)), sp(1), 1, set(), arrival=1.0)
     short = Request("short", list(range(20, 52)), sp(1), 1, set(), arrival=2.0)
 
@@ -236,7 +236,8 @@ def test_short_prompt_next_to_a_long_prefill_goes_whole_or_gets_the_floor(decode
         sched.update(b, m.StepResult(b.batch.batch_id, m.pack_int32([11] * b.num_sampled)))
         return b
 
-    sched.add_request(stream)
+    for r in streams:
+        sched.add_request(r)
     step()
     sched.add_request(long)
     for _ in range(3):
@@ -244,10 +245,32 @@ def test_short_prompt_next_to_a_long_prefill_goes_whole_or_gets_the_floor(decode
     sched.add_request(short)
     chunks = {c.req_id: c.num_tokens for c in step().chunks}
     if decode_s < 0.1:
-        assert chunks["short"] == 32 and chunks["long"] > MIN_PROMPT_CHUNK, chunks
+        assert chunks["short"] == 32 and chunks["long"] > MIN_PROMPT_CHUNK, chunks  # 2 prompts, 3 streams
     else:
         assert chunks["short"] == MIN_PROMPT_CHUNK == chunks["long"], chunks
         assert {c.req_id: c.num_tokens for c in step().chunks}["short"] == MIN_PROMPT_CHUNK
+
+
+def test_a_burst_of_waiting_prompts_outweighs_few_streams():
+    """With more requests waiting for their first token than streams decoding, the step may grow in
+    proportion (each stream's longer gap buys every waiting request an earlier first token): one
+    stream next to one long prompt keeps the target's chunk; next to 20 new prompts the step takes
+    them all, as without a target (the throughput of a burst served over HTTP)."""
+    def first_prompt_tokens(prompts):
+        cost = StepCostModel([(0.05, 0.0, 0.003, 0.0, 0.0)])
+        sched = Scheduler(KVCacheManager(2000, 16), max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=8192,
+                          depth=1, target=StepTarget(cost, 0.4, 1))
+        sched.add_request(Request("s", list(range(10, 42)), SamplingParams(max_tokens=50, ignore_eos=True), 50, set(),
+                                  arrival=0.0))
+        b = sched.schedule()
+        sched.update(b, m.StepResult(b.batch.batch_id, m.pack_int32([11])))
+        for i, n in enumerate(prompts):
+            sched.add_request(Request(f"p{i}", list(range(10, 10 + n)), SamplingParams(max_tokens=1), 1, set(),
+                                      arrival=1.0 + i))
+        return sched.schedule().num_prefill_tokens
+
+    assert first_prompt_tokens([1000]) == int((0.4 - 0.05) / 0.003)
+    assert first_prompt_tokens([64] * 20) == 20 * 64
 
 
 def test_no_target_keeps_the_token_budget_and_offline_chunks_unchanged():

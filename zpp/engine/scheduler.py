@@ -288,9 +288,9 @@ class Scheduler:
         cands = [r for r in ready if (r.in_flight and self._can_pipeline(r))
                  or (not r.in_flight and r.num_tokens - r.num_computed_tokens > 1)] + waiting
         decodes = set(plan)
-        time_left = None  # per stage, the seconds the step target leaves the prompt chunks
-        if self.target and n_decoding and self.chunked:
-            time_left = self.target.time_left(len(plan), context)
+        n_first = len(self.waiting) + sum(1 for r in running if r.num_tokens - r.num_computed_tokens > 1)
+        time_left = self.target.time_left(len(plan), context, n_first / max(n_decoding, 1)) \
+            if self.target and n_decoding and self.chunked else None  # per stage, for the prompt chunks
         plan.update(self._plan_prefills(cands, budget - len(plan), n_decoding > 0, time_left))
 
         reqs: list[Request] = []

@@ -291,9 +291,13 @@ class StepTarget:
         """Seconds the slowest stage's step may take."""
         return (self.target - min(max(self.overhead, 0.0), self.target / 2)) / self.tokens_per_gap
 
-    def time_left(self, decode_rows: int, decode_context: int) -> list[float]:
-        """Per stage, the seconds :attr:`step_s` leaves for prompt chunks next to these decodes."""
-        step = self.step_s
+    def time_left(self, decode_rows: int, decode_context: int, waiting_per_stream: float = 0.0) -> list[float]:
+        """Per stage, the seconds a step may take less what these decodes take: :attr:`step_s`, times
+        ``waiting_per_stream`` when more requests wait for their first token than streams decode
+        (a burst of new requests: a longer step costs each stream less than it saves each of the
+        waiting, so they are prefilled in chunks as large as without a target, as that many
+        streams' gaps are worth)."""
+        step = self.step_s * max(1.0, waiting_per_stream)
         return [step - t for t in self.cost.stage_times(StepFeatures(1.0, decode_rows, 0.0, 0.0, decode_context))]
 
     def add_gaps(self, gaps: Sequence[float], predicted: float) -> None:
