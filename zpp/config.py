@@ -418,11 +418,11 @@ class SchedulerConfig:
     so the step target is this, less the gaps' measured excess over the predicted compute (engine
     round trip, transfers), divided by that. The step's cost comes from a per-stage model fitted
     online to the step times the stages report (``zpp.engine.step_cost``): a chunk is the largest
-    that fits (at least ``MIN_PROMPT_CHUNK`` tokens for the oldest prompt, so every prompt
-    progresses; never more than ``max_num_batched_tokens`` allows). With no stream decoding, prompts
-    take the whole token budget. Defaults: ``CPU_TARGET_INTER_TOKEN_LATENCY``,
-    ``CUDA_TARGET_INTER_TOKEN_LATENCY`` with ``streaming`` and chunked prefill, else none (vLLM
-    has no such setting; its chunk size is the token budget alone)."""
+    that fits (at least ``MIN_PROMPT_CHUNK`` tokens for the oldest prompt; at most the token budget).
+    With no stream decoding, prompts take the whole budget; with more requests waiting for a first
+    token than streams decoding, the step grows in proportion (a burst). Defaults: ``CPU_TARGET_
+    INTER_TOKEN_LATENCY``, ``CUDA_TARGET_INTER_TOKEN_LATENCY`` with ``streaming`` and chunked
+    prefill, else none (vLLM has no such setting; its chunk size is the token budget alone)."""
     enable_chunked_prefill: bool = True
     """split long prompts over several steps so decodes keep going
 
