@@ -165,7 +165,7 @@ def run(args, spec, text, eos, constrained: bool) -> dict:
     config = EngineConfig(model=ModelConfig(_model_dir(args.vocab), load_format="dummy"),
                           scheduler=SchedulerConfig(max_num_seqs=n, pipeline_depth=depth,
                                                     max_num_batched_tokens=max(8192, n * in_len),
-                                                    prefill_attention_budget=0,
+                                                    prefill_attention_budget=0, target_inter_token_latency=0,
                                                     async_scheduling=args.async_scheduling and args.pp == 1),
                           cache=CacheConfig(num_kv_blocks=n * ((in_len + out_len) // 16 + 2)))
 

@@ -5,9 +5,10 @@
 Engine side: a real EngineCore (scheduler, KV block manager, output handling) with an executor
 stand-in that answers every batch at once with one sampled token per request; the stand-in's own
 work (reading the batch and writing the result, which workers do) is timed apart and left out.
-The scheduler is configured as on CUDA: no prefill attention budget (the CPU server's default
-cuts prompt chunks at long contexts, so 1000 prompts took hundreds of micro-batches of ~130
-sequences, and the figures measured the scheduler's prefill planning instead of a decode step).
+The scheduler is configured with no prefill attention budget and no target inter-token latency
+(the stand-in reports no step times, and cut prompt chunks made 1000 prompts take hundreds of
+micro-batches of ~130 sequences: the figures measured the scheduler's prefill planning instead of a
+decode step).
 
 Worker side: the recorded messages replayed through real ``ModelRunner``s of both stages of a
 two-stage pipeline (stage 0 embeds, the last stage samples greedily and writes the StepResult),
@@ -91,7 +92,7 @@ def engine_side(num_seqs: int, input_len: int, output_len: int, depth: int, prof
     config = EngineConfig(model=ModelConfig(_model_dir(), load_format="dummy"), parallel=ParallelConfig(device="cpu"),
                           scheduler=SchedulerConfig(max_num_seqs=num_seqs, pipeline_depth=depth,
                                                     max_num_batched_tokens=max(8192, num_seqs),
-                                                    prefill_attention_budget=0),
+                                                    prefill_attention_budget=0, target_inter_token_latency=0),
                           cache=CacheConfig(num_kv_blocks=num_seqs * ((input_len + output_len) // 16 + 2)))
     ex = InstantExecutor(config.cache.num_kv_blocks)
 

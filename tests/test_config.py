@@ -8,6 +8,7 @@ import torch
 
 import zpp.config
 from zpp.config import cpu_threads_per_worker, resolve_device
+from zpp.errors import ConfigError
 
 
 def test_cpu_threads_default_user_torch_and_omp(monkeypatch):
@@ -33,11 +34,13 @@ def test_device_auto():
     assert resolve_device("cpu") == "cpu"
 
 
-def test_default_token_budget_per_device_and_use(demo_model):
-    """CPU: the small serving budget for `zpp serve`, 2048 for offline use; CUDA: 2048; an explicit
-    value always wins; without chunked prefill the whole model length."""
-    from zpp.config import (CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS, CPU_SERVE_MAX_NUM_BATCHED_TOKENS,
-                            CUDA_MAX_NUM_BATCHED_TOKENS, EngineConfig, ModelConfig, ParallelConfig,
+def test_default_token_budget_and_target_per_device_and_use(demo_model):
+    """2048 tokens per micro-batch on CPU and CUDA, serving or offline (issue 28: no 32-token CPU
+    serving budget); an explicit value always wins; without chunked prefill the whole model length.
+    The target inter-token latency: 0.7 s on CPU and 0.2 s on CUDA for `zpp serve`, none offline or
+    without chunked prefill, 0 = none. No attention budget unless set (0 = none)."""
+    from zpp.config import (CPU_TARGET_INTER_TOKEN_LATENCY, CUDA_TARGET_INTER_TOKEN_LATENCY,
+                            DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, ModelConfig, ParallelConfig,
                             SchedulerConfig)
 
     def config(device, kw):
@@ -49,19 +52,25 @@ def test_default_token_budget_per_device_and_use(demo_model):
     def budget(device="cpu", **kw):
         return config(device, kw).max_num_batched_tokens
 
-    assert budget() == CPU_SERVE_MAX_NUM_BATCHED_TOKENS < CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS
-    assert budget(streaming=False) == CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS == 2048
-    assert budget("cuda") == budget("cuda", streaming=False) == CUDA_MAX_NUM_BATCHED_TOKENS == 2048
+    assert budget() == budget(streaming=False) == budget("cuda") == DEFAULT_MAX_NUM_BATCHED_TOKENS == 2048
     assert budget(max_num_batched_tokens=100) == 100
     assert budget(enable_chunked_prefill=False) == 8192
+
+    def target(device="cpu", **kw):
+        return config(device, kw).target_inter_token_latency
+
+    assert target() == CPU_TARGET_INTER_TOKEN_LATENCY == 0.7
+    assert target("cuda") == CUDA_TARGET_INTER_TOKEN_LATENCY == 0.2
+    assert target(streaming=False) is None and target("cuda", streaming=False) is None
+    assert target(enable_chunked_prefill=False) is None
+    assert target(target_inter_token_latency=0.0) is None and target(streaming=False, target_inter_token_latency=1.5) == 1.5
+    with pytest.raises(ConfigError, match="--target-inter-token-latency"):
+        SchedulerConfig(target_inter_token_latency=-1.0)
 
     def pairs(device="cpu", **kw):
         return config(device, kw).prefill_attention_budget
 
-    from zpp.config import CPU_SERVE_PREFILL_ATTENTION_BUDGET
-    assert pairs() == CPU_SERVE_PREFILL_ATTENTION_BUDGET == 65536
-    assert pairs(streaming=False) is None and pairs("cuda") is None
-    assert pairs(enable_chunked_prefill=False) is None
+    assert pairs() is None and pairs(streaming=False) is None and pairs("cuda") is None
     assert pairs(prefill_attention_budget=0) is None and pairs("cuda", prefill_attention_budget=5) == 5
 
 

@@ -209,10 +209,10 @@ class ParallelConfig:
     """seconds a micro-batch may go without any stage finishing it before the engine fails (warning
     at half); raise it for big models on the CPU
 
-    On the CPU with the demo model a step of ``zpp serve``'s default budget (32 tokens) takes under a
-    second; a 2048-token step (the offline default) takes seconds, more at long contexts (about 10 ms
-    per prompt token at context 6000, README); for big models on the CPU the longest micro-batch (a
-    full prefill chunk on the slowest stage) must stay below it."""
+    On the CPU with the demo model a full 2048-token step takes seconds, more at long contexts
+    (about 10 ms per prompt token at context 6000, README; ``--target-inter-token-latency`` cuts
+    chunks only while streams decode); for big models on the CPU the longest micro-batch (a full
+    prefill chunk on the slowest stage) must stay below it."""
     max_stage_restarts: int = 3
     """stage workers that die, go silent or stall are restarted in place (requests resume) at most
     this many times in 10 minutes; 0: fail-stop, every request ends with an error
@@ -364,38 +364,34 @@ class CacheConfig:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
-CPU_SERVE_MAX_NUM_BATCHED_TOKENS = 32
-"""CPU default token budget per micro-batch for ``zpp serve`` (with chunked prefill).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+"""Default token budget per micro-batch with chunked prefill, on CPU and CUDA, for ``zpp serve`` and
+offline use alike (vLLM's online-serving value): large steps read the weights less often. While
+streams decode, ``--target-inter-token-latency`` cuts the prompt chunks of a step, not this budget.
 
-At PP=2 a running stream waits about two stage-steps between tokens, so the budget bounds those
-gaps. Measured on the 2-core development VM with the demo SmolLM2-135M (README "A long prompt next
-to running streams", ``scripts/cpu_chunk_cost.py``): one stage computing 4 decodes and a chunk at
-context 6000 took 0.40 / 0.46 / 0.53 / 1.26 s for chunks of 16 / 32 / 64 / 128 tokens. Below 32
-the step hardly shrinks (a fixed cost per step over the long context dominates) while the
-prefill slows down; above 64 it grows about 10 ms per token. The price of a small budget: every
-micro-batch reads the weights once, so a burst of prompts takes more steps, and at most ``budget``
-requests decode per micro-batch. Raise it (``--max-num-batched-tokens 2048``) when throughput
-matters more than inter-token gaps."""
+The CPU ``zpp serve`` default was 32 tokens until issue 28: it kept a stream's gaps under a second
+next to a 6000-token prompt, but left a burst of short prompts 12 tokens per micro-batch (20
+streams decoding): `zpp bench serve` 32 x 64/32 gave 22.5 out tok/s against 142.7-148.8 offline."""
 
-CPU_SERVE_PREFILL_ATTENTION_BUDGET = 32 * 2048
-"""CPU default attention budget per micro-batch for ``zpp serve``, in query-key pairs of prompt
-chunks (a chunk of ``C`` tokens at positions ``[s, s + C)`` attends ``C * s + C * (C + 1) / 2``
-pairs).
+CPU_TARGET_INTER_TOKEN_LATENCY = 0.7
+"""CPU default of ``--target-inter-token-latency`` for ``zpp serve`` (seconds).
 
-The token budget alone does not bound a step at long contexts: a prompt token at context 6000
-costs about 4 times its share of the linear layers on the CPU (measured, ``scripts/cpu_chunk_cost.py``:
-one stage, chunk of 16 at context 6000: 12.8 ms per token of attention, 3.5 ms of the rest). With
-this budget a chunk keeps the full 32 tokens up to context 2048 and shrinks past it (about 11
-tokens at context 6000), so a stage-step near a long prompt stays under ~0.3 s and a stream at
-PP=2 keeps its tokens coming within a second (README "A long prompt next to running streams").
-Decodes are never cut by it (it bounds prompt chunks only)."""
+The engine aims a stream's mean gap at it; the largest gap of a long prefill is ~1.3 times the mean
+on the shared 2-core development VM (demo SmolLM2-135M, PP=2, 8 streams and a 6000-token prompt,
+``scripts/bench_long_prompt.py``'s scenario in process: stage steps aimed at 0.4 s gave a median
+gap of 0.87 s and a largest of 1.13 s), so 0.7 keeps the largest under the 1 s the issue asks. At
+PP=2 a stage-step then takes ~0.3 s; at PP=1 ~0.65 s. Smaller targets cut chunks at long contexts
+to a few tokens, where a step's cost hardly shrinks further (one stage, context 6000: 0.40 s with
+16 tokens, 0.46 s with 32)."""
 
-CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
-"""CPU default token budget for the offline ``LLM`` and ``zpp bench throughput|latency``: nobody
-waits between tokens, so large steps, which read the weights less often, win."""
+CUDA_TARGET_INTER_TOKEN_LATENCY = 0.2
+"""CUDA default of ``--target-inter-token-latency`` for ``zpp serve`` (seconds).
 
-CUDA_MAX_NUM_BATCHED_TOKENS = 2048
-"""CUDA default token budget per micro-batch (with chunked prefill), vLLM's online-serving value."""
+Chosen to leave today's GPU throughput alone: a full 2048-token chunk next to 256 decodes of a
+Llama-3-8B on one H200 is a step of tens of milliseconds (a 2048-token prefill is ~33 TFLOP), so
+the chunk stays capped by ``--max-num-batched-tokens`` as before; the target cuts chunks only
+where a step would pass it: very long contexts (attention grows with the context), deep pipelines
+(PP=4 has 5 micro-batches in flight: 40 ms per stage-step) or big models per stage."""
 
 
 @dataclass(frozen=True)
@@ -407,36 +403,45 @@ class SchedulerConfig:
 
     The most requests in one micro-batch."""
     max_num_batched_tokens: Optional[int] = None
-    """token budget of one micro-batch, decodes first (default with chunked prefill: 2048 on CUDA; on
-    CPU 32 for `zpp serve`, 2048 for `zpp bench throughput|latency`; without: max(--max-model-len,
-    2048))
+    """token budget of one micro-batch, decodes first (default: 2048 with chunked prefill; without:
+    max(--max-model-len, 2048))
 
-    The running requests' decodes take it first, prompt chunks the rest. On CUDA 2048 is vLLM's
-    online-serving default (a chunk of that size takes milliseconds there); on the CPU
-    ``CPU_SERVE_MAX_NUM_BATCHED_TOKENS`` when ``streaming`` (``zpp serve``), where a prompt token
-    costs milliseconds and a running stream waits about two stage-steps of a micro-batch between
-    tokens at PP=2, so the budget bounds those gaps, else ``CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS``
-    (see those constants)."""
+    The running requests' decodes take it first, prompt chunks the rest. ``DEFAULT_MAX_NUM_BATCHED_
+    TOKENS`` on CPU and CUDA, serving or offline; while streams decode, ``target_inter_token_latency``
+    may cut a step's prompt chunks below what the budget leaves."""
+    target_inter_token_latency: Optional[float] = setting(None, metavar="SECONDS")
+    """while streams decode, cut prompt chunks so the slowest stage's predicted step keeps a
+    stream's gap between tokens near this (default for `zpp serve`: 0.7 on CPU, 0.2 on CUDA; offline:
+    none; 0 = none)
+
+    A stream gets a token every ``pipeline_depth`` micro-batches (every one with async scheduling),
+    so the step target is this, less the gaps' measured excess over the predicted compute (engine
+    round trip, transfers), divided by that. The step's cost comes from a per-stage model fitted
+    online to the step times the stages report (``zpp.engine.step_cost``): a chunk is the largest
+    that fits (at least ``MIN_PROMPT_CHUNK`` tokens for the oldest prompt; at most the token budget).
+    With no stream decoding, prompts take the whole budget; with more requests waiting for a first
+    token than streams decoding, the step grows in proportion (a burst). Defaults: ``CPU_TARGET_
+    INTER_TOKEN_LATENCY``, ``CUDA_TARGET_INTER_TOKEN_LATENCY`` with ``streaming`` and chunked
+    prefill, else none (vLLM has no such setting; its chunk size is the token budget alone)."""
     enable_chunked_prefill: bool = True
     """split long prompts over several steps so decodes keep going
 
     ``--no-enable-chunked-prefill``: compute each prompt in one step."""
     streaming: bool = setting(True, flagless=True)
     """Clients wait on each token (``zpp serve``). The offline ``LLM`` and ``zpp bench
-    throughput|latency`` set False: nobody watches the gaps between tokens, and on CPU the default
-    token budget is then the larger one (vLLM likewise defaults its offline ``LLM`` to a larger
-    budget than its server)."""
+    throughput|latency`` set False: nobody watches the gaps between tokens, so there is no default
+    ``target_inter_token_latency`` (vLLM likewise sizes its offline ``LLM``'s steps for throughput)."""
     pipeline_depth: Optional[int] = setting(None, group="parallelism")
     """micro-batches in flight (default: the number of stages; stages + 1 on CUDA)
 
     See ``EngineConfig.pipeline_depth``."""
     prefill_attention_budget: Optional[int] = setting(None, metavar="PAIRS")
-    """most query-key pairs the prompt chunks of one micro-batch attend, so a chunk shrinks at long
-    contexts (default: 65536 for `zpp serve` on CPU, else no limit; 0 = no limit)
+    """most query-key pairs the prompt chunks of one micro-batch attend while streams decode, so a
+    chunk shrinks at long contexts (default: no limit; 0 = no limit)
 
-    The oldest prompt always gets at least one token, so every prompt progresses. The default is
-    ``CPU_SERVE_PREFILL_ATTENTION_BUDGET`` on CPU with ``streaming`` and chunked prefill, else no
-    limit (on CUDA the attention kernel reads a long context in microseconds)."""
+    A fixed cap, on top of ``target_inter_token_latency`` (whose cost model counts the same pairs,
+    measured): the CPU ``zpp serve`` default until issue 28 (65536). The oldest prompt always gets
+    at least one token, so every prompt progresses."""
     async_scheduling: Optional[bool] = None
     """schedule a request's next decode before its sampled token is back; the worker feeds the token
     from the device (default: on for CUDA with PP=1 and TP=1)
@@ -452,6 +457,8 @@ class SchedulerConfig:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.pipeline_depth is not None and self.pipeline_depth < 1:
             raise ConfigError(f"--pipeline-depth must be >= 1, got {self.pipeline_depth}")
+        if self.target_inter_token_latency is not None and not self.target_inter_token_latency >= 0:
+            raise ConfigError(f"--target-inter-token-latency must be >= 0 seconds, got {self.target_inter_token_latency}")
         if self.prefill_attention_budget is not None and self.prefill_attention_budget < 0:
             raise ConfigError(f"--prefill-attention-budget must be >= 0, got {self.prefill_attention_budget}")
 
@@ -513,20 +520,24 @@ class EngineConfig:
             return s.max_num_batched_tokens
         if not s.enable_chunked_prefill:
             return max(self.max_model_len, 2048)
-        if self.parallel.device == "cuda":
-            return CUDA_MAX_NUM_BATCHED_TOKENS
-        return CPU_SERVE_MAX_NUM_BATCHED_TOKENS if s.streaming else CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     @property
     def prefill_attention_budget(self) -> Optional[int]:
         """Query-key pairs of prompt chunks per micro-batch, or None for no limit (see
         ``SchedulerConfig.prefill_attention_budget``)."""
+        return self.scheduler.prefill_attention_budget or None
+
+    @property
+    def target_inter_token_latency(self) -> Optional[float]:
+        """Seconds between a stream's tokens the prompt chunks are cut for, or None for no target
+        (see ``SchedulerConfig.target_inter_token_latency``)."""
         s = self.scheduler
-        if s.prefill_attention_budget is not None:
-            return s.prefill_attention_budget or None
-        if self.parallel.device != "cuda" and s.streaming and s.enable_chunked_prefill:
-            return CPU_SERVE_PREFILL_ATTENTION_BUDGET
-        return None
+        if s.target_inter_token_latency is not None:
+            return s.target_inter_token_latency or None
+        if not (s.streaming and s.enable_chunked_prefill):
+            return None
+        return CUDA_TARGET_INTER_TOKEN_LATENCY if self.parallel.device == "cuda" else CPU_TARGET_INTER_TOKEN_LATENCY
 
     @property
     def pipeline_depth(self) -> int:

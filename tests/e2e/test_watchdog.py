@@ -129,14 +129,16 @@ def test_hung_main_thread_fails_at_stage_timeout(demo_model, monkeypatch):
 
 
 def test_long_cpu_prefill_does_not_trip_the_limits(demo_model, tokenizer):
-    """A ~3500-token prompt at PP=2 with the default prefill budget (32 tokens per micro-batch on
-    the CPU): dozens of chunks, the whole prefill several times longer than --stage-timeout, and no
+    """A ~3500-token prompt at PP=2 in 32-token micro-batches (``--max-num-batched-tokens 32``, the
+    CPU serving default until issue 28; alone, a prompt now takes 2048-token chunks, seconds each
+    on the CPU): dozens of chunks, the whole prefill several times longer than --stage-timeout, and no
     false alarm (no warning at half the limit either). The limits are the fault tests' (heartbeat
     3 s, stage 6 s) rather than the defaults (10 s, 60 s), which a prefill spans only at ~6000
     tokens (minutes on 2 cores): what is checked is the ratio, progress counted per micro-batch and
     not per request, and a chunk far below the limit."""
     stage_timeout = 6
     s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "256MiB",
+                       "--max-num-batched-tokens", "32",
                        "--worker-heartbeat-timeout", "3", "--stage-timeout", str(stage_timeout)])
     try:
         prompt = ("The quick brown fox jumps over the lazy dog. " * 350)

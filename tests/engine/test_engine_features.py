@@ -254,7 +254,7 @@ def engines(demo_model):
 # The shared engines. PP=1 without chunked prefill: each prompt computed in one step (the reference
 # of the chunked-prefill test; the other tests' prompts are far below the budget either way).
 PP1 = dict(pipeline_parallel_size=1, enable_chunked_prefill=False, kv_cache_memory="128MiB")
-# PP=2 with the CPU server's prefill budget: prompts of more than 32 tokens are chunked.
+# PP=2 with a small token budget (the CPU server's until issue 28): prompts of more than 32 tokens are chunked.
 PP2 = dict(pipeline_parallel_size=2, max_num_batched_tokens=32, kv_cache_memory="128MiB")
 
 

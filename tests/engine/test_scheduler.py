@@ -387,7 +387,7 @@ def test_attention_budget_shrinks_chunks_at_long_context_only(depth):
     grows; decodes are never cut; the long prompt still finishes with the right output; with a
     budget smaller than one token's pairs the oldest prompt still gets a token per batch; with no
     stream decoding, a prompt alone keeps full chunks."""
-    from zpp.engine.scheduler import _tokens_within_pairs
+    from zpp.engine.step_cost import tokens_within_pairs as _tokens_within_pairs
     for start in (0, 1, 7, 100, 2047, 6000):
         for pairs in (0, 1, 5, 1000, 65536):
             c = _tokens_within_pairs(start, pairs)

@@ -239,7 +239,7 @@ def test_sigterm_drains_open_streams(server):
                         started.wait(120)
                     lines.append(raw.decode().strip())
 
-    # one-token prompts: all 9 prefill in one step (32 tokens a step on the CPU), so all are open at
+    # one-token prompts: all 9 prefill in one step, so all are open at
     # the signal; the 8 then need two steps more, the 9th cannot finish in time even on a quiet machine
     threads = [threading.Thread(target=stream, args=(i, 3), daemon=True) for i in range(8)]
     threads.append(threading.Thread(target=stream, args=(8, 2000), daemon=True))

@@ -28,6 +28,7 @@ from zpp.errors import WorkerDiedError
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
 from zpp.engine.scheduler import ScheduledBatch, Scheduler
+from zpp.engine.step_cost import StepCostModel, StepTarget, prior_coefficients
 from zpp.engine.structured_output import (GrammarStore, PendingBitmask, default_fill_threads,
                                           import_xgrammar_in_background)
 from zpp.models.registry import resolve_model_class
@@ -55,10 +56,16 @@ class EngineCore:
         self.kv = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.depth = config.pipeline_depth
         hf = config.model.hf_config
+        itl = config.target_inter_token_latency  # a stream's tokens are `depth` micro-batches apart, or 1 (async)
+        target = StepTarget(StepCostModel(self._cost_priors()), itl, 1 if config.async_scheduling else self.depth) \
+            if itl else None
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduler.enable_chunked_prefill, self.depth,
                                    config.prefill_attention_budget, config.async_scheduling,
-                                   rope_switch_len=resolve_model_class(hf).rope_switch_length(hf))
+                                   rope_switch_len=resolve_model_class(hf).rope_switch_length(hf),
+                                   target=target)
+        if target is not None:
+            executor.on_step_times = target.cost.observe  # the stages' step times teach the chunk sizes
         self.inflight: deque[ScheduledBatch] = deque()
         self._loop_task: Optional[asyncio.Task] = None
         self.dead: Optional[str] = None
@@ -69,6 +76,17 @@ class EngineCore:
         """Micro-batches in flight whose token bitmask is not sent yet, in batch order."""
         self.paused = False
         """A lost stage is being restarted: nothing is scheduled until it is back."""
+
+    def _cost_priors(self) -> list[tuple[float, ...]]:
+        """The step cost model's prior coefficients of each stage, from its layers (the executor's
+        split, else an even one) and the model's shape."""
+        hf, pp = self.config.model.hf_config, self.config.parallel.pipeline_parallel_size
+        ranges = getattr(self.executor, "layer_ranges", None)
+        if ranges is None:
+            n = int(hf.get("num_hidden_layers") or hf.get("n_layer") or pp)
+            ranges = [(0, n // pp + (k < n % pp)) for k in range(pp)]
+        return [prior_coefficients(hf, b - a, self.config.parallel.device, last=k == pp - 1)
+                for k, (a, b) in enumerate(ranges)]
 
     @classmethod
     async def start(cls, config: EngineConfig, eos_token_ids: set[int], emit: Callable[[StepOutputs], None],
@@ -83,9 +101,11 @@ class EngineCore:
         executor = await Executor.start(config, eos_token_ids)
         core = cls(config, executor, emit, on_dead)
         logger.info("engine ready in %.1fs: %d stage(s), %d KV blocks of %d tokens, pipeline depth %d, "
-                    "%d tokens per micro-batch, async scheduling %s", time.perf_counter() - t,
-                    config.parallel.pipeline_parallel_size, executor.num_blocks, config.cache.block_size, core.depth,
-                    config.max_num_batched_tokens, "on" if config.async_scheduling else "off")
+                    "%d tokens per micro-batch, target inter-token latency %s, async scheduling %s",
+                    time.perf_counter() - t, config.parallel.pipeline_parallel_size, executor.num_blocks,
+                    config.cache.block_size, core.depth, config.max_num_batched_tokens,
+                    f"{config.target_inter_token_latency:g} s" if config.target_inter_token_latency else "none",
+                    "on" if config.async_scheduling else "off")
         cache_tokens = executor.num_blocks * config.cache.block_size
         if cache_tokens < config.max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "
@@ -245,7 +265,7 @@ class EngineCore:
           its sampled token dropped), and its bitmask row is all ones (any token: never used).
 
         Returns ``drained`` for the next micro-batch."""
-        updates = self.scheduler.update(sched, result)
+        updates = self.scheduler.update(sched, result, time.monotonic())
         # Requests the update finished (EOS, stop token, length) free their blocks before the refill.
         self.scheduler.release_finished([r for r, _, _ in updates if r.status.finished])
         batch_id = sched.batch.batch_id

@@ -115,6 +115,9 @@ class Executor(StallWatchdog, StageRestarts):
         self.dead: Optional[str] = None
         self.on_stage_stats: Optional[Callable[[], None]] = None
         """Called (on the engine's loop) after a stage's StageStats updated the busy / idle figures."""
+        self.on_step_times: Optional[Callable[[int, list[int], list[float]], None]] = None
+        """Called (on the engine's loop) with ``(stage, batch ids, seconds)``: a stage's times of the
+        micro-batches it finished (``StageStats.step_batches``), for the scheduler's cost model."""
         self.num_blocks = 0
         self.layer_ranges = partition_layers(
             _num_layers(config), self.pp, config.parallel.pp_layer_partition)
@@ -496,6 +499,8 @@ class Executor(StallWatchdog, StageRestarts):
                     self.stage_busy_s[stage] = msg.busy_s
                     self.stage_idle_s[stage] = msg.idle_s
                     self.stage_batches[stage] = msg.batches
+                    if msg.step_batches and self.on_step_times is not None:
+                        self.on_step_times(stage, msg.step_batches, msg.step_s)
                     if self.on_stage_stats is not None:
                         self.on_stage_stats()
                 elif isinstance(msg, m.WorkerError):

@@ -66,6 +66,9 @@ class Request:
         ``Scheduler.rope_switch_len``)."""
         self.grammar = None
         """Structured outputs: the sequence's RequestGrammar (zpp.engine.structured_output), or None."""
+        self.last_token_at: Optional[float] = None
+        """When the engine applied this request's last sampled token (monotonic seconds; None before
+        the first, and again after a recompute): the scheduler measures inter-token gaps with it."""
 
     @property
     def num_tokens(self) -> int:

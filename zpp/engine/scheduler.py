@@ -8,9 +8,9 @@ decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
   ``1/depth`` of them), so a running stream gets a token every ``depth`` micro-batches whatever
   is being prefilled;
 * chunked prefill: prompts (unfinished ones and waiting ones) share only what the decodes leave,
-  so a long prompt is computed over several batches and never delays a decode; an optional
-  attention budget (query-key pairs of prompt chunks) shrinks chunks at long contexts, where a
-  token's attention costs more than the rest of its step on the CPU; between prompts,
+  so a long prompt is computed over several batches and never delays a decode; while streams
+  decode, chunks are cut to keep their gaps near a target (:mod:`zpp.engine.step_cost`: a cost model
+  fitted to the stages' step times; a fixed attention budget may apply too); between prompts,
   the oldest keeps at least half of that remainder and shorter ones that fit whole in the rest
   go first (a short request sent during a long prefill is not queued behind all of its chunks;
   a long prefill is not starved by a flow of short ones). See :meth:`Scheduler._plan_prefills`;
@@ -61,6 +61,7 @@ from typing import Optional
 
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
+from zpp.engine.step_cost import MIN_PROMPT_CHUNK, StepFeatures, StepTarget, chunk_pairs, tokens_within_pairs
 from zpp.transport import messages as m
 
 
@@ -83,6 +84,7 @@ class ScheduledBatch:
     chunk_tokens: Optional[list[int]] = None  # tokens each chunk computes
     sample: Optional[list[bool]] = None  # whether each chunk samples
     num_sampled: int = 0
+    predicted_s: float = 0.0  # the cost model's slowest-stage seconds for it (0 without a target)
 
     @property
     def chunks(self) -> list:
@@ -101,18 +103,6 @@ MIN_PREFILL_SPLIT = 128
 pipeline (below this a part costs more in per-step overhead than pipelining saves)."""
 
 
-def _tokens_within_pairs(start: int, pairs: int) -> int:
-    """Largest chunk ``C`` from position ``start`` with ``C * start + C * (C + 1) / 2 <= pairs``
-    (its causal attention's query-key pairs)."""
-    b = start + 0.5
-    c = int(math.sqrt(b * b + 2 * pairs) - b)
-    while c > 0 and c * start + c * (c + 1) // 2 > pairs:
-        c -= 1
-    while (c + 1) * start + (c + 1) * (c + 2) // 2 <= pairs:
-        c += 1
-    return c
-
-
 def _priority(req: Request) -> tuple[float, int]:
     """Scheduling priority: lower is older and goes first; newer requests are preempted first."""
     return req.arrival, req.order
@@ -124,7 +114,9 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, depth: int = 1,
                  prefill_attention_budget: Optional[int] = None, async_scheduling: bool = False,
-                 rope_switch_len: Optional[int] = None):
+                 rope_switch_len: Optional[int] = None, target: Optional[StepTarget] = None):
+        self.target = target  # a target inter-token latency; its cost model records every batch
+        self.cost = target.cost if target is not None else None
         self.kv = kv
         self.rope_switch_len = rope_switch_len
         self.async_scheduling = async_scheduling
@@ -215,6 +207,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_sent_tokens = 0
+        req.last_token_at = None  # the recompute's wait is no inter-token gap
         self._free_slot(req)  # resent in full as a NewRequest, maybe in another slot
         if count:
             self.stats.num_preemptions += 1
@@ -250,6 +243,7 @@ class Scheduler:
         for req in self.waiting:
             req.num_computed_tokens = 0
             req.num_sent_tokens = 0
+            req.last_token_at = None
             req.sent_to_workers = False
             req.slot = -1
         self._free_slots, self._num_slots, self._freed_slots = [], 0, []
@@ -276,6 +270,7 @@ class Scheduler:
         max_decodes = len(running) if self.async_scheduling else math.ceil(n_decoding / self.depth)
         plan: dict[str, int] = {}
         async_ids: set[str] = set()
+        context = 0  # positions the decodes attend
         for r in ready:
             if len(plan) >= min(max(max_decodes, 1), budget):
                 break
@@ -284,13 +279,19 @@ class Scheduler:
             elif self._can_async(r):
                 plan[r.req_id] = 1
                 async_ids.add(r.req_id)
+            else:
+                continue
+            context += r.num_scheduled_tokens + 1
         # Prefills: running requests with a prompt (or recompute) left, then waiting requests.
         room = self.max_num_seqs - len(self.running)
         waiting = list(itertools.islice(self.waiting, max(0, room)))
         cands = [r for r in ready if (r.in_flight and self._can_pipeline(r))
                  or (not r.in_flight and r.num_tokens - r.num_computed_tokens > 1)] + waiting
         decodes = set(plan)
-        plan.update(self._plan_prefills(cands, budget - len(plan), streams_waiting=n_decoding > 0))
+        n_first = len(self.waiting) + sum(1 for r in running if r.num_tokens - r.num_computed_tokens > 1)
+        time_left = self.target.time_left(len(plan), context, n_first / max(n_decoding, 1)) \
+            if self.target and n_decoding and self.chunked else None  # per stage, for the prompt chunks
+        plan.update(self._plan_prefills(cands, budget - len(plan), n_decoding > 0, time_left))
 
         reqs: list[Request] = []
         picked: list[tuple[Request, int, list[int]]] = []
@@ -344,20 +345,31 @@ class Scheduler:
         builder = m.BatchBuilder()
         samples: list[bool] = []
         num_prefill = 0
+        feats = [1.0, 0.0, 0.0, 0.0, 0.0]  # StepFeatures
         for req, num_new, new_blocks in picked:
+            start = req.num_computed_tokens + req.num_in_flight_tokens
+            if req.req_id in decodes:
+                feats[1] += 1
+                feats[4] += start + 1
+            else:
+                num_prefill += num_new
+                feats[2] += num_new
+                feats[3] += chunk_pairs(start, num_new)
             samples.append(self._add_chunk(req, num_new, new_blocks, builder, req.req_id in async_ids))
             req.in_flight += 1
             req.num_in_flight_tokens += num_new
-            if req.req_id not in decodes:
-                num_prefill += num_new
-        batch = builder.build(next(self._batch_ids), self._freed_slots)
+        batch_id = next(self._batch_ids)
+        predicted = self.cost.record(batch_id, StepFeatures(*feats)) if self.cost is not None else 0.0
+        batch = builder.build(batch_id, self._freed_slots)
         self._freed_slots = []
         self._num_in_flight += 1
         self._num_prefill_in_flight += num_prefill
         chunk_tokens = builder.num_tokens
-        return ScheduledBatch(batch, reqs, sum(chunk_tokens), num_prefill, chunk_tokens, samples, sum(samples))
+        return ScheduledBatch(batch, reqs, sum(chunk_tokens), num_prefill, chunk_tokens, samples, sum(samples),
+                              predicted)
 
-    def _plan_prefills(self, cands: list[Request], budget: int, streams_waiting: bool = True) -> dict[str, int]:
+    def _plan_prefills(self, cands: list[Request], budget: int, streams_waiting: bool = True,
+                       time_left: Optional[list[float]] = None) -> dict[str, int]:
         """Share ``budget`` tokens among prefill candidates (running requests with more than one
         token to compute, and waiting requests); returns request id -> tokens.
 
@@ -388,6 +400,12 @@ class Scheduler:
         cut to the pairs left: a chunk of ``C`` tokens from position ``s`` costs
         ``C * s + C * (C + 1) / 2`` pairs. The oldest candidate always gets at least one token.
         With nothing decoding the budget does not apply: a prompt alone is computed in full chunks.
+
+        With ``time_left`` (per stage, the seconds the step target leaves after the decodes; while
+        streams decode), each chunk is also cut to what the cost model says fits on every stage. A
+        shorter candidate goes whole if it fits, else takes at most half of the time before the
+        oldest's turn; the oldest and the shortest other get ``MIN_PROMPT_CHUNK`` tokens whatever
+        the prediction (a short request next to a long prefill is not starved when time is short).
         """
         if not cands or budget <= 0:
             return {}
@@ -404,26 +422,37 @@ class Scheduler:
         if self.chunked and streams_waiting and self.prefill_attention_budget:
             pairs_left = self.prefill_attention_budget
 
-        def give(r: Request, room: int) -> None:
-            nonlocal used, pairs_left
+        held = [t / 2 for t in time_left] if time_left is not None else None  # the oldest's half
+        others = sorted((r for r in cands if r is not oldest), key=lambda r: (need[r.req_id], _priority(r)))
+        floors = {r.req_id: MIN_PROMPT_CHUNK for r in [oldest] + others[:1]}
+
+        def give(r: Request, room: int, hold: bool = False) -> None:
+            nonlocal used, pairs_left, time_left
             have = plan.get(r.req_id, 0)
             left = need[r.req_id] - have
             start = r.num_scheduled_tokens + have
             if pairs_left is not None:
-                fit = _tokens_within_pairs(start, pairs_left)
+                fit = tokens_within_pairs(start, pairs_left)
                 if r is oldest and not have:
                     fit = max(fit, 1)  # progress whatever the budget
                 room = min(room, fit)
+            if time_left is not None:
+                fit = self.cost.max_chunk(time_left, start)
+                if fit is not None and hold and fit < left:  # not whole: keep the oldest's half
+                    fit = self.cost.max_chunk([t - h for t, h in zip(time_left, held)], start)
+                if fit is not None:
+                    room = min(room, max(fit, floors.get(r.req_id, 0) - have))  # progress whatever the time
             take = left if left <= room else (room if self.chunked and room > 0 else 0)
             if take > 0:
                 plan[r.req_id] = have + take
                 used += take
                 if pairs_left is not None:
-                    pairs_left = max(0, pairs_left - (take * start + take * (take + 1) // 2))
+                    pairs_left = max(0, pairs_left - chunk_pairs(start, take))
+                if time_left is not None:
+                    time_left = [t - c for t, c in zip(time_left, self.cost.chunk_times(start, take))]
 
-        others = [r for r in cands if r is not oldest]
-        for r in sorted(others, key=lambda r: (need[r.req_id], _priority(r))):
-            give(r, limit - reserve - used)
+        for r in others:
+            give(r, limit - reserve - used, hold=True)
         give(oldest, budget - used)
         for r in sorted(others, key=_priority):
             give(r, limit - used)
@@ -518,10 +547,12 @@ class Scheduler:
         return sample
 
     # --- results ------------------------------------------------------------------------------
-    def update(self, sched: ScheduledBatch, result: m.StepResult) -> list[tuple[Request, int, int]]:
+    def update(self, sched: ScheduledBatch, result: m.StepResult,
+               now: Optional[float] = None) -> list[tuple[Request, int, int]]:
         """Apply a returned batch. Returns (request, chunk index, sampled token id or -1 when the
         chunk does not sample) for every request of the batch that is still alive; finished /
-        aborted ones are released here.
+        aborted ones are released here. ``now`` (monotonic seconds; with a target inter-token
+        latency) times the gaps between the requests' tokens (:meth:`StepTarget.add_gaps`).
 
         Raises:
             RuntimeError: the result holds more or fewer tokens than the batch has sampling chunks.
@@ -534,6 +565,7 @@ class Scheduler:
                                f"{sched.num_sampled} sampling chunks")
         k = 0
         out = []
+        gaps: list[float] = []
         for i, (req, n, sample) in enumerate(zip(sched.reqs, sched.chunk_tokens, sched.sample)):
             tok = -1
             if sample:
@@ -550,10 +582,15 @@ class Scheduler:
             if tok >= 0:
                 req.append_token(tok)
                 req.check_stop(self.max_model_len)
+                if now is not None and req.last_token_at is not None:
+                    gaps.append(now - req.last_token_at)
+                req.last_token_at = now
             if (not req.status.finished and not req.in_flight and req.status == RequestStatus.RUNNING
                     and self._crosses_rope_switch(req, req.num_tokens)):
                 self._preempt(req, count=False)  # LongRoPE: recomputed with the long factors
             out.append((req, i, tok))
+        if gaps and self.target:
+            self.target.add_gaps(gaps, sched.predicted_s)
         return out
 
     def release_finished(self, reqs: list[Request]) -> None:

@@ -412,12 +412,18 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, 
 
 
 class StageStats(msgspec.Struct, tag=True, array_like=True):
-    """Periodic per-stage busy and idle time (every stage, not only the last); cumulative seconds."""
+    """Periodic per-stage busy and idle time (every stage, the last one too); cumulative seconds.
+    With the step times of the micro-batches finished since the last report, for the engine's cost
+    model (``zpp.engine.step_cost``; TP rank 0 of each stage only)."""
 
     rank: int
     busy_s: float
     batches: int
     idle_s: float = 0.0
+    step_batches: list[int] = []
+    """Batch ids of the micro-batches timed since the last report, in the order run."""
+    step_s: list[float] = []
+    """Their step times on this stage, seconds (``ModelRunner.step_times``)."""
 
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True, gc=False):

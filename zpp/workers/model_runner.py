@@ -72,6 +72,12 @@ class ModelRunner:
         self.busy_s = 0.0
         self.idle_s = 0.0
         self.num_batches = 0
+        self.step_times: deque = deque(maxlen=1024)
+        """``(batch id, seconds)`` of the micro-batches timed since the worker last reported them
+        (``StageStats.step_batches``): on the CPU the wall time of :meth:`execute` less the wait for
+        the previous stage's activations; on CUDA the device time, as ``busy_s``."""
+        self._exec_t0 = 0.0  # perf_counter when the current batch's execute() began
+        self._acts_wait = 0.0  # seconds of it spent waiting for the previous stage
         self._after_idle = True  # the current micro-batch's ExecuteBatch.after_idle
         self._prev_end = None  # the end of the previous forward: perf_counter s (CPU) or a CUDA event
         self.activity = Activity()
@@ -194,6 +200,7 @@ class ModelRunner:
     def execute(self, batch: m.ExecuteBatch) -> Optional[m.StepResult]:
         """Run one micro-batch. Returns the StepResult (or a PendingResult) on the result rank (TP
         rank 0 of the last stage), None elsewhere."""
+        self._exec_t0, self._acts_wait = time.perf_counter(), 0.0
         cols = self._update_states(batch)
         self._batch_id = batch.batch_id
         self._after_idle = batch.after_idle
@@ -404,7 +411,9 @@ class ModelRunner:
         """The previous stage's activations for the current micro-batch (blocking)."""
         self.activity.wait(True)
         self.trace.mark("acts_wait", self._batch_id)
+        t = time.perf_counter()
         acts = self.link.recv(shape, self.dtype)
+        self._acts_wait += time.perf_counter() - t
         self.trace.mark("acts_ready", self._batch_id)
         self.activity.wait(False)
         return acts
@@ -422,6 +431,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             now = time.perf_counter()
             self.busy_s += now - start
+            self.step_times.append((self._batch_id, now - self._exec_t0 - self._acts_wait))
             if self._prev_end is not None and not self._after_idle:
                 self.idle_s += max(0.0, start - self._prev_end)
             self._prev_end = now
@@ -441,6 +451,7 @@ class ModelRunner:
         while self._timings and self._timings[0][1].query():
             start, end, batch_id, after_idle = self._timings.popleft()
             self.busy_s += start.elapsed_time(end) / 1000.0
+            self.step_times.append((batch_id, start.elapsed_time(end) / 1000.0))
             if self._prev_end is not None and not after_idle:
                 self.idle_s += max(0.0, self._prev_end.elapsed_time(start) / 1000.0)
             self._prev_end = end

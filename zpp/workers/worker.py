@@ -92,6 +92,10 @@ class _ShutdownDuringSetup(Exception):
 
 HEARTBEAT_INTERVAL_S = 1.0
 
+STATS_PERIOD_S = 0.25
+"""Most seconds between a busy stage's StageStats (busy time and the step times the engine's cost
+model learns from: ``zpp.engine.step_cost``); a CPU step of the demo model takes 0.05-0.5 s."""
+
 
 def _start_heartbeat(engine_address: str, rank: int, keys, activity) -> None:
     """Send a Heartbeat every second from a thread of its own (own ZeroMQ socket): it keeps going
@@ -401,11 +405,16 @@ def _serve_batches(runner, sock, init):
     stall_at = _fault_stall_batch(init.rank)
     pending = None
 
+    timed = runner.stage.tp_rank == 0  # one rank per stage reports step times (its ranks run in step)
+
     def send_stats() -> None:
         nonlocal last_stats, reported
         runner.reap_timings()
+        steps = runner.step_times
+        ids, secs = ([b for b, _ in steps], [t for _, t in steps]) if timed else ([], [])
+        steps.clear()
         sock.send(m.StageStats(rank=init.rank, busy_s=runner.busy_s, batches=runner.num_batches,
-                               idle_s=runner.idle_s))
+                               idle_s=runner.idle_s, step_batches=ids, step_s=secs))
         last_stats, reported = time.monotonic(), runner.num_batches
 
     spin = runner.async_scheduling
@@ -441,9 +450,9 @@ def _serve_batches(runner, sock, init):
                 pending = None
                 continue
             if not backlog and not sock.poll(250):
-                # Idle: non-last stages bring their busy time up to date (the last stage reports it
-                # with every StepResult), so figures read after a run are not up to a second stale.
-                if not runner.stage.is_last and runner.num_batches != reported:
+                # Idle: stages bring their busy time (and step times) up to date, so figures read
+                # after a run are not up to a period stale.
+                if runner.num_batches != reported or runner.step_times:
                     send_stats()
                 continue
             msg = backlog.popleft() if backlog else sock.recv()
@@ -468,7 +477,7 @@ def _serve_batches(runner, sock, init):
                     pending = result
                 elif result is not None:
                     _send_result(sock, runner, result)
-                if not runner.stage.is_last and time.monotonic() - last_stats > 1.0:
+                if time.monotonic() - last_stats > STATS_PERIOD_S:
                     send_stats()
             elif isinstance(msg, m.GrammarBitmask):
                 bitmasks[msg.batch_id] = msg.bitmask
