@@ -82,10 +82,13 @@ def test_cpu_threads_per_worker_uses_the_available_cores(monkeypatch):
     assert cpu_threads_per_worker(2) == 5
 
 
-def test_stage_env_defaults_and_user_settings_win():
-    assert stage_env(2, environ={}) == {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": GOMP_SPINCOUNT_DEFAULT}
+def test_stage_env_defaults_and_user_settings_win(monkeypatch):
+    assert stage_env(2, environ={}) == ({"OMP_NUM_THREADS": "2"} if GOMP_SPINCOUNT_DEFAULT is None else
+                                        {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": GOMP_SPINCOUNT_DEFAULT})
+    monkeypatch.setattr(ct, "GOMP_SPINCOUNT_DEFAULT", "10000")          # a spin count, when zpp sets one
+    assert stage_env(2, environ={}) == {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "10000"}
     assert stage_env(1, environ={}) == {"OMP_NUM_THREADS": "1"}        # no barrier to spin at
-    assert stage_env(2, environ={"OMP_NUM_THREADS": "4"}) == {"GOMP_SPINCOUNT": GOMP_SPINCOUNT_DEFAULT}
+    assert stage_env(2, environ={"OMP_NUM_THREADS": "4"}) == {"GOMP_SPINCOUNT": "10000"}
     assert stage_env(2, environ={"GOMP_SPINCOUNT": "300000"}) == {"OMP_NUM_THREADS": "2"}
     assert stage_env(2, environ={"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_NUM_THREADS": "2"}  # their policy decides
     assert stage_env(4, environ={k: "1" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}) == {}

@@ -20,12 +20,15 @@ import math
 import os
 from typing import Iterator, Mapping, Optional
 
-GOMP_SPINCOUNT_DEFAULT = "10000"
-"""``GOMP_SPINCOUNT`` given to CPU stages that run more than one thread (unless the user set
-``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY``). libgomp's own default, 300,000 spins (about 0.1-1 ms)
-at every barrier, makes a stage's idle OpenMP threads take the core from the thread with work as
-soon as one other busy process shares the machine. Chosen from measurements on the 2-core VM; see
-the README's CPU section and ``scripts/cpu_contention_bench.sh``."""
+GOMP_SPINCOUNT_DEFAULT: Optional[str] = None
+"""``GOMP_SPINCOUNT`` given to CPU stages of more than one thread (unless the user set
+``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY``); None: libgomp's own (300,000 spins at a barrier).
+
+None because shorter spinning cost quiet throughput on the 2-core VM without fixing contention:
+SmolLM2, PP=1, 32 x 64/32, ``GOMP_SPINCOUNT=10000`` gave 49.5 / 49.6 / 57.6 out tok/s quiet
+against 61.1 / 64.6 with libgomp's default, and 23.9 with one busy process beside it against
+20.2 (``OMP_WAIT_POLICY=PASSIVE``, measured for issue #28: -31% quiet). What helps under
+contention is fewer threads: :mod:`zpp.workers.adaptive_threads`."""
 
 USER_SETTINGS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 """Variables a user sets to take the choice into their own hands: zpp never overrides them."""
@@ -144,12 +147,12 @@ def stage_env(num_threads: int, environ: Mapping[str, str] = os.environ) -> dict
     """The variables a CPU stage process of ``num_threads`` threads starts with, beyond ``environ``.
 
     ``OMP_NUM_THREADS`` = ``num_threads``, and with more than one thread ``GOMP_SPINCOUNT`` =
-    :data:`GOMP_SPINCOUNT_DEFAULT` (one thread has no barrier to spin at). Nothing the user set:
+    :data:`GOMP_SPINCOUNT_DEFAULT` when that is set (one thread has no barrier to spin at). Nothing the user set:
     a variable already in ``environ`` is left out, and so is ``GOMP_SPINCOUNT`` when the user
     chose ``OMP_WAIT_POLICY`` (their policy decides the spinning).
     """
     out = {"OMP_NUM_THREADS": str(max(1, num_threads))}
-    if num_threads > 1 and "OMP_WAIT_POLICY" not in environ:
+    if num_threads > 1 and "OMP_WAIT_POLICY" not in environ and GOMP_SPINCOUNT_DEFAULT is not None:
         out["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT_DEFAULT
     return {k: v for k, v in out.items() if k not in environ}
 

@@ -41,7 +41,7 @@ class ThreadGovernor:
     """
 
     def __init__(self, max_threads: int, set_threads: Callable[[int], None], window_s: float = 0.5,
-                 min_steps: int = 3, low: float = 0.8, probe_s: float = 2.0, max_probe_s: float = 32.0,
+                 min_steps: int = 1, low: float = 0.8, probe_s: float = 2.0, max_probe_s: float = 32.0,
                  wall: Callable[[], float] = time.perf_counter, cpu: Callable[[], float] = time.thread_time):
         self.max_threads = max(1, max_threads)
         self.threads = self.max_threads
@@ -81,6 +81,8 @@ class ThreadGovernor:
             self._probe()
 
     def _decide(self, ratio: float, now: float) -> None:
+        logger.debug("CPU threads %d: the main thread got %.0f%% of a core over %d steps (%.2fs)", self.threads,
+                     ratio * 100, self._steps, self._sum_wall)
         if ratio < self.low:
             target = max(1, min(self.threads - 1, round(self.threads * ratio)))
             if self._probing:  # the contention is still there: wait longer before the next probe
