@@ -66,16 +66,19 @@ def cpu_threads_per_worker(num_local_workers: int) -> int:
     """Threads (``torch.set_num_threads``) each CPU worker on this host uses.
 
     ``OMP_NUM_THREADS`` when the user set it; else the count given to ``torch.set_num_threads`` in
-    this process (after importing zpp); else the cores divided among the local workers (at least 1),
-    so that several stages on one machine do not fight over the same cores.
+    this process (after importing zpp); else the cores really available to this process (affinity,
+    cgroup CPU quota: :func:`zpp.utils.cpu_threads.available_cores`) divided among the local workers
+    (at least 1), so that several stages on one machine do not fight over the same cores.
     """
     import torch
+
+    from zpp.utils.cpu_threads import threads_per_stage
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:
         return int(env)
     if torch_threads_at_import is not None and torch.get_num_threads() != torch_threads_at_import:
         return torch.get_num_threads()
-    return max(1, (os.cpu_count() or 1) // max(1, num_local_workers))
+    return threads_per_stage(num_local_workers)
 
 
 def parse_size(value: str | int | float | None, flag: str = "--kv-cache-memory") -> Optional[int]:

@@ -97,6 +97,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "Threads of the engine core's structured-output work (xgrammar's batched bitmask fill, and "
            "the batched accept of sampled tokens from 64 rows); unset: a quarter of the host's cores, "
            "1 to 8 (``zpp.engine.structured_output.default_fill_threads``). For A/B runs."),
+    EnvVar("ZPP_CPU_ADAPTIVE_THREADS", "bool", _on_unless_0,
+           "``0``: a CPU stage keeps its thread count even when other processes contend for its cores "
+           "(``zpp.workers.adaptive_threads``); by default it drops to the cores it really gets and "
+           "tries its full count again now and then. For A/B runs."),
     EnvVar("ZPP_SPLIT_MIXED_ATTENTION", "str", _text("1"),
            "How a micro-batch mixing decodes and prompt chunks attends: ``1`` in two launches (decode "
            "and prefill tile shapes) once the decodes fill a launch of their own, ``0`` one launch, "

@@ -30,6 +30,7 @@ from zpp.trace import Trace
 from zpp.transport.p2p import serve_rendezvous_store
 from zpp.node.placement import describe_stages
 from zpp.transport.security import RunKeys, keys_for_run
+from zpp.utils.cpu_threads import describe_choice, environ_for_children, stage_env
 from zpp.utils.process import main_module_hidden, sigint_blocked
 from zpp.engine.stage_restarts import StageRestarts
 from zpp.engine.watchdog import _ROOT_CAUSE_GRACE_S, StallWatchdog
@@ -144,6 +145,8 @@ class Executor(StallWatchdog, StageRestarts):
         self._last_error: dict[int, str] = {}  # rank -> its last WorkerError (the cause of its exit)
         self._probed: set[int] = set()  # remote ranks whose connection the watchdog probes
         self._local_ranks: set[int] = set(range(self.world))
+        self._cpu_threads = 0  # torch threads of each local CPU worker (set in _start)
+        self._child_env: dict[str, str] = {}  # what local CPU workers' environment gets (zpp.utils.cpu_threads)
 
     @classmethod
     async def start(cls, config: EngineConfig, eos_token_ids: set[int]) -> "Executor":
@@ -207,13 +210,17 @@ class Executor(StallWatchdog, StageRestarts):
                                       log_level=logging.getLevelName(level).lower(), tp_size=self.tp)
             local_ranks = self.nodes.assign(self.world)
             self.nodes.start()
+        self._local_ranks = set(local_ranks)
+        self._cpu_threads = cpu_threads = cpu_threads_per_worker(len(local_ranks))
+        self._child_env = {}
+        if cfg.parallel.device == "cpu" and local_ranks:  # OpenMP reads these when the child loads it
+            self._child_env = stage_env(cpu_threads)
+            logger.info(describe_choice(len(local_ranks), cpu_threads, self._child_env))
         self._spawn_local(local_ranks)
         self._monitor = threading.Thread(target=self._watch_procs, name="zpp-proc-monitor", daemon=True)
         self._loop = asyncio.get_running_loop()
         self._monitor.start()
 
-        self._local_ranks = set(local_ranks)
-        cpu_threads = cpu_threads_per_worker(len(local_ranks))
         hello_timeout = 600 if cfg.parallel.node_launcher == "manual" else 120
         if par.nnodes > 1:
             hello_timeout = par.node_join_timeout
@@ -230,7 +237,6 @@ class Executor(StallWatchdog, StageRestarts):
         self._watchdog_task = asyncio.create_task(self._watchdog())
         self._worker_config = dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, model=os.path.abspath(cfg.model.model)))
-        self._cpu_threads = cpu_threads
         for rank in range(self.world):
             self.socket.send(rank, self._init_worker(rank))
         if cfg.parallel.pp_layer_partition == AUTO and self.pp > 1:
@@ -264,7 +270,7 @@ class Executor(StallWatchdog, StageRestarts):
 
     def _spawn_local(self, ranks) -> None:
         """Start a worker process for each of ``ranks`` on this host (replacing a dead one's entry)."""
-        with main_module_hidden(), sigint_blocked():
+        with main_module_hidden(), sigint_blocked(), environ_for_children(self._child_env):
             for rank in ranks:
                 p = self._ctx.Process(target=_worker_entry, args=(self.socket.address, rank, self.keys, self._level),
                                       name=f"zpp-worker-{rank}", daemon=True)

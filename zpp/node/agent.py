@@ -11,7 +11,8 @@ head writes that file with ``--node-keys-file``)::
 joining the head itself (``zpp.node.pernode``).
 
 It starts one worker process per rank (``python -m zpp.workers.worker``, keys on its stdin; on the
-CPU each gets ``OMP_NUM_THREADS`` = this host's cores ÷ its workers unless already set) and
+CPU each gets ``OMP_NUM_THREADS`` = this host's available cores ÷ its workers and OpenMP's wait
+settings, see ``zpp.utils.cpu_threads``, unless already set) and
 stays until the run ends: when the SSH session closes its stdin (the head went away), when a worker
 dies (it then stops the others and exits 1, saying which rank died and how), or on SIGTERM/SIGINT.
 Workers die with the agent too (``PR_SET_PDEATHSIG``) and exit when their connection to the head
@@ -61,11 +62,12 @@ def run_agent(engine: str, ranks: Sequence[int], keys, log_level: str = "info", 
         the rank and how it ended). Workers whose connection to the head drops exit 1, so a dead
         head ends this with 1 within seconds.
     """
+    from zpp.utils.cpu_threads import stage_env, threads_per_stage
     line = keys.for_workers().encode().decode()
     level = str(getattr(logging, log_level.upper()))
-    env = dict(os.environ)
     # CPU workers share this host's cores (the head only knows its own); a user's setting wins.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, len(ranks)))))
+    # OpenMP reads its wait policy when it loads: it goes into the workers' environment.
+    env = {**os.environ, **stage_env(threads_per_stage(len(ranks)))}
     procs: dict[int, subprocess.Popen] = {}
     for r in ranks:
         proc = subprocess.Popen([sys.executable, "-m", "zpp.workers.worker", engine, str(r), level],

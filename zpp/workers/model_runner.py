@@ -81,6 +81,7 @@ class ModelRunner:
         self._after_idle = True  # the current micro-batch's ExecuteBatch.after_idle
         self._prev_end = None  # the end of the previous forward: perf_counter s (CPU) or a CUDA event
         self.activity = Activity()
+        self.thread_governor = None  # CPU: a zpp.workers.adaptive_threads.ThreadGovernor, timed around each forward
         # Query heads per KV head (the same on every TP rank: both counts are divided by tp_size).
         # GPT-2's config.json names its head count n_head.
         heads = int(model.cfg.get("num_attention_heads") or model.cfg.get("n_head") or 1)
@@ -424,12 +425,16 @@ class ModelRunner:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
+        if self.thread_governor is not None:
+            self.thread_governor.begin()
         return time.perf_counter()
 
     def _end(self, start) -> None:
         self.num_batches += 1
         if self.device.type != "cuda":
             now = time.perf_counter()
+            if self.thread_governor is not None:
+                self.thread_governor.end()
             self.busy_s += now - start
             self.step_times.append((self._batch_id, now - self._exec_t0 - self._acts_wait))
             if self._prev_end is not None and not self._after_idle:

@@ -155,7 +155,8 @@ def _setup(init, sock):
     block_size, max_model_len = cfg_all.cache.block_size, cfg_all.max_model_len
     seed, enforce_eager = cfg_all.model.seed, cfg_all.enforce_eager
     # 0: a worker on another host; its agent set OMP_NUM_THREADS for that host's cores and workers.
-    torch.set_num_threads(init.num_threads if init.num_threads > 0 else cpu_threads_per_worker(1))
+    num_threads = init.num_threads if init.num_threads > 0 else cpu_threads_per_worker(1)
+    torch.set_num_threads(num_threads)
     if device_kind == "cuda":
         torch.cuda.set_device(init.device_index)
         device = torch.device("cuda", init.device_index)
@@ -187,6 +188,9 @@ def _setup(init, sock):
                          kv_cache_dtype=torch.float8_e4m3fn if cfg_all.kv_cache_fp8 else None)
     if runner.trace.enabled and device_kind == "cuda":
         runner.trace.cuda_clock()
+    if device_kind == "cpu" and num_threads > 1 and envs.ZPP_CPU_ADAPTIVE_THREADS:
+        from zpp.workers.adaptive_threads import ThreadGovernor
+        runner.thread_governor = ThreadGovernor(num_threads, torch.set_num_threads)
 
     per_block = runner.kv_bytes_per_block()
     if device_kind == "cuda":
