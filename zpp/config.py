@@ -370,11 +370,8 @@ class CacheConfig:
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 """Default token budget per micro-batch with chunked prefill, on CPU and CUDA, for ``zpp serve`` and
 offline use alike (vLLM's online-serving value): large steps read the weights less often. While
-streams decode, ``--target-inter-token-latency`` cuts the prompt chunks of a step, not this budget.
-
-The CPU ``zpp serve`` default was 32 tokens until issue 28: it kept a stream's gaps under a second
-next to a 6000-token prompt, but left a burst of short prompts 12 tokens per micro-batch (20
-streams decoding): `zpp bench serve` 32 x 64/32 gave 22.5 out tok/s against 142.7-148.8 offline."""
+streams decode, ``--target-inter-token-latency`` cuts the prompt chunks of a step, not this budget
+(the CPU ``zpp serve`` default of 32 tokens it replaced starved bursts of short prompts)."""
 
 CPU_TARGET_INTER_TOKEN_LATENCY = 0.7
 """CPU default of ``--target-inter-token-latency`` for ``zpp serve`` (seconds).
