@@ -31,6 +31,7 @@ from zpp.engine.scheduler import ScheduledBatch, Scheduler
 from zpp.engine.step_cost import StepCostModel, StepTarget, prior_coefficients
 from zpp.engine.structured_output import (GrammarStore, PendingBitmask, default_fill_threads,
                                           import_xgrammar_in_background)
+from zpp.models.partition import partition_layers
 from zpp.models.registry import resolve_model_class
 from zpp.transport import messages as m
 
@@ -81,10 +82,9 @@ class EngineCore:
         """The step cost model's prior coefficients of each stage, from its layers (the executor's
         split, else an even one) and the model's shape."""
         hf, pp = self.config.model.hf_config, self.config.parallel.pipeline_parallel_size
-        ranges = getattr(self.executor, "layer_ranges", None)
+        ranges = getattr(self.executor, "layer_ranges", None)  # a StageExecutor stand-in has none
         if ranges is None:
-            n = int(hf.get("num_hidden_layers") or hf.get("n_layer") or pp)
-            ranges = [(0, n // pp + (k < n % pp)) for k in range(pp)]
+            ranges = partition_layers(resolve_model_class(hf).num_layers_of(hf), pp)
         return [prior_coefficients(hf, b - a, self.config.parallel.device, last=k == pp - 1)
                 for k, (a, b) in enumerate(ranges)]
 

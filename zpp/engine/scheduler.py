@@ -288,8 +288,8 @@ class Scheduler:
         cands = [r for r in ready if (r.in_flight and self._can_pipeline(r))
                  or (not r.in_flight and r.num_tokens - r.num_computed_tokens > 1)] + waiting
         decodes = set(plan)
-        n_first = len(self.waiting) + sum(1 for r in running if r.num_tokens - r.num_computed_tokens > 1)
-        time_left = self.target.time_left(len(plan), context, n_first / max(n_decoding, 1)) \
+        time_left = self.target.time_left(len(plan), context, (len(self.waiting) + sum(  # waiting per stream
+            r.num_tokens - r.num_computed_tokens > 1 for r in running)) / n_decoding) \
             if self.target and n_decoding and self.chunked else None  # per stage, for the prompt chunks
         plan.update(self._plan_prefills(cands, budget - len(plan), n_decoding > 0, time_left))
 
@@ -345,21 +345,21 @@ class Scheduler:
         builder = m.BatchBuilder()
         samples: list[bool] = []
         num_prefill = 0
-        feats = [1.0, 0.0, 0.0, 0.0, 0.0]  # StepFeatures
+        decode_rows = decode_context = prompt_pairs = 0
         for req, num_new, new_blocks in picked:
             start = req.num_computed_tokens + req.num_in_flight_tokens
             if req.req_id in decodes:
-                feats[1] += 1
-                feats[4] += start + 1
+                decode_rows += 1
+                decode_context += start + 1
             else:
                 num_prefill += num_new
-                feats[2] += num_new
-                feats[3] += chunk_pairs(start, num_new)
+                prompt_pairs += chunk_pairs(start, num_new)
             samples.append(self._add_chunk(req, num_new, new_blocks, builder, req.req_id in async_ids))
             req.in_flight += 1
             req.num_in_flight_tokens += num_new
         batch_id = next(self._batch_ids)
-        predicted = self.cost.record(batch_id, StepFeatures(*feats)) if self.cost is not None else 0.0
+        feats = StepFeatures(1.0, decode_rows, num_prefill, prompt_pairs, decode_context)
+        predicted = self.cost.record(batch_id, feats) if self.cost is not None else 0.0
         batch = builder.build(batch_id, self._freed_slots)
         self._freed_slots = []
         self._num_in_flight += 1

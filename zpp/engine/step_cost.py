@@ -82,9 +82,9 @@ def tokens_within_pairs(start: int, pairs: int) -> int:
     """Largest chunk ``C`` from position ``start`` with ``chunk_pairs(start, C) <= pairs``."""
     b = start + 0.5
     c = int(math.sqrt(b * b + 2 * pairs) - b)
-    while c > 0 and c * start + c * (c + 1) // 2 > pairs:
+    while c > 0 and chunk_pairs(start, c) > pairs:
         c -= 1
-    while (c + 1) * start + (c + 1) * (c + 2) // 2 <= pairs:
+    while chunk_pairs(start, c + 1) <= pairs:
         c += 1
     return c
 
