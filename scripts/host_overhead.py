@@ -59,7 +59,7 @@ class InstantExecutor:
         self.trace = Trace("engine")
         self.worker_s = 0.0
 
-    def send(self, batch: m.ExecuteBatch, grammar_rows=(), grammar_bitmask=b"") -> None:
+    def send(self, batch: m.ExecuteBatch, result_fields=None) -> None:
         payload = m.encode(batch)  # the real executor encodes once for every stage
         self.sent.append(payload)
         t = time.perf_counter()

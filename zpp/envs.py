@@ -94,9 +94,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "``0``: batch-1 decode on CUDA multiplies by the weights with cuBLAS instead of zpp's Triton "
            "GEMV (``zpp.models.layers.linear``), for A/B runs. Read once, at import."),
     EnvVar("ZPP_GRAMMAR_THREADS", "Optional[int]", _int_or_none,
-           "Threads of the engine core's structured-output work (xgrammar's batched bitmask fill, and "
+           "Threads of the result rank's structured-output work (xgrammar's batched bitmask fill, and "
            "the batched accept of sampled tokens from 64 rows); unset: a quarter of the host's cores, "
-           "1 to 8 (``zpp.engine.structured_output.default_fill_threads``). For A/B runs."),
+           "1 to 8 (``zpp.workers.grammar.default_fill_threads``). For A/B runs."),
     EnvVar("ZPP_CPU_ADAPTIVE_THREADS", "bool", _on_unless_0,
            "``0``: a CPU stage keeps its thread count even when other processes contend for its cores "
            "(``zpp.workers.adaptive_threads``); by default it drops to the cores it really gets and "

@@ -146,7 +146,7 @@ class _StandInStages:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.sent = 0
 
-    def send(self, batch, grammar_rows=(), grammar_bitmask=b""):
+    def send(self, batch, result_fields=None):
         from zpp.transport import messages as m
         self.sent += 1
         c = m.BatchColumns(batch)

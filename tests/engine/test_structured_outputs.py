@@ -5,8 +5,10 @@ JSON-schema outputs parse and validate (nested objects, enums, arrays, numbers, 
 a choice returns one of the choices, a regex / EBNF output fullmatches, greedy and seeded sampling
 (top-k/p, min-p) give the same tokens at every PP size, free requests next to constrained ones get
 the tokens they get without them, a grammar dead end finishes with "abort", and the PP=2 engine's
-tiny KV cache forces preemption (recompute) of constrained requests, which must not change them.
-Compile errors, the size limit and the compile timeout are refused as RequestErrors.
+tiny KV cache forces preemption (recompute) of constrained requests, which must not change them
+(the result rank, which holds the matchers, replays the outputs they come back with). The result
+rank's matchers (``zpp.workers.grammar``) and the core's side (``GrammarSender``) are also tested
+alone. Compile errors, the size limit and the compile timeout are refused as RequestErrors.
 
 Server (``zpp serve`` at PP=2 through the official ``openai`` client): ``chat.completions.parse``
 with a pydantic model, ``tools`` with tool_choice "required" and a named function (non-stream and
@@ -19,6 +21,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import openai
 import pytest
 from openai import AsyncOpenAI
@@ -115,86 +118,77 @@ def engine(request, demo_model):
 
 
 class _Order:
-    """Records, on an in-process engine's executor, the order of micro-batches sent, token
-    bitmasks sent and results taken, and checks the structured-output ordering
-    (``EngineCore._apply_result``)."""
+    """Records, on an in-process engine's executor, the micro-batches sent (with the fields only
+    the result rank gets) and the results taken, and checks what the result rank was sent."""
 
     def __init__(self, llm):
         from zpp.transport import messages as m
         self.m, self.ex, self.events = m, llm.engine.core.executor, []
         ex, ev = self.ex, self.events
-        send, send_bitmask, next_result = ex.send, ex.send_grammar_bitmask, ex.next_result
+        send, next_result = ex.send, ex.next_result
 
-        def sending(batch, grammar_rows=(), grammar_bitmask=b""):
-            ev.append(("batch", batch.batch_id, m.BatchColumns(batch), list(grammar_rows), bool(grammar_bitmask)))
-            return send(batch, grammar_rows, grammar_bitmask)
-
-        def sending_bitmask(batch_id, bitmask):
-            ev.append(("bitmask", batch_id, len(bitmask)))
-            return send_bitmask(batch_id, bitmask)
+        def sending(batch, result_fields=None):
+            ev.append(("batch", batch, dict(result_fields or {})))
+            return send(batch, result_fields)
 
         async def taking():
             item = await next_result()
             if isinstance(item, m.StepResult):
-                ev.append(("result", item.batch_id))
+                ev.append(("result", item))
             return item
 
-        ex.send, ex.send_grammar_bitmask, ex.next_result = sending, sending_bitmask, taking
-        self.store = llm.engine.core.grammars
-        accept = self.store.accept_tokens
-
-        def accepting(grammars, tokens):
-            ev.append(("accept",))
-            return accept(grammars, tokens)
-
-        self.store.accept_tokens = accepting
+        ex.send, ex.next_result = sending, taking
 
     def close(self) -> None:
-        del self.ex.send, self.ex.send_grammar_bitmask, self.ex.next_result, self.store.accept_tokens
+        del self.ex.send, self.ex.next_result
 
     def check(self) -> dict:
-        """Every batch with constrained rows went out without its bitmask, which followed once,
-        after the results of the earlier batches that sampled those rows' sequences (by slot).
-        Returns counts: constrained batches, those with a constrained FROM_PREV row, and those
-        sent before the grammars accepted the tokens their bitmask depends on (off the critical
-        path)."""
-        sent_at, result_at, bitmask_at, accept_at = {}, {}, {}, {}
-        last_sampled: dict[int, int] = {}  # slot -> the latest batch sampling it
-        needs: dict[int, list[int]] = {}
-        counts = {"constrained": 0, "from_prev": 0, "overlapped": 0}
-        last_result = None
-        for i, e in enumerate(self.events):
-            if e[0] == "accept":
-                accept_at.setdefault(last_result, i)
+        """Each constrained request reached the result rank with its grammar in the batch that sent
+        it (first, or again after preemption: then with the outputs to replay), each grammar's
+        compiled text and the tokenizer info once; the results name only constrained sampling
+        chunks as completed or refused. Returns counts: requests sent with a grammar, those resent
+        with outputs (replayed), batches with a constrained FROM_PREV row, rows reported complete
+        and refused."""
+        m = self.m
+        counts = {"sent": 0, "replayed": 0, "from_prev": 0, "stopped": 0, "refused": 0}
+        compiled_keys, tokenizer_sent = [], 0
+        constrained: set[int] = set()
+        batches = {}
+        for kind, msg, *extra in self.events:
+            if kind == "result":
+                b = batches.pop(msg.batch_id)
+                sampled = set(np.flatnonzero(b[0].sample).tolist())
+                for i in msg.grammar_stopped + msg.grammar_refused:
+                    assert i in sampled and int(b[0].slots[i]) in b[1], (msg.batch_id, i)
+                counts["stopped"] += len(msg.grammar_stopped)
+                counts["refused"] += len(msg.grammar_refused)
                 continue
-            if e[0] == "batch":
-                _, bid, cols, rows, inline = e
-                sent_at[bid] = i
-                if rows:
-                    assert not inline, f"batch {bid}: its bitmask went with it"
-                    counts["constrained"] += 1
-                    counts["from_prev"] += bool(cols.from_prev[rows].any())
-                    needs[bid] = [last_sampled[s] for s in cols.slots[rows].tolist() if s in last_sampled]
-                for s in cols.slots[cols.sample].tolist():
-                    last_sampled[s] = bid
-            elif e[0] == "bitmask":
-                bid = e[1]
-                assert bid in needs and bid not in bitmask_at, f"bitmask of batch {bid}: unexpected or twice"
-                bitmask_at[bid] = i
-                for dep in needs[bid]:
-                    assert result_at.get(dep, i) < i, f"bitmask of batch {bid} sent before the result of batch {dep}"
-            else:
-                last_result = e[1]
-                result_at[e[1]] = i
-        assert sorted(bitmask_at) == sorted(needs), "a constrained batch never got its bitmask"
-        counts["overlapped"] = sum(any(accept_at.get(d, -1) > sent_at[b] for d in deps) for b, deps in needs.items())
+            fields = extra[0]
+            cols = m.BatchColumns(msg)
+            constrained -= set(cols.freed_slots.tolist())
+            new = {r.slot: r for r in msg.new_reqs}
+            constrained -= set(new)
+            tokenizer_sent += bool(fields.get("grammar_tokenizer"))
+            for g in fields.get("grammars", ()):
+                r = new[g.slot]  # only with the batch that sends its request
+                assert tokenizer_sent, "a grammar before the tokenizer info"
+                constrained.add(g.slot)
+                counts["sent"] += 1
+                counts["replayed"] += len(m.int32s(r.token_ids)) > r.num_prompt_tokens
+                if g.compiled:
+                    compiled_keys.append(g.key)
+            counts["from_prev"] += any(bool(cols.from_prev[i]) and int(cols.slots[i]) in constrained
+                                       for i in range(cols.size))
+            batches[msg.batch_id] = (cols, set(constrained))
+        assert tokenizer_sent == 1 and len(compiled_keys) == len(set(compiled_keys)), compiled_keys
         return counts
 
 
 @pytest.mark.slow
 def test_constrained_and_free_in_one_batch(engine):
-    """A mixed batch: every constrained output is valid; the same tokens at every PP size; the
-    bitmasks follow their micro-batches in the order the ordering argument needs."""
+    """A mixed batch: every constrained output is valid; the same tokens at every PP size (the
+    PP=2 engine preempts constrained requests, which the result rank replays); each grammar
+    reached the result rank with its request, and its reports end the sequences as before."""
     pp, llm = engine
     tok = llm.get_tokenizer()
     reqs = CASES + FREE
@@ -205,8 +199,11 @@ def test_constrained_and_free_in_one_batch(engine):
     finally:
         order.close()
     counts = order.check()
-    # Decoding constrained batches leave before the grammar work their bitmask needs.
-    assert counts["overlapped"] > 0, counts
+    # Every constrained case was sent with its grammar; the phone number's grammar completed with
+    # ignore_eos, and the dead end was refused, as the result rank reported.
+    assert counts["sent"] >= len(CASES) and counts["stopped"] >= 1 and counts["refused"] == 1, counts
+    if pp == 2:  # preempted constrained requests came back with their outputs, replayed
+        assert counts["replayed"] > 0, counts
     for (q, _, check), o in zip(CASES, outs):
         _check(o.outputs[0].text, o.outputs[0].finish_reason, check)
     RESULTS[pp] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
@@ -220,6 +217,9 @@ def test_constrained_and_free_in_one_batch(engine):
 
 @pytest.mark.slow
 def test_free_requests_unchanged_by_constrained_neighbours(engine):
+    """Free requests alone get the tokens they got next to constrained ones. They run in the
+    slots the constrained requests had (the lowest free ones): the result rank must have dropped
+    those matchers when the slots were freed, or it would mask these rows."""
     pp, llm = engine
     assert pp in RESULTS, "runs after test_constrained_and_free_in_one_batch"
     tok = llm.get_tokenizer()
@@ -230,8 +230,10 @@ def test_free_requests_unchanged_by_constrained_neighbours(engine):
 @pytest.mark.slow
 def test_async_scheduling_constrained_mixed_batch(demo_model):
     """Async scheduling (PP=1, forced on the CPU): a constrained sequence is scheduled again
-    while its previous token is still in flight (FROM_PREV), and its bitmask row follows once
-    that token is back. Outputs valid, and the same tokens as without async scheduling."""
+    while its previous token is still in flight (FROM_PREV); the result rank fills its row once it
+    has finished the previous result (its matcher accepted that token). Outputs valid, and the
+    same tokens as without async scheduling; a sequence the grammar ends while it is in the next
+    batch has that batch's token dropped."""
     with LLM(demo_model, async_scheduling=True, kv_cache_memory="64MiB") as llm:
         assert llm.engine.config.async_scheduling
         tok = llm.get_tokenizer()
@@ -309,17 +311,41 @@ def test_last_stage_mask_matches_xgrammar():
         assert torch.equal(logits, want)
 
 
+def _slots(info: str, grammars: list, vocab: int = 49152, threads: int = 1, outputs=None):
+    """The result rank's grammars (:class:`SlotGrammars`) with request ``i`` in slot ``i``:
+    ``grammars[i]`` = (key, compiled text, stop ids), sent as a worker gets them (one
+    ExecuteBatch, the tokenizer info with it); ``outputs[i]``: output tokens it was resent with."""
+    from zpp.transport import messages as m
+    from zpp.workers.grammar import SlotGrammars
+    from zpp.workers.slots import SlotTable
+
+    n = len(grammars)
+    table, g = SlotTable(n + 2, 512, 16), SlotGrammars(n + 2, vocab, threads)
+    b = m.BatchBuilder()
+    for i in range(n):
+        b.new_request(i, f"r{i}", [1] + list((outputs or {}).get(i, ())), 1, [0], None)
+    batch = b.build(0)
+    batch.grammars = [m.GrammarInit(i, k, stop, c) for i, (k, c, stop) in enumerate(grammars)]
+    batch.grammar_tokenizer = info
+    table.apply(batch)
+    g.apply(batch, table)
+    return g, table
+
+
+def _rows(n: int):
+    import numpy as np
+    return np.arange(n, dtype=np.int64)
+
+
 @pytest.mark.slow
 def test_grammar_vocabulary_is_the_tokenizers_not_the_padded_one(tokenizer):
     """A model with more logits than tokens (padding): xgrammar is built for the tokenizer's tokens
-    only (grammar_vocab_size), the core's bitmask is that narrow, and the last stage's mask is the
-    one the padded vocabulary gives (every padding id disallowed), step after step."""
+    only (grammar_vocab_size), the result rank's bitmask is that narrow, and the mask is the one
+    the padded vocabulary gives (every padding id disallowed), step after step."""
     import numpy as np
     import torch
     import xgrammar as xgr
-    from zpp.engine.structured_output import GrammarStore
     from zpp.frontend.compile_host import grammar_vocab_size
-    from zpp.transport.core_messages import GrammarSpec
     from zpp.workers.sampler import unpack_bitmask
 
     padded, stop = 49152 + 300, [tokenizer.eos_token_id]
@@ -331,14 +357,14 @@ def test_grammar_vocabulary_is_the_tokenizers_not_the_padded_one(tokenizer):
     for vocab in (padded, grammar_vocab_size(len(tokenizer), padded, stop)):
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=stop)
         compiled = xgr.GrammarCompiler(info).compile_json_schema(schema)
-        store = GrammarStore(padded)
-        g = store.new_matcher(GrammarSpec("k", compiled.serialize_json(), info.serialize_json()), stop)
-        assert store.words == (vocab + 31) // 32
+        g, _ = _slots(info.serialize_json(), [("k", compiled.serialize_json(), stop)], padded)
+        assert g.words == (vocab + 31) // 32
         out = []
-        for t in tokenizer.encode('{"name": "Anna", "age": 31, "city": "Paris"}') + stop:
-            bits = store.fill_bitmask([g])
+        text = tokenizer.encode('{"name": "Anna", "age": 31, "city": "Paris"}') + stop
+        for i, t in enumerate(text):
+            bits = g.fill(_rows(1), np.array([i])).reshape(-1).view(np.uint8)
             out.append(unpack_bitmask(bits, 1, padded, torch.device("cpu")))
-            assert g.accept(t)
+            assert g.accept(_rows(1), [t]) == (([0], []) if i == len(text) - 1 else ([], []))
         masks[vocab] = torch.cat(out)
     wide, narrow = masks.values()
     assert torch.equal(wide, narrow) and bool(narrow[:, 49152:].all())
@@ -346,72 +372,170 @@ def test_grammar_vocabulary_is_the_tokenizers_not_the_padded_one(tokenizer):
 
 @pytest.mark.slow
 def test_batched_accept_reports_each_refusal(tokenizer, monkeypatch):
-    """The core's batched accept (xgrammar's C++ array read without converting it, and the public
-    wrapper as fallback; one thread and a pool of two from 64 rows): every row's answer, a refused
-    token leaves its matcher where it was, the others advance."""
+    """The result rank's batched accept (xgrammar's C++ array read without converting it, and the
+    public wrapper as fallback; one thread and a pool of two from 64 rows): every row's answer, a
+    refused token leaves its matcher where it was and ends it (all-ones row, no accept after), the
+    others advance."""
+    import numpy as np
     import xgrammar as xgr
-    from zpp.engine import structured_output as so
-    from zpp.transport.core_messages import GrammarSpec
+    from zpp.workers import grammar as wg
 
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
-    spec = GrammarSpec("k", xgr.GrammarCompiler(info).compile_json_schema(json.dumps(PERSON)).serialize_json(),
-                       info.serialize_json())
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(PERSON)).serialize_json()
     stop = [tokenizer.eos_token_id]
     good, bad = tokenizer.encode("{")[0], tokenizer.encode("}")[0]
+    quote = tokenizer.encode('"')[0]  # after '{': '"' starts a key, '}' is refused (keys required)
     for raw in (None, False):
-        monkeypatch.setattr(so, "_raw_batch_accept", raw)
+        monkeypatch.setattr(wg, "_raw_batch_accept", raw)
         for threads, n in ((1, 3), (2, 70)):
-            store = so.GrammarStore(len(tokenizer), threads)
-            gs = [store.new_matcher(spec, stop) for _ in range(n)]
-            assert store.accept_tokens(gs, [good] * n) == [True] * n
-            quote = tokenizer.encode('"')[0]  # after '{': '"' starts a key, '}' is refused (keys required)
-            ok = store.accept_tokens(gs, [bad if i % 2 == 0 else quote for i in range(n)])
-            assert ok == [i % 2 == 1 for i in range(n)], (raw, threads)
-            assert [g.num_accepted for g in gs] == [1 + (i % 2) for i in range(n)]
+            g, _ = _slots(info.serialize_json(), [("k", compiled, stop)] * n, len(tokenizer), threads)
+            assert g.accept(_rows(n), [good] * n) == ([], [])
+            stopped, refused = g.accept(_rows(n), [bad if i % 2 == 0 else quote for i in range(n)])
+            assert (stopped, refused) == ([], list(range(0, n, 2))), (raw, threads)
+            assert g.num_accepted[:n].tolist() == [1 + (i % 2) for i in range(n)]
+            assert g.ended[:n].tolist() == [i % 2 == 0 for i in range(n)]
+            rows = g.fill(_rows(n), np.array([1 + (i % 2) for i in range(n)]))
+            assert (rows[0] == -1).all() and not (rows[1] == -1).all()
+            assert g.accept(_rows(n), [tokenizer.encode("name")[0]] * n) == ([], [])  # ended rows are left alone
+            assert g.num_accepted[:n].tolist() == [1 + 2 * (i % 2) for i in range(n)]
 
 
 @pytest.mark.slow
-def test_core_bitmask_fill_threaded_equals_row_by_row(tokenizer):
-    """The core's bitmask: filled on several threads (many-core hosts) or row by row (the 2-core
-    machines), the bytes are the same, and they follow the matchers as tokens are accepted."""
+def test_bitmask_fill_threaded_equals_row_by_row(tokenizer):
+    """The bitmask: filled on several threads (many-core hosts) or on one (the 2-core machines),
+    the bytes are the same, and they follow the matchers as tokens are accepted; a row whose
+    matcher has not accepted the tokens before it is an error, never a wrong mask."""
     import asyncio as aio
 
-    from zpp.engine.structured_output import GrammarStore
+    import numpy as np
     from zpp.frontend.grammar import GrammarCompiler
 
     async def compile_all():
         gc = GrammarCompiler(tokenizer, 49152, {2}, 30.0, 1 << 20)
-        specs = [gc.for_core(await gc.compile(SO(json=s))) for s in (PERSON, BOOK, FLAG, WEATHER)]
+        specs = [await gc.compile(SO(json=s)) for s in (PERSON, BOOK, FLAG, WEATHER)]
+        info = gc.tokenizer_info_json
         gc.close()
-        return specs
+        return specs, info
 
-    specs = aio.run(compile_all())
-    one, many = GrammarStore(49152, 1), GrammarStore(49152, 2)
+    specs, info = aio.run(compile_all())
+    grammars = [(specs[i % 4].key, specs[i % 4].compiled, [2]) for i in range(20)]
+    one, _ = _slots(info, grammars, 49152, 1)
+    many, _ = _slots(info, grammars, 49152, 2)
     text = '{"name": "Anna", "age": 31, "city": "Paris"}'
-    ms1 = [one.new_matcher(specs[i % 4], [2]) for i in range(20)]
-    ms2 = [many.new_matcher(specs[i % 4], [2]) for i in range(20)]
-    for t in tokenizer.encode(text)[:6]:
-        assert one.fill_bitmask(ms1) == many.fill_bitmask(ms2)
-        for a, b in zip(ms1[::4], ms2[::4]):  # the PERSON matchers advance: one by one, and batched
-            assert a.accept(t)
-        assert many.accept_tokens(ms2[::4], [t] * 5) == [True] * 5
-    assert [g.num_accepted for g in ms1] == [g.num_accepted for g in ms2] == [6, 0, 0, 0] * 5
-    # A refused token (a dead end: the stop token of an incomplete object) leaves the matcher
-    # where it was; a finished sequence's row (None) allows every token.
-    assert many.accept_tokens(ms2[:2], [2, tokenizer.encode("{")[0]]) == [False, True]
-    assert (ms2[0].num_accepted, ms2[1].num_accepted) == (6, 1)
-    rows = many.fill_rows([ms2[0], None, ms2[1]])
-    assert (rows[1] == -1).all() and rows[0].tobytes() == one.fill_bitmask([ms1[0]])
-    # Many rows: the accept runs in slices on the store's threads, with the same outcome.
+    person = _rows(20)[::4]
+    for step, t in enumerate(tokenizer.encode(text)[:6]):
+        needs = np.array([step if i % 4 == 0 else 0 for i in range(20)])
+        assert one.fill(_rows(20), needs).tobytes() == many.fill(_rows(20), needs).tobytes()
+        for s in person.tolist():  # the PERSON matchers advance: one by one, and batched
+            assert one.accept(np.array([s]), [t]) == ([], [])
+        assert many.accept(person, [t] * 5) == ([], [])
+    assert one.num_accepted[:20].tolist() == many.num_accepted[:20].tolist() == [6, 0, 0, 0] * 5
+    with pytest.raises(RuntimeError, match="accepted 6 tokens, but its row samples output token 5"):
+        many.fill(_rows(1), np.array([5]))
+    # A refused token (a dead end: the stop token of an incomplete object) ends the matcher.
+    assert many.accept(_rows(2), [2, tokenizer.encode("{")[0]]) == ([], [0])
+    rows = many.fill(np.array([0, 1, 4]), np.array([0, 1, 6]))
+    assert (rows[0] == -1).all() and rows[2].tobytes() == one.fill(np.array([4]), np.array([6])).tobytes()
+    # Many rows: the accept runs in slices on the threads, with the same outcome.
     ids = tokenizer.encode(text)
-    ms1 = [one.new_matcher(specs[0], [2]) for _ in range(80)]
-    ms2 = [many.new_matcher(specs[0], [2]) for _ in range(80)]
+    grammars = [(specs[0].key, specs[0].compiled, [2])] * 80
+    one, _ = _slots(info, grammars, 49152, 1)
+    many, _ = _slots(info, grammars, 49152, 2)
     for step, t in enumerate(ids[:8]):
         toks = [2 if i % 9 == step else t for i in range(80)]  # a few stop tokens: refused mid-object
-        assert one.accept_tokens(ms1, toks) == many.accept_tokens(ms2, toks)
-        assert one.fill_bitmask(ms1) == many.fill_bitmask(ms2)
-    assert [g.num_accepted for g in ms1] == [g.num_accepted for g in ms2]
+        assert one.accept(_rows(80), toks) == many.accept(_rows(80), toks)
+        needs = one.num_accepted[:80]
+        assert one.fill(_rows(80), needs).tobytes() == many.fill(_rows(80), needs).tobytes()
+    assert one.num_accepted[:80].tolist() == many.num_accepted[:80].tolist()
     assert many._pool is not None  # the threaded path ran
+
+
+@pytest.mark.slow
+def test_result_rank_matchers_follow_the_slots(tokenizer):
+    """The result rank's matchers (zpp.workers.grammar): a request resent with output tokens
+    (preemption by recompute, a stage restart) replays them into a fresh matcher (the same mask as
+    one fed token by token); a completed grammar reports its stop token once; a freed slot drops
+    its matcher (finished, aborted, preempted); a grammar's compiled text is sent once and kept
+    under its key until evicted; an unreadable grammar gives an all-ones row and one refusal;
+    ``forget`` (stage restart) drops everything."""
+    import numpy as np
+    import xgrammar as xgr
+    from zpp.transport import messages as m
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(PERSON)).serialize_json()
+    eos = tokenizer.eos_token_id
+    text = tokenizer.encode('{"name": "Anna", "age": 31, "city": "Paris"}')
+    g, table = _slots(info.serialize_json(), [("k", compiled, [eos]), ("k", "", [eos])], len(tokenizer),
+                      outputs={1: text[:5]})
+    assert g.num_live == 2 and g.num_accepted[:2].tolist() == [0, 5]  # slot 1 replayed, the grammar kept
+    for t in text[:5]:
+        g.accept(_rows(1), [t])
+    assert g.fill(_rows(1), np.array([5])).tobytes() == g.fill(np.array([1]), np.array([5])).tobytes()
+    for t in text[5:]:
+        assert g.accept(_rows(2), [t, t]) == ([], [])
+    assert g.accept(_rows(2), [eos, eos]) == ([0, 1], [])  # complete: "stop", even with ignore_eos
+    assert g.ended[:2].all() and g.accept(_rows(2), [eos, eos]) == ([], [])
+    # Slot 0 finishes, slot 1 is preempted and comes back in slot 2 with its outputs; another
+    # grammar in slot 0, its compiled text unreadable; "k" is evicted after the batch.
+    b = m.BatchBuilder()
+    b.new_request(2, "r1", [1] + text[:3], 1, [0], None)
+    b.new_request(0, "r2", [1], 1, [0], None)
+    batch = b.build(1, freed_slots=[0, 1])
+    batch.grammars = [m.GrammarInit(2, "k", [eos]), m.GrammarInit(0, "bad", [eos], "not a grammar")]
+    batch.grammar_evict = ["k"]
+    table.apply(batch)
+    g.apply(batch, table)
+    assert g.matchers[1] is None and not g.constrained[1] and g.num_live == 2
+    assert g.num_accepted[2] == 3 and not g.ended[2] and "k" not in g._compiled
+    assert (g.fill(np.array([0]), np.array([0])) == -1).all()
+    assert g.accept(np.array([0, 2]), [text[0], text[3]]) == ([], [0])  # the unreadable one: refused, once
+    assert g.accept(np.array([0, 2]), [text[0], text[4]]) == ([], [])
+    batch = m.BatchBuilder().build(2, freed_slots=[0, 2])
+    table.apply(batch)
+    g.apply(batch, table)
+    assert g.num_live == 0 and not g.constrained.any() and g.matchers == [None] * len(g.matchers)
+    b = m.BatchBuilder()  # "k" without its text after its eviction (never done by the core): unreadable
+    b.new_request(1, "r3", [1], 1, [0], None)
+    batch = b.build(3)
+    batch.grammars = [m.GrammarInit(1, "k", [eos])]
+    table.apply(batch)
+    g.apply(batch, table)
+    assert g.unreadable[1] and g.matchers[1] is None
+    g.forget()
+    assert g.num_live == 0 and g._tokenizer_info is None and not g._compiled
+
+
+def test_core_sends_each_grammar_once_per_key(monkeypatch):
+    """The core's side (GrammarSender): the tokenizer info with the first grammar, a grammar's
+    compiled text with the first request of its key, an eviction named when its LRU mirror (the
+    result rank's cache) overflows, never a key the same batch sends; all again after a restart."""
+    from zpp.engine import structured_output as so
+    from zpp.transport.core_messages import GrammarSpec
+
+    monkeypatch.setattr(so, "_CACHE_ENTRIES", 2)
+    s = so.GrammarSender()
+    spec = {k: GrammarSpec(k, "compiled-" + k, "info" if k == "a" else "") for k in "abc"}
+    for k in "abc":
+        s.check(spec[k])
+    assert s.tokenizer_info == "info" and s.batch_fields([]) == {}
+    f = s.batch_fields([(0, spec["a"], [2]), (1, spec["a"], [2, 5])])
+    assert f["grammar_tokenizer"] == "info" and [(g.slot, g.compiled, g.stop_token_ids) for g in f["grammars"]] \
+        == [(0, "compiled-a", [2]), (1, "", [2, 5])] and "grammar_evict" not in f
+    f = s.batch_fields([(2, spec["b"], [2]), (3, spec["a"], [2])])
+    assert "grammar_tokenizer" not in f and [g.compiled for g in f["grammars"]] == ["compiled-b", ""]
+    f = s.batch_fields([(4, spec["c"], [2])])  # b is the least recently used
+    assert f["grammar_evict"] == ["b"] and f["grammars"][0].compiled == "compiled-c"
+    # Three keys through a cache of two in one batch: each sent with its text; the result rank
+    # evicts after the batch's grammars, so only the key the mirror dropped last is named.
+    f = s.batch_fields([(5, spec["b"], [2]), (6, spec["a"], [2]), (7, spec["c"], [2])])
+    assert [g.compiled for g in f["grammars"]] == ["compiled-b", "compiled-a", "compiled-c"]
+    assert f["grammar_evict"] == ["b"] and list(s._keys) == ["a", "c"]
+    s.reset()
+    f = s.batch_fields([(0, spec["a"], [2])])
+    assert f["grammar_tokenizer"] == "info" and f["grammars"][0].compiled == "compiled-a"
+    with pytest.raises(RuntimeError, match="before the front end's tokenizer info"):
+        so.GrammarSender().check(spec["b"])
 
 
 HOSTILE_PATTERN = "^(a|b|c|d)*(a|b)*(c|d){3,30}[a-z]{5,50}$"  # ~0.5 MB of compiled grammar per property

@@ -29,8 +29,7 @@ from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
 from zpp.engine.scheduler import ScheduledBatch, Scheduler
 from zpp.engine.step_cost import StepCostModel, StepTarget, prior_coefficients
-from zpp.engine.structured_output import (GrammarStore, PendingBitmask, default_fill_threads,
-                                          import_xgrammar_in_background)
+from zpp.engine.structured_output import GrammarSender
 from zpp.models.partition import partition_layers
 from zpp.models.registry import resolve_model_class
 from zpp.transport import messages as m
@@ -72,9 +71,8 @@ class EngineCore:
         self.dead: Optional[str] = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.grammars = GrammarStore(int(config.model.hf_config["vocab_size"]), default_fill_threads())
-        self._pending_bitmasks: deque[PendingBitmask] = deque()
-        """Micro-batches in flight whose token bitmask is not sent yet, in batch order."""
+        self.grammars = GrammarSender()
+        """Structured outputs: what goes to the result rank, which holds the matchers."""
         self.paused = False
         """A lost stage is being restarted: nothing is scheduled until it is back."""
 
@@ -97,7 +95,6 @@ class EngineCore:
             WorkerDiedError: a worker failed to start.
         """
         t = time.perf_counter()
-        import_xgrammar_in_background()  # while the workers load, not at the first structured request
         executor = await Executor.start(config, eos_token_ids)
         core = cls(config, executor, emit, on_dead)
         logger.info("engine ready in %.1fs: %d stage(s), %d KV blocks of %d tokens, pipeline depth %d, "
@@ -126,8 +123,9 @@ class EngineCore:
     # --- requests -----------------------------------------------------------------------------
     def add_requests(self, reqs: list[CoreRequest]) -> None:
         """Queue sequences (validated by the front end). A sequence whose id is live is refused.
-        A structured-output sequence gets its grammar matcher here; one whose grammar cannot be
-        read (a front-end bug) is finished at once with ``finish_reason`` ``"abort"``."""
+        A structured-output sequence keeps its grammar for the result rank (sent with the batch
+        that sends the sequence to the workers); one whose grammar comes without any tokenizer
+        info (a front-end bug) is finished at once with ``finish_reason`` ``"abort"``."""
         failed = []
         for r in reqs:
             if r.req_id in self.scheduler.requests:
@@ -138,8 +136,8 @@ class EngineCore:
                 sampling = msgspec.structs.replace(sampling, structured_outputs=None)
             if r.grammar is not None:
                 try:
-                    stop = sorted(self.eos_token_ids | set(sampling.stop_token_ids or ()))
-                    grammar = self.grammars.new_matcher(r.grammar, stop)
+                    self.grammars.check(r.grammar)
+                    grammar = (r.grammar, sorted(self.eos_token_ids | set(sampling.stop_token_ids or ())))
                 except Exception:
                     logger.exception("sequence %s: its grammar cannot be read; finished", r.req_id)
                     failed.append(SeqDelta(r.req_id, finish_reason="abort"))
@@ -183,8 +181,8 @@ class EngineCore:
         None when new or aborted requests interrupted the wait, or WorkerDiedError.
 
         A result is applied in this order (structured outputs: see :meth:`_apply_result`):
-        the scheduler's update, the pipeline refilled, the grammars advanced and the token
-        bitmasks that became computable sent, the step's outputs emitted."""
+        the scheduler's update, the sequences the grammars ended finished, the pipeline
+        refilled, the step's outputs emitted."""
         trace = self.executor.trace
         drained = True  # nothing in flight and nothing to schedule: the workers' next gap is no bubble
         try:
@@ -192,7 +190,6 @@ class EngineCore:
                 if self.dead:
                     return
                 drained = self._fill_pipeline(drained)
-                self._send_ready_bitmasks()
                 if not self.inflight:
                     drained = True
                 item = await self.executor.next_result()
@@ -227,56 +224,30 @@ class EngineCore:
             trace.mark("schedule", sched.batch.batch_id, t)
             sched.batch.after_idle = drained
             drained = False
-            rows = self._grammar_rows(sched)
-            self.executor.send(sched.batch, rows)
+            self.executor.send(sched.batch, self._grammar_fields(sched))
             self.inflight.append(sched)
         return drained
 
     def _apply_result(self, sched: ScheduledBatch, result, drained: bool) -> bool:
         """Apply micro-batch ``sched``'s result, refill the pipeline, and emit the step's outputs.
 
-        Ordering with structured outputs (why the token bitmask can leave the critical path):
-
-        * A micro-batch carries no grammar state: stage 0 needs only the token ids, which the
-          scheduler's update has just appended. So the pipeline is refilled *before* the grammars
-          accept the tokens, and the batches go out at once; their bitmask follows in a message of
-          its own to the result rank (:meth:`_send_ready_bitmasks`), which waits for it only when
-          it samples that batch: after the forward of every stage, a whole pipeline pass later.
-        * The bitmask row of a constrained sampling chunk is a function of the tokens the sequence
-          generated before the token the chunk samples: ``need`` of them (:class:`PendingBitmask`).
-          Those tokens come from earlier micro-batches (a sequence samples at most one token per
-          micro-batch, and the results come back in batch order), so after the result of batch
-          ``k`` is applied every row of every batch up to ``k + 1`` is computable, and a row of a
-          later batch waits at most for results that do come (their batches are in flight ahead of
-          it). Rows are filled when the matcher has accepted exactly ``need`` tokens; more would be
-          an engine bug (a sequence's matcher only moves forward), and is raised.
-        * No deadlock: the result rank, before it waits for batch ``j``'s bitmask, sends every
-          result it holds (``zpp.workers.worker``); the bitmask of ``j`` depends only on results of
-          batches before ``j``, which it has therefore sent, and which the core applies in order.
-        * Async scheduling (PP=1): a constrained sequence may be in two micro-batches in flight,
-          the second fed its previous token on the device (FROM_PREV). Its row in the second
-          waits for the first's result. The worker is then waiting for that very bitmask with the
-          forward done, so when a batch in flight waits for a bitmask, the grammars go first
-          (accept, fill, send) and the pipeline is refilled after; otherwise (PP > 1, or no batch
-          waiting) the refill goes first and the grammar work overlaps the stages' compute.
-        * A sequence the grammar ends (complete: its stop token accepted, even with ``ignore_eos``;
-          or a dead end: the sampled token refused, dropped) after the refill may already be in a
-          new micro-batch: it is finished like an abort (blocks freed when that batch returns,
-          its sampled token dropped), and its bitmask row is all ones (any token: never used).
+        Structured outputs: the result rank holds the grammar matchers (:mod:`zpp.workers.grammar`).
+        It accepted this batch's tokens before sending the result, which names the sampling chunks
+        whose grammar completed (the sequence ends with ``"stop"``, even with ``ignore_eos``:
+        nothing may follow) or refused the token (a dead end: the token is dropped, the sequence
+        ends with ``"abort"``); :meth:`_grammar_ends` applies that before the refill, so the next
+        micro-batch no longer runs them. A sequence ended while a later batch in flight samples it
+        (async scheduling) is finished like an abort: that batch's token is dropped (the result
+        rank gives its row any token). Nothing of the grammar's work is on the core's thread, and
+        the core never waits for it: the result rank fills a batch's bitmask itself, after the
+        result it depends on, with the batch's forward queued.
 
         Returns ``drained`` for the next micro-batch."""
         updates = self.scheduler.update(sched, result, time.monotonic())
         # Requests the update finished (EOS, stop token, length) free their blocks before the refill.
         self.scheduler.release_finished([r for r, _, _ in updates if r.status.finished])
-        batch_id = sched.batch.batch_id
-        if self._pending_bitmasks:  # a batch in flight waits for its bitmask: the grammars first
-            refused = self._accept_tokens(updates, batch_id)
-            self._send_ready_bitmasks()
-            drained = self._fill_pipeline(drained)
-        else:
-            drained = self._fill_pipeline(drained)
-            refused = self._accept_tokens(updates, batch_id)
-            self._send_ready_bitmasks()
+        refused = self._grammar_ends(updates, result) if result.grammar_stopped or result.grammar_refused else ()
+        drained = self._fill_pipeline(drained)
         self.emit(self._outputs(result, updates, refused))
         return drained
 
@@ -288,7 +259,7 @@ class EngineCore:
         if starting:
             n = self.scheduler.restart_all(list(self.inflight))
             self.inflight.clear()
-            self._pending_bitmasks.clear()
+            self.grammars.reset()  # the restarted stages hold no grammar: sent again with the requests
             self.paused = True
             logger.warning("a stage is restarting: %d running request(s) will be recomputed once it is back", n)
         else:
@@ -296,87 +267,47 @@ class EngineCore:
             logger.info("stages back: %d request(s) resume", self.scheduler.num_waiting + self.scheduler.num_running)
         self.emit(StepOutputs([], self.stats()))
 
-    def _grammar_rows(self, sched: ScheduledBatch) -> list[int]:
-        """The constrained sampling rows of a micro-batch about to be sent (indices into its
-        chunks, increasing; see ``ExecuteBatch.grammar_rows``), queued for their bitmask
-        (:meth:`_send_ready_bitmasks`); ``[]`` when none is constrained."""
-        rows, reqs, needs = [], [], []
-        starts = None
-        for i, (req, sample) in enumerate(zip(sched.reqs, sched.sample)):
-            if req.grammar is None or not sample:
-                continue
-            if starts is None:
-                starts = m.int32s(sched.batch.starts)
-            rows.append(i)
-            reqs.append(req)
-            # Output tokens before the one this chunk samples (at its end position).
-            needs.append(int(starts[i]) + sched.chunk_tokens[i] - req.num_prompt_tokens)
-        if rows:
-            self._pending_bitmasks.append(PendingBitmask(sched.batch.batch_id, reqs, needs))
-        return rows
+    def _grammar_fields(self, sched: ScheduledBatch) -> dict:
+        """The result rank's extra fields of a micro-batch about to be sent: the grammars of the
+        constrained requests it sends to the workers (:class:`GrammarSender`); ``{}`` if none."""
+        new = sched.batch.new_reqs
+        if not new:
+            return {}
+        requests = self.scheduler.requests
+        out = []
+        for r in new:
+            req = requests.get(r.req_id)
+            if req is not None and req.grammar is not None:
+                out.append((r.slot, req.grammar[0], req.grammar[1]))
+        return self.grammars.batch_fields(out)
 
-    def _send_ready_bitmasks(self) -> None:
-        """Fill the bitmasks of the queued micro-batches whose rows are computable now (in batch
-        order; all their rows in one batched fill, xgrammar's C++ threads on a many-core host)
-        and send each batch's to the result rank."""
-        ready: list[PendingBitmask] = []
-        while self._pending_bitmasks and self._pending_bitmasks[0].ready():
-            ready.append(self._pending_bitmasks.popleft())
-        if not ready:
-            return
-        bitmask = self.grammars.fill_rows([None if r.status.finished else r.grammar for p in ready for r in p.reqs])
-        first = 0
-        for p in ready:
-            n = len(p.reqs)
-            self.executor.send_grammar_bitmask(p.batch_id, bitmask[first:first + n].data)
-            first += n
-
-    def _accept_tokens(self, updates: list, batch_id: int) -> set[str]:
-        """Advance the matchers of the constrained sequences by the tokens micro-batch ``batch_id``
-        sampled (one batched call). A complete grammar ends its sequence (``"stop"``, even with
-        ``ignore_eos``: nothing may follow). A token the grammar refuses is a dead end: the token
-        is dropped and the sequence finishes as aborted; the ids of those are returned.
-
-        Raises:
-            RuntimeError: a queued bitmask of a batch up to ``batch_id + 1`` is still not
-                computable (its rows' tokens all come from batches up to ``batch_id``: an engine
-                bug, which would leave the result rank waiting).
-        """
-        reqs, grammars, tokens = [], [], []
-        for req, _, token_id in updates:
-            if req.grammar is not None and token_id >= 0:
-                reqs.append(req)
-                grammars.append(req.grammar)
-                tokens.append(token_id)
+    def _grammar_ends(self, updates: list, result) -> set[str]:
+        """End the sequences whose grammar the result rank reports complete (``"stop"``, even
+        with ``ignore_eos``: nothing may follow) or dead (its token refused: dropped, the sequence
+        finishes as aborted); returns the ids of the latter."""
+        stopped, refused_chunks = set(result.grammar_stopped), set(result.grammar_refused)
         refused: set[str] = set()
         done = []
-        eos = self.eos_token_ids
-        for req, token_id, ok in zip(reqs, tokens, self.grammars.accept_tokens(grammars, tokens) if reqs else ()):
-            if ok:
-                # A grammar completes only by accepting one of its stop tokens (EOS, the request's
-                # stop_token_ids: new_matcher's): the matcher is asked only then.
-                stop = token_id in eos or token_id in (req.sampling.stop_token_ids or ())
-                if stop and not req.status.finished and req.grammar.terminated:
-                    req.status = RequestStatus.FINISHED_STOPPED
-                    done.append(req)
+        for req, i, token_id in updates:
+            if token_id < 0:
                 continue
-            logger.warning("sequence %s: its grammar allows no token the sampler could pick (dead end, e.g. "
-                           "min_tokens suppressing the only allowed stop token): finished with reason 'abort'",
-                           req.req_id)
-            req.token_ids.pop()
-            req.status = RequestStatus.FINISHED_ABORTED
-            refused.add(req.req_id)
-            done.append(req)
+            if i in refused_chunks:
+                logger.warning("sequence %s: its grammar allows no token the sampler could pick (dead end, e.g. "
+                               "min_tokens suppressing the only allowed stop token): finished with reason 'abort'",
+                               req.req_id)
+                req.token_ids.pop()
+                req.status = RequestStatus.FINISHED_ABORTED
+                refused.add(req.req_id)
+                done.append(req)
+            elif i in stopped and not req.status.finished:
+                req.status = RequestStatus.FINISHED_STOPPED
+                done.append(req)
         self.scheduler.release_finished(done)  # those in a batch sent meanwhile: when it returns
-        p = self._pending_bitmasks[0] if self._pending_bitmasks else None
-        if p is not None and p.batch_id <= batch_id + 1 and not p.ready():
-            raise RuntimeError(f"micro-batch {p.batch_id}: its token bitmask is not computable after the result "
-                               f"of batch {batch_id}")
         return refused
 
     def _outputs(self, result, updates: list, refused: set[str]) -> StepOutputs:
         """The step's per-sequence deltas (``updates``: from the scheduler's update; ``refused``:
-        sequences whose grammar refused their token, from :meth:`_accept_tokens`)."""
+        sequences whose grammar refused their token, from :meth:`_grammar_ends`)."""
         # Logprobs and prompt logprobs come only for the chunks that asked, named by chunk index.
         plp = {p.chunk: p for p in result.prompt_logprobs} if result.prompt_logprobs else None
         lps = dict(zip(result.logprob_chunks, result.logprobs)) if result.logprobs else None

@@ -46,11 +46,9 @@ class StageExecutor(Protocol):
     """What the engine core needs from the stages (implemented by :class:`Executor`; a test or
     benchmark can stand in with an object of the same shape, e.g. ``scripts/host_overhead.py``).
 
-    * ``send(batch, grammar_rows, grammar_bitmask)``: one micro-batch to every stage (with
-      structured outputs, the constrained rows, and their token bitmask if given, to the sampling
-      rank only); raises WorkerDiedError once dead.
-    * ``send_grammar_bitmask(batch_id, bitmask)``: the token bitmask of a batch sent with
-      ``grammar_rows`` and no bitmask, to the sampling rank (:class:`~zpp.transport.messages.GrammarBitmask`).
+    * ``send(batch, result_fields)``: one micro-batch to every stage (with structured outputs,
+      ``result_fields``: the batch's grammar fields, to the sampling rank only); raises
+      WorkerDiedError once dead.
     * ``await next_result()``: the next StepResult, in the order the batches were sent, or None
       once after ``interrupt()`` (the caller has new work to look at). The one death channel:
       raises WorkerDiedError (with the reason) when a worker or node died or the stall watchdog
@@ -71,9 +69,7 @@ class StageExecutor(Protocol):
     stage_idle_s: list[float]
     trace: Trace
 
-    def send(self, batch: m.ExecuteBatch, grammar_rows: list[int] = (), grammar_bitmask: bytes = b"") -> None: ...
-
-    def send_grammar_bitmask(self, batch_id: int, bitmask: bytes) -> None: ...
+    def send(self, batch: m.ExecuteBatch, result_fields: Optional[dict] = None) -> None: ...
 
     async def next_result(self) -> Optional[m.StepResult]: ...
 
@@ -405,12 +401,11 @@ class Executor(StallWatchdog, StageRestarts):
         return got
 
     # --- steady state -------------------------------------------------------------------------
-    def send(self, batch: m.ExecuteBatch, grammar_rows: list[int] = (), grammar_bitmask: bytes = b"") -> None:
-        """Send one micro-batch to every worker (encoded once). With structured outputs, the
-        constrained rows and their token bitmask (see ``ExecuteBatch.grammar_rows``) go to the
-        result rank only (TP rank 0 of the last stage, the one that samples); the other ranks get
-        the batch without them. Without ``grammar_bitmask`` the result rank waits, when it samples
-        the batch, for :meth:`send_grammar_bitmask`."""
+    def send(self, batch: m.ExecuteBatch, result_fields: Optional[dict] = None) -> None:
+        """Send one micro-batch to every worker (encoded once). With structured outputs,
+        ``result_fields`` (``ExecuteBatch.grammars`` and the fields that go with it) go to the
+        result rank only (TP rank 0 of the last stage, the one that samples and holds the
+        matchers); the other ranks get the batch without them."""
         if self.dead:
             raise WorkerDiedError(self.dead)
         if self._recovery is not None:  # void: STAGES_RESTARTING is queued, the core requeues it
@@ -423,39 +418,20 @@ class Executor(StallWatchdog, StageRestarts):
             self.last_progress = now
         self.inflight[batch.batch_id] = now
         try:
-            if not grammar_rows:
+            if not result_fields:
                 self.socket.send_bytes(range(self.world), m.encode(batch))
             else:
                 result_rank = (self.pp - 1) * self.tp
                 others = [r for r in range(self.world) if r != result_rank]
                 if others:
                     self.socket.send_bytes(others, m.encode(batch))
-                self.socket.send_bytes([result_rank], m.encode(msgspec.structs.replace(
-                    batch, grammar_rows=list(grammar_rows), grammar_bitmask=grammar_bitmask)))
+                self.socket.send_bytes([result_rank], m.encode(msgspec.structs.replace(batch, **result_fields)))
         except PeerUnreachable as e:  # it died before the process watcher noticed: name it the same way
             self._lost(e.rank, self._death_of(e.rank))
             if self.dead:
                 raise WorkerDiedError(self.dead) from None
             return
         self.trace.mark("sent", batch.batch_id)
-
-    def send_grammar_bitmask(self, batch_id: int, bitmask: bytes) -> None:
-        """The token bitmask of micro-batch ``batch_id`` (sent before with ``grammar_rows`` and no
-        bitmask) to the result rank. Raises WorkerDiedError once dead; a no-op while a stage
-        restart voids the batches in flight."""
-        if self.dead:
-            raise WorkerDiedError(self.dead)
-        if self._recovery is not None:
-            return
-        rank = (self.pp - 1) * self.tp
-        try:
-            self.socket.send_bytes([rank], m.encode(m.GrammarBitmask(batch_id, bitmask)))
-        except PeerUnreachable as e:
-            self._lost(e.rank, self._death_of(e.rank))
-            if self.dead:
-                raise WorkerDiedError(self.dead) from None
-            return
-        self.trace.mark("bitmask_sent", batch_id)
 
     async def next_result(self) -> Optional[m.StepResult]:
         """The next StepResult (batches return in the order sent), or None once after

@@ -65,7 +65,8 @@ class Request:
         request longer than ``original_max_position_embeddings`` (long factors; see
         ``Scheduler.rope_switch_len``)."""
         self.grammar = None
-        """Structured outputs: the sequence's RequestGrammar (zpp.engine.structured_output), or None."""
+        """Structured outputs: ``(GrammarSpec, stop token ids)`` for the result rank's matcher
+        (zpp.engine.structured_output), or None."""
         self.last_token_at: Optional[float] = None
         """When the engine applied this request's last sampled token (monotonic seconds; None before
         the first, and again after a recompute): the scheduler measures inter-token gaps with it."""

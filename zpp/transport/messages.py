@@ -24,7 +24,7 @@ column (encoded and decoded as one copy) instead of a struct to build, encode, d
 workers read the columns whole with numpy.
 
 * Chunk order: ExecuteBatch's ``B`` chunks are numbered ``0..B-1`` in the order the engine
-  scheduled them; every other index in a batch or its result (``grammar_rows``,
+  scheduled them; every other index in a batch or its result (``StepResult.grammar_stopped``,
   ``StepResult.logprob_chunks``, ``PromptLogprobsOutput.chunk``) is such a chunk index, and
   ``StepResult.tokens`` follows it.
 * Columns: a numeric column is a ``bytes`` field holding a C array of fixed type and byte
@@ -174,6 +174,22 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     sampling: Optional[SamplingParams] = None
 
 
+class GrammarInit(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A constrained request's grammar, for the result rank's matcher of slot ``slot`` (a request
+    of the same batch's ``new_reqs``: first sent, or resent after preemption or a stage restart;
+    the matcher then accepts the request's output tokens in ``NewRequest.token_ids`` again)."""
+
+    slot: int
+    key: str
+    """Identifies the compiled grammar (a hash of its specification)."""
+    stop_token_ids: list[int]
+    """The tokens that end the sequence once the grammar is complete (EOS and the request's
+    ``stop_token_ids``)."""
+    compiled: str = ""
+    """xgrammar's ``CompiledGrammar.serialize_json()`` text; empty when the result rank already
+    holds ``key``'s grammar (sent with an earlier request, not evicted since)."""
+
+
 class ExecuteBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     """One micro-batch, decided once by the engine's scheduler and run by every stage in order.
 
@@ -210,16 +226,16 @@ class ExecuteBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True
     after_idle: bool = False
     """The engine had nothing in flight and nothing to schedule before this micro-batch: the gap
     before it on each stage is a pause in the work, not pipeline idle time (``StepResult.idle_s``)."""
-    grammar_rows: list[int] = []
-    """Structured outputs: indices of the sampling chunks whose next token is constrained (the other
-    rows are sampled untouched), increasing. Sent to the result rank only (TP rank 0 of the last
-    stage): the other stages get the batch without it."""
-    grammar_bitmask: bytes = b""
-    """The allowed tokens of those rows: ``int32[len(grammar_rows), ceil(vocab_size / 32)]``,
-    C order, little-endian; bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed
-    (xgrammar's layout). Empty with ``grammar_rows`` set: the bitmask follows in a
-    :class:`GrammarBitmask` of this batch id (the engine sends it once the tokens it depends on
-    are back; the result rank waits for it only when it samples the batch)."""
+    grammars: list[GrammarInit] = []
+    """Structured outputs: the grammars of this batch's ``new_reqs`` that are constrained, to the
+    result rank only (TP rank 0 of the last stage, the one that samples: it holds the matchers;
+    the other ranks get the batch without them). See :mod:`zpp.workers.grammar`."""
+    grammar_tokenizer: str = ""
+    """xgrammar's ``TokenizerInfo.serialize_json()`` text, with the first grammar the result rank
+    gets (again after a stage restart); empty otherwise."""
+    grammar_evict: list[str] = []
+    """Grammar keys the result rank forgets after applying ``grammars`` (the engine decides its
+    cache of compiled grammars, so ``GrammarInit.compiled`` is sent once per key)."""
 
 
 class ChunkView(NamedTuple):
@@ -359,15 +375,6 @@ class BatchBuilder:
                             self.new_reqs, pack_int32(freed_slots), after_idle)
 
 
-class GrammarBitmask(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """Structured outputs: the token bitmask of micro-batch ``batch_id``'s ``grammar_rows``
-    (layout of ``ExecuteBatch.grammar_bitmask``), to the result rank only, sent after the batch
-    itself (see :mod:`zpp.engine.structured_output` for the ordering)."""
-
-    batch_id: int
-    bitmask: bytes
-
-
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
@@ -409,6 +416,12 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, 
     idle_s: float = 0.0
     """Seconds the last stage's device has sat idle between micro-batches so far (cumulative; see
     ``ModelRunner.idle_s``)."""
+    grammar_stopped: list[int] = []
+    """Structured outputs: the sampling chunks whose grammar accepted their token and is now
+    complete (the token is a stop token: the sequence ends, even with ``ignore_eos``), increasing."""
+    grammar_refused: list[int] = []
+    """The sampling chunks whose token their grammar refused (a dead end: the token is dropped
+    and the sequence ends), increasing; also a grammar the result rank could not read."""
 
 
 class StageStats(msgspec.Struct, tag=True, array_like=True):
@@ -469,7 +482,7 @@ class Rejoined(msgspec.Struct, tag=True, array_like=True):
     generation: int
 
 
-ToWorker = Union[InitWorker, AssignLayers, InitKVCache, ExecuteBatch, GrammarBitmask, Shutdown, Rejoin]
+ToWorker = Union[InitWorker, AssignLayers, InitKVCache, ExecuteBatch, Shutdown, Rejoin]
 FromWorker = Union[Hello, StageCost, WorkerReady, CacheReady, StepResult, StageStats, Heartbeat, WorkerError,
                    LinkDown, Rejoined]
 

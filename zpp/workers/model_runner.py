@@ -25,6 +25,7 @@ from zpp.models.layers.attention import build_attention_metadata, triton_metadat
 from zpp.trace import Trace
 from zpp.transport import messages as m
 from zpp.transport.p2p import StageLink
+from zpp.workers.grammar import SlotGrammars, default_fill_threads, import_in_background, sampled_rows
 from zpp.workers.runner_state import Activity, PendingResult, logit_buckets
 from zpp.workers.sampler import Sampler, token_logprobs, unpack_bitmask
 from zpp.workers.slots import SlotTable
@@ -93,10 +94,16 @@ class ModelRunner:
         # batch's copy is done once its result has been waited for, before the buffer's next turn).
         self._mask_pinned = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         self._mask_idx = 0
-        self.await_bitmask: Optional[Callable[[int], bytes]] = None
-        """Structured outputs: the token bitmask of a micro-batch sent without it (it follows in a
-        ``GrammarBitmask``), by batch id; called when the batch samples, after its forward is
-        queued (set by the worker's loop, which sends the results it holds first)."""
+        self.grammars: Optional[SlotGrammars] = None
+        """Structured outputs (result rank only): the matchers of the constrained requests."""
+        if self.stage.produces_results:
+            self.grammars = SlotGrammars(max_num_seqs, int(model.cfg.get("vocab_size") or 0), default_fill_threads())
+            import_in_background()  # while the weights load, not at the first constrained request
+        self._grammar_sel = None  # the current batch's constrained rows (grammar.sampled_rows)
+        self.before_fill: Optional[Callable[[], None]] = None
+        """Structured outputs: called before a batch's bitmask is filled, with its forward queued
+        (set by the worker's loop: it finishes and sends the result it holds, whose tokens the
+        matchers must accept first)."""
         self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager
         self.trace = Trace(trace_name)  # ZPP_TRACE timeline (off unless set)
         self.staging = PinnedStaging(device)  # a step's index arrays -> device, never blocking the host
@@ -110,6 +117,8 @@ class ModelRunner:
         t = self.table
         self.table = SlotTable(t.num_slots, t.max_model_len, t.block_size)
         self._kept.clear()
+        if self.grammars is not None:
+            self.grammars.forget()
         self._timings.clear()
         self._prev_end = None
         self._after_idle = True
@@ -195,7 +204,11 @@ class ModelRunner:
         """Apply the batch to the slot table (freed slots, new requests, new tokens and blocks);
         returns its columns. Raises ValueError for a batch that is malformed or does not fit the
         state (``SlotTable.apply``)."""
-        return self.table.apply(batch)
+        cols = self.table.apply(batch)
+        g = self.grammars
+        if g is not None and (g.num_live or batch.grammars or batch.grammar_evict or batch.grammar_tokenizer):
+            g.apply(batch, self.table)
+        return cols
 
     @torch.inference_mode()
     def execute(self, batch: m.ExecuteBatch) -> Optional[m.StepResult]:
@@ -204,6 +217,7 @@ class ModelRunner:
         self._exec_t0, self._acts_wait = time.perf_counter(), 0.0
         cols = self._update_states(batch)
         self._batch_id = batch.batch_id
+        self._grammar_sel = None
         self._after_idle = batch.after_idle
         self.activity.start(batch.batch_id)
         if not cols.size:
@@ -332,7 +346,7 @@ class ModelRunner:
         row_slots = cols.slots[rows]
         allowed = self._allowed(batch, cols, out.shape[1])
         if self.table.plain[row_slots].all():  # the graph's logits are bf16: argmax needs no upcast
-            pending = self._greedy_pending(batch, row_slots, out, allowed)
+            pending = self._greedy_pending(batch, rows, row_slots, out, allowed)
             self._end(t0)
             return pending
         keep = [] if self.async_scheduling else None
@@ -348,14 +362,31 @@ class ModelRunner:
         """The StepResult of sampled chunks ``rows`` (chunk indices, increasing), their ``tokens``
         and logprobs (None where not asked), and prompt logprobs."""
         lp_chunks = [int(ci) for ci, lp in zip(rows.tolist(), lps) if lp is not None]
-        return m.StepResult(batch_id, m.pack_int32(tokens), lp_chunks, [lp for lp in lps if lp is not None],
-                            plps or [], busy_s=self.busy_s, idle_s=self.idle_s)
+        res = m.StepResult(batch_id, m.pack_int32(tokens), lp_chunks, [lp for lp in lps if lp is not None],
+                           plps or [], busy_s=self.busy_s, idle_s=self.idle_s)
+        if self._grammar_sel is not None:
+            self.accept_sampled(res, rows, tokens, self._grammar_sel)
+        return res
 
-    def _greedy_pending(self, batch: m.ExecuteBatch, row_slots: np.ndarray, logits: torch.Tensor,
-                        allowed) -> PendingResult:
+    def accept_sampled(self, result: m.StepResult, chunks: np.ndarray, tokens, sel) -> None:
+        """Structured outputs: the matchers of the constrained rows ``sel`` (:func:`sampled_rows`)
+        accept the tokens sampled (``tokens``, one per sampling chunk ``chunks``), and ``result``
+        names the chunks whose grammar completed or refused its token."""
+        rows, slots, _ = sel
+        t = tokens.tolist() if isinstance(tokens, np.ndarray) else tokens
+        stopped, refused = self.grammars.accept(slots, [t[i] for i in rows.tolist()])
+        if stopped:
+            result.grammar_stopped = chunks[rows[stopped]].tolist()
+        if refused:
+            result.grammar_refused = chunks[rows[refused]].tolist()
+        self.trace.mark("accepted", result.batch_id)
+
+    def _greedy_pending(self, batch: m.ExecuteBatch, chunks: np.ndarray, row_slots: np.ndarray,
+                        logits: torch.Tensor, allowed) -> PendingResult:
         """Plain greedy rows (CUDA): argmax on the device and leave the GPU running; the worker
-        finishes this result after launching the next batch. ``logits [N, V]``: the sampling chunks'
-        rows in chunk order, ``row_slots`` their slots. Two pinned buffers, alternating: at most one
+        finishes this result after launching the next batch (the matchers accept its tokens then).
+        ``logits [N, V]``: the sampling chunks' rows in chunk order, ``chunks`` their chunk indices,
+        ``row_slots`` their slots. Two pinned buffers, alternating: at most one
         result is pending while the next is made."""
         n = logits.shape[0]
         self._pin_idx ^= 1
@@ -365,7 +396,8 @@ class ModelRunner:
         tokens = Sampler.greedy(logits, allowed)
         self.trace.mark("argmax_queued", batch.batch_id)
         self._keep_sampled(row_slots, tokens)
-        return PendingResult(batch.batch_id, tokens, self._pinned[self._pin_idx])
+        grammar = None if self._grammar_sel is None else (chunks, self._grammar_sel)
+        return PendingResult(batch.batch_id, tokens, self._pinned[self._pin_idx], grammar)
 
     # --- async scheduling ----------------------------------------------------------------------
     def _keep_sampled(self, row_slots: np.ndarray, tokens: torch.Tensor) -> None:
@@ -464,28 +496,22 @@ class ModelRunner:
 
     def _allowed(self, batch: m.ExecuteBatch, cols: m.BatchColumns, vocab_size: int):
         """Structured outputs: ``(rows int64[R], disallowed bool[R, vocab_size])`` over the batch's
-        sampled rows (in chunk order, one per chunk with SAMPLE; ``rows`` increasing, as
-        ``grammar_rows`` is), from the batch's token bitmask (waited for with
-        :attr:`await_bitmask` when it did not come with the batch); None when no row is
-        constrained. Raises ValueError when a grammar row is not a sampling chunk or the bitmask
-        has the wrong size."""
-        if not batch.grammar_rows:
+        sampled rows (in chunk order, one per chunk with SAMPLE; ``rows`` increasing), filled from
+        the matchers of the constrained requests (:class:`~zpp.workers.grammar.SlotGrammars`) once
+        the result this rank holds has been finished (:attr:`before_fill`: its tokens are
+        accepted first); None when no row is constrained. Called with the batch's forward queued,
+        so the fill overlaps it. Remembers the rows for the accept of the sampled tokens."""
+        sel = sampled_rows(self.grammars, cols, self.table.num_prompt)
+        self._grammar_sel = sel
+        if sel is None:
             return None
-        sample = cols.sample
-        grows = np.asarray(batch.grammar_rows, dtype=np.int64)
-        if int(grows.min()) < 0 or int(grows.max()) >= cols.size or not sample[grows].all():
-            raise ValueError(f"ExecuteBatch: grammar rows {batch.grammar_rows} are not all sampling chunks")
-        bitmask = batch.grammar_bitmask
-        if not bitmask:
-            if self.await_bitmask is None:
-                raise ValueError(f"ExecuteBatch {batch.batch_id}: grammar rows without a bitmask")
-            self.trace.mark("bitmask_wait", batch.batch_id)
-            bitmask = self.await_bitmask(batch.batch_id)
-            self.trace.mark("bitmask_in", batch.batch_id)
-        if len(bitmask) % (4 * len(grows)):
-            raise ValueError(f"ExecuteBatch {batch.batch_id}: a token bitmask of {len(bitmask)} bytes for "
-                             f"{len(grows)} rows of int32 words")
-        rows = self.staging.upload([(np.cumsum(sample) - 1)[grows].astype(np.int64)])[0]
+        if self.before_fill is not None:
+            self.before_fill()
+        self.trace.mark("fill", batch.batch_id)
+        grows, slots, needs = sel
+        bitmask = self.grammars.fill(slots, needs).reshape(-1).view(np.uint8)
+        self.trace.mark("filled", batch.batch_id)
+        rows = self.staging.upload([grows])[0]
         staging = None
         if self.device.type == "cuda":
             self._mask_idx ^= 1
@@ -493,7 +519,7 @@ class ModelRunner:
             if self._mask_pinned[self._mask_idx].shape[0] < n:
                 self._mask_pinned[self._mask_idx] = torch.empty(max(n, 1 << 20), dtype=torch.uint8, pin_memory=True)
             staging = self._mask_pinned[self._mask_idx]
-        return rows, unpack_bitmask(bitmask, len(batch.grammar_rows), vocab_size, self.device, staging)
+        return rows, unpack_bitmask(bitmask, len(grows), vocab_size, self.device, staging)
 
     def _logit_plan(self, cols: m.BatchColumns) -> tuple[list[int], list[int], list[tuple[int, int, int]]]:
         """Which hidden rows of the step need logits: ``(rows, sample_rows, plp_spans)`` -- rows into
@@ -541,7 +567,7 @@ class ModelRunner:
             plain = bool(self.table.plain[row_slots].all())
             if not plp_spans and self.device.type == "cuda" and plain:
                 # No host round trip for a prefill (or mixed) batch either: the next one is launched first.
-                return self._greedy_pending(batch, row_slots, logits, allowed)
+                return self._greedy_pending(batch, sample_chunks, row_slots, logits, allowed)
             keep = [] if self.async_scheduling else None
             sample_logits = logits[sample_rows]
             if plain:  # argmax: the same on the model's dtype as on float32

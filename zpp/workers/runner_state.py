@@ -30,11 +30,13 @@ def logit_buckets(max_rows: int) -> list[int]:
 
 class PendingResult:
     """A last-stage result still on the GPU: token ids copied to pinned memory asynchronously.
-    ``finish(runner)`` waits for them and builds the StepResult. (On the CPU, where only the
+    ``finish(runner)`` waits for them and builds the StepResult (structured outputs: after the
+    result rank's matchers have accepted them). (On the CPU, where only the
     decode-graph stand-in of the tests makes one, the copy is done at once.)"""
 
-    def __init__(self, batch_id: int, tokens: torch.Tensor, host_buf: torch.Tensor):
+    def __init__(self, batch_id: int, tokens: torch.Tensor, host_buf: torch.Tensor, grammar=None):
         self.batch_id = batch_id
+        self.grammar = grammar  # structured outputs: (sampling chunk indices, grammar.sampled_rows) or None
         self.tokens = tokens  # int64[N] on the device (the sampling chunks' tokens), kept alive until the copy is done
         self.host = host_buf[: tokens.shape[0]]
         self.host.copy_(tokens, non_blocking=True)
@@ -53,7 +55,11 @@ class PendingResult:
         if self.event is not None:
             self.event.synchronize()
         runner.reap_timings()
-        return m.StepResult(self.batch_id, m.pack_int32(self.host.numpy()), busy_s=runner.busy_s, idle_s=runner.idle_s)
+        tokens = self.host.numpy()
+        result = m.StepResult(self.batch_id, m.pack_int32(tokens), busy_s=runner.busy_s, idle_s=runner.idle_s)
+        if self.grammar is not None:  # the matchers accept the tokens before the engine sees them
+            runner.accept_sampled(result, self.grammar[0], tokens, self.grammar[1])
+        return result
 
 
 class Activity:

@@ -65,8 +65,9 @@ def unpack_bitmask(bitmask: bytes, num_rows: int, vocab_size: int, device: torch
     are NOT allowed (what the logits need: ``masked_fill_(mask, -inf)``).
 
     Args:
-        bitmask: ``int32[num_rows, W]`` little-endian bytes; bit ``t % 32`` of word ``t // 32`` set
-            means token ``t`` is allowed (``ExecuteBatch.grammar_bitmask``).
+        bitmask: ``int32[num_rows, W]`` little-endian, as bytes or a flat uint8 array; bit ``t % 32``
+            of word ``t // 32`` set means token ``t`` is allowed (xgrammar's layout,
+            :meth:`zpp.workers.grammar.SlotGrammars.fill`).
         vocab_size: columns of the result (the logits' width); tokens beyond ``32 * W`` are
             disallowed.
 

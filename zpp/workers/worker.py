@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
 
 from zpp import envs
 
@@ -354,7 +353,7 @@ def _await_rejoin(sock):
             return msg.generation
         if isinstance(msg, m.Shutdown):
             return None
-        if not isinstance(msg, (m.ExecuteBatch, m.GrammarBitmask)):
+        if not isinstance(msg, m.ExecuteBatch):
             raise RuntimeError(f"unexpected message {type(msg).__name__} while waiting to rejoin")
 
 
@@ -397,10 +396,9 @@ def _serve_batches(runner, sock, init):
     (polling both), instead of blocking on batch i: batch i+1 is launched while the GPU still
     runs batch i.
 
-    Structured outputs: a batch's token bitmask may come after it (``GrammarBitmask``); the model
-    runner asks for it when it samples (``await_bitmask``), with the batch's forward queued. This
-    rank first sends the result it holds (the engine needs it for that bitmask), then reads
-    messages until the bitmask is there, keeping the batches read meanwhile for after."""
+    Structured outputs: before the model runner fills a batch's token bitmask (with its forward
+    queued), this rank finishes and sends the result it holds (``before_fill``): the matchers
+    accept its tokens as it is finished, and the bitmask depends on them."""
     from zpp.transport import messages as m
     from zpp.workers.runner_state import PendingResult
 
@@ -422,56 +420,36 @@ def _serve_batches(runner, sock, init):
         last_stats, reported = time.monotonic(), runner.num_batches
 
     spin = runner.async_scheduling
-    # Structured outputs: token bitmasks that came before their batch samples, by batch id, and
-    # the messages read while waiting for one (handled next, in order).
-    bitmasks: dict[int, bytes] = {}
-    backlog: deque = deque()
-
-    def await_bitmask(batch_id: int) -> bytes:
-        """The bitmask of ``batch_id`` (model_runner's ``await_bitmask``). The engine computes it
-        from the results of earlier batches, so the result this rank holds goes out first."""
+    def before_fill() -> None:
+        """Structured outputs (the model runner's ``before_fill``): the result this rank holds goes
+        out first; finishing it makes the matchers accept its tokens."""
         nonlocal pending
         if pending is not None:
             _send_result(sock, runner, pending.finish(runner))
             pending = None
-        while batch_id not in bitmasks:
-            msg = sock.recv()
-            if isinstance(msg, m.GrammarBitmask):
-                bitmasks[msg.batch_id] = msg.bitmask
-            elif isinstance(msg, (m.Rejoin, m.Shutdown)):
-                raise _Interrupted(msg)
-            else:
-                backlog.append(msg)
-        return bitmasks.pop(batch_id)
 
-    runner.await_bitmask = await_bitmask
+    runner.before_fill = before_fill
     try:
         while True:
-            if pending is not None and not backlog and not sock.poll(0):
+            if pending is not None and not sock.poll(0):
                 if spin and not pending.done():
                     continue
                 _send_result(sock, runner, pending.finish(runner))
                 pending = None
                 continue
-            if not backlog and not sock.poll(250):
+            if not sock.poll(250):
                 # Idle: stages bring their busy time (and step times) up to date, so figures read
                 # after a run are not up to a period stale.
                 if runner.num_batches != reported or runner.step_times:
                     send_stats()
                 continue
-            msg = backlog.popleft() if backlog else sock.recv()
+            msg = sock.recv()
             if isinstance(msg, m.ExecuteBatch):
                 if stall_at is not None and msg.batch_id >= stall_at:
                     runner.activity.start(msg.batch_id)
                     _stall_forever(msg.batch_id)
                 runner.trace.mark("msg", msg.batch_id)
-                try:
-                    result = runner.execute(msg)
-                except _Interrupted as e:  # waiting for a bitmask that will not come
-                    msg = e.msg
-                    if isinstance(msg, m.Rejoin):
-                        return msg.generation
-                    return _shutdown(runner)
+                result = runner.execute(msg)
                 runner.activity.done(msg.batch_id)
                 runner.trace.mark("launched", msg.batch_id)
                 if pending is not None:
@@ -483,8 +461,6 @@ def _serve_batches(runner, sock, init):
                     _send_result(sock, runner, result)
                 if time.monotonic() - last_stats > STATS_PERIOD_S:
                     send_stats()
-            elif isinstance(msg, m.GrammarBitmask):
-                bitmasks[msg.batch_id] = msg.bitmask
             elif isinstance(msg, m.Rejoin):  # another stage died while this one was idle: start afresh
                 return msg.generation
             elif isinstance(msg, m.Shutdown):
@@ -494,15 +470,7 @@ def _serve_batches(runner, sock, init):
             else:
                 raise RuntimeError(f"unexpected message {type(msg).__name__}")
     finally:
-        runner.await_bitmask = None
-
-
-class _Interrupted(Exception):
-    """Rejoin or Shutdown came while the worker waited for a token bitmask (``msg``)."""
-
-    def __init__(self, msg):
-        super().__init__(type(msg).__name__)
-        self.msg = msg
+        runner.before_fill = None
 
 
 def _shutdown(runner) -> None:
