@@ -1,7 +1,8 @@
 """Supervised stages (CPU, the real SmolLM2 weights): a stage worker that dies or stops answering is
 started again in place, the other stages keep their processes, and every request resumes.
 
-- PP = 2 and PP = 3 servers, 16 greedy streams and 4 seeded sampled ones at a time: each stage in
+- PP = 2 and PP = 3 servers, 16 greedy streams, 4 seeded sampled ones and 2 JSON-constrained ones
+  (greedy and seeded) at a time: each stage in
   turn SIGKILLed mid-decode, and (PP = 2) one SIGSTOPped (found by the heartbeat watchdog, killed,
   restarted).
   Every stream completes without an error, with exactly the tokens of an undisturbed run (nothing
@@ -34,14 +35,21 @@ pytestmark = pytest.mark.slow
 HEARTBEAT_S = 3
 MAX_TOKENS = 16
 MID_DECODE_TOKENS = 4  # every stream has this many tokens when the stage is hit
+STORY = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 20},
+                                          "story": {"type": "string", "minLength": 300}},
+         "required": ["title", "story"]}
 
 
 def _bodies() -> list[dict]:
     greedy = [{"prompt": f"Tell me about the number {i}.", "temperature": 0} for i in range(16)]
     seeded = [{"prompt": f"Write a line of poetry about {w}.", "temperature": 0.9, "top_p": 0.95, "seed": 100 + i}
               for i, w in enumerate(("rain", "stone", "light", "salt"))]
+    # Constrained (the grammar too long to complete in MAX_TOKENS): the restarted result rank, or
+    # a surviving one that forgot everything, gets the grammars again and replays their outputs.
+    constrained = [{"prompt": f"Describe {w} as JSON.", "temperature": t, "seed": 7,
+                    "structured_outputs": {"json": STORY}} for w, t in (("a cat", 0), ("the sea", 0.8))]
     return [{**b, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True, "logprobs": 1}
-            for b in greedy + seeded]
+            for b in greedy + seeded + constrained]
 
 
 class _Stream:
