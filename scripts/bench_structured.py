@@ -4,12 +4,12 @@ Runs ``--batch-size`` prompts of ``--input-len`` random token ids through the of
 each generating exactly ``--output-len`` tokens greedily, once free and once constrained to a JSON
 schema (an array of at least 1000 ``{"id": integer, "name": string}`` objects, so that no output
 can complete, and end, within the budget); the runs alternate ``--repeats`` times and the median of
-each is reported. Also measured: the engine core's grammar work in the runs (batched accept and
-bitmask fill, per step), its turnaround (from taking a result to sending the next micro-batch,
-free and constrained, and to sending the next token bitmask: with async scheduling the last stage
-waits for that bitmask only if it comes later than its forward ends), and alone, the core's time
-to fill the whole batch's bitmask and the last stage's time to unpack it and mask the logits on
-the device.
+each is reported. Also measured: the engine core's turnaround (from taking a result to sending the
+next micro-batch, free and constrained: the core does no grammar work, the result rank holds the
+matchers), and alone, in this process, the result rank's grammar work per step for the whole
+batch (xgrammar's batched bitmask fill and batched accept, on ``ZPP_GRAMMAR_THREADS`` or a quarter
+of the cores, as the result rank runs them, overlapping the next batch's forward) and its time to
+unpack the bitmask and mask the logits on the device.
 
 Prints the figures and writes them as JSON (``--output-json``).
 
@@ -103,48 +103,26 @@ def main() -> None:
     llm._call(engine.compile_grammar(constrained))  # once; cached for every request after
     first_compile_s = time.perf_counter() - t0
     run(constrained.clone(max_tokens=4))
-    # The engine core's own grammar work in the runs (it is in this process: the offline LLM).
+    # The core's turnaround (what stage 0 may wait for): from taking a result to sending the next
+    # micro-batch (medians over the runs).
     core = engine.core
-    core_s = {"fill": 0.0, "accept": 0.0}
-
-    def timed(fn, key):
-        def wrapper(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                core_s[key] += time.perf_counter() - t
-        return wrapper
-
-    store = core.grammars
-    store.fill_rows = timed(store.fill_rows, "fill")
-    store.accept_tokens = timed(store.accept_tokens, "accept")
-    # The core's turnaround (what the stages may wait for): from taking a result to sending the
-    # next micro-batch and the next bitmask (medians over the runs).
     ex = core.executor
-    turn = {"batch": [], "bitmask": [], "at": None, "sent": set()}
-    ex_send, ex_bitmask, ex_next = ex.send, ex.send_grammar_bitmask, ex.next_result
-
-    def mark(kind):
-        if turn["at"] is not None and kind not in turn["sent"]:
-            turn["sent"].add(kind)
-            turn[kind].append(time.perf_counter() - turn["at"])
+    turn = {"batch": [], "at": None}
+    ex_send, ex_next = ex.send, ex.next_result
 
     def send(batch, *a, **kw):
-        mark("batch")
+        if turn["at"] is not None:
+            turn["batch"].append(time.perf_counter() - turn["at"])
+            turn["at"] = None
         return ex_send(batch, *a, **kw)
-
-    def send_bitmask(batch_id, bitmask):
-        mark("bitmask")
-        return ex_bitmask(batch_id, bitmask)
 
     async def next_result():
         item = await ex_next()
         if item is not None and hasattr(item, "batch_id"):
-            turn["at"], turn["sent"] = time.perf_counter(), set()
+            turn["at"] = time.perf_counter()
         return item
 
-    ex.send, ex.send_grammar_bitmask, ex.next_result = send, send_bitmask, next_result
+    ex.send, ex.next_result = send, next_result
     times = {"free": [], "json": []}
     turnaround = {"free": [], "json": []}
     for _ in range(args.repeats):
@@ -154,28 +132,37 @@ def main() -> None:
             assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs), name
             times[name].append(dt)
             turnaround[name] += turn["batch"][n0:]
-    del ex.send, ex.send_grammar_bitmask, ex.next_result
-    steps = args.repeats * args.output_len
+    del ex.send, ex.next_result
     sample = outs[0].outputs[0].text
 
-    # The parts alone: the core's bitmask fill (one step of the whole batch, matchers mid-output)
-    # and the last stage's unpack + mask on the device.
-    from zpp.engine.structured_output import GrammarStore
+    # The parts alone: the result rank's bitmask fill and accept (one step of the whole batch,
+    # matchers mid-output) and its unpack + mask on the device.
+    import numpy as np
+
+    from zpp.transport import messages as m
+    from zpp.workers.grammar import SlotGrammars, default_fill_threads
+    from zpp.workers.slots import SlotTable
     spec = llm._call(engine.compile_grammar(constrained))
-    store = GrammarStore(vocab)
-    first = engine.grammar.for_core(spec)
-    if not first.tokenizer_info:  # the engine's first request carried it; read it again for this store
-        from zpp.transport.core_messages import GrammarSpec
-        first = GrammarSpec(spec.key, spec.compiled, engine.grammar.tokenizer_info_json)
-    matchers = [store.new_matcher(first, sorted(engine.eos_token_ids)) for _ in range(args.batch_size)]
+    n = args.batch_size
+    store, table = SlotGrammars(n, vocab, default_fill_threads()), SlotTable(n, 16, 16)
+    b = m.BatchBuilder()
+    for i in range(n):
+        b.new_request(i, f"r{i}", [1], 1, [0], None)
+    batch = b.build(0)
+    batch.grammars = [m.GrammarInit(i, spec.key, sorted(engine.eos_token_ids), spec.compiled) for i in range(n)]
+    batch.grammar_tokenizer = engine.grammar.tokenizer_info_json
+    table.apply(batch)
+    store.apply(batch, table)
+    slots = np.arange(n, dtype=np.int64)
     out_ids = outs[0].outputs[0].token_ids
-    fill_s = []
+    fill_s, accept_s = [], []
     for step in range(args.output_len):
         t = time.perf_counter()
-        bitmask = store.fill_bitmask(matchers)
+        bitmask = store.fill(slots, np.full(n, step)).reshape(-1).view(np.uint8)
         fill_s.append(time.perf_counter() - t)
-        for m in matchers:
-            assert m.accept(out_ids[step])
+        t = time.perf_counter()
+        assert store.accept(slots, [out_ids[step]] * n) == ([], [])
+        accept_s.append(time.perf_counter() - t)
     device = torch.device(args.device)
     logits = torch.randn(args.batch_size, vocab, device=device)
     rows = torch.arange(args.batch_size, device=device)
@@ -202,11 +189,11 @@ def main() -> None:
         "free_output_tok_s": tokens / free_s, "json_output_tok_s": tokens / json_s,
         "overhead_pct": 100.0 * (json_s - free_s) / free_s,
         "schema_compile_s": first_compile_s,
-        "core_fill_bitmask_ms_per_step": {"median": 1e3 * statistics.median(fill_s), "max": 1e3 * max(fill_s)},
-        "core_in_runs_ms_per_step": {"fill": 1e3 * core_s["fill"] / steps,
-                                     "accept_tokens": 1e3 * core_s["accept"] / steps},
+        "grammar_threads": default_fill_threads(),
+        "result_rank_fill_bitmask_ms_per_step": {"median": 1e3 * statistics.median(fill_s), "max": 1e3 * max(fill_s)},
+        "result_rank_accept_ms_per_step": {"median": 1e3 * statistics.median(accept_s),
+                                           "max": 1e3 * max(accept_s)},
         "core_result_to_next_batch_ms": {k: 1e3 * statistics.median(v) if v else None for k, v in turnaround.items()},
-        "core_result_to_next_bitmask_ms": 1e3 * statistics.median(turn["bitmask"]) if turn["bitmask"] else None,
         "last_stage_mask_ms_per_step": 1e3 * statistics.median(mask_s[2:]),
         "bitmask_bytes_per_step": len(bitmask),
         "sample_output": sample[:200],
@@ -216,14 +203,13 @@ def main() -> None:
     print(f"  free:        {result['free_output_tok_s']:9.1f} output tok/s  (median of {times['free']})")
     print(f"  JSON schema: {result['json_output_tok_s']:9.1f} output tok/s  (median of {times['json']})")
     print(f"  overhead:    {result['overhead_pct']:+.1f}%")
-    print(f"  core bitmask fill per step: {result['core_fill_bitmask_ms_per_step']['median']:.2f} ms "
-          f"({len(bitmask)} bytes to the last stage); last-stage unpack + mask: "
+    print(f"  result rank per step ({default_fill_threads()} grammar thread(s)): bitmask fill "
+          f"{result['result_rank_fill_bitmask_ms_per_step']['median']:.2f} ms ({len(bitmask)} bytes), accepting "
+          f"the sampled tokens {result['result_rank_accept_ms_per_step']['median']:.2f} ms, unpack + mask "
           f"{result['last_stage_mask_ms_per_step']:.2f} ms; first compile {first_compile_s:.2f} s")
-    print(f"  in the runs, the core per step: bitmask fill {result['core_in_runs_ms_per_step']['fill']:.2f} ms, "
-          f"accepting the sampled tokens {result['core_in_runs_ms_per_step']['accept_tokens']:.2f} ms")
     tb = result["core_result_to_next_batch_ms"]
     print(f"  the core from a result to the next micro-batch sent (median): free {tb['free'] or 0:.2f} ms, "
-          f"JSON {tb['json'] or 0:.2f} ms; to the next bitmask sent: {result['core_result_to_next_bitmask_ms'] or 0:.2f} ms")
+          f"JSON {tb['json'] or 0:.2f} ms")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

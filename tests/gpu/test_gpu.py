@@ -931,10 +931,10 @@ def test_logit_bias_on_gpu(small_llama, monkeypatch, pp):
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_structured_outputs_async_scheduling_valid(demo_model, eager):
     """Structured outputs on the GPU with async scheduling (the default at PP=1): constrained
-    requests are scheduled again with their previous token still on the device, and their token
-    bitmask follows the micro-batch (``GrammarBitmask``), waited for by the last stage only when
-    it samples (with a result still pending on the GPU, sent first). Every JSON output validates
-    next to free requests, greedy and seeded, with CUDA graphs and eagerly."""
+    requests are scheduled again with their previous token still on the device; the result rank
+    (which holds the matchers) finishes the result pending on the GPU first, its matchers accepting
+    those tokens, then fills the bitmask with the batch's forward queued. Every JSON output
+    validates next to free requests, greedy and seeded, with CUDA graphs and eagerly."""
     import json
 
     import jsonschema

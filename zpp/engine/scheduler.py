@@ -41,8 +41,8 @@ decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
   that finishes with the token in flight has the extra step's output dropped (the slot it wrote
   is in its own, private block). Requests whose sampling needs the previous token on the host
   (repetition / frequency / presence penalties) are never scheduled this way, nor a token that
-  will be the request's last by length. Structured outputs are: the token bitmask of such a chunk
-  follows the batch once the previous token is back (see ``EngineCore._apply_result``).
+  will be the request's last by length. Structured outputs are: the result rank fills the token
+  bitmask of such a chunk once its matcher has accepted the previous token (``zpp.workers.grammar``).
 * LongRoPE (``rope_switch_len``, Phi-3's ``original_max_position_embeddings``): a sequence of at most
   that many tokens is computed with the short rotary factors, a longer one with the long factors
   for all its positions. A request that grows past the length is recomputed (preempted, not
