@@ -253,6 +253,24 @@ def test_async_scheduling_constrained_mixed_batch(demo_model):
 
 
 @pytest.mark.slow
+def test_tensor_parallel_last_stage(demo_model):
+    """TP=3 (SmolLM2's 3 KV heads): only TP rank 0 samples, and only it gets the grammars (the
+    other ranks run the same batches without them); every constrained output is valid, with the
+    finish reasons of the single-rank engine (a completed grammar "stop", the dead end "abort")."""
+    with LLM(demo_model, tensor_parallel_size=3, kv_cache_memory="64MiB") as llm:
+        tok = llm.get_tokenizer()
+        order = _Order(llm)
+        try:
+            outs = llm.generate([_chat(tok, q) for q, *_ in CASES], [r[1] for r in CASES], use_tqdm=False)
+        finally:
+            order.close()
+    counts = order.check()
+    assert counts["sent"] == len(CASES) and counts["refused"] == 1, counts
+    for (q, _, check), o in zip(CASES, outs):
+        _check(o.outputs[0].text, o.outputs[0].finish_reason, check)
+
+
+@pytest.mark.slow
 def test_compile_errors_size_limit_and_timeout(engine):
     pp, llm = engine
     if pp != 1:

@@ -97,7 +97,8 @@ class ModelRunner:
         self.grammars: Optional[SlotGrammars] = None
         """Structured outputs (result rank only): the matchers of the constrained requests."""
         if self.stage.produces_results:
-            self.grammars = SlotGrammars(max_num_seqs, int(model.cfg.get("vocab_size") or 0), default_fill_threads())
+            vocab = int(model.cfg.get("vocab_size") or 1 << 30)  # unknown: the tokenizer's decides
+            self.grammars = SlotGrammars(max_num_seqs, vocab, default_fill_threads())
             import_in_background()  # while the weights load, not at the first constrained request
         self._grammar_sel = None  # the current batch's constrained rows (grammar.sampled_rows)
         self.before_fill: Optional[Callable[[], None]] = None
