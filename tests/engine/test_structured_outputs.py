@@ -253,6 +253,26 @@ def test_async_scheduling_constrained_mixed_batch(demo_model):
 
 
 @pytest.mark.slow
+def test_decode_graph_path_constrained(demo_model, tmp_path, monkeypatch):
+    """The CUDA decode-graph path's host logic on the CPU (the ``ZPP_EAGER_GRAPHS`` stand-in of
+    tests/workers/test_graph_path_cpu.py) with async scheduling: greedy results are left pending
+    and finished after the next launch, or by the result rank before it fills the next bitmask,
+    its matchers accepting their tokens then. Outputs valid, and the eager path's tokens."""
+    replays = tmp_path / "replays"
+    monkeypatch.setenv("ZPP_EAGER_GRAPHS", str(replays))
+    with LLM(demo_model, async_scheduling=True, kv_cache_memory="64MiB") as llm:
+        tok = llm.get_tokenizer()
+        reqs = CASES + FREE
+        outs = llm.generate([_chat(tok, q) for q, *_ in reqs], [r[1] for r in reqs], use_tqdm=False)
+    assert replays.exists() and len(replays.read_text().splitlines()) >= 20, "the graph path did not run"
+    for (q, _, check), o in zip(CASES, outs):
+        _check(o.outputs[0].text, o.outputs[0].finish_reason, check)
+    if 1 in RESULTS:
+        for i, (o, want) in enumerate(zip(outs, RESULTS[1])):
+            assert (o.outputs[0].token_ids, o.outputs[0].finish_reason) == want, f"request {i} differs"
+
+
+@pytest.mark.slow
 def test_tensor_parallel_last_stage(demo_model):
     """TP=3 (SmolLM2's 3 KV heads): only TP rank 0 samples, and only it gets the grammars (the
     other ranks run the same batches without them); every constrained output is valid, with the
