@@ -446,40 +446,58 @@ def small_deepseek_dense(tmp_path_factory):
     return _save_deepseek(tmp_path_factory, "deepseek-dense", first_k_dense_replace=4, heads=16)
 
 
-def _assert_close_on_own_tokens(model_dir, prompts, got, min_agree=0.9, max_median=0.1):
-    """For MoE models in bf16: HF scores zpp's own greedy sequences (teacher forcing, one forward per
-    prompt), and at each decode step zpp's token must be in HF's top-5 and HF's argmax in zpp's top-5,
-    at ``min_agree`` of the steps at least, with the median |delta log p| of zpp's token at most
-    ``max_median`` nats.
+def _assert_close_on_own_tokens(model_dir, prompts, got, slack=0.1):
+    """For MoE models in bf16: zpp's bf16 is as close to the fp32 truth as HF's own bf16 is.
 
-    Why not :func:`_assert_top5`: on random weights the gap between the k-th and (k+1)-th router
-    score is often below bf16's resolution, so one rounding difference sends a token to another
-    expert; free-running sequences then part for good and the top-5 rule at the divergence fails
-    for a correct engine (fp32 equals HF token for token, tested apart). Scored on the same tokens,
-    such a flip moves one step's distribution, and only a wrong kernel moves most of them."""
+    HF in fp32 scores zpp's greedy sequences (teacher forcing, one forward per prompt), and so does
+    HF in bf16. On those tokens, at each decode step: zpp's token must be in fp32's top-5 and
+    fp32's argmax in zpp's top-5 (HF bf16 likewise, with its argmax and its top-5), and |delta log
+    p| of zpp's token against fp32 is taken (HF bf16's likewise). zpp must agree at least as often
+    as HF bf16 less ``slack``, and its median |delta log p| be at most twice HF bf16's plus 0.02
+    nats: a wrong kernel moves most steps' distributions by far more than bf16 rounding does.
+
+    Why not :func:`_assert_top5` against HF bf16: on random weights the gap between the k-th and
+    (k+1)-th router score is often below bf16's resolution, so one rounding difference sends a token
+    to another expert; free-running sequences then part for good, and two correct bf16 engines
+    differ by as much as either does from fp32 (on the H200, 2026-12-02: median 0.24 nats for
+    DeepSeek, 82% top-5 agreement for gpt-oss, zpp against HF bf16). fp32 equals HF token for
+    token, tested apart."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
-    ok, diffs = [], []
-    with torch.inference_mode():
-        for p, o in zip(prompts, got):
-            toks, lps = list(o.outputs[0].token_ids), o.outputs[0].logprobs
-            ids = torch.tensor([p + toks], device="cuda")
-            ref = torch.log_softmax(model(ids).logits[0].float(), -1)[len(p) - 1:len(p) - 1 + len(toks)].cpu()
-            for j, a in enumerate(toks):
-                hf_top = ref[j].topk(TOP_K).indices.tolist()
-                ok.append(a in hf_top and hf_top[0] in lps[j])
-                diffs.append(abs(lps[j][a].logprob - float(ref[j][a])))
-    agree = sum(ok) / len(ok)
-    median = sorted(diffs)[len(diffs) // 2]
-    print(f"bf16 vs HF on zpp's tokens: top-5 agreement {agree:.3f} over {len(ok)} steps, "
-          f"median |delta log p| {median:.4f}, max {max(diffs):.3f}")
-    assert agree >= min_agree, agree
-    assert median <= max_median, median
+
+    def scores(dtype):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+        out = []
+        with torch.inference_mode():
+            for p, o in zip(prompts, got):
+                toks = list(o.outputs[0].token_ids)
+                ids = torch.tensor([p + toks], device="cuda")
+                out.append(torch.log_softmax(model(ids).logits[0].float(), -1)[len(p) - 1:len(p) - 1 + len(toks)].cpu())
+        del model
+        torch.cuda.empty_cache()
+        return out
+
+    truth, hf16 = scores(torch.float32), scores(torch.bfloat16)
+    ok_z, ok_h, d_z, d_h = [], [], [], []
+    for o, t32, t16 in zip(got, truth, hf16):
+        toks, lps = list(o.outputs[0].token_ids), o.outputs[0].logprobs
+        for j, a in enumerate(toks):
+            top32 = t32[j].topk(TOP_K).indices.tolist()
+            top16 = t16[j].topk(TOP_K).indices.tolist()
+            ok_z.append(a in top32 and top32[0] in lps[j])
+            ok_h.append(top16[0] in top32 and top32[0] in top16)
+            d_z.append(abs(lps[j][a].logprob - float(t32[j][a])))
+            d_h.append(abs(float(t16[j][a]) - float(t32[j][a])))
+    agree_z, agree_h = sum(ok_z) / len(ok_z), sum(ok_h) / len(ok_h)
+    med_z, med_h = sorted(d_z)[len(d_z) // 2], sorted(d_h)[len(d_h) // 2]
+    print(f"against HF fp32 on zpp's tokens, {len(ok_z)} steps: top-5 agreement zpp bf16 {agree_z:.3f}, "
+          f"HF bf16 {agree_h:.3f}; median |delta log p| zpp bf16 {med_z:.4f}, HF bf16 {med_h:.4f}")
+    assert agree_z >= agree_h - slack, (agree_z, agree_h)
+    assert med_z <= 2 * med_h + 0.02, (med_z, med_h)
 
 
 def test_deepseek_bf16_matches_hf(small_deepseek):
     """bf16 on the GPU (latent cache, absorbed MLA in the Triton kernel, grouped expert GEMMs, CUDA
-    graphs on: the default) against HF bf16 on the GPU, scored on zpp's own tokens
+    graphs on: the default) as close to HF fp32 as HF bf16 is, scored on zpp's own tokens
     (:func:`_assert_close_on_own_tokens`: MoE routing on random weights flips under bf16 rounding)."""
     from zpp import LLM, SamplingParams
     prompts = _prompts()
@@ -614,8 +632,8 @@ def small_gpt_oss(tmp_path_factory):
 @pytest.mark.parametrize("family", ["small_gemma3", "small_gpt_oss"])
 def test_sliding_window_families_bf16_match_hf(request, family):
     """bf16 on the GPU, CUDA graphs on (the default; gpt-oss's experts are the grouped Triton GEMMs),
-    against HF bf16 on the GPU: the top-5 rule for Gemma 3, scored on zpp's own tokens for gpt-oss
-    (MoE)."""
+    against HF bf16 on the GPU: the top-5 rule for Gemma 3; for gpt-oss (MoE) as close to HF fp32
+    as HF bf16 is, scored on zpp's own tokens."""
     from zpp import LLM, SamplingParams
     model_dir = request.getfixturevalue(family)
     prompts = _prompts()
