@@ -12,7 +12,7 @@ import pytest
 import zpp.config
 from zpp.config import cpu_threads_per_worker
 from zpp.utils import cpu_threads as ct
-from zpp.utils.cpu_threads import (GOMP_SPINCOUNT_DEFAULT, available_cores, cgroup_cpu_limit, environ_for_children,
+from zpp.utils.cpu_threads import (available_cores, cgroup_cpu_limit, environ_for_children,
                                    stage_env, threads_per_stage)
 
 
@@ -82,16 +82,11 @@ def test_cpu_threads_per_worker_uses_the_available_cores(monkeypatch):
     assert cpu_threads_per_worker(2) == 5
 
 
-def test_stage_env_defaults_and_user_settings_win(monkeypatch):
-    assert stage_env(2, environ={}) == ({"OMP_NUM_THREADS": "2"} if GOMP_SPINCOUNT_DEFAULT is None else
-                                        {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": GOMP_SPINCOUNT_DEFAULT})
-    monkeypatch.setattr(ct, "GOMP_SPINCOUNT_DEFAULT", "10000")          # a spin count, when zpp sets one
-    assert stage_env(2, environ={}) == {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "10000"}
-    assert stage_env(1, environ={}) == {"OMP_NUM_THREADS": "1"}        # no barrier to spin at
-    assert stage_env(2, environ={"OMP_NUM_THREADS": "4"}) == {"GOMP_SPINCOUNT": "10000"}
-    assert stage_env(2, environ={"GOMP_SPINCOUNT": "300000"}) == {"OMP_NUM_THREADS": "2"}
-    assert stage_env(2, environ={"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_NUM_THREADS": "2"}  # their policy decides
-    assert stage_env(4, environ={k: "1" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}) == {}
+def test_stage_env_defaults_and_user_settings_win():
+    assert stage_env(2, environ={}) == {"OMP_NUM_THREADS": "2"}
+    assert stage_env(0, environ={}) == {"OMP_NUM_THREADS": "1"}
+    assert stage_env(2, environ={"OMP_NUM_THREADS": "4"}) == {}             # the user's choice wins
+    assert stage_env(2, environ={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1"}) == {"OMP_NUM_THREADS": "2"}
 
 
 def test_environ_for_children_reaches_a_child_and_is_restored(monkeypatch):

@@ -20,16 +20,6 @@ import math
 import os
 from typing import Iterator, Mapping, Optional
 
-GOMP_SPINCOUNT_DEFAULT: Optional[str] = None
-"""``GOMP_SPINCOUNT`` given to CPU stages of more than one thread (unless the user set
-``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY``); None: libgomp's own (300,000 spins at a barrier).
-
-None because shorter spinning cost quiet throughput on the 2-core VM without fixing contention:
-SmolLM2, PP=1, 32 x 64/32, ``GOMP_SPINCOUNT=10000`` gave 49.5 / 49.6 / 57.6 out tok/s quiet
-against 61.1 / 64.6 with libgomp's default, and 23.9 with one busy process beside it against
-20.2 (``OMP_WAIT_POLICY=PASSIVE``, measured for issue #28: -31% quiet). What helps under
-contention is fewer threads: :mod:`zpp.workers.adaptive_threads`."""
-
 USER_SETTINGS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 """Variables a user sets to take the choice into their own hands: zpp never overrides them."""
 
@@ -146,15 +136,16 @@ def threads_per_stage(num_local_stages: int, cores: Optional[int] = None) -> int
 def stage_env(num_threads: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The variables a CPU stage process of ``num_threads`` threads starts with, beyond ``environ``.
 
-    ``OMP_NUM_THREADS`` = ``num_threads``, and with more than one thread ``GOMP_SPINCOUNT`` =
-    :data:`GOMP_SPINCOUNT_DEFAULT` when that is set (one thread has no barrier to spin at). Nothing the user set:
-    a variable already in ``environ`` is left out, and so is ``GOMP_SPINCOUNT`` when the user
-    chose ``OMP_WAIT_POLICY`` (their policy decides the spinning).
+    ``OMP_NUM_THREADS`` = ``num_threads``, unless the user set it (then nothing).
+
+    libgomp's spinning is left as it is (300,000 spins at a barrier): shorter spinning cost quiet
+    throughput on the 2-core VM without fixing contention (SmolLM2, PP=1, 32 x 64/32:
+    ``GOMP_SPINCOUNT=10000`` gave 49.5 / 49.6 / 57.6 out tok/s quiet against 61.1 / 64.6 with
+    libgomp's default, and 23.9 with one busy process beside it against 20.2;
+    ``OMP_WAIT_POLICY=PASSIVE``: -31% quiet, measured for issue #28). What helps under contention
+    is fewer threads: :mod:`zpp.workers.adaptive_threads`.
     """
-    out = {"OMP_NUM_THREADS": str(max(1, num_threads))}
-    if num_threads > 1 and "OMP_WAIT_POLICY" not in environ and GOMP_SPINCOUNT_DEFAULT is not None:
-        out["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT_DEFAULT
-    return {k: v for k, v in out.items() if k not in environ}
+    return {} if "OMP_NUM_THREADS" in environ else {"OMP_NUM_THREADS": str(max(1, num_threads))}
 
 
 def describe_choice(num_stages: int, num_threads: int, added: Mapping[str, str],
