@@ -94,6 +94,16 @@ def test_no_room_for_kv_cache_is_one_line_with_no_worker_error(demo_model):
         "--gpu-memory-utilization"], r.stderr
 
 
+def test_kv_cache_larger_than_host_memory_is_one_line(demo_model):
+    """A CPU stage's KV cache takes its pages only as blocks fill, so the worker checks the setting
+    against the host's available memory before mapping it: one line naming the setting, exit 2."""
+    r = zpp("serve", demo_model, "--kv-cache-memory", "1000TiB", "--log-level", "warning")
+    assert r.returncode == 2, r.stderr
+    [line] = r.stderr.splitlines()
+    assert line.startswith("zpp: error: --kv-cache-memory: 1024000.00 GiB per stage, but ") and \
+        line.endswith(" of memory available: lower it"), r.stderr
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser NAME"),
     (["--generation-config", "{d}/missing"], "--generation-config '{d}/missing': not 'auto', 'vllm' or a directory"),

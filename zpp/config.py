@@ -343,7 +343,7 @@ class CacheConfig:
     """KV cache bytes per worker (each stage, or each TP rank of it), e.g. 512MiB, 4GiB (default: 1GiB
     on CPU; on CUDA what --gpu-memory-utilization leaves)
 
-    The CPU default grows to what ``max_num_seqs`` full sequences need when that is more."""
+    On CPU it must fit in the host's available memory; its pages are taken as blocks first fill."""
     gpu_memory_utilization: float = 0.9
     """CUDA: fraction of GPU memory for weights + activations + KV cache"""
     enable_prefix_caching: bool = False

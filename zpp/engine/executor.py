@@ -238,6 +238,9 @@ class Executor(StallWatchdog, StageRestarts):
         if cfg.parallel.pp_layer_partition == AUTO and self.pp > 1:
             await self._balance_layers()
         ready = await self._expect_all(m.WorkerReady, timeout=1800)
+        refused = [r.kv_error for r in ready.values() if r.kv_error]
+        if refused:
+            raise ConfigError(refused[0])
         fit = min(r.num_kv_blocks_fit for r in ready.values())
         num_blocks = cfg.cache.num_kv_blocks if cfg.cache.num_kv_blocks is not None else fit
         if num_blocks > fit:

@@ -117,6 +117,9 @@ class WorkerReady(msgspec.Struct, tag=True, array_like=True):
     num_kv_blocks_fit: int
     """How many KV blocks this stage can hold within its memory budget."""
     weight_bytes: int
+    kv_error: str = ""
+    """Why this stage's KV cache cannot be allocated as configured (a one-line message naming the
+    setting; the engine stops with it), or empty."""
 
 
 class InitKVCache(msgspec.Struct, tag=True, array_like=True):

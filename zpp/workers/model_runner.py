@@ -25,6 +25,7 @@ from zpp.models.layers.attention import build_attention_metadata, triton_metadat
 from zpp.trace import Trace
 from zpp.transport import messages as m
 from zpp.transport.p2p import StageLink
+from zpp.utils.host_memory import zeroed_tensor
 from zpp.workers.grammar import SlotGrammars, default_fill_threads, import_in_background, sampled_rows
 from zpp.workers.runner_state import Activity, PendingResult, logit_buckets
 from zpp.workers.sampler import Sampler, token_logprobs, unpack_bitmask
@@ -138,8 +139,11 @@ class ModelRunner:
         """Allocate ``num_blocks`` blocks per layer, plus one scratch block (id ``num_blocks``) that
         CUDA-graph padding rows write into."""
         shape = self.model.kv_cache_shape(num_blocks + 1, self.block_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                          for _ in range(self.model.num_local_layers)]
+        if self.device.type == "cpu":  # pages from the kernel as blocks are first written (zeroed_tensor)
+            self.kv_caches = [zeroed_tensor(shape, self.kv_dtype) for _ in range(self.model.num_local_layers)]
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+                              for _ in range(self.model.num_local_layers)]
         self.scratch_slot = num_blocks * self.block_size
 
     def capture_graphs(self, max_model_len: int, max_num_seqs: int) -> None:

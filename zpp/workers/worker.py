@@ -192,12 +192,13 @@ def _setup(init, sock):
         runner.thread_governor = ThreadGovernor(num_threads, torch.set_num_threads)
 
     per_block = runner.kv_bytes_per_block()
+    kv_error = ""
     if device_kind == "cuda":
         fit = _cuda_kv_blocks(init, runner, device, per_block)
     else:
-        mem = cfg_all.cache.kv_cache_memory if cfg_all.cache.kv_cache_memory is not None else 1 << 30
-        fit = int(mem // per_block)
-    sock.send(m.WorkerReady(rank=init.rank, num_kv_blocks_fit=max(0, fit), weight_bytes=weight_bytes))
+        fit, kv_error = _cpu_kv_blocks(cfg_all.cache.kv_cache_memory, per_block)
+    sock.send(m.WorkerReady(rank=init.rank, num_kv_blocks_fit=max(0, fit), weight_bytes=weight_bytes,
+                            kv_error=kv_error))
     msg = sock.recv(timeout_s=600)
     if isinstance(msg, m.Shutdown):
         raise _ShutdownDuringSetup("before InitKVCache")
@@ -292,6 +293,19 @@ def _measure_and_assign(init, sock, cfg: dict, device, dtype) -> tuple[int, int]
     if not isinstance(msg, m.AssignLayers):
         raise RuntimeError(f"expected AssignLayers, got {type(msg).__name__}")
     return msg.layer_start, msg.layer_end
+
+
+def _cpu_kv_blocks(kv_cache_memory, per_block: int) -> tuple[int, str]:
+    """KV blocks of a CPU stage, ``--kv-cache-memory`` (default 1 GiB) over ``per_block`` bytes, and
+    an error for the engine (else empty) when this host does not have that much memory available:
+    checked here because the cache's pages are taken only as blocks fill (``zpp.utils.host_memory``)."""
+    from zpp.utils.host_memory import available_bytes
+    mem = kv_cache_memory if kv_cache_memory is not None else 1 << 30
+    free = available_bytes()
+    if free is not None and mem > free:
+        return 0, (f"--kv-cache-memory: {mem / 2**30:.2f} GiB per stage, but {socket.gethostname()} has only "
+                   f"{free / 2**30:.2f} GiB of memory available: lower it")
+    return int(mem // per_block), ""
 
 
 def _cuda_kv_blocks(init, runner, device, per_block: int) -> int:

@@ -1,0 +1,38 @@
+import os
+
+import pytest
+import torch
+
+from zpp.utils.host_memory import available_bytes, zeroed_tensor
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_zeroed_tensor_reads_zero_keeps_writes_and_takes_memory_only_where_written(dtype):
+    shape = (1024, 16, 2, 64, 64)  # 1024 blocks of 16 tokens: 128-256 MiB at 1-4 bytes per element
+    before = _rss_bytes()
+    t = zeroed_tensor(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    assert _rss_bytes() - before < 16 << 20  # nothing taken yet
+    t[3].fill_(1)
+    block = t[3].numel() * t.element_size()
+    assert _rss_bytes() - before < block + (16 << 20)  # one block written, one block taken
+    assert t[3].float().eq(1).all() and t[:3].float().eq(0).all() and t[4:].float().eq(0).all()
+    assert zeroed_tensor((0, 4), dtype).shape == (0, 4)
+
+
+def test_available_bytes_is_meminfo_lowered_by_the_cgroup_limit(tmp_path):
+    (tmp_path / "meminfo").write_text("MemTotal:       24000000 kB\nMemAvailable:    2000000 kB\n")
+    (tmp_path / "cgroup").write_text("0::/job\n")
+    (tmp_path / "job").mkdir()
+    args = dict(meminfo=str(tmp_path / "meminfo"), proc_cgroup=str(tmp_path / "cgroup"), root=str(tmp_path))
+    (tmp_path / "job" / "memory.max").write_text("max\n")
+    assert available_bytes(**args) == 2000000 * 1024
+    (tmp_path / "job" / "memory.max").write_text(f"{1 << 30}\n")
+    (tmp_path / "job" / "memory.current").write_text(f"{256 << 20}\n")
+    assert available_bytes(**args) == (1 << 30) - (256 << 20)
+    assert available_bytes(meminfo=str(tmp_path / "none"), proc_cgroup=str(tmp_path / "none")) is None
