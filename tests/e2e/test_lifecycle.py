@@ -208,3 +208,29 @@ def test_engine_core_runs_apart_and_its_death_fails_the_server(demo_model):
         assert _wait_gone(workers, 10) == [], "workers outlived their engine core"
     finally:
         s.stop()
+
+
+def test_tokenizer_that_fails_to_load_stops_what_started_early(demo_model, tmp_path):
+    """`zpp serve` spawns the engine core and the grammar compile host before it loads the
+    tokenizer (their imports overlap it). A tokenizer that then fails to load ends the start-up
+    with one line naming its directory (exit 2), and neither spawned process outlives the server."""
+    import subprocess
+    import sys
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in os.listdir(demo_model):
+        if name != "tokenizer.json":
+            os.symlink(os.path.join(demo_model, name), model / name)
+    (model / "tokenizer.json").write_text('{"model": ')
+    proc = subprocess.Popen([sys.executable, "-m", "zpp.cli", "serve", str(model), "-pp", "2", "--log-level",
+                             "warning", "--port", str(free_port())], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, err
+        assert err.splitlines() == [f"zpp: error: the tokenizer in '{model}' does not load: JSONDecodeError: "
+                                    "Expecting value: line 1 column 11 (char 10)"], err
+        assert _wait_gone(_group_members(proc.pid), 5) == [], "processes left behind"
+    finally:
+        if proc.poll() is None or _group_members(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
