@@ -4,14 +4,10 @@
 # The "Try: curl ..." hint is printed once the server answers /health.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -z "${ZPP_DEMO_SKIP_SETUP:-}" ]; then  # set by tests: use the python and zpp on PATH as they are
-  bash scripts/setup.sh
-  . .venv/bin/activate
-fi
 PORT="${PORT:-8000}"
-# The port must be free before anything starts: the hint below would otherwise be printed on the
-# /health answer of whatever server already holds it.
-if ! python -c "import socket, sys
+# The port must be free before anything starts (set-up included): the hint below would otherwise be
+# printed on the /health answer of whatever server already holds it.
+if ! "${PYTHON:-python3}" -c "import socket, sys
 s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 try:
@@ -19,6 +15,10 @@ try:
 except OSError as e:
     sys.exit(f'demo.sh: port {sys.argv[1]} is in use ({e.strerror}; another server?): stop it or set PORT=N')" "$PORT"; then
   exit 1
+fi
+if [ -z "${ZPP_DEMO_SKIP_SETUP:-}" ]; then  # set by tests: use the python and zpp on PATH as they are
+  bash scripts/setup.sh
+  . .venv/bin/activate
 fi
 MODEL_DIR="$(zpp prepare-demo-model --log-level warning | tail -n 1)"
 DEVICE=cpu

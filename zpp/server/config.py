@@ -76,8 +76,9 @@ class ServerConfig:
     """seconds a request body may go without a byte arriving before the request gets HTTP 408 and
     its connection is closed"""
     shutdown_timeout: float = setting(0.0, metavar="S", group="http")
-    """on SIGTERM / SIGINT: stop accepting requests (new ones get HTTP 503) and let those in
-    progress finish for up to S seconds, then end the rest with an error (0: end them at once)"""
+    """on SIGTERM / SIGINT: close the listening socket (a new request on a connection already open
+    gets HTTP 503) and let those in progress finish for up to S seconds, then end the rest with an
+    error (0: end them at once)"""
     uvicorn_log_level: Optional[str] = setting(None, choices=("critical", "error", "warning", "info", "debug",
                                                                "trace"), group="http")
     """level of the HTTP server's own loggers (aiohttp.*); given, each request also gets an
