@@ -210,10 +210,10 @@ def test_engine_core_runs_apart_and_its_death_fails_the_server(demo_model):
         s.stop()
 
 
-def test_tokenizer_that_fails_to_load_stops_what_started_early(demo_model, tmp_path):
-    """`zpp serve` spawns the engine core and the grammar compile host before it loads the
-    tokenizer (their imports overlap it). A tokenizer that then fails to load ends the start-up
-    with one line naming its directory (exit 2), and neither spawned process outlives the server."""
+def test_tokenizer_that_fails_to_load_is_one_line(demo_model, tmp_path):
+    """A tokenizer that fails to load (here: a truncated tokenizer.json) ends `zpp serve`'s start-up
+    with one line naming its directory and transformers' error (exit 2, as other bad settings), and
+    no process of the server's group is left."""
     import subprocess
     import sys
     model = tmp_path / "model"

@@ -7,10 +7,8 @@ msgspec-tagged struct from :mod:`zpp.transport.core_messages`, msgpack-encoded; 
 
 Lifecycle:
 
-- start-up: the front end spawns the core before it loads the tokenizer, so that the core's imports
-  (PyTorch) run meanwhile; front -> FrontHello with the EOS token ids; the core then starts its
-  workers; core -> CoreReady once they are up, or CoreFailed (ConfigError / WorkerDiedError text)
-  and exit 1.
+- start-up: front -> FrontHello; core -> CoreReady once its workers are up, or CoreFailed
+  (ConfigError / WorkerDiedError text) and exit 1.
 - a worker dies: core -> CoreDead(reason), the core stops its workers and exits 1; a core that
   dies without a word is seen through its process sentinel. Either way the front end fails its
   requests, ``/health`` answers 503 and ``zpp serve`` exits non-zero.
@@ -42,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 
 # --- the core process --------------------------------------------------------------------------
-def core_main(config_bytes: bytes, address: str, log_level: int) -> None:
+def core_main(config_bytes: bytes, address: str, eos_token_ids: list[int], log_level: int) -> None:
     """Entry point of the engine-core process. Exits 0 after ShutdownCore, 1 on a failure."""
     watch_parent()
     from zpp.proctitle import set_process_title
@@ -51,7 +49,7 @@ def core_main(config_bytes: bytes, address: str, log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     try:
-        status = asyncio.run(_CoreServer(config, address).run())
+        status = asyncio.run(_CoreServer(config, address, set(eos_token_ids)).run())
     except Exception:
         logger.exception("engine core failed")
         status = 1
@@ -60,11 +58,10 @@ def core_main(config_bytes: bytes, address: str, log_level: int) -> None:
 
 
 class _CoreServer:
-    def __init__(self, config: EngineConfig, address: str):
+    def __init__(self, config: EngineConfig, address: str, eos_token_ids: set[int]):
         self.config = config
         self.address = address
-        self.eos_token_ids: Optional[set[int]] = None  # from the first FrontHello
-        self.hello = asyncio.Event()
+        self.eos_token_ids = eos_token_ids
         self.fronts: list[bytes] = []
         self.owner: dict[str, bytes] = {}  # live sequence id -> the front end that sent it
         self.core = None
@@ -79,13 +76,9 @@ class _CoreServer:
         loop.add_signal_handler(signal.SIGTERM, self.stop.set)
         reader = asyncio.create_task(self._read())
         try:
-            from zpp.engine.core import EngineCore  # the heavy imports, while the front end loads its tokenizer
-
-            async def start():
-                await self.hello.wait()
-                return await EngineCore.start(self.config, self.eos_token_ids, self._emit, self._on_dead)
-
-            starting = asyncio.ensure_future(start())
+            from zpp.engine.core import EngineCore
+            starting = asyncio.ensure_future(
+                EngineCore.start(self.config, self.eos_token_ids, self._emit, self._on_dead))
             stopped = asyncio.ensure_future(self.stop.wait())
             await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
             stopped.cancel()
@@ -147,9 +140,6 @@ class _CoreServer:
             elif isinstance(msg, cm.FrontHello):
                 if ident not in self.fronts:
                     self.fronts.append(ident)
-                if self.eos_token_ids is None:
-                    self.eos_token_ids = set(msg.eos_token_ids)
-                    self.hello.set()
                 if self.ready is not None:
                     self.sock.send(ident, self.ready)
             elif isinstance(msg, cm.ShutdownCore):

@@ -81,32 +81,19 @@ class AsyncEngine:
             WorkerDiedError: a worker (or the core process) failed to start.
         """
         validate_startup(config)
-        host = None
+        tokenizer = load_tokenizer(config)
+        eos = eos_token_ids(config.model.model, config.model.hf_config, tokenizer)
         if in_process:
             client = InProcessCoreClient()
         else:
-            # Serving: a core of our own and the grammar compile host start now, so that their
-            # imports (PyTorch; xgrammar and their own tokenizer) run while this process loads the
-            # tokenizer; the core starts its workers once it has the EOS ids (FrontHello).
             client = CoreProcessClient(core_address, front_end_index)
-            client.spawn(config)
-            if tokenizer_path(config) is not None:
-                host = GrammarCompiler.spawn_host(tokenizer_path(config), int(config.model.hf_config["vocab_size"]))
-        try:
-            tokenizer = load_tokenizer(config)
-            eos = eos_token_ids(config.model.model, config.model.hf_config, tokenizer)
-            engine = cls(config, tokenizer, eos, client)
-            so = config.structured_outputs
-            engine.grammar = GrammarCompiler(tokenizer, engine.vocab_size, eos, so.compile_timeout,
-                                             so.max_spec_bytes, so.max_grammar_bytes, host=host)
-        except BaseException:  # e.g. a tokenizer that fails to load: stop what was spawned above
-            if host is not None:
-                host.close()
-            await client.shutdown()
-            raise
-        # Serving: the workers load and the grammar compile host gets ready meanwhile, so that no
-        # HTTP request waits for it. Offline (in process) it starts with the first structured-output
-        # request: an LLM that never asks for one does not pay a process importing xgrammar.
+        engine = cls(config, tokenizer, eos, client)
+        so = config.structured_outputs
+        engine.grammar = GrammarCompiler(tokenizer, engine.vocab_size, eos, so.compile_timeout, so.max_spec_bytes,
+                                         so.max_grammar_bytes)
+        # Serving: the grammar compile host starts while the workers load, so that no HTTP request
+        # waits for it. Offline (in process) it starts with the first structured-output request:
+        # an LLM that never asks for one does not pay a process importing xgrammar.
         warm = asyncio.ensure_future(engine.grammar.warm_up() if not in_process else asyncio.sleep(0))
         try:
             await client.start(config, eos, engine._on_step, engine._on_core_dead)
@@ -344,16 +331,6 @@ def validate_startup(config: EngineConfig) -> None:
                               f"GPUs needed, but this host has {n}")
 
 
-def tokenizer_path(config: EngineConfig) -> Optional[str]:
-    """The directory of the model's tokenizer (``--tokenizer``, else the model's), None if it has no
-    tokenizer files."""
-    path = config.model.tokenizer or config.model.model
-    if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
-                                                           "tokenizer.model", "vocab.json")):
-        return path
-    return None
-
-
 def load_tokenizer(config: EngineConfig):
     """The HF tokenizer of the model (or ``--tokenizer``); None if the directory has none.
 
@@ -362,7 +339,8 @@ def load_tokenizer(config: EngineConfig):
             files there do not load (the message names the directory and transformers' error).
     """
     path = config.model.tokenizer or config.model.model
-    if tokenizer_path(config) is None:
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                "tokenizer.model", "vocab.json")):
         if config.model.tokenizer:
             raise ConfigError(f"--tokenizer {path!r}: no tokenizer files in that directory")
         logger.warning("no tokenizer in %s: prompts must be token ids and outputs have no text", path)

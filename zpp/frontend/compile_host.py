@@ -160,12 +160,11 @@ def grammar_vocab_size(tokenizer_size: int, model_vocab_size: int, stop_token_id
     return min(model_vocab_size, need)
 
 
-def host_main(conn, front_end: int, tokenizer_path: str, vocab_size: int, general_slots: int, small_slots: int,
-              log_level: int) -> None:
+def host_main(conn, front_end: int, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int],
+              general_slots: int, small_slots: int, log_level: int) -> None:
     """The compile host's main loop (a spawned process; see the module docstring).
 
-    From the front end: first ``["eos", stop_token_ids]`` (read once the tokenizer has loaded: the
-    host may be spawned before the front end knows them), or ``["stop"]``; then ``["compile", job_id, kind, text, any_whitespace, max_grammar_bytes,
+    From the front end: ``["compile", job_id, kind, text, any_whitespace, max_grammar_bytes,
     time_limit]``, ``["drop", job_id]`` (nobody waits for it any more: unqueue it, or kill it,
     without a reply), ``["stop"]``.
     To it: ``["ready", tokenizer_info_json]`` (or ``["failed", message]``), then per job
@@ -183,17 +182,11 @@ def host_main(conn, front_end: int, tokenizer_path: str, vocab_size: int, genera
         import xgrammar as xgr
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        first = _decode(conn.recv_bytes())
-        if first[0] != "eos":  # "stop": the front end gave up before it started
-            return
-        stop_token_ids = first[1]
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=grammar_vocab_size(len(tokenizer), vocab_size, stop_token_ids),
             stop_token_ids=stop_token_ids)
         info_json = info.serialize_json()
         del tokenizer
-    except (EOFError, OSError):  # the front end went away before it sent the stop ids
-        return
     except Exception as e:
         conn.send_bytes(_encode(["failed", f"xgrammar failed on this tokenizer: {str(e).strip()[:500]}"]))
         return
@@ -301,9 +294,7 @@ class CompileHost:
 
     Args:
         tokenizer_path: the HF tokenizer's directory (``tokenizer.name_or_path``), loaded by the host.
-        vocab_size, stop_token_ids: as xgrammar's ``TokenizerInfo.from_huggingface`` takes them;
-            the stop ids may come later (:meth:`set_stop_token_ids`): a host spawned before the
-            front end has loaded its tokenizer builds the tokenizer info once it has them.
+        vocab_size, stop_token_ids: as xgrammar's ``TokenizerInfo.from_huggingface`` takes them.
 
     ``start()`` returns the tokenizer info (xgrammar's JSON, which the engine core needs to read the
     grammars). ``submit(job_id, kind, text, any_whitespace, max_grammar_bytes, time_limit)``
@@ -312,9 +303,8 @@ class CompileHost:
     queue; ``drop(job_id)`` unqueues or kills a compile nobody waits for.
     """
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: Optional[list[int]] = None):
-        self._host_args = (tokenizer_path, vocab_size)
-        self.stop_token_ids = None if stop_token_ids is None else list(stop_token_ids)
+    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]):
+        self._host_args = (tokenizer_path, vocab_size, list(stop_token_ids))
         self._proc: Optional[mp.Process] = None
         self._conn = None
         self._send_lock = threading.Lock()
@@ -326,15 +316,11 @@ class CompileHost:
 
     async def start(self) -> str:
         """Spawn the host (once; later calls wait for the same start, or respawn it once it died);
-        returns the tokenizer info (once the stop ids are set).
+        returns the tokenizer info.
 
         Raises:
             CompileHostDied: the host could not start (xgrammar failed there), with the reason.
         """
-        return await asyncio.shield(self.spawn())
-
-    def spawn(self) -> asyncio.Future:
-        """Spawn the host now, unless it runs or is starting; the future :meth:`start` awaits."""
         ready = self._ready
         if ready is None:
             self._dead = None
@@ -343,14 +329,7 @@ class CompileHost:
                 self._spawn()
             except Exception as e:
                 self._fail(f"the grammar compile process did not start: {e}")  # sets self._ready = None
-        return ready
-
-    def set_stop_token_ids(self, stop_token_ids) -> None:
-        """The stop ids of a host created without them (sent to one already spawned)."""
-        if self.stop_token_ids is None:
-            self.stop_token_ids = sorted(stop_token_ids)
-            if self._conn is not None:
-                self._send(["eos", self.stop_token_ids])
+        return await asyncio.shield(ready)
 
     def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
@@ -366,8 +345,6 @@ class CompileHost:
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._read, args=(parent, loop, self._ready), name="zpp-grammar-host-reader",
                          daemon=True).start()
-        if self.stop_token_ids is not None:
-            self._send(["eos", self.stop_token_ids])
 
     def _read(self, conn, loop, ready: asyncio.Future) -> None:
         """Reader thread: hands the host's messages to the futures, on the event loop."""

@@ -98,38 +98,28 @@ class CoreProcessClient:
         self.address = address
         self.index = index
         self.proc: Optional[mp.Process] = None
-        self.sock: Optional[CoreSocket] = None
         self._stats = cm.EngineStats()
         self._stopping = False
         self._dead = False
         self._reader: Optional[asyncio.Task] = None
         self._on_exit_during_start: Optional[asyncio.Future] = None
 
-    def spawn(self, config: EngineConfig) -> None:
-        """Start the core process now, if this front end starts one (no ``address``) and has not
-        yet: its imports then run while the front end loads the tokenizer; it waits for
-        :meth:`start`'s FrontHello. Once spawned, :meth:`shutdown` stops it (even before ``start``)."""
-        if self.address is not None:
-            return
-        self.address = local_ipc_address()
-        ctx = mp.get_context("spawn")
-        level = logging.getLogger("zpp").getEffectiveLevel()
-        with main_module_hidden(), sigint_blocked():
-            # Not a daemon: the core starts the worker processes itself.
-            self.proc = ctx.Process(target=core_main, name="zpp-engine-core",
-                                    args=(msgspec.msgpack.encode(config), self.address, level))
-            self.proc.start()
-        self.sock = CoreSocket(self.address)
-
     async def start(self, config: EngineConfig, eos_token_ids: set[int], on_step, on_dead) -> None:
         self.on_step, self.on_dead = on_step, on_dead
         loop = asyncio.get_running_loop()
-        self.spawn(config)
-        if self.proc is not None:  # fires at once if it has already exited
+        if self.address is None:
+            self.address = local_ipc_address()
+            ctx = mp.get_context("spawn")
+            level = logging.getLogger("zpp").getEffectiveLevel()
+            with main_module_hidden(), sigint_blocked():
+                # Not a daemon: the core starts the worker processes itself.
+                self.proc = ctx.Process(target=core_main, name="zpp-engine-core",
+                                        args=(msgspec.msgpack.encode(config), self.address,
+                                              sorted(eos_token_ids), level))
+                self.proc.start()
             loop.add_reader(self.proc.sentinel, self._core_exited)
-        if self.sock is None:
-            self.sock = CoreSocket(self.address)
-        self._send(cm.FrontHello(self.index, sorted(eos_token_ids)))
+        self.sock = CoreSocket(self.address)
+        self._send(cm.FrontHello(self.index))
         first = asyncio.ensure_future(self.sock.recv())
         exited = loop.create_future()
         self._on_exit_during_start = exited
@@ -222,8 +212,7 @@ class CoreProcessClient:
     def _close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-        if self.sock is not None:
-            self.sock.close()
+        self.sock.close()
 
     async def shutdown(self) -> None:
         """Ask the core to stop its workers and exit; wait (then SIGTERM, SIGKILL). Idempotent."""

@@ -101,7 +101,7 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], compile_timeout: float,
-                 max_spec_bytes: int, max_grammar_bytes: int = 16 << 20, host: Optional[CompileHost] = None):
+                 max_spec_bytes: int, max_grammar_bytes: int = 16 << 20):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
@@ -111,13 +111,6 @@ class GrammarCompiler:
         self.tokenizer_info_json = ""
         self._tokenizer_info_sent = False
         self._host: Optional[CompileHost] = None
-        if host is not None:  # spawned early (see spawn_host), for this tokenizer: it gets the stop ids now
-            self._host = host
-            if tokenizer is None:
-                host.close()
-                self._host = None
-            else:
-                host.set_stop_token_ids(self.stop_token_ids)
         self._job_ids = itertools.count()
         self._cache: OrderedDict[str, str] = OrderedDict()  # key -> serialized CompiledGrammar
         self._refused: OrderedDict[str, tuple[str, Optional[float]]] = OrderedDict()  # key -> (message, until)
@@ -134,15 +127,6 @@ class GrammarCompiler:
             await self._started_host()
         except Exception as e:
             logger.warning("structured outputs are unavailable: %s", _library_message(e))
-
-    @staticmethod
-    def spawn_host(tokenizer_path: str, vocab_size: int) -> CompileHost:
-        """A compile host for this tokenizer, spawned now, before the front end has loaded the
-        tokenizer (``zpp serve``: the host's imports and tokenizer run meanwhile); give it to the
-        GrammarCompiler (``host=``), or close it."""
-        host = CompileHost(tokenizer_path, vocab_size)
-        host.spawn()
-        return host
 
     async def _started_host(self) -> CompileHost:
         if self._host is None:

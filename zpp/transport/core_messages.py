@@ -110,9 +110,6 @@ class FrontHello(msgspec.Struct, tag=True, array_like=True):
     """A front end's first message on the core socket (the core answers CoreReady when it is)."""
 
     index: int
-    eos_token_ids: list[int] = []
-    """The model's EOS token ids, from its configs and tokenizer (which only the front end loads):
-    the core starts its workers' set-up with those of the first FrontHello."""
 
 
 class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
