@@ -474,6 +474,11 @@ MALFORMED = [
     ("/v1/completions", b"", 400, None),
     ("/v1/completions", {}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "priority": 1}, 400, "priority"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "priority": -3}, 400, "priority"),
+    ("/v1/completions", {"prompt": "hi", "request_id": ""}, 400, "request_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "request_id": "a\nb"}, 400,
+     "request_id"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
@@ -747,6 +752,34 @@ def test_prompt_logprobs_in_responses(server, tokenizer):
                 data = await r.json()
             assert data["prompt_logprobs"][0] is None
             assert len(data["prompt_logprobs"]) == data["usage"]["prompt_tokens"]
+    run(go())
+
+
+@pytest.mark.slow
+def test_request_id_names_the_response_and_priority_zero_is_accepted(server):
+    """vLLM's ``request_id`` and ``priority`` fields: the response's id (every chunk's, streamed) is
+    ``chatcmpl-<request_id>`` / ``cmpl-<request_id>``, the output is the one without the fields, the
+    same id serves again once its request is done, and while one runs a second is refused (400)."""
+    async def go():
+        c = client(server)
+        base = dict(model=MODEL, max_tokens=4, temperature=0)
+        plain = await c.chat.completions.create(messages=FRANCE, **base)
+        r = await c.chat.completions.create(messages=FRANCE, **base, extra_body={"request_id": "trace-42", "priority": 0})
+        assert r.id == "chatcmpl-trace-42" and r.choices[0].message.content == plain.choices[0].message.content
+        ids = {ch.id async for ch in await c.chat.completions.create(messages=FRANCE, stream=True, **base,
+                                                                       extra_body={"request_id": "trace-42"})}
+        assert ids == {"chatcmpl-trace-42"}
+        r = await c.completions.create(prompt="Hello", **base, extra_body={"request_id": "trace-42"})
+        assert r.id == "cmpl-trace-42" and r.usage.completion_tokens == 4
+        async with aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "request_id": "busy"}
+            first = asyncio.create_task(_post(s, server, "/v1/completions", body))
+            await asyncio.sleep(1.0)
+            status, got = await _post(s, server, "/v1/completions", {**body, "max_tokens": 2})
+            assert status == 400 and got["error"]["param"] == "request_id", got
+            status, got = await first
+            assert status == 200 and got["id"] == "cmpl-busy" and got["usage"]["completion_tokens"] == 200, got
+
     run(go())
 
 

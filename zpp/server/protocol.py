@@ -95,6 +95,7 @@ class _Request(msgspec.Struct):
 # Every integer that reaches the engine crosses a msgpack socket: it must fit in 64 bits.
 Int64 = whole_int(-(2 ** 63), 2 ** 63 - 1)
 MAX_N = 128  # OpenAI's limit on completions per prompt
+MAX_REQUEST_ID = 256  # characters of a client's request_id (it goes into ids and log lines)
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -132,6 +133,11 @@ class _SamplingFields(_Request, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[Int64] = None
+    request_id: Optional[str] = None
+    """The response's ``id`` is ``chatcmpl-<request_id>`` / ``cmpl-<request_id>`` (a fresh one
+    without it); two requests in progress may not share one (HTTP 400)."""
+    priority: Int64 = 0
+    """Only 0: zpp schedules first come, first served (as vLLM without ``--scheduling-policy priority``)."""
     # Structured outputs (see structured_outputs_of): OpenAI's response_format, vLLM's current
     # structured_outputs object and its older guided_* fields.
     response_format: Optional[dict[str, Any]] = None
@@ -315,6 +321,12 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
         ProtocolError: an out-of-range value or a field zpp does not support (``param`` names it).
     """
     d = defaults or {}
+    if req.priority != 0:
+        raise ProtocolError(f"priority: {req.priority}, but zpp schedules requests first come, first served: "
+                            f"only 0 is accepted", "priority")
+    if req.request_id is not None and not (0 < len(req.request_id) <= MAX_REQUEST_ID
+                                           and req.request_id.isprintable() and req.request_id.isascii()):
+        raise ProtocolError(f"request_id: 1 to {MAX_REQUEST_ID} printable ASCII characters", "request_id")
 
     def pick(name: str, builtin):
         v = getattr(req, name)

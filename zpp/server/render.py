@@ -53,9 +53,10 @@ def classify(e: BaseException) -> tuple[int, str, Optional[str]]:
     return 500, "server_error", None
 
 
-def new_id(prefix: str) -> str:
-    """A fresh response id, e.g. ``cmpl-<32 hex digits>``."""
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, request_id: Optional[str] = None) -> str:
+    """A response id: ``<prefix>-<request_id>`` for a client's (vLLM's ``request_id`` field), else a
+    fresh one, e.g. ``cmpl-<32 hex digits>``."""
+    return f"{prefix}-{request_id or uuid.uuid4().hex}"
 
 
 def now() -> int:
