@@ -143,6 +143,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     top-k/p and min-p, in every sampling mode (OpenAI's ``logit_bias``): +100 all but forces a
     token, -100 all but forbids it. Ids must lie in the vocabulary (checked when the request is
     queued). Logprobs stay the model's own."""
+    truncate_prompt_tokens: Optional[int] = None
+    """Keep only the prompt's last k tokens (vLLM's left truncation); -1: its last ``max_model_len``
+    (that leaves no room to generate, so such a prompt is still refused). A prompt of k tokens or
+    fewer is unchanged. Chat: the rendered conversation's last k tokens."""
 
     def __post_init__(self):
         def bad(param, msg):
@@ -189,6 +193,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 self.stop = None
         if self.stop_token_ids is not None and any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative token ids")
+        if self.truncate_prompt_tokens is not None and (self.truncate_prompt_tokens < -1
+                                                        or self.truncate_prompt_tokens == 0):
+            bad("truncate_prompt_tokens", f"must be -1 or >= 1, got {self.truncate_prompt_tokens}")
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:

@@ -475,6 +475,9 @@ MALFORMED = [
     ("/v1/completions", {}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "priority": 1}, 400, "priority"),
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": -2}, 400,
+     "truncate_prompt_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "priority": -3}, 400, "priority"),
     ("/v1/completions", {"prompt": "hi", "request_id": ""}, 400, "request_id"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "request_id": "a\nb"}, 400,
@@ -779,6 +782,31 @@ def test_request_id_names_the_response_and_priority_zero_is_accepted(server):
             assert status == 400 and got["error"]["param"] == "request_id", got
             status, got = await first
             assert status == 200 and got["id"] == "cmpl-busy" and got["usage"]["completion_tokens"] == 200, got
+
+    run(go())
+
+
+@pytest.mark.slow
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server, tokenizer):
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens run, as if sent alone (same
+    greedy text, k prompt tokens in the usage), for a text prompt, token ids and a chat; a prompt
+    far over --max-model-len (1024 here) is served once truncated; a shorter prompt is unchanged."""
+    async def go():
+        c = client(server)
+        base = dict(model=MODEL, max_tokens=8, temperature=0)
+        ids = tokenizer.encode("The history of the city is long. " * 300)  # ~2700 tokens
+        assert len(ids) > 2048
+        alone = await c.completions.create(prompt=ids[-40:], **base)
+        for prompt in (tokenizer.decode(ids), ids):
+            r = await c.completions.create(prompt=prompt, **base, extra_body={"truncate_prompt_tokens": 40})
+            assert r.usage.prompt_tokens == 40 and r.choices[0].text == alone.choices[0].text
+        r = await c.completions.create(prompt=ids[-30:], **base, extra_body={"truncate_prompt_tokens": 40})
+        assert r.usage.prompt_tokens == 30
+        chat_ids = tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=True)
+        chat_ids = chat_ids if isinstance(chat_ids, list) else chat_ids["input_ids"]
+        alone = await c.completions.create(prompt=chat_ids[-12:], **base)
+        r = await c.chat.completions.create(messages=FRANCE, **base, extra_body={"truncate_prompt_tokens": 12})
+        assert r.usage.prompt_tokens == 12 and r.choices[0].message.content == alone.choices[0].text
 
     run(go())
 

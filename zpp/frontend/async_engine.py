@@ -187,14 +187,17 @@ class AsyncEngine:
             RequestError: the request breaks a limit or its grammar cannot be compiled.
         """
         sampling = sampling if sampling is not None else SamplingParams()
+        truncate = sampling.truncate_prompt_tokens
         try:
             if messages is not None:
                 opts = chat or ChatOptions()
-                text, ids = await off_loop_if_large(self.inputs.tokenize_chat, messages, opts,
+                text, ids = await off_loop_if_large(self.inputs.tokenize_chat, messages, opts, truncate is None,
                                                      size=text_size(messages) + 100 * len(messages))
             else:
-                text, ids = await off_loop_if_large(self.inputs.tokenize_prompt, prompt,
+                text, ids = await off_loop_if_large(self.inputs.tokenize_prompt, prompt, truncate is None,
                                                      size=text_size(prompt) if isinstance(prompt, str) else 0)
+            if truncate is not None:
+                text, ids = self.inputs.truncate(text, ids, truncate)
             self.inputs.check_stop_token_ids(sampling)
             max_tokens = self.inputs.validate(ids, sampling)
             try:

@@ -147,7 +147,7 @@ class InputProcessor:
         """Raises RequestError (``stop_token_ids``) for an id outside the vocabulary."""
         self.check_token_ids(sampling.stop_token_ids or (), "stop_token_ids", "stop_token_ids:")
 
-    def render_chat(self, messages: list, opts: ChatOptions) -> str:
+    def render_chat(self, messages: list, opts: ChatOptions, check_chars: bool = True) -> str:
         """Render ``messages`` (OpenAI chat messages, as dicts or structs with ``role``, ``content``
         (a str, text parts or None), ``name``, ``tool_calls``, ``tool_call_id``) with the chat
         template; a ``developer`` message is a ``system`` one. With ``opts.tools`` the template
@@ -158,7 +158,7 @@ class InputProcessor:
             RequestError: (``messages``) no tokenizer or chat template, an empty list, a bad role
                 or content, a template error; (``continue_final_message``) both template switches;
                 (``chat_template_kwargs``) kwargs that change what the template returns; a text
-                too long for max_model_len.
+                too long for max_model_len (unless not ``check_chars``: the prompt is truncated).
         """
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer, so chat is unavailable; use /v1/completions "
@@ -222,27 +222,40 @@ class InputProcessor:
         if not isinstance(text, str):  # chat_template_kwargs such as return_dict / tokenize
             raise RequestError("chat_template_kwargs must not change what the template returns",
                                "chat_template_kwargs")
-        self.check_prompt_chars(text, "messages")
+        if check_chars:
+            self.check_prompt_chars(text, "messages")
         return text
 
-    def tokenize_chat(self, messages: list, opts: ChatOptions) -> tuple[str, list[int]]:
+    def tokenize_chat(self, messages: list, opts: ChatOptions, check_chars: bool = True) -> tuple[str, list[int]]:
         """(rendered text, token ids) of a conversation (see :meth:`render_chat`); the tokenizer adds
         no special tokens unless ``opts.add_special_tokens``. Raises RequestError."""
-        text = self.render_chat(messages, opts)
+        text = self.render_chat(messages, opts, check_chars)
         return text, self.tokenizer.encode(text, add_special_tokens=opts.add_special_tokens)
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def tokenize_prompt(self, prompt: PromptType, check_chars: bool = True) -> tuple[Optional[str], list[int]]:
         """A str or a list of token ids -> (text or None, token ids).
 
         Raises:
-            RequestError: a text prompt for a model without tokenizer, or one too long to fit.
+            RequestError: a text prompt for a model without tokenizer, or one too long to fit
+                (unless not ``check_chars``: the prompt is truncated).
         """
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer: send the prompt as token ids", "prompt")
-            self.check_prompt_chars(prompt)
+            if check_chars:
+                self.check_prompt_chars(prompt)
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
+
+    def truncate(self, text: Optional[str], ids: list[int], k: int) -> tuple[Optional[str], list[int]]:
+        """``truncate_prompt_tokens``: the last ``k`` of ``ids`` (``k == -1``: the last
+        ``max_model_len``), and the text those tokens decode to (None without a tokenizer); both
+        unchanged when the prompt is no longer."""
+        k = self.max_model_len if k == -1 else k
+        if len(ids) <= k:
+            return text, ids
+        ids = ids[-k:]
+        return (self.tokenizer.decode(ids) if self.tokenizer is not None else None), ids
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> int:
         """Check a request against the limits; return its effective max_tokens.

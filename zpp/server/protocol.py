@@ -133,6 +133,7 @@ class _SamplingFields(_Request, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[Int64] = None
+    truncate_prompt_tokens: Optional[Int64] = None
     request_id: Optional[str] = None
     """The response's ``id`` is ``chatcmpl-<request_id>`` / ``cmpl-<request_id>`` (a fresh one
     without it); two requests in progress may not share one (HTTP 400)."""
@@ -354,6 +355,7 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             structured_outputs=structured_outputs,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
     except SamplingParamsError as e:
         param = (rename or {}).get(e.param, e.param)
