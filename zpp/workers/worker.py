@@ -308,24 +308,52 @@ def _cpu_kv_blocks(kv_cache_memory, per_block: int) -> tuple[int, str]:
     return int(mem // per_block), ""
 
 
+# Memory a CUDA process holds outside PyTorch's allocator (its context, cuBLAS and Triton modules),
+# counted per stage where stages share one GPU and so cannot tell the others' memory from their own.
+CUDA_CONTEXT_MARGIN = 1 << 30
+
+
+def cuda_kv_budget(total: int, free: int, reserved: int, peak: int, utilization: float, graphs_margin: int,
+                   stages_on_gpu: int = 1) -> int:
+    """Bytes of KV cache one stage may take on its GPU (may be negative: nothing fits).
+
+    * ``total``, ``free``: the GPU's memory in bytes (``torch.cuda.mem_get_info``); ``reserved``:
+      what this process's allocator holds (``torch.cuda.memory_reserved``); ``peak``: this stage's
+      profiled peak (weights, activations, logits, sampler buffers); ``graphs_margin``: bytes kept
+      for CUDA graphs.
+    * One stage on the GPU (``stages_on_gpu == 1``): ``total x utilization`` less the peak, the
+      margin and whatever other processes hold (``total - free - reserved``, the CUDA context too).
+    * ``stages_on_gpu`` stages on one GPU (``ZPP_SHARE_GPU``): each gets ``total x utilization /
+      stages_on_gpu`` less its own peak, margin and :data:`CUDA_CONTEXT_MARGIN`. Another stage's
+      memory is not subtracted (the stages load at the same time, so what the GPU holds at this
+      moment depends on who came first); the split depends on nothing but this stage, so a
+      restarted stage measures the same budget.
+    """
+    if stages_on_gpu > 1:
+        return int(total * utilization / stages_on_gpu - peak - graphs_margin - CUDA_CONTEXT_MARGIN)
+    others = total - free - reserved  # other processes / CUDA context
+    return int(total * utilization - peak - others - graphs_margin)
+
+
 def _cuda_kv_blocks(init, runner, device, per_block: int) -> int:
-    """KV blocks that fit on this GPU: ``--kv-cache-memory`` if given, else what is left of
+    """KV blocks that fit on this GPU: ``--kv-cache-memory`` if given, else this stage's share of
     ``total x --gpu-memory-utilization`` after a profiling pass of the largest micro-batch
-    (weights, activations, logits and sampler buffers), minus memory other processes hold and a
-    margin for CUDA graphs."""
+    (:func:`cuda_kv_budget`)."""
     import torch
     cfg_all = init.config
     enforce_eager = cfg_all.enforce_eager
     if cfg_all.cache.kv_cache_memory is not None:
         return cfg_all.cache.kv_cache_memory // per_block
+    par = cfg_all.parallel
+    sharing = par.pipeline_parallel_size * par.tensor_parallel_size if par.share_gpu else 1
     tokens = cfg_all.max_num_batched_tokens
     peak = runner.profile_peak_memory(tokens, min(cfg_all.scheduler.max_num_seqs, tokens))
     free, total = torch.cuda.mem_get_info(device)
-    others = total - free - torch.cuda.memory_reserved(device)  # other processes / CUDA context
     graphs_margin = 0 if enforce_eager else 512 << 20
-    budget = total * cfg_all.cache.gpu_memory_utilization - peak - others - graphs_margin
-    logger.info("memory profile: peak %.2f GiB, others %.2f GiB, KV budget %.2f GiB", peak / 2**30,
-                others / 2**30, budget / 2**30)
+    budget = cuda_kv_budget(total, free, torch.cuda.memory_reserved(device), peak,
+                            cfg_all.cache.gpu_memory_utilization, graphs_margin, sharing)
+    logger.info("memory profile: peak %.2f GiB, KV budget %.2f GiB%s", peak / 2**30, budget / 2**30,
+                f" (1/{sharing} of the GPU: {sharing} stages share it)" if sharing > 1 else "")
     return int(max(0, budget) // per_block)
 
 
