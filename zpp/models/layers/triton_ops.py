@@ -28,12 +28,15 @@ def _paged_attention_kernel(
     KV_BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HQ: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
     D_EXTRA: tl.constexpr = 0, BLOCK_DE: tl.constexpr = 16, V_FROM_K: tl.constexpr = False,
-    v_scale=1.0, FP8_KV: tl.constexpr = False,
+    v_scale=1.0, FP8_KV: tl.constexpr = False, FP8_F16: tl.constexpr = True,
 ):
     # D_EXTRA > 0: queries and keys have D + D_EXTRA dims, values D (their scores add the extra
     # dims' dot product). V_FROM_K: the value of a key row is its first D dims (MLA's latent cache).
     # FP8_KV: the caches hold float8_e4m3fn K / V (--kv-cache-dtype fp8), upcast to the query's dtype as
     # they are read; K's scale is folded into scale_log2e by the caller, V's multiplies the output.
+    # FP8_F16 (with FP8_KV): the products run in fp16, q cast down once: every e4m3 value is exact in
+    # fp16 and e4m3 -> fp16 is one cvt per two values, where e4m3 -> bf16 goes through fp32 (the
+    # conversions, not the bytes, bounded the FP8 cache's speed). False: upcast to q's dtype.
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -53,11 +56,15 @@ def _paged_attention_kernel(
     d_ok = d < D
     q = tl.load(Q + (qs + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if FP8_KV and FP8_F16:
+        q = q.to(tl.float16)
     if D_EXTRA > 0:
         de = tl.arange(0, BLOCK_DE)
         de_ok = de < D_EXTRA
         q_ext = tl.load(Q + (qs + tok)[:, None] * stride_qt + head[:, None] * stride_qh + D + de[None, :],
                         mask=row_ok[:, None] & de_ok[None, :], other=0.0)
+        if FP8_KV and FP8_F16:
+            q_ext = q_ext.to(tl.float16)
     qpos = ctx + tok
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -87,12 +94,12 @@ def _paged_attention_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if FP8_KV:
-            k = k.to(Q.dtype.element_ty)
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2e                       # [BLOCK_M, BLOCK_N], log2 units
         if D_EXTRA > 0:
             k_ext = tl.load(K_cache + off[:, None] + D + de[None, :], mask=n_ok[:, None] & de_ok[None, :], other=0.0)
             if FP8_KV:
-                k_ext = k_ext.to(Q.dtype.element_ty)
+                k_ext = k_ext.to(q.dtype)
             s += tl.dot(q_ext, tl.trans(k_ext), input_precision=PREC) * scale_log2e
         visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
         if SLIDING:
@@ -108,7 +115,7 @@ def _paged_attention_kernel(
         else:
             v = tl.load(V_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
             if FP8_KV:
-                v = v.to(Q.dtype.element_ty)
+                v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -164,7 +171,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     tile_seq: torch.Tensor, tile_qstart: torch.Tensor, scale: float, block_m: int,
                     num_splits: int = 1, block_n: Optional[int] = None, num_warps: Optional[int] = None,
                     num_stages: Optional[int] = None, window: Optional[int] = None,
-                    sinks: Optional[torch.Tensor] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    sinks: Optional[torch.Tensor] = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                    fp8_f16: bool = True) -> torch.Tensor:
     """Causal attention of new query tokens over the paged KV cache (their own K/V already written).
 
     Args:
@@ -183,14 +191,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             prefill tiles, 32 and 2 for split decode, and 64 and 3 for unsplit decode (large
             batches): on the H200 a decode batch of 256 (1024) sequences at context 384 read its
             KV at 3.38 (3.96) TB/s against 3.06 (3.76) with 32 and 2
-            (``scripts/kernel_bench.py attn``, ``benchmarks/results/h200_async_kernels_attn.txt``).
+            (``scripts/kernel_bench.py attn``, ``benchmarks/results/h200_async_kernels_attn.txt``);
+            an FP8 cache's unsplit decode takes 128 keys a step (``scripts/fp8_attn_sweep.py``: 64
+            sequences at context 1024, 196 vs 222 us).
         window: sliding window ``W`` (None: full causal): the query at position ``i`` sees keys
             ``i - W < j <= i`` (HF's ``sliding_window_overlay``); each tile's key loop starts at its
             first query's first visible key, so blocks wholly outside the window are never read.
         sinks: ``[Hq]`` attention-sink logits (gpt-oss), any float dtype, or None.
         k_scale, v_scale: an FP8 cache (float8_e4m3fn ``k_cache`` / ``v_cache``) holds ``K / k_scale`` and
             ``V / v_scale``: K's scale multiplies the logits (not the sinks), V's the output (the cache
-            values are upcast to ``q``'s dtype for the products).
+            values are converted to fp16, and a 16-bit ``q`` with them, for the products; an fp32 ``q``,
+            or ``fp8_f16=False`` (kept for A/B runs), upcasts them to ``q``'s dtype instead).
     """
     T, Hq, Dq = q.shape
     _, kv_block, Hk, _ = k_cache.shape
@@ -212,8 +223,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_ml = torch.empty((T * Hq * splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out
-    if block_n is None:
-        block_n = 64 if block_m == 64 or splits == 1 else 32
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if block_n is None:  # an FP8 cache's unsplit decode: 128 keys a step keep as many bytes in flight
+        block_n = 128 if fp8 and block_m <= 16 and splits == 1 else 64 if block_m == 64 or splits == 1 else 32
     if num_stages is None:
         num_stages = 3 if block_m <= 16 and splits == 1 else 2
     grid = (tile_seq.shape[0], Hk, splits)
@@ -226,7 +238,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         KV_BLOCK=kv_block, D=D, BLOCK_D=BLOCK_D, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=splits, HQ=Hq, SLIDING=window is not None, HAS_SINKS=sinks is not None,
         D_EXTRA=d_extra, BLOCK_DE=max(16, triton.next_power_of_2(max(d_extra, 1))),
-        V_FROM_K=bool(d_extra), v_scale=v_scale, FP8_KV=k_cache.dtype == torch.float8_e4m3fn,
+        V_FROM_K=bool(d_extra), v_scale=v_scale, FP8_KV=fp8, FP8_F16=fp8_f16 and q.dtype != torch.float32,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge_splits_kernel[(T, Hq)](part_o, part_ml, out, out.stride(0), out.stride(1), HQ=Hq,
