@@ -28,13 +28,16 @@ import ipaddress
 import logging
 import socket
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from zpp.config import EngineConfig
 from zpp.errors import ConfigError
 from zpp.node.placement import describe_stages, split_ranks
 from zpp.transport.addresses import interface_of, is_loopback, route_source_address
 from zpp.transport.channels import tcp_address
+
+if TYPE_CHECKING:
+    from zpp.node.head_link import HeadLink
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +98,7 @@ class JoinError(ConfigError):
     """A node could not join the head (wrong keys, no head within the timeout): one line."""
 
 
-def join_head(master_addr: str, master_port: int, keys, timeout_s: float, node_rank: int):
+def join_head(master_addr: str, master_port: int, keys, timeout_s: float, node_rank: int) -> "HeadLink":
     """Wait until node rank 0's control plane completes a CURVE handshake with ``keys``; return that
     connection, kept open for the run (:class:`~zpp.node.head_link.HeadLink`; its ``address``,
     ``tcp://IP:PORT``, is the workers'), so that this node notices when the head is gone.
