@@ -262,7 +262,8 @@ def _assert_all_gone_after_head_kill(h, head: _Node, node: _Node, how: str) -> N
     try:
         rc = node.proc.wait(HEAD_GONE_BOUND_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"node rank 1 still runs {HEAD_GONE_BOUND_S:.0f} s after the head was killed:\n{node.output()[-3000:]}")
+        pytest.fail(f"node rank 1 still runs {HEAD_GONE_BOUND_S:.0f} s after the head was killed:\n"
+                    f"{node.output()[-3000:]}")
     assert rc == 1, node.output()[-3000:]
     lines = [t for t in node.output().splitlines() if "lost the head" in t]
     assert len(lines) == 1 and lines[0].startswith(f"zpp: node rank 1: lost the head, {_head_named(how, h)}: "), \
