@@ -8,7 +8,10 @@ LeaderWorkerSet would, with --nnodes 2 and node rank 0 (head, API) or 1 (headles
   case runs the command lines of examples/kubernetes/zpp-lws.yaml (parsed, its $(VAR)s expanded as
   Kubernetes does, the model, TP size and key path replaced by the test's, CPU-sized).
 - A stage on the head is still restarted in place (the node's stage rejoins; same output after).
-- Killing either side (SIGKILL) makes the other exit non-zero within 10 s; nothing is left.
+- Killing either side (SIGKILL) makes the other exit non-zero within 10 s; nothing is left. A
+  killed head, after start-up or while the node's workers start (each launcher's variables), makes
+  node rank 1 exit 1 with one line naming the head, and no process of the launch is left on either
+  host within 10 s.
 - A node holding another run's key file is refused in one line; the head then gives up at
   --node-join-timeout in one line naming the missing node rank and the refused connection.
 - A real Slurm (tests/slurm_cluster.py: munged, slurmctld and a slurmd per namespace, from Debian's
@@ -223,21 +226,71 @@ def test_per_node_pp2_equals_pp1_and_fails_together(hosts, demo_model, keys_file
             assert again["choices"][0]["text"] == ref[0]
             assert "pipeline formed again" in head.output() and node.proc.poll() is None, head.output()[-3000:]
         # Kill one side: the other exits non-zero within 10 s, and nothing is left on either host.
-        killed, other = (head, node) if victim == "head" else (node, head)
-        t0 = time.monotonic()
-        os.kill(killed.proc.pid, signal.SIGKILL)
-        try:
-            rc = other.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the {'node' if victim == 'head' else 'head'} still runs 10 s after the {victim} was killed:\n"
-                        f"{other.output()[-3000:]}")
-        took = time.monotonic() - t0
-        assert rc != 0, other.output()[-3000:]
-        assert took < 10
-        if victim == "node":
-            assert "node rank 1" in other.output() and "its launcher restarts the group" in other.output()
-        assert not _wait_empty(h, h.node_ns, 10), "processes left on the node"
-        assert not _wait_empty(h, h.head_ns, 10), "processes left on the head"
+        if victim == "head":
+            _assert_all_gone_after_head_kill(h, head, node, how)
+        else:
+            t0 = time.monotonic()
+            os.kill(node.proc.pid, signal.SIGKILL)
+            try:
+                rc = head.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the head still runs 10 s after the node was killed:\n{head.output()[-3000:]}")
+            assert rc != 0 and time.monotonic() - t0 < 10, head.output()[-3000:]
+            assert "node rank 1" in head.output() and "its launcher restarts the group" in head.output()
+            assert not _wait_empty(h, h.node_ns, 10), "processes left on the node"
+            assert not _wait_empty(h, h.head_ns, 10), "processes left on the head"
+    finally:
+        for side in (head, node):
+            if side is not None:
+                side.stop()
+
+
+HEAD_GONE_BOUND_S = 10.0
+"""Seconds within which every process of a launch is gone once its head was SIGKILLed (the node
+notices in ~3 s: zpp.node.agent.HEAD_GRACE_S)."""
+
+
+def _head_named(how: str, h) -> str:
+    return f"node rank 0 at {h.head_ip}:29511" if how == "flags" else f"node rank 0 at {HOSTS[0]}:29501 ({h.head_ip})"
+
+
+def _assert_all_gone_after_head_kill(h, head: _Node, node: _Node, how: str) -> None:
+    """SIGKILL the head's `zpp serve`; within HEAD_GONE_BOUND_S the node exits 1 with one line naming
+    the head, and no process is left in either namespace (every process of the launch lives there)."""
+    t0 = time.monotonic()
+    os.kill(head.proc.pid, signal.SIGKILL)
+    try:
+        rc = node.proc.wait(HEAD_GONE_BOUND_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"node rank 1 still runs {HEAD_GONE_BOUND_S:.0f} s after the head was killed:\n"
+                    f"{node.output()[-3000:]}")
+    assert rc == 1, node.output()[-3000:]
+    lines = [t for t in node.output().splitlines() if "lost the head" in t]
+    assert len(lines) == 1 and lines[0].startswith(f"zpp: node rank 1: lost the head, {_head_named(how, h)}: "), \
+        node.output()[-3000:]
+    left = _wait_empty(h, h.node_ns, t0 + HEAD_GONE_BOUND_S - time.monotonic())
+    left += _wait_empty(h, h.head_ns, t0 + HEAD_GONE_BOUND_S - time.monotonic())
+    assert not left, f"left {HEAD_GONE_BOUND_S:.0f} s after the head was killed: {left}"
+
+
+@pytest.mark.parametrize("how", ["flags", "slurm", "lws"])
+def test_head_killed_while_starting_leaves_nothing(hosts, demo_model, keys_file, how):
+    """SIGKILL node rank 0's `zpp serve` the moment node rank 1 has joined it (the node starts its
+    workers, the head its stage 0): node rank 1 exits 1 within seconds with one line naming the head,
+    and no process of the launch is left on either host. (Before, the node and its worker waited
+    120 s for an InitWorker that could not come, and the head's half-started stage 0, whose parent
+    died before it could watch it, outlived it too.) Killed after start-up: the test above."""
+    h = hosts
+    head, node = None, None
+    try:
+        head, node, _ = _launch(h, demo_model, keys_file, how)
+        deadline = time.monotonic() + 120
+        while "joined the head" not in node.output():
+            for side in (head, node):
+                assert side.proc.poll() is None, f"exited {side.proc.returncode}:\n{side.output()[-3000:]}"
+            assert time.monotonic() < deadline, node.output()[-3000:]
+            time.sleep(0.02)
+        _assert_all_gone_after_head_kill(h, head, node, how)
     finally:
         for side in (head, node):
             if side is not None:

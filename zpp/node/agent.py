@@ -14,9 +14,12 @@ It starts one worker process per rank (``python -m zpp.workers.worker``, keys on
 CPU each gets ``OMP_NUM_THREADS`` = this host's available cores ÷ its workers and OpenMP's wait
 settings, see ``zpp.utils.cpu_threads``, unless already set) and
 stays until the run ends: when the SSH session closes its stdin (the head went away), when a worker
-dies (it then stops the others and exits 1, saying which rank died and how), or on SIGTERM/SIGINT.
-Workers die with the agent too (``PR_SET_PDEATHSIG``) and exit when their connection to the head
-drops, so nothing is left behind on any host.
+dies (it then stops the others and exits 1, saying which rank died and how), when the head is gone
+(without SSH: its own connection to the head, :class:`zpp.node.head_link.HeadLink`, dropped; it
+stops the workers and exits 1 within ``HEAD_GRACE_S``, naming the head), or on SIGTERM/SIGINT.
+Workers die with the agent too (``PR_SET_PDEATHSIG``, also when the agent died while they were
+starting: ``zpp.utils.process.watch_parent``) and exit when their connection to the head drops, so
+nothing is left behind on any host.
 """
 from __future__ import annotations
 
@@ -31,6 +34,11 @@ import time
 from typing import Sequence
 
 
+HEAD_GRACE_S = 3.0
+"""Seconds a node's workers get to end in order (exit 0) once its link to the head dropped: the
+head's Shutdown may still be in flight when its connection closes (the workers' own grace)."""
+
+
 def _describe(code: int) -> str:
     if code < 0:
         try:
@@ -41,7 +49,7 @@ def _describe(code: int) -> str:
 
 
 def run_agent(engine: str, ranks: Sequence[int], keys, log_level: str = "info", watch_stdin: bool = False,
-              name: str = "zpp-node") -> int:
+              name: str = "zpp-node", head=None) -> int:
     """Start one worker process per rank of this host and stay until the run ends.
 
     Shared by ``zpp-node`` and ``zpp serve --node-rank R`` (a per-node launch, see
@@ -56,18 +64,24 @@ def run_agent(engine: str, ranks: Sequence[int], keys, log_level: str = "info", 
         watch_stdin: also stop when this process's stdin closes (the SSH session that started it
             ended: the head is gone).
         name: how this process signs its lines on stderr.
+        head: a watched :class:`~zpp.node.head_link.HeadLink` to the head, or None. Once it is lost
+            the workers have ``HEAD_GRACE_S`` seconds to end in order (exit 0: the head's Shutdown
+            was on its way); then they are stopped and this returns 1.
     Returns:
         0 once every worker exited 0 (the engine's orderly Shutdown) or after SIGTERM / SIGINT /
-        SIGHUP; 1 when a worker died or failed (the others are stopped first, and the line names
-        the rank and how it ended). Workers whose connection to the head drops exit 1, so a dead
-        head ends this with 1 within seconds.
+        SIGHUP; 1 when a worker died or failed, or the head is gone (the others are stopped
+        first, and one line on stderr names the rank and how it ended, or the head). Workers
+        whose connection to the head drops exit 1 too, so a dead head ends this with 1 within
+        seconds even without ``head``.
     """
+    from zpp.node.head_link import HEAD_SILENCE_S
     from zpp.utils.cpu_threads import stage_env, threads_per_stage
+    from zpp.utils.process import PARENT_PID_ENV
     line = keys.for_workers().encode().decode()
     level = str(getattr(logging, log_level.upper()))
     # CPU workers share this host's cores (the head only knows its own); a user's setting wins.
     # OpenMP reads its wait policy when it loads: it goes into the workers' environment.
-    env = {**os.environ, **stage_env(threads_per_stage(len(ranks)))}
+    env = {**os.environ, **stage_env(threads_per_stage(len(ranks))), PARENT_PID_ENV: str(os.getpid())}
     procs: dict[int, subprocess.Popen] = {}
     for r in ranks:
         proc = subprocess.Popen([sys.executable, "-m", "zpp.workers.worker", engine, str(r), level],
@@ -95,14 +109,22 @@ def run_agent(engine: str, ranks: Sequence[int], keys, log_level: str = "info", 
     status = 0
     while not stop.is_set():
         codes = {r: q.poll() for r, q in procs.items()}
+        if all(c == 0 for c in codes.values()):  # orderly shutdown by the engine
+            break
         failed = {r: c for r, c in codes.items() if c not in (None, 0)}
-        if failed:
+        if head is not None and head.lost.is_set():
+            # Its workers' own watches see the same drop; a failure now is the head's, not theirs.
+            if failed or time.monotonic() - head.lost_at >= HEAD_GRACE_S:
+                print(f"{name}: lost the head, {head.where}: its control-plane connection dropped without an "
+                      f"orderly end (it died or was killed, or its host was silent for {HEAD_SILENCE_S:.0f} s); "
+                      f"stopping this host's workers and exiting 1", file=sys.stderr, flush=True)
+                status = 1
+                break
+        elif failed:
             for r, c in failed.items():
                 print(f"{name}: worker rank {r} (pid {procs[r].pid}) {_describe(c)}; stopping this host's "
-                      f"workers", file=sys.stderr, flush=True)
+                      f"workers and exiting 1", file=sys.stderr, flush=True)
             status = 1
-            break
-        if all(c == 0 for c in codes.values()):  # orderly shutdown by the engine
             break
         time.sleep(0.1)
     for q in procs.values():
@@ -138,7 +160,16 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"zpp-node: error: {e}", file=sys.stderr, flush=True)
         return 2
-    return run_agent(args.engine, ranks, keys, args.log_level, watch_stdin=not args.keys_file)
+    if not args.keys_file:  # over SSH: the session's end is the head's end
+        return run_agent(args.engine, ranks, keys, args.log_level, watch_stdin=True)
+    # Started by hand or by a launcher: watch the head's control plane (from its first handshake on).
+    from zpp.node.head_link import HeadLink
+    head = HeadLink(args.engine, keys, f"the head at {args.engine}")
+    head.watch()
+    try:
+        return run_agent(args.engine, ranks, keys, args.log_level, head=head)
+    finally:
+        head.close()
 
 
 if __name__ == "__main__":

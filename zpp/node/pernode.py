@@ -13,8 +13,11 @@ any launcher starts it (vLLM's ``--nnodes N --node-rank R --master-addr A --mast
 * **Keys**: ``--node-keys-file``, written once by ``zpp node-keys FILE`` (mode 0400) and readable by
   every node's user only (a Kubernetes secret mounted 0400, a file on the job's shared storage).
   There is no unencrypted mode.
-* **Faults**: fail-stop, as launchers expect. A node's workers exit when their connection to the
-  head drops, and the node with them (non-zero, within seconds). The head probes every remote
+* **Faults**: fail-stop, as launchers expect. A node keeps the connection that joined the head
+  open (:class:`zpp.node.head_link.HeadLink`): when it drops without the head's orderly Shutdown
+  (the head died, even by SIGKILL, or its host went silent), the node stops its workers and exits 1
+  within seconds with one line naming the head; its workers also exit on their own when their
+  connection to the head drops. The head probes every remote
   rank's connection each half second and fails (non-zero) when one drops; a stage on a node is not
   restarted by the head (it cannot start processes there): the launcher restarts the group. Stages
   on the head itself are still restarted in place (``--max-stage-restarts``).
@@ -24,16 +27,17 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
-import sys
 import time
-import uuid
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from zpp.config import EngineConfig
 from zpp.errors import ConfigError
 from zpp.node.placement import describe_stages, split_ranks
 from zpp.transport.addresses import interface_of, is_loopback, route_source_address
 from zpp.transport.channels import tcp_address
+
+if TYPE_CHECKING:
+    from zpp.node.head_link import HeadLink
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +98,10 @@ class JoinError(ConfigError):
     """A node could not join the head (wrong keys, no head within the timeout): one line."""
 
 
-def join_head(master_addr: str, master_port: int, keys, timeout_s: float, node_rank: int) -> str:
-    """Wait until node rank 0's control plane completes a CURVE handshake with ``keys``; return its
-    address ``tcp://IP:PORT`` for the workers.
+def join_head(master_addr: str, master_port: int, keys, timeout_s: float, node_rank: int) -> "HeadLink":
+    """Wait until node rank 0's control plane completes a CURVE handshake with ``keys``; return that
+    connection, kept open for the run (:class:`~zpp.node.head_link.HeadLink`; its ``address``,
+    ``tcp://IP:PORT``, is the workers'), so that this node notices when the head is gone.
 
     Retries (every half second, up to ``timeout_s``) while the name does not resolve or nothing
     listens there yet: a launcher starts the nodes in any order. Kubernetes publishes a pod's DNS
@@ -106,8 +111,7 @@ def join_head(master_addr: str, master_port: int, keys, timeout_s: float, node_r
         JoinError: the head refused the handshake (the key file is not the head's, or something
             else listens there), or no head answered within ``timeout_s``.
     """
-    import zmq
-    from zmq.utils.monitor import recv_monitor_message
+    from zpp.node.head_link import HeadLink
 
     deadline = time.monotonic() + timeout_s
     last = "it does not resolve"
@@ -119,9 +123,13 @@ def join_head(master_addr: str, master_port: int, keys, timeout_s: float, node_r
         else:
             address = tcp_address(ip, master_port)
             where = f"{master_addr}:{master_port}" + (f" ({ip})" if ip != master_addr else "")
-            outcome = _handshake(zmq, recv_monitor_message, address, keys, deadline)
+            link = HeadLink(address, keys, f"node rank 0 at {where}")
+            # A refused TCP connection is retried by ZeroMQ itself; give up on this address after a
+            # few seconds to look the name up again (a pod's address can change while it starts).
+            outcome = link.handshake(min(deadline, time.monotonic() + 5.0))
             if outcome == "ok":
-                return address
+                return link
+            link.close()
             if outcome in ("auth", "protocol"):
                 why = ("its keys are not this run's" if outcome == "auth" else
                        "the head's CURVE key differs, or it is not a zpp head")
@@ -132,41 +140,6 @@ def join_head(master_addr: str, master_port: int, keys, timeout_s: float, node_r
             raise JoinError(f"node rank {node_rank}: no head within {timeout_s:.0f} s (--node-join-timeout): {last}; "
                             f"is node rank 0 running with the same --master-addr and --master-port?")
         time.sleep(_JOIN_RETRY_S)
-
-
-def _handshake(zmq, recv_monitor_message, address: str, keys, deadline: float) -> str:
-    """One CURVE handshake attempt at ``address`` until ``deadline``: ``ok``, ``auth`` (our client key
-    refused), ``protocol`` (the handshake failed: another server key, or not ZeroMQ CURVE), or
-    ``none`` (no connection)."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, f"join-{uuid.uuid4().hex[:8]}".encode())
-    sock.curve_serverkey = keys.server_public.encode()
-    sock.curve_publickey = keys.client_public.encode()
-    sock.curve_secretkey = keys.client_secret.encode()
-    mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-    try:
-        sock.connect(address)
-        # A refused TCP connection is retried by ZeroMQ itself; give up on this address after a
-        # few seconds to look the name up again (a pod's address can change while it starts).
-        until = min(deadline, time.monotonic() + 5.0)
-        while (left := until - time.monotonic()) > 0:
-            if not mon.poll(int(left * 1000) + 1):
-                break
-            event = recv_monitor_message(mon)["event"]
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                return "ok"
-            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                return "auth"
-            return "protocol"
-        return "none"
-    finally:
-        sock.disable_monitor()
-        mon.close(0)
-        sock.close(0)
-        ctx.term()
 
 
 def node_ranks(config: EngineConfig) -> list[list[int]]:
@@ -180,7 +153,10 @@ def run_node(config: EngineConfig, log_level: str = "info") -> int:
     (``zpp-node``'s agent) and stay until the run ends.
 
     Returns:
-        The agent's status: 0 after the head's orderly end, 1 when a worker died or the head did.
+        The agent's status: 0 after the head's orderly end (its workers got Shutdown) or SIGTERM
+        here; 1 when a worker died or failed, or when the head is gone (its control-plane
+        connection dropped, or was silent for ``HEAD_SILENCE_S``, without an orderly end): this
+        host's workers are stopped first, and one line on stderr says which.
     Raises:
         ConfigError: the key file cannot be used, or the head could not be joined (one line).
     """
@@ -193,11 +169,11 @@ def run_node(config: EngineConfig, log_level: str = "info") -> int:
     tp = par.tensor_parallel_size
     logger.info("node rank %d of %d (headless: %s, ranks %s): joining the head at %s:%d", par.node_rank, par.nnodes,
                 describe_stages(ranks, tp), ranks, par.master_addr, par.master_port)
-    engine = join_head(par.master_addr, par.master_port, keys, par.node_join_timeout, par.node_rank)
+    head = join_head(par.master_addr, par.master_port, keys, par.node_join_timeout, par.node_rank)
+    head.watch()
     logger.info("node rank %d: joined the head at %s (CURVE handshake done); starting this host's workers",
-                par.node_rank, engine)
-    status = run_agent(engine, ranks, keys, log_level, name=f"zpp: node rank {par.node_rank}")
-    if status:
-        print(f"zpp: node rank {par.node_rank}: a worker failed or the head went away; exiting {status}",
-              file=sys.stderr, flush=True)
-    return status
+                par.node_rank, head.address)
+    try:
+        return run_agent(head.address, ranks, keys, log_level, name=f"zpp: node rank {par.node_rank}", head=head)
+    finally:
+        head.close()

@@ -2,7 +2,8 @@
 
 - :func:`main_module_hidden`, :func:`sigint_blocked`: context managers around spawning children
   (no re-run of the user's ``__main__``; children start with SIGINT blocked).
-- :func:`watch_parent`: a child dies with its parent (``PR_SET_PDEATHSIG`` and a polling thread).
+- :func:`watch_parent`: a child dies with its parent (``PR_SET_PDEATHSIG`` and a polling thread),
+  also one whose parent died while it started (:func:`expected_parent`).
 - :func:`set_pdeathsig`: only the kernel's half of that (for forked children).
 - :func:`freeze_gc`: after start-up, keep full garbage collections short.
 """
@@ -25,11 +26,38 @@ def set_pdeathsig() -> None:
         pass
 
 
+PARENT_PID_ENV = "ZPP_PARENT_PID"
+"""Set by a zpp process in the environment of a child it starts with ``subprocess`` (not
+multiprocessing): the pid the child must have as its parent (:func:`expected_parent`)."""
+
+
+def expected_parent() -> int:
+    """The pid of the process that started this one, as that process said it (not ``os.getppid()``,
+    which is already init's or a subreaper's pid when the parent died before this child got here):
+    multiprocessing's record of the parent in a spawned child, else ``$ZPP_PARENT_PID`` (removed
+    from the environment, so that this process's own children do not inherit it), else
+    ``os.getppid()``."""
+    import multiprocessing
+    pid = os.environ.pop(PARENT_PID_ENV, "")
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.pid:
+        return parent.pid
+    if pid.isdigit():
+        return int(pid)
+    return os.getppid()
+
+
 def watch_parent(poll_s: float = 0.5) -> None:
-    """Exit this process as soon as its parent dies (even by SIGKILL)."""
-    parent = os.getppid()
+    """Exit this process (status 1) as soon as its parent dies, even by SIGKILL, and at once when
+    the parent died before this call (the child was still starting: importing, unpickling).
+
+    Args:
+        poll_s: seconds between checks of the polling thread (the kernel's ``PR_SET_PDEATHSIG``
+            acts at once; the thread covers a parent whose spawning thread ended first).
+    """
+    parent = expected_parent()
     set_pdeathsig()
-    if os.getppid() != parent:
+    if os.getppid() != parent:  # the parent died before PR_SET_PDEATHSIG was set
         os._exit(1)
 
     def loop():

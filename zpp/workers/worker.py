@@ -5,7 +5,9 @@ layer range, dtype, device, rendezvous) arrives over ZeroMQ in ``InitWorker``; t
 serves workers spawned locally and workers started by ``zpp-node`` on another host.
 
 A worker never outlives its engine: it asks the kernel to kill it when its parent dies
-(``PR_SET_PDEATHSIG``) and a watchdog thread exits when the parent pid changes.
+(``PR_SET_PDEATHSIG``), a watchdog thread exits when the parent pid changes, and it exits at once
+when its parent (the pid the parent recorded, not ``os.getppid()``) died while it was starting
+(``zpp.utils.process.watch_parent``).
 """
 from __future__ import annotations
 
