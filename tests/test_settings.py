@@ -135,6 +135,45 @@ def test_bad_values_name_their_flag(demo_model):
         ServerConfig(max_request_body_bytes=10)
 
 
+@pytest.mark.parametrize("text, value", [
+    ("4096", 4096), (" 2048 ", 2048), ("32k", 32_000), ("1m", 1_000_000), ("2g", 2 * 10**9), ("1t", 10**12),
+    ("25.6k", 25_600), ("1.5m", 1_500_000), ("32K", 32_768), ("1M", 1 << 20), ("2G", 2 << 30), ("1T", 1 << 40),
+])
+def test_human_readable_ints_as_vllm(text, value):
+    """vLLM's human_readable_int: lowercase k/m/g/t decimal (decimals allowed, truncated), uppercase
+    K/M/G/T binary (whole numbers only)."""
+    from zpp.settings import parse_human_int
+    assert parse_human_int(text, "--max-model-len") == value
+    assert parse_human_int(value, "--max-model-len") == value and parse_human_int(None, "--x") is None
+
+
+@pytest.mark.parametrize("bad", ["1.5K", "32kb", "32 k", "k", "", "abc", "1e3", "1.5", "0x10", "\u0661\u0662", True, 1.5])
+def test_human_readable_int_errors_are_one_line_naming_the_flag(bad):
+    from zpp.settings import parse_human_int
+    with pytest.raises(ConfigError) as e:
+        parse_human_int(bad, "--max-num-batched-tokens")
+    msg = str(e.value)
+    assert msg.startswith(f"--max-num-batched-tokens {bad!r}: ") and "\n" not in msg
+    if bad == "1.5K":
+        assert "did you mean 1.5k?" in msg
+
+
+def test_max_model_len_and_token_budget_take_human_readable_ints(demo_model):
+    """``--max-model-len 2k`` / ``1K`` and ``--max-num-batched-tokens 4k`` on the command line and as
+    LLM keywords; a bad one is a ConfigError naming the flag (``zpp serve`` prints it as one line)."""
+    parser = build_parser()
+    for text, value in (("2k", 2000), ("1K", 1024)):
+        args = parser.parse_args(["serve", demo_model, "--max-model-len", text, "--max-num-batched-tokens", "4k"])
+        cfg = engine_config_from_args(args, streaming=False)
+        assert cfg.model.max_model_len == value and cfg.scheduler.max_num_batched_tokens == 4000
+        assert engine_config(demo_model, streaming=False, max_model_len=text).model.max_model_len == value
+    assert engine_config(demo_model, streaming=False, max_model_len=512).model.max_model_len == 512
+    with pytest.raises(ConfigError, match=r"^--max-model-len '32kk': not an integer"):
+        engine_config_from_args(parser.parse_args(["serve", demo_model, "--max-model-len", "32kk"]))
+    with pytest.raises(ConfigError, match=r"^--max-model-len must be >= 1, got 0"):
+        engine_config(demo_model, streaming=False, max_model_len="0k")
+
+
 def test_unknown_llm_keyword_is_a_type_error_naming_it(demo_model):
     from zpp.llm import LLM
     with pytest.raises(TypeError, match=r"'max_num_seq'.*did you mean 'max_num_seqs'"):

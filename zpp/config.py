@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from zpp import envs
 from zpp.errors import ConfigError
-from zpp.settings import parse_layer_partition, parse_nodes, setting, tcp_port
+from zpp.settings import parse_human_int, parse_layer_partition, parse_nodes, setting, tcp_port
 
 if TYPE_CHECKING:  # torch is imported where it is needed, so that `zpp --help` and flag errors are quick
     import torch
@@ -104,8 +104,12 @@ class ModelConfig:
     written in ``zpp.args`` (a positional MODEL and ``--model``; default: the demo model)."""
     dtype: str = "auto"
     """auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16"""
-    max_model_len: Optional[int] = None
-    """longest sequence (prompt + output) in tokens (default: from the model's config.json)"""
+    max_model_len: Optional[int] = setting(None, parse=parse_human_int, metavar="N")
+    """longest sequence (prompt + output) in tokens, e.g. 4096, 32k (= 32000) or 32K (= 32768)
+    (default: from the model's config.json)
+
+    vLLM's human-readable integers (``zpp.settings.parse_human_int``): a lowercase suffix k, m, g, t
+    is decimal, an uppercase one binary."""
     served_model_name: Optional[str] = None
     """model name in the API (default: directory name)"""
     tokenizer: Optional[str] = None
@@ -402,11 +406,12 @@ class SchedulerConfig:
     """most requests running at once
 
     The most requests in one micro-batch."""
-    max_num_batched_tokens: Optional[int] = None
-    """token budget of one micro-batch, decodes first (default: 2048 with chunked prefill; without:
-    max(--max-model-len, 2048))
+    max_num_batched_tokens: Optional[int] = setting(None, parse=parse_human_int, metavar="N")
+    """token budget of one micro-batch, decodes first, e.g. 2048 or 8k (default: 2048 with chunked
+    prefill; without: max(--max-model-len, 2048))
 
-    The running requests' decodes take it first, prompt chunks the rest. ``DEFAULT_MAX_NUM_BATCHED_
+    The running requests' decodes take it first, prompt chunks the rest. vLLM's human-readable
+    integers, as ``max_model_len``. ``DEFAULT_MAX_NUM_BATCHED_
     TOKENS`` on CPU and CUDA, serving or offline; while streams decode, ``target_inter_token_latency``
     may cut a step's prompt chunks below what the budget leaves."""
     target_inter_token_latency: Optional[float] = setting(None, metavar="SECONDS")

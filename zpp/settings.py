@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import re
 import textwrap
 import typing
 from dataclasses import MISSING, dataclass, field
@@ -177,6 +178,41 @@ def parse_layer_partition(value: Any, flag: str) -> Union[tuple[int, ...], str, 
         from zpp.models.partition import parse_partition
         return parse_partition(value)
     return tuple(value) or None
+
+
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_human_int(value: Any, flag: str) -> Optional[int]:
+    """A count given as vLLM's human-readable integer (its ``human_readable_int``, used for
+    ``--max-model-len``): a lowercase suffix is decimal (``32k`` = 32000, ``1m`` = 1000000,
+    ``g``, ``t``; ``25.6k`` = 25600, truncated to an int), an uppercase one binary (``32K`` =
+    32768, ``1M`` = 1048576, ``G``, ``T``; whole numbers only), no suffix a plain integer. None
+    and an int (an ``LLM`` keyword) pass through.
+
+    Raises:
+        ConfigError: anything else (a bool, a float, ``1.5K``, ``32kb``, ``abc``), one line naming ``flag``.
+    """
+    from zpp.errors import ConfigError
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    bad = ConfigError(f"{flag} {value!r}: not an integer (a number of tokens, e.g. 4096; 32k = 32000, "
+                      f"32K = 32768)")
+    if not isinstance(value, str):
+        raise bad
+    m = re.fullmatch(r"([+-]?[0-9]+)|([0-9]+(?:\.[0-9]+)?)([kmgtKMGT])", value.strip())
+    if m is None:
+        raise bad
+    if m.group(1) is not None:  # a plain integer (a sign is the config's to judge)
+        return int(m.group(1))
+    number, suffix = m.group(2), m.group(3)
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise ConfigError(f"{flag} {value!r}: decimals go only with the decimal suffixes k, m, g, t (did you mean "
+                          f"{number}{suffix.lower()}?)")
+    return int(number) * _BINARY_SUFFIXES[suffix]
 
 
 def tcp_port(value: str) -> int:
