@@ -356,3 +356,18 @@ def test_docs_flags_page_is_the_generated_one():
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "flags.md")) as f:
         page = f.read()
     assert generated.split("\n", 2)[2] in page  # from the first table on
+
+
+@pytest.mark.parametrize("flags, on", [
+    ([], True), (["--disable-log-requests"], False), (["--enable-log-requests"], True),
+    (["--no-enable-log-requests"], False), (["--no-enable-log-requests", "--disable-log-requests"], False),
+])
+def test_enable_and_disable_log_requests(flags, on):
+    """vLLM's newer --enable-log-requests / --no-enable-log-requests and its older
+    --disable-log-requests decide the per-request log lines (zpp's default: on); the two that
+    contradict each other are a ConfigError."""
+    server = server_config_from_args(build_parser().parse_args(["serve", *flags]))
+    assert server.log_requests is on and server.server_options()["log_requests"] is on
+    with pytest.raises(ConfigError, match=r"^--enable-log-requests and --disable-log-requests contradict"):
+        server_config_from_args(build_parser().parse_args(["serve", "--enable-log-requests", "--disable-log-requests"]))
+
