@@ -174,6 +174,33 @@ def test_max_model_len_and_token_budget_take_human_readable_ints(demo_model):
         engine_config(demo_model, streaming=False, max_model_len="0k")
 
 
+def test_served_model_name_takes_several_names(demo_model, tmp_path):
+    """vLLM's ``--served-model-name NAME [NAME ...]``: a tuple of names (the first is ``name``),
+    from the command line (MODEL before or after, or --model), a ``--config`` YAML list, or an LLM
+    keyword given as a str or a sequence; the model directory's name without it."""
+    from zpp.cli import expand_config_file
+    parser = build_parser()
+    for argv in (["serve", demo_model, "--served-model-name", "a", "b"], ["serve", "--model", demo_model,
+                 "--served-model-name", "a", "b", "a"], ["serve", "--served-model-name", "a", "b", "--", demo_model]):
+        cfg = engine_config_from_args(parser.parse_args(argv), streaming=False)
+        assert cfg.model.served_model_name == ("a", "b") and cfg.model.name == "a", argv
+        assert cfg.model.served_names == ("a", "b")
+    yaml = tmp_path / "serve.yaml"
+    yaml.write_text("served-model-name: [x, y]\n")
+    args = parser.parse_args(expand_config_file(parser, ["serve", demo_model, "--config", str(yaml)]))
+    assert args.model == demo_model and args.served_model_name == ["x", "y"]
+    for value in ("m", ["m"], ("m",)):
+        assert engine_config(demo_model, streaming=False, served_model_name=value).model.served_model_name == ("m",)
+    assert ModelConfig(demo_model, served_model_name="smol").name == "smol"  # a str made directly: one name
+    plain = engine_config(demo_model, streaming=False).model
+    assert plain.served_model_name is None and plain.served_names == (os.path.basename(demo_model),)
+    for bad, msg in (([], "expected one name or more"), ("", "not a name"), (["a", " b"], "not a name"),
+                     (["a", 3], "not a name")):
+        with pytest.raises(ConfigError, match=r"^--served-model-name.*" + msg):
+            engine_config(demo_model, streaming=False, served_model_name=bad)
+
+
+
 def test_unknown_llm_keyword_is_a_type_error_naming_it(demo_model):
     from zpp.llm import LLM
     with pytest.raises(TypeError, match=r"'max_num_seq'.*did you mean 'max_num_seqs'"):

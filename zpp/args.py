@@ -95,7 +95,7 @@ def _add(group, s: Setting) -> None:
         if kind not in (int, float, str) and not meta.get("type"):
             raise TypeError(f"setting {s.name}: a {s.type} needs a parse= (zpp.settings.setting)")
         kwargs["type"] = kind
-        for key in ("choices", "metavar"):
+        for key in ("choices", "metavar", "nargs"):
             if meta.get(key):
                 kwargs[key] = list(meta[key]) if key == "choices" else meta[key]
     group.add_argument(s.flag, *meta.get("aliases", ()), **kwargs)

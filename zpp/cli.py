@@ -60,7 +60,8 @@ def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list
     """vLLM's ``--config FILE``: a YAML mapping of flag names (``max-num-seqs: 8`` or
     ``max_num_seqs: 8``) to values, read as if those flags came first, so that the command line
     overrides the file. ``true`` gives a switch, ``false`` its ``--no-`` form (or nothing), a list
-    its items joined by commas. Returns ``argv`` with ``--config FILE`` replaced by the file's
+    its items as separate values for a flag that takes several (``--served-model-name``), else its
+    items joined by commas. Returns ``argv`` with ``--config FILE`` replaced by the file's
     flags (unchanged without ``--config``). Raises ConfigError (unreadable file, not a mapping, a
     key that is not a flag of the command)."""
     cmd = _innermost_parser(parser, argv)
@@ -103,6 +104,9 @@ def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list
             continue
         if value is None:
             continue
+        if isinstance(value, (list, tuple)) and action.nargs in ("+", "*"):  # --served-model-name a b
+            flags += [name, *(str(v) for v in value)]
+            continue
         if isinstance(value, (list, tuple)):
             value = ",".join(str(v) for v in value)
         elif isinstance(value, bool):
@@ -110,6 +114,8 @@ def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list
         flags += [name, str(value)]
     start = len(argv) - len(_args_after_command(parser, argv))
     start = min(start, at)
+    while start < len(rest) and not rest[start].startswith("-"):  # after a leading MODEL: a flag of several
+        start += 1  # values (--served-model-name a b) would take it for one more value
     return rest[:start] + flags + rest[start:]
 
 
