@@ -174,6 +174,20 @@ def test_max_model_len_and_token_budget_take_human_readable_ints(demo_model):
         engine_config(demo_model, streaming=False, max_model_len="0k")
 
 
+@pytest.mark.parametrize("flags, on", [
+    ([], True), (["--disable-log-requests"], False), (["--enable-log-requests"], True),
+    (["--no-enable-log-requests"], False), (["--no-enable-log-requests", "--disable-log-requests"], False),
+])
+def test_enable_and_disable_log_requests(flags, on):
+    """vLLM's newer --enable-log-requests / --no-enable-log-requests and its older
+    --disable-log-requests decide the per-request log lines (zpp's default: on); the two that
+    contradict each other are a ConfigError."""
+    server = server_config_from_args(build_parser().parse_args(["serve", *flags]))
+    assert server.log_requests is on and server.server_options()["log_requests"] is on
+    with pytest.raises(ConfigError, match=r"^--enable-log-requests and --disable-log-requests contradict"):
+        server_config_from_args(build_parser().parse_args(["serve", "--enable-log-requests", "--disable-log-requests"]))
+
+
 def test_served_model_name_takes_several_names(demo_model, tmp_path):
     """vLLM's ``--served-model-name NAME [NAME ...]``: a tuple of names (the first is ``name``),
     from the command line (MODEL before or after, or --model), a ``--config`` YAML list, or an LLM
@@ -198,7 +212,6 @@ def test_served_model_name_takes_several_names(demo_model, tmp_path):
                      (["a", 3], "not a name")):
         with pytest.raises(ConfigError, match=r"^--served-model-name.*" + msg):
             engine_config(demo_model, streaming=False, served_model_name=bad)
-
 
 
 def test_unknown_llm_keyword_is_a_type_error_naming_it(demo_model):
@@ -369,32 +382,31 @@ def test_no_import_cycle_through_the_settings_modules():
 
 
 def test_flags_page_lists_every_flag():
+    """Every option string the real `zpp serve` parser accepts (``--x`` and ``--no-x``, aliases,
+    hand-written and vLLM-compatibility flags, those hidden from --help) and MODEL has a row in the
+    generated page, and every setting's row carries its field's docstring."""
     from zpp.args import flags_markdown, server_settings
     page = flags_markdown()
+    serve = _subparser(build_parser(), "serve")
+    strings = [f for a in serve._actions for f in a.option_strings]
+    assert {"--model", "--config", "--log-level", "--trust-remote-code", "--headless", "--download-dir", "--revision",
+            "--swap-space", "--distributed-executor-backend", "--no-enable-chunked-prefill", "-pp", "-h",
+            "--enable-log-requests", "--log-stats-interval"} <= set(strings)
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    listed = [f for row in rows for f in re.findall(r"`([^`]+)`", row.split(" | ")[0])]
+    missing = [f for f in strings if f not in listed]
+    assert not missing, missing
+    assert len(listed) == len(set(listed)), "a flag listed twice"
+    assert listed[0] == "MODEL" and set(listed) == set(strings) | {"MODEL"}
     for s in engine_settings() + server_settings():
-        assert (f"| `{s.flag}`" in page) != bool(s.meta.get("hidden")), s.name
+        row = next(r for r in rows if r.startswith(f"| `{s.flag}`"))
+        assert " ".join(s.help.split()).replace("``", "`") in row.replace("\\|", "|"), s.name
 
 
 def test_docs_flags_page_is_the_generated_one():
-    """docs/flags.md holds `python -m zpp.args`'s tables as generated (regenerate it after adding a
-    setting): the flags' documentation has one source, the fields."""
+    """docs/flags.md is `python -m zpp.args`'s output, whole (regenerate it after adding a flag or
+    a setting): the flags' documentation has one source, the parser and its fields."""
     from zpp.args import flags_markdown
-    generated = flags_markdown().split("\n", 1)[1].strip()  # without its title
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "flags.md")) as f:
         page = f.read()
-    assert generated.split("\n", 2)[2] in page  # from the first table on
-
-
-@pytest.mark.parametrize("flags, on", [
-    ([], True), (["--disable-log-requests"], False), (["--enable-log-requests"], True),
-    (["--no-enable-log-requests"], False), (["--no-enable-log-requests", "--disable-log-requests"], False),
-])
-def test_enable_and_disable_log_requests(flags, on):
-    """vLLM's newer --enable-log-requests / --no-enable-log-requests and its older
-    --disable-log-requests decide the per-request log lines (zpp's default: on); the two that
-    contradict each other are a ConfigError."""
-    server = server_config_from_args(build_parser().parse_args(["serve", *flags]))
-    assert server.log_requests is on and server.server_options()["log_requests"] is on
-    with pytest.raises(ConfigError, match=r"^--enable-log-requests and --disable-log-requests contradict"):
-        server_config_from_args(build_parser().parse_args(["serve", "--enable-log-requests", "--disable-log-requests"]))
-
+    assert page == flags_markdown() + "\n", "docs/flags.md is stale: python -m zpp.args > docs/flags.md"

@@ -8,8 +8,7 @@ import os
 import sys
 import traceback
 
-from zpp.args import (add_engine_args, add_per_node_args, add_server_args, engine_config_from_args,
-                      server_config_from_args)
+from zpp.args import add_engine_args, add_serve_args, engine_config_from_args, server_config_from_args
 from zpp.config import ConfigError, ParallelConfig
 
 __all__ = ["build_parser", "main", "add_engine_args", "engine_config_from_args", "resolve_per_node"]
@@ -249,10 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    add_engine_args(p)
-    add_server_args(p)
-    add_per_node_args(p).add_argument("--headless", action="store_true",
-                   help="accepted for vLLM command lines: node ranks > 0 are always headless (no HTTP server)")
+    add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("node-keys",
