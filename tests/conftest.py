@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from helpers import OBSERVED_NAME, ServerProcess, demo_model_or_skip, pp2_server
+from helpers import OBSERVED_ALIAS, OBSERVED_NAME, ServerProcess, demo_model_or_skip, pp2_server
 from two_hosts import TwoHosts, ensure_openssh, unavailable_reason
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -66,11 +66,12 @@ def shared_pp2_server(request, demo_model):
 @pytest.fixture(scope="module")
 def shared_pp2_prefix_server(request, demo_model):
     """``zpp serve`` at PP=2 with prefix caching (max-model-len 512, 64 KV blocks), the default log
-    level (info), stats every 0.5 s, served as ``OBSERVED_NAME``: the server of
+    level (info) with ``--enable-log-requests``, stats every 0.5 s, served as ``OBSERVED_NAME`` and
+    ``OBSERVED_ALIAS`` (``--served-model-name`` with two names): the server of
     tests/server/test_observability.py, and of the prefix-cache test of tests/server/test_serving.py after it."""
     yield from _shared_server(request, lambda: ServerProcess(
-        [demo_model, "-pp", "2", "--served-model-name", OBSERVED_NAME, "--max-model-len", "512",
-         "--num-kv-blocks", "64", "--enable-prefix-caching", "--log-stats-interval", "0.5"]))
+        [demo_model, "-pp", "2", "--served-model-name", OBSERVED_NAME, OBSERVED_ALIAS, "--max-model-len", "512",
+         "--num-kv-blocks", "64", "--enable-prefix-caching", "--log-stats-interval", "0.5", "--enable-log-requests"]))
 
 
 @pytest.fixture(scope="module")

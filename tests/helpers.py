@@ -142,7 +142,8 @@ def pp2_server(demo_model: str) -> ServerProcess:
                           "--num-kv-blocks", "128", "--log-level", "warning"])
 
 
-OBSERVED_NAME = "smol-test"  # the --served-model-name of ``shared_pp2_prefix_server``
+OBSERVED_NAME = "smol-test"  # the --served-model-name of ``shared_pp2_prefix_server`` (its first)
+OBSERVED_ALIAS = "smol-alias"  # its second --served-model-name
 
 
 def descendants(pid: int) -> list[int]:

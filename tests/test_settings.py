@@ -135,6 +135,85 @@ def test_bad_values_name_their_flag(demo_model):
         ServerConfig(max_request_body_bytes=10)
 
 
+@pytest.mark.parametrize("text, value", [
+    ("4096", 4096), (" 2048 ", 2048), ("32k", 32_000), ("1m", 1_000_000), ("2g", 2 * 10**9), ("1t", 10**12),
+    ("25.6k", 25_600), ("1.5m", 1_500_000), ("32K", 32_768), ("1M", 1 << 20), ("2G", 2 << 30), ("1T", 1 << 40),
+])
+def test_human_readable_ints_as_vllm(text, value):
+    """vLLM's human_readable_int: lowercase k/m/g/t decimal (decimals allowed, truncated), uppercase
+    K/M/G/T binary (whole numbers only)."""
+    from zpp.settings import parse_human_int
+    assert parse_human_int(text, "--max-model-len") == value
+    assert parse_human_int(value, "--max-model-len") == value and parse_human_int(None, "--x") is None
+
+
+@pytest.mark.parametrize("bad", ["1.5K", "32kb", "32 k", "k", "", "abc", "1e3", "1.5", "0x10", "\u0661\u0662", True, 1.5])
+def test_human_readable_int_errors_are_one_line_naming_the_flag(bad):
+    from zpp.settings import parse_human_int
+    with pytest.raises(ConfigError) as e:
+        parse_human_int(bad, "--max-num-batched-tokens")
+    msg = str(e.value)
+    assert msg.startswith(f"--max-num-batched-tokens {bad!r}: ") and "\n" not in msg
+    if bad == "1.5K":
+        assert "did you mean 1.5k?" in msg
+
+
+def test_max_model_len_and_token_budget_take_human_readable_ints(demo_model):
+    """``--max-model-len 2k`` / ``1K`` and ``--max-num-batched-tokens 4k`` on the command line and as
+    LLM keywords; a bad one is a ConfigError naming the flag (``zpp serve`` prints it as one line)."""
+    parser = build_parser()
+    for text, value in (("2k", 2000), ("1K", 1024)):
+        args = parser.parse_args(["serve", demo_model, "--max-model-len", text, "--max-num-batched-tokens", "4k"])
+        cfg = engine_config_from_args(args, streaming=False)
+        assert cfg.model.max_model_len == value and cfg.scheduler.max_num_batched_tokens == 4000
+        assert engine_config(demo_model, streaming=False, max_model_len=text).model.max_model_len == value
+    assert engine_config(demo_model, streaming=False, max_model_len=512).model.max_model_len == 512
+    with pytest.raises(ConfigError, match=r"^--max-model-len '32kk': not an integer"):
+        engine_config_from_args(parser.parse_args(["serve", demo_model, "--max-model-len", "32kk"]))
+    with pytest.raises(ConfigError, match=r"^--max-model-len must be >= 1, got 0"):
+        engine_config(demo_model, streaming=False, max_model_len="0k")
+
+
+@pytest.mark.parametrize("flags, on", [
+    ([], True), (["--disable-log-requests"], False), (["--enable-log-requests"], True),
+    (["--no-enable-log-requests"], False), (["--no-enable-log-requests", "--disable-log-requests"], False),
+])
+def test_enable_and_disable_log_requests(flags, on):
+    """vLLM's newer --enable-log-requests / --no-enable-log-requests and its older
+    --disable-log-requests decide the per-request log lines (zpp's default: on); the two that
+    contradict each other are a ConfigError."""
+    server = server_config_from_args(build_parser().parse_args(["serve", *flags]))
+    assert server.log_requests is on and server.server_options()["log_requests"] is on
+    with pytest.raises(ConfigError, match=r"^--enable-log-requests and --disable-log-requests contradict"):
+        server_config_from_args(build_parser().parse_args(["serve", "--enable-log-requests", "--disable-log-requests"]))
+
+
+def test_served_model_name_takes_several_names(demo_model, tmp_path):
+    """vLLM's ``--served-model-name NAME [NAME ...]``: a tuple of names (the first is ``name``),
+    from the command line (MODEL before or after, or --model), a ``--config`` YAML list, or an LLM
+    keyword given as a str or a sequence; the model directory's name without it."""
+    from zpp.cli import expand_config_file
+    parser = build_parser()
+    for argv in (["serve", demo_model, "--served-model-name", "a", "b"], ["serve", "--model", demo_model,
+                 "--served-model-name", "a", "b", "a"], ["serve", "--served-model-name", "a", "b", "--", demo_model]):
+        cfg = engine_config_from_args(parser.parse_args(argv), streaming=False)
+        assert cfg.model.served_model_name == ("a", "b") and cfg.model.name == "a", argv
+        assert cfg.model.served_names == ("a", "b")
+    yaml = tmp_path / "serve.yaml"
+    yaml.write_text("served-model-name: [x, y]\n")
+    args = parser.parse_args(expand_config_file(parser, ["serve", demo_model, "--config", str(yaml)]))
+    assert args.model == demo_model and args.served_model_name == ["x", "y"]
+    for value in ("m", ["m"], ("m",)):
+        assert engine_config(demo_model, streaming=False, served_model_name=value).model.served_model_name == ("m",)
+    assert ModelConfig(demo_model, served_model_name="smol").name == "smol"  # a str made directly: one name
+    plain = engine_config(demo_model, streaming=False).model
+    assert plain.served_model_name is None and plain.served_names == (os.path.basename(demo_model),)
+    for bad, msg in (([], "expected one name or more"), ("", "not a name"), (["a", " b"], "not a name"),
+                     (["a", 3], "not a name")):
+        with pytest.raises(ConfigError, match=r"^--served-model-name.*" + msg):
+            engine_config(demo_model, streaming=False, served_model_name=bad)
+
+
 def test_unknown_llm_keyword_is_a_type_error_naming_it(demo_model):
     from zpp.llm import LLM
     with pytest.raises(TypeError, match=r"'max_num_seq'.*did you mean 'max_num_seqs'"):
@@ -303,17 +382,31 @@ def test_no_import_cycle_through_the_settings_modules():
 
 
 def test_flags_page_lists_every_flag():
+    """Every option string the real `zpp serve` parser accepts (``--x`` and ``--no-x``, aliases,
+    hand-written and vLLM-compatibility flags, those hidden from --help) and MODEL has a row in the
+    generated page, and every setting's row carries its field's docstring."""
     from zpp.args import flags_markdown, server_settings
     page = flags_markdown()
+    serve = _subparser(build_parser(), "serve")
+    strings = [f for a in serve._actions for f in a.option_strings]
+    assert {"--model", "--config", "--log-level", "--trust-remote-code", "--headless", "--download-dir", "--revision",
+            "--swap-space", "--distributed-executor-backend", "--no-enable-chunked-prefill", "-pp", "-h",
+            "--enable-log-requests", "--log-stats-interval"} <= set(strings)
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    listed = [f for row in rows for f in re.findall(r"`([^`]+)`", row.split(" | ")[0])]
+    missing = [f for f in strings if f not in listed]
+    assert not missing, missing
+    assert len(listed) == len(set(listed)), "a flag listed twice"
+    assert listed[0] == "MODEL" and set(listed) == set(strings) | {"MODEL"}
     for s in engine_settings() + server_settings():
-        assert (f"| `{s.flag}`" in page) != bool(s.meta.get("hidden")), s.name
+        row = next(r for r in rows if r.startswith(f"| `{s.flag}`"))
+        assert " ".join(s.help.split()).replace("``", "`") in row.replace("\\|", "|"), s.name
 
 
 def test_docs_flags_page_is_the_generated_one():
-    """docs/flags.md holds `python -m zpp.args`'s tables as generated (regenerate it after adding a
-    setting): the flags' documentation has one source, the fields."""
+    """docs/flags.md is `python -m zpp.args`'s output, whole (regenerate it after adding a flag or
+    a setting): the flags' documentation has one source, the parser and its fields."""
     from zpp.args import flags_markdown
-    generated = flags_markdown().split("\n", 1)[1].strip()  # without its title
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "flags.md")) as f:
         page = f.read()
-    assert generated.split("\n", 2)[2] in page  # from the first table on
+    assert page == flags_markdown() + "\n", "docs/flags.md is stale: python -m zpp.args > docs/flags.md"

@@ -33,7 +33,8 @@ GROUPS = {
                 "launcher; vLLM's flags; read from $SLURM_*, $LWS_*, $NNODES/$NODE_RANK/$MASTER_ADDR/$MASTER_PORT "
                 "when absent)",
     "logging": "logging",
-    "compat": "accepted for vLLM compatibility (no effect in zpp; a warning says so)",
+    "compat": "accepted for vLLM compatibility (no effect in zpp and a warning says so, or refused with a "
+              "one-line error where zpp cannot do what it asks)",
     "limits": "request limits",
     "sampling": "sampling defaults, tool calls and reasoning",
     "http": "HTTP server",
@@ -95,7 +96,7 @@ def _add(group, s: Setting) -> None:
         if kind not in (int, float, str) and not meta.get("type"):
             raise TypeError(f"setting {s.name}: a {s.type} needs a parse= (zpp.settings.setting)")
         kwargs["type"] = kind
-        for key in ("choices", "metavar"):
+        for key in ("choices", "metavar", "nargs"):
             if meta.get(key):
                 kwargs[key] = list(meta[key]) if key == "choices" else meta[key]
     group.add_argument(s.flag, *meta.get("aliases", ()), **kwargs)
@@ -149,6 +150,8 @@ def add_per_node_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """``zpp serve``'s HTTP front-end flags (``ServerConfig``) and the vLLM flags it only accepts."""
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a YAML file of flags (vLLM's: `max-num-seqs: 8` per line); the command line overrides it")
     groups = add_settings(p, server_settings(), extra_groups=("compat",))
     g = groups["compat"]
     g.add_argument("--trust-remote-code", action="store_true", help="zpp runs only its own model code")
@@ -158,8 +161,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    default=None, help="zpp starts its workers with multiprocessing (mp) always; ray is refused")
     g.add_argument("--download-dir", default=None, help="refused: zpp does not download models")
     g.add_argument("--revision", default=None, help="refused: zpp does not download models")
-    g.add_argument("--config", default=None, metavar="FILE",
-                   help="a YAML file of flags (vLLM's: `max-num-seqs: 8` per line); the command line overrides it")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``zpp serve`` (``zpp.cli.build_parser`` and :func:`flags_markdown` both call
+    this): the engine's, the HTTP front end's, the vLLM ones it only accepts, the per-node launch's
+    and ``--headless``."""
+    add_engine_args(p)
+    add_server_args(p)
+    add_per_node_args(p).add_argument(
+        "--headless", action="store_true",
+        help="accepted for vLLM command lines: node ranks > 0 are always headless (no HTTP server)")
 
 
 def engine_config(model: Optional[str] = None, *, streaming: bool, **values: Any) -> EngineConfig:
@@ -241,30 +253,60 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def flags_markdown() -> str:
-    """``zpp serve``'s generated flags as Markdown, one table per ``--help`` section: flag (and
-    aliases), default, and the whole docstring (the ``--help`` line, then the notes). The hand-written
-    flags (MODEL, ``--log-level``, the vLLM ones zpp only accepts) are not in it. ``python -m
-    zpp.args > docs/flags.md`` writes the flags page from the same fields as ``--help``."""
-    sections: dict[Optional[str], list[Setting]] = {}
-    for s in engine_settings() + server_settings():
-        if not s.meta.get("hidden"):
-            sections.setdefault(s.meta.get("group", CLASS_GROUPS.get(s.owner.__name__)), []).append(s)
-    out = ["# `zpp serve` flags", "", ("Generated from the config fields (`python -m zpp.args`); `LLM(...)` takes "
-                                       "every engine flag as a keyword of the same name with underscores."), ""]
-    for key in [None, *GROUPS]:
-        if key not in sections:
+    """``zpp serve``'s flags as Markdown, made from the parser itself (:func:`add_serve_args`), one
+    table per ``--help`` section in its order: every option string (``--x`` and ``--no-x`` alike,
+    aliases, the positional MODEL, ``--help``, flags hidden from ``--help``), the default and the
+    meaning. A setting's row takes its default and its whole docstring (the ``--help`` line, then
+    the notes) from its field; a hand-written flag's (MODEL, ``--model``, ``--log-level``, the vLLM
+    ones zpp only accepts) from its ``add_argument``. ``python -m zpp.args > docs/flags.md`` writes
+    the flags page."""
+    parser = argparse.ArgumentParser(prog="zpp serve")
+    add_serve_args(parser)
+    by_dest = {s.name: s for s in engine_settings() + server_settings()}
+    out = ["# `zpp serve` flags", "",
+           ("Generated from `zpp serve`'s own argument parser and the config fields behind it (`python -m zpp.args > "
+            "docs/flags.md`; a test checks that every flag the parser accepts is here). `LLM(...)` takes every "
+            "engine flag as a keyword of the same name with underscores."), ""]
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions]
+        if not actions:
             continue
-        out += [f"## {GROUPS[key] if key else 'server'}", "", "| flag | default | meaning |", "| --- | --- | --- |"]
-        for s in sections[key]:
-            flags = ", ".join(f"`{f}`" for f in (s.flag, *s.meta.get("aliases", ())))
-            default = s.default
-            if s.meta.get("parse") and isinstance(default, int) and not isinstance(default, bool):
-                default = format_size(default)
-            text = "<br>".join(" ".join(para.replace("``", "`").replace("|", "\\|").split())
-                               for para in s.doc.split("\n\n"))
-            out.append(f"| {flags} | `{default!s}` | {text} |")
+        title = {"positional arguments": "model", "options": "general",
+                 "optional arguments": "general"}.get(group.title, group.title)
+        if group.title == "positional arguments":
+            continue  # MODEL goes first in the general table
+        if title == "general":
+            actions = [a for a in parser._actions if not a.option_strings] + actions
+        out += [f"## {title}", "", "| flag | default | meaning |", "| --- | --- | --- |"]
+        for a in actions:
+            out.append(_flag_row(a, by_dest.get(a.dest)))
         out.append("")
     return "\n".join(out)
+
+
+def _flag_row(action: argparse.Action, s: Optional[Setting]) -> str:
+    """One Markdown table row of :func:`flags_markdown`."""
+    def cell(text: str) -> str:
+        return " ".join(text.replace("``", "`").replace("|", "\\|").split())
+
+    flags = ", ".join(f"`{f}`" for f in action.option_strings) or f"`{action.metavar or action.dest.upper()}`"
+    if s is not None:
+        default = s.default
+        if s.meta.get("parse") and isinstance(default, int) and not isinstance(default, bool):
+            default = format_size(default)
+        paragraphs = s.doc.split("\n\n")
+    else:
+        default = action.default
+        paragraphs = [(action.help or "").replace("%%", "%")]
+    meaning = "<br>".join(cell(p) for p in paragraphs)
+    if action.help == argparse.SUPPRESS:
+        meaning += " (not listed by `--help`)"
+    if action.choices and not isinstance(action, argparse._SubParsersAction):
+        meaning += "<br>One of: " + ", ".join(f"`{c}`" for c in action.choices) + "."
+    if isinstance(default, tuple):
+        default = ",".join(map(str, default))
+    shown = "" if default == argparse.SUPPRESS else f"`{default}`" if default != "" else '`""`'
+    return f"| {flags} | {shown} | {meaning} |"
 
 
 if __name__ == "__main__":

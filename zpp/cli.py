@@ -8,8 +8,7 @@ import os
 import sys
 import traceback
 
-from zpp.args import (add_engine_args, add_per_node_args, add_server_args, engine_config_from_args,
-                      server_config_from_args)
+from zpp.args import add_engine_args, add_serve_args, engine_config_from_args, server_config_from_args
 from zpp.config import ConfigError, ParallelConfig
 
 __all__ = ["build_parser", "main", "add_engine_args", "engine_config_from_args", "resolve_per_node"]
@@ -60,7 +59,8 @@ def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list
     """vLLM's ``--config FILE``: a YAML mapping of flag names (``max-num-seqs: 8`` or
     ``max_num_seqs: 8``) to values, read as if those flags came first, so that the command line
     overrides the file. ``true`` gives a switch, ``false`` its ``--no-`` form (or nothing), a list
-    its items joined by commas. Returns ``argv`` with ``--config FILE`` replaced by the file's
+    its items as separate values for a flag that takes several (``--served-model-name``), else its
+    items joined by commas. Returns ``argv`` with ``--config FILE`` replaced by the file's
     flags (unchanged without ``--config``). Raises ConfigError (unreadable file, not a mapping, a
     key that is not a flag of the command)."""
     cmd = _innermost_parser(parser, argv)
@@ -103,6 +103,9 @@ def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list
             continue
         if value is None:
             continue
+        if isinstance(value, (list, tuple)) and action.nargs in ("+", "*"):  # --served-model-name a b
+            flags += [name, *(str(v) for v in value)]
+            continue
         if isinstance(value, (list, tuple)):
             value = ",".join(str(v) for v in value)
         elif isinstance(value, bool):
@@ -110,6 +113,8 @@ def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list
         flags += [name, str(value)]
     start = len(argv) - len(_args_after_command(parser, argv))
     start = min(start, at)
+    while start < len(rest) and not rest[start].startswith("-"):  # after a leading MODEL: a flag of several
+        start += 1  # values (--served-model-name a b) would take it for one more value
     return rest[:start] + flags + rest[start:]
 
 
@@ -243,10 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    add_engine_args(p)
-    add_server_args(p)
-    add_per_node_args(p).add_argument("--headless", action="store_true",
-                   help="accepted for vLLM command lines: node ranks > 0 are always headless (no HTTP server)")
+    add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("node-keys",

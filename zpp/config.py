@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from zpp import envs
 from zpp.errors import ConfigError
-from zpp.settings import parse_layer_partition, parse_nodes, setting, tcp_port
+from zpp.settings import parse_human_int, parse_layer_partition, parse_names, parse_nodes, setting, tcp_port
 
 if TYPE_CHECKING:  # torch is imported where it is needed, so that `zpp --help` and flag errors are quick
     import torch
@@ -104,10 +104,18 @@ class ModelConfig:
     written in ``zpp.args`` (a positional MODEL and ``--model``; default: the demo model)."""
     dtype: str = "auto"
     """auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16"""
-    max_model_len: Optional[int] = None
-    """longest sequence (prompt + output) in tokens (default: from the model's config.json)"""
-    served_model_name: Optional[str] = None
-    """model name in the API (default: directory name)"""
+    max_model_len: Optional[int] = setting(None, parse=parse_human_int, metavar="N")
+    """longest sequence (prompt + output) in tokens, e.g. 4096, 32k (= 32000) or 32K (= 32768)
+    (default: from the model's config.json)
+
+    vLLM's human-readable integers (``zpp.settings.parse_human_int``): a lowercase suffix k, m, g, t
+    is decimal, an uppercase one binary."""
+    served_model_name: Optional[tuple[str, ...]] = setting(None, parse=parse_names, nargs="+", metavar="NAME")
+    """model name(s) in the API: requests may name any of them, responses and metrics carry the
+    first, /v1/models lists them all (default: the directory's name)
+
+    vLLM's ``--served-model-name NAME [NAME ...]``. A tuple of names once the config is made
+    (``LLM``: a str or a sequence of str); ``ModelConfig.name`` is the first, ``served_names`` all."""
     tokenizer: Optional[str] = None
     """tokenizer directory (default: the model directory)"""
     load_format: str = setting("safetensors", choices=("safetensors", "dummy"))
@@ -125,6 +133,8 @@ class ModelConfig:
         if self.quantization not in (None, "fp8"):
             raise ConfigError(f"--quantization {self.quantization!r} is not supported (fp8 only; FP8 checkpoints "
                               "load without the flag)")
+        if self.served_model_name is not None:  # also when made directly with a str
+            object.__setattr__(self, "served_model_name", parse_names(self.served_model_name, "--served-model-name"))
         if self.load_format not in ("safetensors", "dummy"):
             raise ConfigError(f"--load-format {self.load_format!r} is not one of: safetensors, dummy")
         if not os.path.isdir(self.model):
@@ -157,7 +167,14 @@ class ModelConfig:
 
     @property
     def name(self) -> str:
-        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+        """The name responses and metrics carry: the first ``--served-model-name``, else the
+        model directory's name."""
+        return self.served_names[0]
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name requests may use for this model (at least one)."""
+        return self.served_model_name or (os.path.basename(os.path.normpath(self.model)),)
 
 
 STAGE_RESTART_WINDOW_S = 600.0
@@ -402,11 +419,12 @@ class SchedulerConfig:
     """most requests running at once
 
     The most requests in one micro-batch."""
-    max_num_batched_tokens: Optional[int] = None
-    """token budget of one micro-batch, decodes first (default: 2048 with chunked prefill; without:
-    max(--max-model-len, 2048))
+    max_num_batched_tokens: Optional[int] = setting(None, parse=parse_human_int, metavar="N")
+    """token budget of one micro-batch, decodes first, e.g. 2048 or 8k (default: 2048 with chunked
+    prefill; without: max(--max-model-len, 2048))
 
-    The running requests' decodes take it first, prompt chunks the rest. ``DEFAULT_MAX_NUM_BATCHED_
+    The running requests' decodes take it first, prompt chunks the rest. vLLM's human-readable
+    integers, as ``max_model_len``. ``DEFAULT_MAX_NUM_BATCHED_
     TOKENS`` on CPU and CUDA, serving or offline; while streams decode, ``target_inter_token_latency``
     may cut a step's prompt chunks below what the budget leaves."""
     target_inter_token_latency: Optional[float] = setting(None, metavar="SECONDS")

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import re
 import textwrap
 import typing
 from dataclasses import MISSING, dataclass, field
@@ -34,8 +35,8 @@ from typing import Any, Callable, Optional, Union
 def setting(default: Any = MISSING, *, default_factory: Any = MISSING, flag: Optional[str] = None,
             aliases: tuple[str, ...] = (), choices: Optional[tuple[str, ...]] = None,
             parse: Optional[Callable[[Any, str], Any]] = None, type: Optional[Callable[[str], Any]] = None,
-            group: Optional[str] = None, metavar: Optional[str] = None, from_launcher: bool = False,
-            hidden: bool = False, flagless: bool = False) -> Any:
+            group: Optional[str] = None, metavar: Optional[str] = None, nargs: Optional[str] = None,
+            from_launcher: bool = False, hidden: bool = False, flagless: bool = False) -> Any:
     """A config field with what its flag needs beyond its name, type, default and docstring.
 
     Args:
@@ -51,6 +52,7 @@ def setting(default: Any = MISSING, *, default_factory: Any = MISSING, flag: Opt
         type: argparse's ``type`` when not the annotation's (e.g. a TCP port check).
         group: the key of the ``--help`` section (``zpp.args.GROUPS``) when not the class's.
         metavar: argparse's ``metavar``.
+        nargs: argparse's ``nargs`` (``"+"``: one or more values; ``parse`` then gets a list).
         from_launcher: the flag's default is None on the command line, so that ``zpp serve`` can
             fill it from a cluster launcher's environment (``zpp.cli.resolve_per_node``); the
             field's default applies after that.
@@ -59,7 +61,7 @@ def setting(default: Any = MISSING, *, default_factory: Any = MISSING, flag: Opt
             variable) or the flag is written by hand (the model).
     """
     meta = {"flag": flag, "aliases": aliases, "choices": choices, "parse": parse, "type": type, "group": group,
-            "metavar": metavar, "from_launcher": from_launcher, "hidden": hidden, "flagless": flagless}
+            "metavar": metavar, "nargs": nargs, "from_launcher": from_launcher, "hidden": hidden, "flagless": flagless}
     meta = {k: v for k, v in meta.items() if v}  # only what the field says
     return field(default=default, default_factory=default_factory, metadata=meta)
 
@@ -177,6 +179,61 @@ def parse_layer_partition(value: Any, flag: str) -> Union[tuple[int, ...], str, 
         from zpp.models.partition import parse_partition
         return parse_partition(value)
     return tuple(value) or None
+
+
+def parse_names(value: Any, flag: str) -> Optional[tuple[str, ...]]:
+    """One name or several (``--served-model-name a b``: a list; ``LLM``: a str or any sequence of
+    str) -> a tuple of names, duplicates dropped (the first kept), or None for None.
+
+    Raises:
+        ConfigError: an empty sequence, or a name that is not a non-empty str without surrounding
+            whitespace (one line naming ``flag``).
+    """
+    from zpp.errors import ConfigError
+    if value is None:
+        return None
+    names = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple)) else None
+    if not names:
+        raise ConfigError(f"{flag}: expected one name or more, got {value!r}")
+    for name in names:
+        if not isinstance(name, str) or not name.strip() or name != name.strip():
+            raise ConfigError(f"{flag} {name!r}: not a name (a non-empty string without surrounding spaces)")
+    return tuple(dict.fromkeys(names))
+
+
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_human_int(value: Any, flag: str) -> Optional[int]:
+    """A count given as vLLM's human-readable integer (its ``human_readable_int``, used for
+    ``--max-model-len``): a lowercase suffix is decimal (``32k`` = 32000, ``1m`` = 1000000,
+    ``g``, ``t``; ``25.6k`` = 25600, truncated to an int), an uppercase one binary (``32K`` =
+    32768, ``1M`` = 1048576, ``G``, ``T``; whole numbers only), no suffix a plain integer. None
+    and an int (an ``LLM`` keyword) pass through.
+
+    Raises:
+        ConfigError: anything else (a bool, a float, ``1.5K``, ``32kb``, ``abc``), one line naming ``flag``.
+    """
+    from zpp.errors import ConfigError
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    bad = ConfigError(f"{flag} {value!r}: not an integer (a number of tokens, e.g. 4096; 32k = 32000, "
+                      f"32K = 32768)")
+    if not isinstance(value, str):
+        raise bad
+    m = re.fullmatch(r"([+-]?[0-9]+)|([0-9]+(?:\.[0-9]+)?)([kmgtKMGT])", value.strip())
+    if m is None:
+        raise bad
+    if m.group(1) is not None:  # a plain integer (a sign is the config's to judge)
+        return int(m.group(1))
+    number, suffix = m.group(2), m.group(3)
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise ConfigError(f"{flag} {value!r}: decimals go only with the decimal suffixes k, m, g, t (did you mean "
+                          f"{number}{suffix.lower()}?)")
+    return int(number) * _BINARY_SUFFIXES[suffix]
 
 
 def tcp_port(value: str) -> int:

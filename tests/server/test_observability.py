@@ -1,18 +1,20 @@
 """What an operator sees of a running ``zpp serve`` (real SmolLM2 weights, CPU): the log lines
-(one per finished request, a stats line while busy; each silenced by its vLLM flag), the
-``model_name`` label and the prefix-cache counters of /metrics, and the Grafana dashboard in
-``examples/grafana`` checked against a real scrape."""
+(one per finished request with ``--enable-log-requests``, a stats line while busy; each silenced
+by its vLLM flag), the served model names (``--served-model-name`` with two), the ``model_name``
+label and the prefix-cache counters of /metrics, and the Grafana dashboard in ``examples/grafana``
+checked against a real scrape."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import time
+import urllib.error
 import urllib.request
 
 import pytest
 
-from helpers import OBSERVED_NAME, ROOT, ServerProcess, parse_metrics
+from helpers import OBSERVED_ALIAS, OBSERVED_NAME, ROOT, ServerProcess, parse_metrics
 
 NAME = OBSERVED_NAME  # --served-model-name: the model_name label must be the served name
 DASHBOARD = os.path.join(ROOT, "examples", "grafana", "zpp_dashboard.json")
@@ -92,6 +94,29 @@ def test_disable_log_requests_and_stats(demo_model):
     assert "zpp.requests" not in out and "Finished request" not in out, out
     assert "zpp.stats" not in out, out
     assert "ignored" not in out  # the two flags are honoured, not "accepted with no effect"
+
+
+# --- served model names --------------------------------------------------------------------------
+@pytest.mark.slow
+def test_every_served_model_name_is_served_and_the_first_is_reported(server):
+    """``--served-model-name smol-test smol-alias``: /v1/models lists both, a request naming either
+    (or none) is answered with the first name, another name is a 404 that lists them."""
+    with urllib.request.urlopen(server.url + "/v1/models", timeout=30) as r:
+        cards = json.loads(r.read())["data"]
+    assert [c["id"] for c in cards] == [NAME, OBSERVED_ALIAS] and all(c["max_model_len"] == 512 for c in cards)
+    with urllib.request.urlopen(server.url + "/v1/models/" + OBSERVED_ALIAS, timeout=30) as r:
+        assert json.loads(r.read())["id"] == OBSERVED_ALIAS
+    for model in (OBSERVED_ALIAS, NAME, None):
+        body = {"prompt": "Hi", "max_tokens": 2} | ({"model": model} if model else {})
+        assert post(server, "/v1/completions", body)["model"] == NAME
+    chat = post(server, "/v1/chat/completions", {"model": OBSERVED_ALIAS, "max_tokens": 2,
+                                                 "messages": [{"role": "user", "content": "Hi"}]})
+    assert chat["model"] == NAME
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post(server, "/v1/completions", {"model": "smol", "prompt": "Hi", "max_tokens": 2})
+    err = json.loads(e.value.read())["error"]
+    assert e.value.code == 404 and err["code"] == "model_not_found" and err["param"] == "model"
+    assert f"this server serves {NAME!r}, {OBSERVED_ALIAS!r}" in err["message"]
 
 
 # --- metrics -------------------------------------------------------------------------------------

@@ -36,3 +36,24 @@ def test_available_bytes_is_meminfo_lowered_by_the_cgroup_limit(tmp_path):
     (tmp_path / "job" / "memory.current").write_text(f"{256 << 20}\n")
     assert available_bytes(**args) == (1 << 30) - (256 << 20)
     assert available_bytes(meminfo=str(tmp_path / "none"), proc_cgroup=str(tmp_path / "none")) is None
+
+
+def test_available_bytes_counts_a_limit_on_a_parent_cgroup(tmp_path):
+    """A container's memory.max often sits on a parent of the process's cgroup (the process in
+    /pod/ctr, the limit on /pod): the tightest limit on the path counts."""
+    (tmp_path / "meminfo").write_text("MemAvailable:    8000000 kB\n")
+    (tmp_path / "cgroup").write_text("0::/pod/ctr\n")
+    leaf = tmp_path / "pod" / "ctr"
+    leaf.mkdir(parents=True)
+    (leaf / "memory.max").write_text("max\n")
+    (leaf / "memory.current").write_text(f"{100 << 20}\n")
+    (tmp_path / "pod" / "memory.max").write_text(f"{2 << 30}\n")
+    (tmp_path / "pod" / "memory.current").write_text(f"{512 << 20}\n")
+    args = dict(meminfo=str(tmp_path / "meminfo"), proc_cgroup=str(tmp_path / "cgroup"), root=str(tmp_path))
+    assert available_bytes(**args) == (2 << 30) - (512 << 20)
+    (leaf / "memory.max").write_text(f"{1 << 30}\n")  # now the leaf's is tighter: 1 GiB - 100 MiB
+    assert available_bytes(**args) == (1 << 30) - (100 << 20)
+    (tmp_path / "pod" / "memory.max").write_text(f"{64 << 20}\n")  # over its limit already: nothing left
+    assert available_bytes(**args) == 0
+    (tmp_path / "memory.max").write_text("garbage\n")  # an unreadable one at the root counts as none
+    assert available_bytes(**args) == 0

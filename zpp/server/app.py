@@ -16,7 +16,7 @@ import asyncio
 import functools
 import hmac
 import logging
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 from aiohttp import web
 
@@ -27,7 +27,7 @@ from zpp.frontend.inputs import off_loop_if_large, text_size
 from zpp.server.chat import chat_completions, chat_options
 from zpp.server.completions import completions
 from zpp.server.endpoint import (DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_STOP_SEQUENCES,
-                                 DEFAULT_TIMEOUT_REQUEST_BODY_S, ServingContext)
+                                 DEFAULT_TIMEOUT_REQUEST_BODY_S, ServingContext, served_names)
 from zpp.server.metrics import Metrics
 from zpp.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from zpp.server.render import classify, error_message, error_response, json_response, now
@@ -40,7 +40,8 @@ class OpenAIServer:
 
     Args:
         engine: a started AsyncEngine.
-        served_model_name: the only model name requests may use (unknown names get 404).
+        served_model_name: the model's name, or several (a sequence): requests may use any of them
+            (unknown names get 404), responses and metrics carry the first, ``/v1/models`` lists all.
         api_key: when set, every ``/v1/*`` request needs ``Authorization: Bearer <api_key>`` (401).
         chat_template: a Jinja chat template used instead of the tokenizer's.
         max_request_body_bytes: larger bodies (after any Content-Encoding is undone) get HTTP 413.
@@ -66,7 +67,7 @@ class OpenAIServer:
         ConfigError: an unknown parser name.
     """
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: Optional[str] = None,
+    def __init__(self, engine: AsyncEngine, served_model_name: Union[str, Sequence[str]], api_key: Optional[str] = None,
                  chat_template: Optional[str] = None,
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                  max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES,
@@ -86,14 +87,15 @@ class OpenAIServer:
         """Set on the first SIGTERM / SIGINT with --shutdown-timeout: new requests get 503."""
         self.in_flight = 0
         """Requests being handled (streams until their last event)."""
-        self.model_name = served_model_name
+        self.model_names = served_names(served_model_name)
+        self.model_name = self.model_names[0]
         self.api_key = api_key
         self.max_request_body_bytes = max_request_body_bytes
-        self.ctx = ServingContext(engine, served_model_name, chat_template, max_request_body_bytes,
+        self.ctx = ServingContext(engine, self.model_names, chat_template, max_request_body_bytes,
                                   max_stop_sequences, trust_request_chat_template, response_role, max_logprobs,
                                   timeout_request_body, generation_defaults, parsers)
         self.tokenizer = engine.tokenizer
-        self.metrics = Metrics(engine, served_model_name, log_requests=log_requests)
+        self.metrics = Metrics(engine, self.model_name, log_requests=log_requests)
         engine.metrics = self.metrics
 
     def build_app(self) -> web.Application:
@@ -170,16 +172,17 @@ class OpenAIServer:
             return error_response(error_message(e), 500, "server_error")
 
     # --- simple routes ------------------------------------------------------------------------
-    def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": now(), "owned_by": "zpp",
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": now(), "owned_by": "zpp",
                 "root": self.engine.config.model.model, "parent": None, "max_model_len": self.engine.max_model_len}
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response({"object": "list", "data": [self._model_card()]})
+        return json_response({"object": "list", "data": [self._model_card(name) for name in self.model_names]})
 
     async def model(self, request: web.Request) -> web.Response:
-        self.ctx.check_model(request.match_info["model"])
-        return json_response(self._model_card())
+        name = request.match_info["model"]
+        self.ctx.check_model(name)
+        return json_response(self._model_card(name))
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while the engine runs, also while a lost stage restarts (requests then wait; the

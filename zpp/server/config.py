@@ -25,7 +25,15 @@ class ServerConfig:
     chat_template: Optional[str] = None
     """Jinja chat template file (overrides the tokenizer's)"""
     disable_log_requests: bool = setting(False, group="logging")
-    """no INFO line per finished request (id, prompt and output tokens, finish reason, time)"""
+    """no INFO line per finished request (id, prompt and output tokens, finish reason, time)
+
+    vLLM's older spelling of ``--no-enable-log-requests``; with ``--enable-log-requests`` it is a
+    ConfigError."""
+    enable_log_requests: Optional[bool] = setting(None, group="logging")
+    """one INFO line per finished request (vLLM's newer name; --no-enable-log-requests: none) (default:
+    on unless --disable-log-requests)
+
+    zpp's default stays on (vLLM's is off since it renamed the flag): see ``ServerConfig.log_requests``."""
     api_server_count: int = setting(1, group="logging")
     """HTTP front-end processes (tokenization, detokenization, streaming) sharing the port
     (SO_REUSEPORT) and one engine core; more serve more concurrent streams"""
@@ -109,15 +117,25 @@ class ServerConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be > 0 seconds")
         if not self.shutdown_timeout >= 0:
             raise ConfigError(f"--shutdown-timeout {self.shutdown_timeout}: must be >= 0 seconds")
+        if self.enable_log_requests and self.disable_log_requests:
+            raise ConfigError("--enable-log-requests and --disable-log-requests contradict each other: give one")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser NAME (hermes, llama3_json, mistral, "
                               "deepseek_v3)")
+
+    @property
+    def log_requests(self) -> bool:
+        """Whether each finished request gets its INFO line: ``--enable-log-requests`` /
+        ``--no-enable-log-requests`` where given, else on unless ``--disable-log-requests``."""
+        if self.enable_log_requests is not None:
+            return self.enable_log_requests
+        return not self.disable_log_requests
 
     def server_options(self) -> dict:
         """The keyword arguments ``zpp.server.launch.serve`` takes for the request limits."""
         return {"max_request_body_bytes": self.max_request_body_bytes, "max_stop_sequences": self.max_stop_sequences,
                 "trust_request_chat_template": self.trust_request_chat_template,
-                "log_requests": not self.disable_log_requests, "generation_config": self.generation_config,
+                "log_requests": self.log_requests, "generation_config": self.generation_config,
                 "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser,
                 "root_path": self.root_path.rstrip("/"), "response_role": self.response_role,
                 "max_logprobs": self.max_logprobs, "timeout_request_body": self.timeout_request_body,

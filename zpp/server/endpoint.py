@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Sequence, Union
 
 from aiohttp import web
 
@@ -27,18 +27,31 @@ DEFAULT_TIMEOUT_REQUEST_BODY_S = ServerConfig.timeout_request_body  # --timeout-
 MAX_WARNED_FIELDS = 256  # distinct unknown field names logged; later new names are not
 
 
+def served_names(served_model_name: Union[str, Sequence[str]]) -> tuple[str, ...]:
+    """``OpenAIServer``'s ``served_model_name`` (one name, or several: the first is the one responses
+    carry) as a non-empty tuple. Raises ValueError for an empty sequence."""
+    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
+    if not names:
+        raise ValueError("served_model_name: no name given")
+    return names
+
+
 class ServingContext:
     """The state the endpoints share (one per front-end process; see :class:`~zpp.server.app.OpenAIServer`
     for the arguments)."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str, chat_template: Optional[str] = None,
+    def __init__(self, engine: AsyncEngine, served_model_name: Union[str, Sequence[str]],
+                 chat_template: Optional[str] = None,
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                  max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES, trust_request_chat_template: bool = False,
                  response_role: str = "assistant", max_logprobs: int = DEFAULT_MAX_LOGPROBS,
                  timeout_request_body: float = DEFAULT_TIMEOUT_REQUEST_BODY_S,
                  generation_defaults: Optional[dict] = None, parsers=None):
         self.engine = engine
-        self.model_name = served_model_name
+        self.model_names = served_names(served_model_name)
+        """Every name requests may use (``--served-model-name a b``)."""
+        self.model_name = self.model_names[0]
+        """The name responses carry: the first."""
         self.chat_template = chat_template
         self.max_request_body_bytes = max_request_body_bytes
         self.max_stop_sequences = max_stop_sequences
@@ -64,8 +77,9 @@ class ServingContext:
 
     def check_model(self, name: Optional[str]) -> None:
         """Raises RequestError (404, ``model_not_found``) for a model name this server does not serve."""
-        if name is not None and name != self.model_name:
-            raise RequestError(f"the model {name!r} does not exist (this server serves {self.model_name!r})",
+        if name is not None and name not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
+            raise RequestError(f"the model {name!r} does not exist (this server serves {served})",
                                "model", 404, "invalid_request_error", "model_not_found")
 
     def chat_template_for(self, requested: Optional[str]) -> Optional[str]:

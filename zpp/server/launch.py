@@ -148,7 +148,7 @@ async def _run_front_end(engine: AsyncEngine, config, host: str, port: int, api_
             lost.append(f"front end {p.name} exited (exit code {p.exitcode})")
             stop.set()
         loop.add_reader(p.sentinel, gone)
-    server = OpenAIServer(engine, config.model.name, api_key, template, **server_options)
+    server = OpenAIServer(engine, config.model.served_names, api_key, template, **server_options)
     # auto_decompress off: zpp.server.http_body undoes Content-Encoding itself, so that an unknown or
     # unsupported coding and a corrupt body get answers in OpenAI's shape (aiohttp's parser
     # answered br / zstd with plain text before any handler ran, took unknown codings for identity

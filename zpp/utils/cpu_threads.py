@@ -57,22 +57,25 @@ def cgroup_cpu_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/f
             continue
         _, controllers, path = parts
         if controllers == "":  # v2 (unified): "0::/path"
-            for d in _ancestors(root, path):
+            for d in cgroup_ancestors(root, path):
                 limits.append(_v2_limit(os.path.join(d, "cpu.max")))
         elif "cpu" in controllers.split(","):
             for mount in (controllers, "cpu", "cpu,cpuacct", "cpuacct,cpu"):
                 base = os.path.join(root, mount)
                 if os.path.isdir(base):
-                    for d in _ancestors(base, path):
+                    for d in cgroup_ancestors(base, path):
                         limits.append(_v1_limit(d))
                     break
     found = [x for x in limits if x is not None]
     return min(found) if found else None
 
 
-def _ancestors(base: str, path: str) -> list[str]:
-    """``base/path``, then each parent directory of it up to ``base`` itself (those that exist).
-    In a container the cgroup path may name the host's hierarchy: then only the mount's root is there."""
+def cgroup_ancestors(base: str, path: str) -> list[str]:
+    """``base/path``, then each parent directory of it up to ``base`` itself (those that exist), as
+    paths: the cgroup directories whose limits bind a process in cgroup ``path`` (a container's
+    limit often sits on a parent). ``path`` is the third field of a ``/proc/<pid>/cgroup`` line;
+    ``..`` parts are dropped. In a container the cgroup path may name the host's hierarchy: then
+    only the mount's root is there. Used by ``zpp.utils.host_memory`` too."""
     parts = [p for p in path.strip("/").split("/") if p and p != ".."]
     dirs = [os.path.join(base, *parts[:i]) for i in range(len(parts), -1, -1)]
     return [d for d in dirs if os.path.isdir(d)]
