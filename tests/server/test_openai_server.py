@@ -241,6 +241,58 @@ def test_stop_string_on_the_length_token(server):
     assert all(ch.finish_reason is None for ch in chunks[:-1])
 
 
+@pytest.mark.slow
+def test_streamed_chunks_carry_whole_tokens_with_stop_strings_and_logprobs(server):
+    """Issue 38: streamed with stop strings and logprobs, a chunk used to end inside a token (its
+    text ``' capit'``, the next ``'al of France'``: a possible start of a stop string was held back
+    by characters), so its logprobs did not match its text. Now, on both endpoints with n=2 and
+    greedy sampling: every chunk's text is exactly the text of the tokens its logprobs list (a
+    held-back token goes out whole with the next chunk), the joined text and tokens equal the
+    non-streamed ones, and the last chunk of a stop string ending mid-token stops at the stop
+    string while listing that whole token, as vLLM does."""
+    cases = {  # greedy outputs: ", the city of Nova Haven was a thriving metropolis, ..." and
+        # "The capital of France is Paris."; the first stop string is held ("ty", "al" ...) then
+        # released, the second ends inside a token (" metropolis", " Paris")
+        "completions": dict(prompt="Once upon a time", stop=["ty of Mars", "metrop"], logprobs=1),
+        "chat": dict(messages=FRANCE, stop=["al of Germ", "Par"], logprobs=True, top_logprobs=1)}
+
+    async def go():
+        c = client(server)
+        out = {}
+        for path, kw in cases.items():
+            api = c.completions if path == "completions" else c.chat.completions
+            kw = dict(model=MODEL, temperature=0, max_tokens=24, n=2, **kw)
+            out[path] = (await api.create(**kw), [ch async for ch in await api.create(stream=True, **kw)])
+        return out
+
+    for path, (whole, chunks) in run(go()).items():
+        for ref in whole.choices:
+            assert ref.finish_reason == "stop" and ref.model_dump()["stop_reason"] == cases[path]["stop"][1]
+            mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == ref.index]
+            pieces = []  # (text, [token strings]) of each chunk with content
+            for ch in mine:
+                text = ch.text if path == "completions" else ch.delta.content or ""
+                if ch.logprobs is None:
+                    assert not text, (path, ch)
+                    continue
+                toks = ch.logprobs.tokens if path == "completions" else [t.token for t in ch.logprobs.content]
+                pieces.append((text, toks))
+                if path == "completions":  # offsets count the choice's characters
+                    start = sum(len(t) for t, _ in pieces[:-1])
+                    assert ch.logprobs.text_offset == [start + sum(map(len, toks[:j])) for j in range(len(toks))]
+            for text, toks in pieces[:-1]:
+                assert text == "".join(toks), (path, text, toks)
+            assert any(len(toks) > 1 for _, toks in pieces[:-1]), "a held-back token went out with the next"
+            last_text, last_toks = pieces[-1]
+            rest = "".join(last_toks)
+            assert rest.startswith(last_text) and rest[len(last_text):].startswith(cases[path]["stop"][1])
+            ref_text = ref.text if path == "completions" else ref.message.content
+            ref_toks = ref.logprobs.tokens if path == "completions" else [t.token for t in ref.logprobs.content]
+            assert "".join(t for t, _ in pieces) == ref_text and ref_text.endswith(" ")
+            assert sum((toks for _, toks in pieces), []) == ref_toks
+            assert mine[-1].finish_reason == "stop" and mine[-1].model_dump()["stop_reason"] == cases[path]["stop"][1]
+
+
 # --- /v1/chat/completions ----------------------------------------------------------------------
 @pytest.mark.slow
 def test_chat_uses_template_without_double_bos(server, tokenizer):
