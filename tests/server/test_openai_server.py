@@ -832,9 +832,60 @@ def test_request_id_names_the_response_and_priority_zero_is_accepted(server):
             await asyncio.sleep(1.0)
             status, got = await _post(s, server, "/v1/completions", {**body, "max_tokens": 2})
             assert status == 400 and got["error"]["param"] == "request_id", got
+            # an X-Request-Id header names the request when the body does not: the same rule
+            del body["request_id"]
+            async with s.post(server.url + "/v1/completions", json={**body, "max_tokens": 2},
+                              headers={"X-Request-Id": "busy"}) as r:
+                assert r.status == 400 and r.headers["X-Request-Id"] == "busy"
+                assert "in use" in (await r.json())["error"]["message"]
             status, got = await first
             assert status == 200 and got["id"] == "cmpl-busy" and got["usage"]["completion_tokens"] == 200, got
 
+    run(go())
+
+
+@pytest.mark.slow
+def test_x_request_id_header_is_echoed_and_names_the_request(server):
+    """As vLLM (``--enable-request-id-headers``, always on here): every response carries
+    ``X-Request-Id``, the request's own echoed (streams and errors too), else the id the request
+    ran under, else a fresh one; on chat and completions the header is the request's id when the
+    body has no ``request_id`` (the body's wins: the header is still echoed); /v1/responses keeps
+    its own ``resp_`` id; a header unfit for an id is a 400 naming it."""
+    async def go():
+        base = {"model": MODEL, "max_tokens": 3, "temperature": 0}
+        chat = {**base, "messages": FRANCE}
+        async with aiohttp.ClientSession() as s:
+            async def post(path, body, rid=None):
+                async with s.post(server.url + path, json=body,
+                                  headers={"X-Request-Id": rid} if rid is not None else {}) as r:
+                    raw = await r.text()
+                    return r.status, r.headers.get("X-Request-Id"), raw
+
+            status, hdr, raw = await post("/v1/chat/completions", chat, "trace-h1")
+            assert (status, hdr, json.loads(raw)["id"]) == (200, "trace-h1", "chatcmpl-trace-h1")
+            status, hdr, raw = await post("/v1/completions", {**base, "prompt": "Hi", "stream": True}, "trace-h2")
+            ids = {json.loads(e[6:]).get("id") for e in raw.split("\n\n") if e.startswith("data: {")}
+            assert (status, hdr, ids) == (200, "trace-h2", {"cmpl-trace-h2"})
+            status, hdr, raw = await post("/v1/chat/completions", {**chat, "request_id": "from-body"}, "from-header")
+            assert (hdr, json.loads(raw)["id"]) == ("from-header", "chatcmpl-from-body")
+            status, hdr, raw = await post("/v1/chat/completions", {**chat, "request_id": "only-body"})
+            assert (hdr, json.loads(raw)["id"]) == ("only-body", "chatcmpl-only-body")
+            for path, body, prefix in (("/v1/chat/completions", {**chat, "stream": True}, "chatcmpl-"),
+                                       ("/v1/completions", {**base, "prompt": "Hi"}, "cmpl-")):
+                status, hdr, raw = await post(path, body)
+                first = json.loads(raw[6:raw.index("\n\n")] if body.get("stream") else raw)
+                assert status == 200 and len(hdr) == 32 and first["id"] == prefix + hdr, (hdr, first)
+            status, hdr, raw = await post("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2},
+                                          "trace-r")
+            assert status == 200 and hdr == "trace-r" and json.loads(raw)["id"].startswith("resp_")
+            status, hdr, raw = await post("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2})
+            assert json.loads(raw)["id"] == "resp_" + hdr
+            status, hdr, raw = await post("/v1/completions", {**base, "prompt": "Hi", "model": "nope"}, "trace-404")
+            assert (status, hdr) == (404, "trace-404")
+            status, hdr, raw = await post("/v1/completions", {**base, "prompt": "Hi"}, "x" * 300)
+            assert status == 400 and json.loads(raw)["error"]["param"] == "X-Request-Id"
+            async with s.get(server.url + "/health") as r:
+                assert len(r.headers["X-Request-Id"]) == 32
     run(go())
 
 
