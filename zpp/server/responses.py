@@ -130,7 +130,7 @@ class ResponsesAPI:
             plan = None
         run = _Run(ctx, req, plan, prompt_ids, sampling)
         # Echoed X-Request-Id, else the response's own id (without "resp_"): the header does not
-        # name the response (as in vLLM, whose Responses id is the body's request_id or fresh).
+        # name the response (the response keeps its fresh resp_ id).
         ctx.request_id(request, run.id[5:], use_header=False)
         if not req.stream:
             final = None
