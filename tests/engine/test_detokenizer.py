@@ -21,8 +21,10 @@ def run(tok, prompt_ids, out_ids, stop=None, include_stop=False, skip_special=Tr
         finished = reason is not None or i == len(out_ids) - 1
         if finished and reason is None:
             d.flush()
-        now = d.stream_text(finished)
+        n, now = d.stream_cut(finished)
         assert now.startswith(sent), f"text taken back: {sent!r} -> {now!r}"
+        if not finished:  # whole tokens: the text is theirs
+            assert now == tok.decode(out_ids[:n], skip_special_tokens=skip_special), (n, now)
         deltas.append(now[len(sent):])
         sent = now
         if reason is not None:
@@ -76,11 +78,11 @@ def test_held_prefix_released_when_stop_string_does_not_follow(tokenizer):
     seen = []
     for t in ids:
         assert d.add_tokens([t]) is None
-        seen.append(d.stream_text(False))
+        seen.append(d.stream_cut(False)[1])
     assert any(s.endswith("a") or s.endswith("a ") for s in seen)
     assert not any(s.endswith("ST") for s in seen)  # a possible start of "STOP" is never sent early
     d.flush()
-    assert d.stream_text(True) == "a ST b STO c"
+    assert d.stream_cut(True) == (len(ids), "a ST b STO c")
 
 
 def test_stop_string_made_of_multibyte_characters(tokenizer):
@@ -117,3 +119,19 @@ def test_stop_strings_wait_for_min_tokens(tokenizer):
 
     assert final(0) == final(k - 1) == ("a ", "STOP")
     assert final(k) == ("a STOP b ", "STOP")
+
+
+def test_short_stop_string_inside_min_tokens_is_not_found_later(tokenizer):
+    """With stop strings of several lengths, each is looked for only where it could end in the new
+    text: a short one that ended inside the first min_tokens tokens (already streamed) does not cut
+    the text later (that would take back sent text)."""
+    ids = tokenizer.encode("a X b c")
+    k = next(k for k in range(1, len(ids) + 1) if "X" in tokenizer.decode(ids[:k]))
+    d = IncrementalDetokenizer(tokenizer, [], ["STOP", "X"], min_tokens=k)
+    sent = ""
+    for t in ids:
+        assert d.add_tokens([t]) is None
+        now = d.stream_cut(False)[1]
+        assert now.startswith(sent)
+        sent = now
+    assert d.text == "a X b c"

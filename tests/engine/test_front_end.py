@@ -10,7 +10,7 @@ import pytest
 from zpp.transport import core_messages as cm
 from zpp.errors import RequestError
 from zpp.frontend.inputs import InputProcessor
-from zpp.frontend.output_processor import OutputProcessor
+from zpp.frontend.output_processor import OutputProcessor, StreamDeltas
 from zpp.outputs import Logprob
 from zpp.sampling_params import SamplingParams
 from zpp.transport.messages import PromptLogprobsOutput, TokenLogprobs
@@ -118,6 +118,67 @@ def test_eos_text_hidden_n_fanout_logprobs_and_prompt_logprobs(tokenizer):
         assert list(b.logprobs[1]) == [eos, other], "the sampled token first"
         assert final.prompt_logprobs == [None] + [{t: Logprob(-0.5, 1, text(t))} for t in prompt[1:]]
         assert aborted == []
+    asyncio.run(run())
+
+
+def _stream_chunks(op, g, feed):
+    """Feed ``feed`` (a list of steps, each a list of SeqDelta) one step at a time and cut the
+    published outputs into stream deltas as the endpoints do; return {choice: [ChoiceDelta]}."""
+    sd, chunks = StreamDeltas(), {}
+    for deltas in feed:
+        op.process(_step(*deltas))
+        for out in _drain(g):
+            for key, d in sd.deltas(out.outputs):
+                if d.token_ids or d.finish_reason is not None:
+                    chunks.setdefault(key, []).append(d)
+                    sd.sent(key, d)
+    return chunks
+
+
+def test_stream_deltas_carry_whole_tokens_with_stop_strings_and_logprobs(tokenizer):
+    """Issue 38: a held-back stop-string prefix used to split a token across two chunks, so a
+    chunk's logprobs did not match its text. Every chunk now carries whole tokens: its text is its
+    tokens' text and its logprobs are theirs; the last chunk of a stop-string stop ends at the stop
+    string, its last token (which goes past it) reported in full, as vLLM does. n=2: one choice
+    stopped mid-token by a stop string, one ending by length on split multi-byte characters."""
+    async def run():
+        op, aborted = _processor(tokenizer)
+        stop = ["al of Germ", "xyz"]  # "al" ends " capital": held twice, released once, then matched
+        text0 = " The capital of France is Paris. The capital of Germany is Berlin."
+        text1 = " Hi 你好 and 😀 ok"
+        ids0, ids1 = tokenizer.encode(text0), tokenizer.encode(text1)
+        n0 = len(tokenizer.encode(" The capital of France is Paris. The capital of Germany"))
+        sp = SamplingParams(max_tokens=len(ids1), n=2, logprobs=1, stop=stop)
+        g = op.new_group("s", None, tokenizer.encode("Say"), sp, ["s#0", "s#1"], stream=True)
+        op.add(g)
+        lp = lambda t: TokenLogprobs(t, -0.5, 1, [t], [-0.5])  # noqa: E731
+        feed = []
+        for j in range(max(len(ids0), len(ids1))):
+            step = [cm.SeqDelta("s#0", ids0[j], lp(ids0[j]))] if j < len(ids0) else []
+            if j < len(ids1):
+                step.append(cm.SeqDelta("s#1", ids1[j], lp(ids1[j]),
+                                        finish_reason="length" if j == len(ids1) - 1 else None))
+            feed.append(step)
+        chunks = _stream_chunks(op, g, feed)
+        assert aborted == ["s#0"]
+        for key, ds in chunks.items():
+            assert ds[-1].finish_reason is not None and all(d.finish_reason is None for d in ds[:-1])
+            for d in ds:
+                assert [next(iter(e)) for e in d.logprobs] == d.token_ids, "a chunk's logprobs are its tokens"
+                if d is not ds[-1] or key == 1:
+                    assert d.text == tokenizer.decode(d.token_ids), (key, d.text, d.token_ids)
+            assert "".join(d.text for d in ds) == ds[-1].output.text
+            assert sum((d.token_ids for d in ds), []) == ds[-1].output.token_ids
+        c0, c1 = chunks[0][-1].output, chunks[1][-1].output
+        assert c0.text == " The capital of France is Paris. The capit" and c0.stop_reason == "al of Germ"
+        assert c0.token_ids == ids0[:n0], "the token the stop string ended in is reported"
+        last = chunks[0][-1]
+        assert tokenizer.decode(last.token_ids).startswith(last.text)
+        assert tokenizer.decode(last.token_ids)[len(last.text):].startswith("al of Germ")
+        assert not any(d.text.endswith(" capit") or d.text.startswith("al") for d in chunks[0][:-1])
+        assert c1.text == text1 and c1.token_ids == ids1 and c1.finish_reason == "length"
+        assert c1.cumulative_logprob == -0.5 * len(ids1)
+        assert all("\ufffd" not in d.text for d in chunks[1])
     asyncio.run(run())
 
 

@@ -241,6 +241,58 @@ def test_stop_string_on_the_length_token(server):
     assert all(ch.finish_reason is None for ch in chunks[:-1])
 
 
+@pytest.mark.slow
+def test_streamed_chunks_carry_whole_tokens_with_stop_strings_and_logprobs(server):
+    """Issue 38: streamed with stop strings and logprobs, a chunk used to end inside a token (its
+    text ``' capit'``, the next ``'al of France'``: a possible start of a stop string was held back
+    by characters), so its logprobs did not match its text. Now, on both endpoints with n=2 and
+    greedy sampling: every chunk's text is exactly the text of the tokens its logprobs list (a
+    held-back token goes out whole with the next chunk), the joined text and tokens equal the
+    non-streamed ones, and the last chunk of a stop string ending mid-token stops at the stop
+    string while listing that whole token, as vLLM does."""
+    cases = {  # greedy outputs: ", the city of Nova Haven was a thriving metropolis, ..." and
+        # "The capital of France is Paris."; the first stop string is held ("ty", "al" ...) then
+        # released, the second ends inside a token (" metropolis", " Paris")
+        "completions": dict(prompt="Once upon a time", stop=["ty of Mars", "metrop"], logprobs=1),
+        "chat": dict(messages=FRANCE, stop=["al of Germ", "Par"], logprobs=True, top_logprobs=1)}
+
+    async def go():
+        c = client(server)
+        out = {}
+        for path, kw in cases.items():
+            api = c.completions if path == "completions" else c.chat.completions
+            kw = dict(model=MODEL, temperature=0, max_tokens=24, n=2, **kw)
+            out[path] = (await api.create(**kw), [ch async for ch in await api.create(stream=True, **kw)])
+        return out
+
+    for path, (whole, chunks) in run(go()).items():
+        for ref in whole.choices:
+            assert ref.finish_reason == "stop" and ref.model_dump()["stop_reason"] == cases[path]["stop"][1]
+            mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == ref.index]
+            pieces = []  # (text, [token strings]) of each chunk with content
+            for ch in mine:
+                text = ch.text if path == "completions" else ch.delta.content or ""
+                if ch.logprobs is None:
+                    assert not text, (path, ch)
+                    continue
+                toks = ch.logprobs.tokens if path == "completions" else [t.token for t in ch.logprobs.content]
+                pieces.append((text, toks))
+                if path == "completions":  # offsets count the choice's characters
+                    start = sum(len(t) for t, _ in pieces[:-1])
+                    assert ch.logprobs.text_offset == [start + sum(map(len, toks[:j])) for j in range(len(toks))]
+            for text, toks in pieces[:-1]:
+                assert text == "".join(toks), (path, text, toks)
+            assert any(len(toks) > 1 for _, toks in pieces[:-1]), "a held-back token went out with the next"
+            last_text, last_toks = pieces[-1]
+            rest = "".join(last_toks)
+            assert rest.startswith(last_text) and rest[len(last_text):].startswith(cases[path]["stop"][1])
+            ref_text = ref.text if path == "completions" else ref.message.content
+            ref_toks = ref.logprobs.tokens if path == "completions" else [t.token for t in ref.logprobs.content]
+            assert "".join(t for t, _ in pieces) == ref_text and ref_text.endswith(" ")
+            assert sum((toks for _, toks in pieces), []) == ref_toks
+            assert mine[-1].finish_reason == "stop" and mine[-1].model_dump()["stop_reason"] == cases[path]["stop"][1]
+
+
 # --- /v1/chat/completions ----------------------------------------------------------------------
 @pytest.mark.slow
 def test_chat_uses_template_without_double_bos(server, tokenizer):
@@ -780,9 +832,60 @@ def test_request_id_names_the_response_and_priority_zero_is_accepted(server):
             await asyncio.sleep(1.0)
             status, got = await _post(s, server, "/v1/completions", {**body, "max_tokens": 2})
             assert status == 400 and got["error"]["param"] == "request_id", got
+            # an X-Request-Id header names the request when the body does not: the same rule
+            del body["request_id"]
+            async with s.post(server.url + "/v1/completions", json={**body, "max_tokens": 2},
+                              headers={"X-Request-Id": "busy"}) as r:
+                assert r.status == 400 and r.headers["X-Request-Id"] == "busy"
+                assert "in use" in (await r.json())["error"]["message"]
             status, got = await first
             assert status == 200 and got["id"] == "cmpl-busy" and got["usage"]["completion_tokens"] == 200, got
 
+    run(go())
+
+
+@pytest.mark.slow
+def test_x_request_id_header_is_echoed_and_names_the_request(server):
+    """As vLLM (``--enable-request-id-headers``, always on here): every response carries
+    ``X-Request-Id``, the request's own echoed (streams and errors too), else the id the request
+    ran under, else a fresh one; on chat and completions the header is the request's id when the
+    body has no ``request_id`` (the body's wins: the header is still echoed); /v1/responses keeps
+    its own ``resp_`` id; a header unfit for an id is a 400 naming it."""
+    async def go():
+        base = {"model": MODEL, "max_tokens": 3, "temperature": 0}
+        chat = {**base, "messages": FRANCE}
+        async with aiohttp.ClientSession() as s:
+            async def post(path, body, rid=None):
+                async with s.post(server.url + path, json=body,
+                                  headers={"X-Request-Id": rid} if rid is not None else {}) as r:
+                    raw = await r.text()
+                    return r.status, r.headers.get("X-Request-Id"), raw
+
+            status, hdr, raw = await post("/v1/chat/completions", chat, "trace-h1")
+            assert (status, hdr, json.loads(raw)["id"]) == (200, "trace-h1", "chatcmpl-trace-h1")
+            status, hdr, raw = await post("/v1/completions", {**base, "prompt": "Hi", "stream": True}, "trace-h2")
+            ids = {json.loads(e[6:]).get("id") for e in raw.split("\n\n") if e.startswith("data: {")}
+            assert (status, hdr, ids) == (200, "trace-h2", {"cmpl-trace-h2"})
+            status, hdr, raw = await post("/v1/chat/completions", {**chat, "request_id": "from-body"}, "from-header")
+            assert (hdr, json.loads(raw)["id"]) == ("from-header", "chatcmpl-from-body")
+            status, hdr, raw = await post("/v1/chat/completions", {**chat, "request_id": "only-body"})
+            assert (hdr, json.loads(raw)["id"]) == ("only-body", "chatcmpl-only-body")
+            for path, body, prefix in (("/v1/chat/completions", {**chat, "stream": True}, "chatcmpl-"),
+                                       ("/v1/completions", {**base, "prompt": "Hi"}, "cmpl-")):
+                status, hdr, raw = await post(path, body)
+                first = json.loads(raw[6:raw.index("\n\n")] if body.get("stream") else raw)
+                assert status == 200 and len(hdr) == 32 and first["id"] == prefix + hdr, (hdr, first)
+            status, hdr, raw = await post("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2},
+                                          "trace-r")
+            assert status == 200 and hdr == "trace-r" and json.loads(raw)["id"].startswith("resp_")
+            status, hdr, raw = await post("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2})
+            assert json.loads(raw)["id"] == "resp_" + hdr
+            status, hdr, raw = await post("/v1/completions", {**base, "prompt": "Hi", "model": "nope"}, "trace-404")
+            assert (status, hdr) == (404, "trace-404")
+            status, hdr, raw = await post("/v1/completions", {**base, "prompt": "Hi"}, "x" * 300)
+            assert status == 400 and json.loads(raw)["error"]["param"] == "X-Request-Id"
+            async with s.get(server.url + "/health") as r:
+                assert len(r.headers["X-Request-Id"]) == 32
     run(go())
 
 

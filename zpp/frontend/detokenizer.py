@@ -6,8 +6,12 @@ without the new tokens and appends the difference, so a tokenizer that drops a l
 the first token of a decode (SentencePiece) still yields exact text. A decode that ends in U+FFFD
 is an incomplete UTF-8 sequence and is held back until the next token completes it.
 
-The streamable text also holds back any suffix that could be the start of a stop string, so a
-client never receives text that is later taken back: concatenated deltas equal the final text.
+What may be streamed is cut at token boundaries (:meth:`IncrementalDetokenizer.stream_cut`): the
+longest run of whole tokens whose text is complete (no incomplete character pending) and holds no
+suffix that could be the start of a stop string. So a client never receives text that is later
+taken back (concatenated deltas equal the final text), and every streamed piece of text is exactly
+the text of the tokens streamed with it. Only the final piece may end inside a token: a stop string
+that ends mid-token cuts the text there while its token is still reported (as vLLM does).
 """
 from __future__ import annotations
 
@@ -39,7 +43,6 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.min_tokens = min_tokens
         self.num_added = 0  # output tokens added so far
-        self.max_stop_len = max((len(s) for s in self.stop), default=0)
         window = list(prompt_token_ids[-_PROMPT_WINDOW:])
         # A prompt cut mid-character would merge its partial bytes into the first output
         # characters; start the window after the prompt then, so no prompt text leaks out.
@@ -50,6 +53,9 @@ class IncrementalDetokenizer:
         self.read_offset = len(window)
         self.text = ""           # all decoded output text (after stop truncation)
         self.stop_reason: Optional[str] = None
+        # (tokens added, len(text)) after each add whose text came out whole (no pending partial
+        # character): the points a stream may be cut at. Older ones than the last cut are dropped.
+        self._bounds: list[tuple[int, int]] = [(0, 0)]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
@@ -68,11 +74,13 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         old_len = len(self.text)
         self.text += delta
+        self._bounds.append((self.num_added, len(self.text)))
         if self.stop and self.num_added > self.min_tokens:
-            search_from = max(0, old_len - self.max_stop_len + 1)
             best = None
             for s in self.stop:
-                i = self.text.find(s, search_from)
+                # only a match ending in the new text: one inside the old text was found before, or
+                # ended within the first min_tokens tokens and does not count
+                i = self.text.find(s, max(0, old_len - len(s) + 1))
                 if i != -1 and (best is None or i < best[0]):
                     best = (i, s)
             if best is not None:
@@ -92,16 +100,35 @@ class IncrementalDetokenizer:
             self.text += tail[len(head):]
             self.read_offset = len(self.ids)
 
-    def stream_text(self, finished: bool) -> str:
-        """Text safe to send now: everything when finished, else without a suffix that may begin a
-        stop string."""
-        if finished or not self.stop:
-            return self.text
+    def stream_cut(self, finished: bool) -> tuple[int, str]:
+        """What may be sent now: ``(number of output tokens, their text)``.
+
+        Finished: every token added and all the text (cut at the stop string, if one matched;
+        the token that held it is counted in full). Otherwise the longest prefix of whole tokens
+        such that (1) no token in it waits on an incomplete UTF-8 character (or on a following
+        token to show its text) and (2) its text leaves out every suffix of :attr:`text` that may
+        be the start of a stop string (none is held with ``include_stop_str_in_output``: the text
+        up to a match's end is kept then). The text returned is exactly those tokens' text, and
+        the cut never moves back between calls.
+        """
+        if finished:
+            return self.num_added, self.text
         t = self.text
-        hold = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(t)), hold, -1):
-                if t.endswith(s[:k]):
-                    hold = k
-                    break
-        return t[:len(t) - hold] if hold else t
+        limit = len(t)
+        if self.stop and not self.include_stop:
+            hold = 0
+            for s in self.stop:
+                for k in range(min(len(s) - 1, len(t)), hold, -1):
+                    if t.endswith(s[:k]):
+                        hold = k
+                        break
+            limit -= hold
+        b = self._bounds
+        j = len(b) - 1
+        while j and b[j][1] > limit:  # b[0], the last cut, is within it: the limit never moves back
+            j -= 1
+        if j:
+            del b[:j]
+        n, end = b[0]
+        return n, t[:end]
+

@@ -22,10 +22,15 @@ from zpp.sampling_params import SamplingParams
 
 @dataclass
 class _Seq:
+    """One sequence: ``out`` holds every token received; a stream is shown its first ``shown``
+    tokens (whole tokens whose text is final, see :meth:`IncrementalDetokenizer.stream_cut`), with
+    ``out.text`` their text and ``cum_logprob`` the sum of their logprobs."""
+
     req_id: str
     detok: Optional[IncrementalDetokenizer]
     out: CompletionOutput
     cum_logprob: float = 0.0
+    shown: int = 0
 
 
 @dataclass
@@ -161,8 +166,6 @@ class OutputProcessor:
                 out.token_ids.append(d.token_id)
                 if out.logprobs is not None and d.logprobs is not None:
                     out.logprobs.append(self._logprob_dict(d.logprobs))
-                    seq.cum_logprob += d.logprobs.logprob
-                    out.cumulative_logprob = seq.cum_logprob
             if seq.detok is not None and d.token_id >= 0:
                 # As in vLLM, a token that stopped the sequence (EOS, stop_token_ids) adds no text
                 # unless include_stop_str_in_output.
@@ -179,13 +182,27 @@ class OutputProcessor:
                 self.seq_to_group.pop(seq.req_id, None)
                 if seq.detok is not None:
                     seq.detok.flush()
+            shown = len(out.token_ids)  # finished: all, a stop token that added no text too
             if seq.detok is not None:
-                out.text = seq.detok.stream_text(finish is not None)
+                cut, out.text = seq.detok.stream_cut(finish is not None)
+                if finish is None:
+                    shown = cut
+            self._show(seq, shown)
         if stopped:
             self.abort_in_core(stopped)
         for group in touched.values():
             if group.stream or group.num_unfinished == 0:
                 self._publish(group)
+
+    @staticmethod
+    def _show(seq: _Seq, n: int) -> None:
+        """Let streams see the sequence's first ``n`` tokens (and their logprobs)."""
+        out = seq.out
+        if out.logprobs is not None:
+            for j in range(seq.shown, min(n, len(out.logprobs))):
+                e = out.logprobs[j].get(out.token_ids[j])
+                seq.cum_logprob += e.logprob if e is not None else 0.0
+        seq.shown = max(seq.shown, n)
 
     def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         """One position's logprobs in vLLM's form: ``{token_id: Logprob}``, the chosen token's
@@ -217,10 +234,13 @@ class OutputProcessor:
                 self.abort_in_core(live)
             return
         finished = group.finished
-        outs = [CompletionOutput(index=s.out.index, text=s.out.text, token_ids=list(s.out.token_ids),
+        # Each sequence as far as it may be streamed: whole tokens, their text and logprobs
+        # (everything once it finished).
+        outs = [CompletionOutput(index=s.out.index, text=s.out.text, token_ids=s.out.token_ids[:s.shown],
                                  finish_reason=s.out.finish_reason, stop_reason=s.out.stop_reason,
-                                 logprobs=list(s.out.logprobs) if s.out.logprobs is not None else None,
-                                 cumulative_logprob=s.out.cumulative_logprob) for s in group.seqs]
+                                 logprobs=s.out.logprobs[:s.shown] if s.out.logprobs is not None else None,
+                                 cumulative_logprob=s.cum_logprob if s.out.logprobs is not None else None)
+                for s in group.seqs]
         group.queue.put_nowait(RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
                                              finished, list(group.prompt_logprobs) if group.prompt_logprobs else None))
         if finished:
@@ -257,6 +277,13 @@ class ChoiceDelta:
 class StreamDeltas:
     """Turns a request's cumulative outputs (what :meth:`AsyncEngine.generate` yields: several
     engine steps may arrive as one) into per-choice deltas, the one place streams are cut.
+
+    The outputs hold whole tokens only (the output processor publishes a running sequence up to
+    its last token whose text is final and cannot start a stop string), so a delta's ``text`` is
+    exactly the text of its ``token_ids`` and its ``logprobs`` are theirs. The one exception is
+    the finished delta of a sequence a stop string ended: its text stops at the stop string (or
+    after it, with ``include_stop_str_in_output``) and a token that went past it, or a stop token
+    (EOS, ``stop_token_ids``) that adds no text, is still among its tokens and logprobs, as in vLLM.
 
     ``deltas(out.outputs)`` gives a :class:`ChoiceDelta` per choice not finished-and-sent; ``sent(delta)``
     records that it went out (a consumer may hold a delta back, e.g. one with no text yet, and

@@ -4,7 +4,8 @@ Routes: /v1/completions (:mod:`.completions`), /v1/chat/completions (:mod:`.chat
 /health, /ping, /version, /metrics (:mod:`.metrics`), and vLLM's /tokenize and /detokenize.
 Process start-up and shutdown are in :mod:`.launch`.
 
-Bad requests get HTTP 4xx in OpenAI's error shape and never reach the engine. A client that goes
+Every response carries ``X-Request-Id`` (:func:`~zpp.server.endpoint.request_id_header`). Bad
+requests get HTTP 4xx in OpenAI's error shape and never reach the engine. A client that goes
 away aborts its requests: the runner is built with ``handler_cancellation=True``, so aiohttp
 cancels the handler task, which closes the engine streams (``AsyncEngine.generate`` aborts an
 unfinished request in its ``finally``) and the engine frees the request's KV blocks once no
@@ -27,7 +28,8 @@ from zpp.frontend.inputs import off_loop_if_large, text_size
 from zpp.server.chat import chat_completions, chat_options
 from zpp.server.completions import completions
 from zpp.server.endpoint import (DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_STOP_SEQUENCES,
-                                 DEFAULT_TIMEOUT_REQUEST_BODY_S, ServingContext, served_names)
+                                 DEFAULT_TIMEOUT_REQUEST_BODY_S, ServingContext, request_id_header,
+                                 served_names)
 from zpp.server.metrics import Metrics
 from zpp.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from zpp.server.render import classify, error_message, error_response, json_response, now
@@ -104,6 +106,7 @@ class OpenAIServer:
         Content-Encoding is undone by :func:`zpp.server.http_body.read_request`; left to aiohttp it
         would be undone twice."""
         app = web.Application(middlewares=[self._middleware], client_max_size=self.max_request_body_bytes)
+        app.on_response_prepare.append(request_id_header)
         app.router.add_post("/v1/completions", functools.partial(completions, self.ctx))
         app.router.add_post("/v1/chat/completions", functools.partial(chat_completions, self.ctx))
         app.router.add_get("/v1/models", self.models)

@@ -61,7 +61,7 @@ async def chat_completions(ctx: ServingContext, request: web.Request) -> web.Str
     prepared = await ctx.engine.prepare(sampling=sampling, messages=req.messages, chat=chat_options(ctx, req, plan),
                                         grammar_param=so_param, rename={"max_tokens": rename["max_tokens"]})
     prompt_ids = prepared.prompt_token_ids
-    cid, created, k = new_id("chatcmpl", req.request_id), now(), req.top_logprobs or 0
+    cid, created, k = new_id("chatcmpl", ctx.request_id(request, req.request_id)), now(), req.top_logprobs or 0
     tokens = ctx.tokens
     # vLLM's: --response-role for a new message; the continued message keeps its own role
     last = req.messages[-1] if req.messages else None

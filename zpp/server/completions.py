@@ -61,7 +61,7 @@ async def completions(ctx: ServingContext, request: web.Request) -> web.StreamRe
     ctx.check_logprobs(sampling, "logprobs")
     prepared = [await ctx.engine.prepare(p, sampling, grammar_param=so_param) for p in prompts]
     prompt_ids = [p.prompt_token_ids for p in prepared]
-    cid, created, n = new_id("cmpl", req.request_id), now(), sampling.n
+    cid, created, n = new_id("cmpl", ctx.request_id(request, req.request_id)), now(), sampling.n
     k = req.logprobs
     tokens = ctx.tokens
 

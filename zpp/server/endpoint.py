@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from typing import AsyncIterator, Optional, Sequence, Union
 
 from aiohttp import web
@@ -15,6 +16,7 @@ from zpp.frontend.inputs import PreparedRequest
 from zpp.outputs import RequestOutput
 from zpp.server.config import ServerConfig
 from zpp.server.http_body import read_request
+from zpp.server.protocol import MAX_REQUEST_ID, valid_request_id
 from zpp.server.render import TokenStrings
 
 logger = logging.getLogger("zpp.server.app")
@@ -34,6 +36,19 @@ def served_names(served_model_name: Union[str, Sequence[str]]) -> tuple[str, ...
     if not names:
         raise ValueError("served_model_name: no name given")
     return names
+
+
+REQUEST_ID_HEADER = "X-Request-Id"
+_RUN_ID = "zpp.request_id"  # key of the id a request ran under, in the aiohttp request's mapping
+
+
+async def request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    """aiohttp ``on_response_prepare`` hook: every response (streams and errors too) carries
+    ``X-Request-Id``: the request's own header echoed, else the id the request ran under
+    (:meth:`ServingContext.request_id`), else a fresh 32-hex-digit one (as vLLM's
+    ``--enable-request-id-headers``)."""
+    response.headers[REQUEST_ID_HEADER] = (request.headers.get(REQUEST_ID_HEADER) or request.get(_RUN_ID)
+                                           or uuid.uuid4().hex)
 
 
 class ServingContext:
@@ -67,6 +82,30 @@ class ServingContext:
             from zpp.parsers.chat import ChatParsers
             parsers = ChatParsers(None, None, engine.tokenizer)
         self.parsers = parsers
+
+    @staticmethod
+    def request_id(request: web.Request, body_id: Optional[str], use_header: bool = True) -> str:
+        """The id a request runs under (its response's id is ``<prefix>-<id>``): ``body_id`` (the
+        body's ``request_id``), else the ``X-Request-Id`` header (``use_header``), else a fresh 32
+        hex digits. It is the response's ``X-Request-Id`` when the client sent none.
+
+        Raises:
+            RequestError: a header taken as the id that is not 1 to 256 printable ASCII characters
+                (param ``X-Request-Id``).
+        """
+        rid = body_id
+        if rid is None:
+            header = request.headers.get(REQUEST_ID_HEADER) if use_header else None
+            if header:
+                if not valid_request_id(header):
+                    raise RequestError(f"the {REQUEST_ID_HEADER} header is the request's id when the body has "
+                                       f"no request_id: 1 to {MAX_REQUEST_ID} printable ASCII characters",
+                                       REQUEST_ID_HEADER)
+                rid = header
+            else:
+                rid = uuid.uuid4().hex
+        request[_RUN_ID] = rid
+        return rid
 
     def check_logprobs(self, sampling, param: str) -> None:
         """Raises RequestError naming ``param`` (or ``prompt_logprobs``) past --max-logprobs."""

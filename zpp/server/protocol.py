@@ -98,6 +98,12 @@ MAX_N = 128  # OpenAI's limit on completions per prompt
 MAX_REQUEST_ID = 256  # characters of a client's request_id (it goes into ids and log lines)
 
 
+def valid_request_id(rid: str) -> bool:
+    """A client's request id (``request_id`` field, ``X-Request-Id`` header): 1 to MAX_REQUEST_ID
+    printable ASCII characters."""
+    return 0 < len(rid) <= MAX_REQUEST_ID and rid.isprintable() and rid.isascii()
+
+
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     """``stream_options``: OpenAI's ``include_usage`` (a last chunk with the usage) and
     ``include_obfuscation`` (accepted; zpp adds no obfuscation field), vLLM's
@@ -135,8 +141,9 @@ class _SamplingFields(_Request, kw_only=True, forbid_unknown_fields=True):
     prompt_logprobs: Optional[Int64] = None
     truncate_prompt_tokens: Optional[Int64] = None
     request_id: Optional[str] = None
-    """The response's ``id`` is ``chatcmpl-<request_id>`` / ``cmpl-<request_id>`` (a fresh one
-    without it); two requests in progress may not share one (HTTP 400)."""
+    """The response's ``id`` is ``chatcmpl-<request_id>`` / ``cmpl-<request_id>`` (without it: the
+    ``X-Request-Id`` header's value, else a fresh one); two requests in progress may not share one
+    (HTTP 400)."""
     priority: Int64 = 0
     """Only 0: zpp schedules first come, first served (as vLLM without ``--scheduling-policy priority``)."""
     # Structured outputs (see structured_outputs_of): OpenAI's response_format, vLLM's current
@@ -325,8 +332,7 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
     if req.priority != 0:
         raise ProtocolError(f"priority: {req.priority}, but zpp schedules requests first come, first served: "
                             f"only 0 is accepted", "priority")
-    if req.request_id is not None and not (0 < len(req.request_id) <= MAX_REQUEST_ID
-                                           and req.request_id.isprintable() and req.request_id.isascii()):
+    if req.request_id is not None and not valid_request_id(req.request_id):
         raise ProtocolError(f"request_id: 1 to {MAX_REQUEST_ID} printable ASCII characters", "request_id")
 
     def pick(name: str, builtin):

@@ -54,7 +54,8 @@ def classify(e: BaseException) -> tuple[int, str, Optional[str]]:
 
 
 def new_id(prefix: str, request_id: Optional[str] = None) -> str:
-    """A response id: ``<prefix>-<request_id>`` for a client's (vLLM's ``request_id`` field), else a
+    """A response id: ``<prefix>-<request_id>`` (a client's ``request_id`` field or
+    ``X-Request-Id`` header, or a fresh 32 hex digits: see ``ServingContext.request_id``), else a
     fresh one, e.g. ``cmpl-<32 hex digits>``."""
     return f"{prefix}-{request_id or uuid.uuid4().hex}"
 

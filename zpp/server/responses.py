@@ -129,6 +129,9 @@ class ResponsesAPI:
         if plan is not None and plan.mode == "none":
             plan = None
         run = _Run(ctx, req, plan, prompt_ids, sampling)
+        # Echoed X-Request-Id, else the response's own id (without "resp_"): the header does not
+        # name the response (the response keeps its fresh resp_ id).
+        ctx.request_id(request, run.id[5:], use_header=False)
         if not req.stream:
             final = None
             async with aclosing(ctx.run_all([prepared], run.engine_id, stream=False)) as outs:
