@@ -131,6 +131,31 @@ def parse_tools(tools: Optional[list], tool_choice, parallel_tool_calls: Optiona
                         '{"name": ...}}', "tool_choice")
 
 
+def tool_constraint(plan: Optional[ToolPlan], so: Optional[StructuredOutputsParams], so_param: Optional[str]
+                    ) -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
+    """The output constraint a request runs with, and the field it came from, given its tool
+    plan and the constraint of its other fields (``so`` from ``so_param``, as
+    :func:`zpp.server.protocol.structured_outputs_of` returns them).
+
+    A ``tool_choice`` that forces a call (``"required"`` or a named function) constrains the
+    output to the call: its grammar wins over ``response_format`` (``json_object`` or
+    ``json_schema``), which is ignored for that request, as vLLM does and OpenAI accepts
+    (pydantic-ai's ``NativeOutput`` with a forced tool sends both). The result is then
+    ``(the tool grammar, "tools")``; with no forcing tool plan, ``(so, so_param)`` unchanged.
+
+    Raises:
+        ProtocolError: (``param`` ``"tool_choice"``) a forced call together with vLLM's explicit
+            constraints (``structured_outputs``, ``guided_*``): two grammars, no way to honour both.
+    """
+    tool_so = plan.structured_outputs() if plan is not None else None
+    if tool_so is None:
+        return so, so_param
+    if so is not None and so_param != "response_format":
+        raise ProtocolError(f"tool_choice {plan.mode!r} constrains the output, so {so_param} cannot "
+                            "be given too", "tool_choice")
+    return tool_so, "tools"
+
+
 def _call(name: str, arguments, call_id: Optional[str] = None) -> dict:
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return {"id": call_id or f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
