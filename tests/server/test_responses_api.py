@@ -94,11 +94,9 @@ def test_stateful_and_unsupported_fields_are_refused(client, server):
     refused("temperature", temperature=-1)
     refused("input", input=[{"type": "function_call_output", "output": "22 C"}])  # no call_id
     refused("input", input=[{"role": "wizard", "content": "hi"}])
-    refused("input", input=[{"type": "reasoning", "summary": []}])
     refused("input", input=3)
     refused("text", text={"format": {"type": "json_schema", "name": "x"}})  # no schema
     refused("text", text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "objec"}}})
-    refused("tool_choice", tools=TOOLS, tool_choice="required", text={"format": {"type": "json_object"}})
     refused("stream_options", stream_options={"include_obfuscation": False})  # without stream: true
     for name, value in [("conversation", "conv_1"), ("background", True), ("include", ["file_search_call.results"]),
                         ("reasoning", {"effort": "high"}), ("truncation", "auto"), ("prompt", {"id": "pmpt_1"})]:
@@ -150,6 +148,28 @@ def test_forced_tool_call_then_function_call_output_round_trip(client):
             [(t.function.name, t.function.arguments) for t in msg.tool_calls]
     else:
         assert r2.output_text == msg.content
+
+
+def test_forced_tool_call_wins_over_text_format(client):
+    """pydantic-ai's NativeOutput with a forced tool sends tool_choice "required" (or a named
+    function) and text.format together: the call's grammar wins and text.format is ignored for the
+    request, so the calls are those of the same request without text.format, streamed or not."""
+    answer = {"type": "json_schema", "name": "answer", "strict": True, "schema": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}}
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        kw = dict(model=MODEL, input="What is the weather in Paris?", tools=TOOLS, tool_choice=choice, temperature=0,
+                  max_output_tokens=40)
+        plain = client.responses.create(**kw)
+        calls = [(o.name, o.arguments) for o in plain.output]
+        assert [o.type for o in plain.output] == ["function_call"] and calls[0][0] == "get_weather"
+        jsonschema.validate(json.loads(calls[0][1]), WEATHER)
+        for fmt in (answer, {"type": "json_object"}):
+            r = client.responses.create(**kw, text={"format": fmt})
+            assert r.status == "completed" and [(o.name, o.arguments) for o in r.output] == calls, (choice, fmt)
+            assert r.text.format.type == fmt["type"]  # echoed as sent
+        with client.responses.stream(**kw, text={"format": answer}) as s:
+            final = s.get_final_response()
+        assert [(o.type, o.name, o.arguments) for o in final.output] == [("function_call", *c) for c in calls]
 
 
 def test_stream_events_in_order_and_equal_to_the_whole_response(client):
