@@ -90,7 +90,12 @@ def test_stateful_and_unsupported_fields_are_refused(client, server):
     refused("input", input=[])
     refused("tool_choice", tools=TOOLS, tool_choice={"type": "function", "name": "nope"})
     refused("text", text={"format": {"type": "yaml"}})
-    refused("max_output_tokens", max_output_tokens=100_000)
+    # The over-length error names the field the client sent, in its param and its message; so
+    # does a prompt too long for the model (the input, not the Responses "prompt" template field).
+    message = refused("max_output_tokens", max_output_tokens=100_000)
+    assert "max_output_tokens (100000)" in message and "max_tokens" not in message, message
+    assert "max_output_tokens" in refused("max_output_tokens", max_output_tokens=-1)
+    assert "1024" in refused("input", input="hi " * 1100, max_output_tokens=5)
     refused("temperature", temperature=-1)
     refused("input", input=[{"type": "function_call_output", "output": "22 C"}])  # no call_id
     refused("input", input=[{"role": "wizard", "content": "hi"}])

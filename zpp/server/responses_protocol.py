@@ -6,6 +6,7 @@ tools, ``tool_choice``, ``text.format`` -> ``response_format``), with :func:`_re
 chat path's error params back to the Responses fields."""
 from __future__ import annotations
 
+import re
 from typing import Any, Optional, Union
 
 import msgspec
@@ -242,13 +243,20 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 
 
 def _renamed(e: ProtocolError, names: dict[str, str]) -> ProtocolError:
-    """``e`` with its param (and the message's leading ``param:``) renamed to the Responses field."""
+    """``e`` with its param (and the message's leading ``param:``) renamed to the Responses field,
+    and every mention of the output-token limit (``max_tokens``, ``max_completion_tokens``: the
+    over-length error ``prompt (N tokens) + max_tokens (M) = ... exceeds max_model_len``, the KV
+    cache one) as ``max_output_tokens``, the field a Responses client sends."""
     new = names.get(e.param, e.param)
     msg = str(e)
     if new != e.param and e.param and msg.startswith(e.param):
         msg = new + msg[len(e.param):]
+    msg = _TOKEN_LIMIT.sub("max_output_tokens", msg)
     return ProtocolError(msg, new, e.status, e.err_type, e.code)
 
 
+_TOKEN_LIMIT = re.compile(r"\b(?:max_tokens|max_completion_tokens)\b")
+# chat-path params -> the Responses fields they come from (``prompt``: the rendered input, not
+# the Responses ``prompt`` field, a stored template refused before the chat path runs)
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-           "response_format": "text", "messages": "input"}
+           "response_format": "text", "messages": "input", "prompt": "input"}
