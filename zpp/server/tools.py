@@ -12,6 +12,9 @@ constraining the output and turning it into OpenAI ``tool_calls``.
 * ``{"type": "function", "function": {"name": N}}``: the output is constrained to N's
   ``parameters`` schema and is the call's ``arguments``.
 
+A forced call (``"required"`` or named) wins over a ``response_format``, which is then ignored
+(:func:`tool_constraint`).
+
 An output that ends early (``max_tokens``, a stop string, a grammar dead end) has the same message
 shape streamed or not: a named function's output is always its call, with the arguments as far as
 they were generated and the ``finish_reason`` saying why they stop (``"length"``, ``"stop"``,
