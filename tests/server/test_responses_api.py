@@ -159,22 +159,33 @@ def test_forced_tool_call_wins_over_text_format(client):
     """pydantic-ai's NativeOutput with a forced tool sends tool_choice "required" (or a named
     function) and text.format together: the call's grammar wins and text.format is ignored for the
     request, so the calls are those of the same request without text.format, streamed or not."""
+    from concurrent.futures import ThreadPoolExecutor
+
     answer = {"type": "json_schema", "name": "answer", "strict": True, "schema": {
         "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}}
-    for choice in ("required", {"type": "function", "name": "get_weather"}):
+    formats = (None, answer, {"type": "json_object"})
+
+    def run(choice, fmt, stream=False):
         kw = dict(model=MODEL, input="What is the weather in Paris?", tools=TOOLS, tool_choice=choice, temperature=0,
-                  max_output_tokens=40)
-        plain = client.responses.create(**kw)
-        calls = [(o.name, o.arguments) for o in plain.output]
-        assert [o.type for o in plain.output] == ["function_call"] and calls[0][0] == "get_weather"
-        jsonschema.validate(json.loads(calls[0][1]), WEATHER)
-        for fmt in (answer, {"type": "json_object"}):
-            r = client.responses.create(**kw, text={"format": fmt})
-            assert r.status == "completed" and [(o.name, o.arguments) for o in r.output] == calls, (choice, fmt)
+                  max_output_tokens=40, **({"text": {"format": fmt}} if fmt else {}))
+        if not stream:
+            return client.responses.create(**kw)
+        with client.responses.stream(**kw) as s:
+            return s.get_final_response()
+
+    choices = ("required", {"type": "function", "name": "get_weather"})
+    jobs = [(choice, fmt, False) for choice in choices for fmt in formats] + [(c, answer, True) for c in choices]
+    with ThreadPoolExecutor(len(jobs)) as pool:  # one batch on the server: greedy tokens do not depend on it
+        got = list(pool.map(lambda job: run(*job), jobs))
+    for i in (0, 1):
+        plain, schema, obj = got[3 * i:3 * i + 3]
+        streamed = got[6 + i]
+        calls = [(o.type, o.name, o.arguments) for o in plain.output]
+        assert [c[:2] for c in calls] == [("function_call", "get_weather")], calls
+        jsonschema.validate(json.loads(calls[0][2]), WEATHER)
+        for r, fmt in ((schema, answer), (obj, {"type": "json_object"}), (streamed, answer)):
+            assert r.status == "completed" and [(o.type, o.name, o.arguments) for o in r.output] == calls, (i, fmt)
             assert r.text.format.type == fmt["type"]  # echoed as sent
-        with client.responses.stream(**kw, text={"format": answer}) as s:
-            final = s.get_final_response()
-        assert [(o.type, o.name, o.arguments) for o in final.output] == [("function_call", *c) for c in calls]
 
 
 def test_stream_events_in_order_and_equal_to_the_whole_response(client):
