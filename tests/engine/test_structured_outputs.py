@@ -12,7 +12,8 @@ alone. Compile errors, the size limit and the compile timeout are refused as Req
 
 Server (``zpp serve`` at PP=2 through the official ``openai`` client): ``chat.completions.parse``
 with a pydantic model, ``tools`` with tool_choice "required" and a named function (non-stream and
-stream), the vLLM fields on /v1/completions, and 400s naming the field for bad inputs.
+stream; with a response_format too, which the forced call's grammar overrides), the vLLM fields on
+/v1/completions, and 400s naming the field for bad inputs.
 """
 from __future__ import annotations
 
@@ -755,6 +756,7 @@ def test_tool_output_parsing_and_streaming():
 # --- the server ------------------------------------------------------------------------------------
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED_Q = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
@@ -809,13 +811,13 @@ def test_server_parse_tools_and_vllm_fields(server):
     asyncio.run(go())
 
 
-async def _stream_tool_calls(c: AsyncOpenAI, tool_choice) -> tuple[dict, str]:
+async def _stream_tool_calls(c: AsyncOpenAI, tool_choice, **kw) -> tuple[dict, str]:
     """Stream a tools request; returns ({index: {"name", "arguments"}}, finish reason), checking that
     each call's id, type and name come in its first delta and only arguments after."""
     calls: dict[int, dict] = {}
     finish = None
     stream = await c.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=TOOLS, tool_choice=tool_choice,
-                                             temperature=0, max_tokens=60, stream=True)
+                                             temperature=0, max_tokens=60, stream=True, **kw)
     async for chunk in stream:
         ch = chunk.choices[0]
         for tc in ch.delta.tool_calls or []:
@@ -827,6 +829,41 @@ async def _stream_tool_calls(c: AsyncOpenAI, tool_choice) -> tuple[dict, str]:
                 calls[tc.index]["arguments"] += tc.function.arguments
         finish = ch.finish_reason or finish
     return calls, finish
+
+
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "Answer", "strict": True, "schema": {
+    "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.slow
+def test_forced_tool_call_wins_over_response_format(server):
+    """pydantic-ai's NativeOutput with a forced tool sends tool_choice "required" (or a named
+    function) with a response_format: the call's grammar wins (as in vLLM; OpenAI accepts the
+    pair) and response_format is ignored for the request, so the calls, streamed or not, are those
+    of the same request without it."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    async def go():
+        c = _client(server)
+        kw = dict(model=MODEL, messages=WEATHER_Q, tools=TOOLS, temperature=0, max_tokens=60)
+        out = {}
+        for choice in ("required", named):
+            out[str(choice)] = await asyncio.gather(
+                c.chat.completions.create(**kw, tool_choice=choice),
+                c.chat.completions.create(**kw, tool_choice=choice, response_format=ANSWER_FORMAT),
+                c.chat.completions.create(**kw, tool_choice=choice, response_format={"type": "json_object"}),
+                _stream_tool_calls(c, choice, response_format=ANSWER_FORMAT))
+        return out
+
+    for choice, (plain, schema, obj, (streamed, finish)) in asyncio.run(go()).items():
+        calls = [(t.function.name, t.function.arguments) for t in plain.choices[0].message.tool_calls]
+        assert calls and calls[0][0] == "get_weather", choice
+        for r in (schema, obj):
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls" and ch.message.content is None, (choice, ch)
+            assert [(t.function.name, t.function.arguments) for t in ch.message.tool_calls] == calls, choice
+        assert finish == "tool_calls" and [(v["name"], v["arguments"]) for v in streamed.values()] == calls, choice
 
 
 BAD = [
@@ -844,7 +881,9 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    # vLLM's explicit constraints do not give way to a forced call (response_format does)
+    ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"json_object": True}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": NAMED_Q, "guided_json": {"type": "object"}}, "tool_choice"),
 ]
 
 

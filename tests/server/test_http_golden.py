@@ -102,6 +102,10 @@ CASES = [
                                 **G}, None),
     ("tools_required", "POST", CH, {"messages": WEATHER_Q, "tools": TOOLS, "tool_choice": "required",
                                     "max_tokens": 60, **G}, None),
+    # a forced call with a response_format (pydantic-ai's NativeOutput): the call's grammar wins
+    ("tools_required_with_format", "POST", CH, {"messages": WEATHER_Q, "tools": TOOLS, "tool_choice": "required",
+                                                "response_format": {"type": "json_object"}, "max_tokens": 60, **G},
+     None),
     ("tools_named", "POST", CH, {"messages": WEATHER_Q, "tools": TOOLS, "max_tokens": 40, "tool_choice": {
         "type": "function", "function": {"name": "get_weather"}}, **G}, None),
     ("tools_required_stream", "POST", CH, {"messages": WEATHER_Q, "tools": TOOLS, "tool_choice": "required",
@@ -148,7 +152,7 @@ CASES = [
         "type": "function", "function": {"name": "nope"}}}, None),
     ("err_tool_choice_without_tools", "POST", CH, {"messages": FRANCE, "tool_choice": "required"}, None),
     ("err_tools_and_format", "POST", CH, {"messages": FRANCE, "tools": TOOLS, "tool_choice": "required",
-                                          "response_format": {"type": "json_object"}}, None),
+                                          "structured_outputs": {"json_object": True}}, None),
     ("err_stream_options_without_stream", "POST", CH, {"messages": FRANCE, "stream_options": {
         "include_usage": True}}, None),
     # --- /tokenize, /detokenize

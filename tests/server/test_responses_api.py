@@ -90,15 +90,18 @@ def test_stateful_and_unsupported_fields_are_refused(client, server):
     refused("input", input=[])
     refused("tool_choice", tools=TOOLS, tool_choice={"type": "function", "name": "nope"})
     refused("text", text={"format": {"type": "yaml"}})
-    refused("max_output_tokens", max_output_tokens=100_000)
+    # The over-length error names the field the client sent, in its param and its message; so
+    # does a prompt too long for the model (the input, not the Responses "prompt" template field).
+    message = refused("max_output_tokens", max_output_tokens=100_000)
+    assert "max_output_tokens (100000)" in message and "max_tokens" not in message, message
+    assert "max_output_tokens" in refused("max_output_tokens", max_output_tokens=-1)
+    assert "1024" in refused("input", input="hi " * 1100, max_output_tokens=5)
     refused("temperature", temperature=-1)
     refused("input", input=[{"type": "function_call_output", "output": "22 C"}])  # no call_id
     refused("input", input=[{"role": "wizard", "content": "hi"}])
-    refused("input", input=[{"type": "reasoning", "summary": []}])
     refused("input", input=3)
     refused("text", text={"format": {"type": "json_schema", "name": "x"}})  # no schema
     refused("text", text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "objec"}}})
-    refused("tool_choice", tools=TOOLS, tool_choice="required", text={"format": {"type": "json_object"}})
     refused("stream_options", stream_options={"include_obfuscation": False})  # without stream: true
     for name, value in [("conversation", "conv_1"), ("background", True), ("include", ["file_search_call.results"]),
                         ("reasoning", {"effort": "high"}), ("truncation", "auto"), ("prompt", {"id": "pmpt_1"})]:
@@ -150,6 +153,39 @@ def test_forced_tool_call_then_function_call_output_round_trip(client):
             [(t.function.name, t.function.arguments) for t in msg.tool_calls]
     else:
         assert r2.output_text == msg.content
+
+
+def test_forced_tool_call_wins_over_text_format(client):
+    """pydantic-ai's NativeOutput with a forced tool sends tool_choice "required" (or a named
+    function) and text.format together: the call's grammar wins and text.format is ignored for the
+    request, so the calls are those of the same request without text.format, streamed or not."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    answer = {"type": "json_schema", "name": "answer", "strict": True, "schema": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}}
+    formats = (None, answer, {"type": "json_object"})
+
+    def run(choice, fmt, stream=False):
+        kw = dict(model=MODEL, input="What is the weather in Paris?", tools=TOOLS, tool_choice=choice, temperature=0,
+                  max_output_tokens=40, **({"text": {"format": fmt}} if fmt else {}))
+        if not stream:
+            return client.responses.create(**kw)
+        with client.responses.stream(**kw) as s:
+            return s.get_final_response()
+
+    choices = ("required", {"type": "function", "name": "get_weather"})
+    jobs = [(choice, fmt, False) for choice in choices for fmt in formats] + [(c, answer, True) for c in choices]
+    with ThreadPoolExecutor(len(jobs)) as pool:  # one batch on the server: greedy tokens do not depend on it
+        got = list(pool.map(lambda job: run(*job), jobs))
+    for i in (0, 1):
+        plain, schema, obj = got[3 * i:3 * i + 3]
+        streamed = got[6 + i]
+        calls = [(o.type, o.name, o.arguments) for o in plain.output]
+        assert [c[:2] for c in calls] == [("function_call", "get_weather")], calls
+        jsonschema.validate(json.loads(calls[0][2]), WEATHER)
+        for r, fmt in ((schema, answer), (obj, {"type": "json_object"}), (streamed, answer)):
+            assert r.status == "completed" and [(o.type, o.name, o.arguments) for o in r.output] == calls, (i, fmt)
+            assert r.text.format.type == fmt["type"]  # echoed as sent
 
 
 def test_stream_events_in_order_and_equal_to_the_whole_response(client):

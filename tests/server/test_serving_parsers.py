@@ -6,6 +6,11 @@ forced, token by token, with a ``choice`` grammar (the request's ``structured_ou
 the path is the real one: tokens sampled on the last stage, detokenized, streamed, and parsed by the
 server into ``tool_calls`` / ``reasoning_content`` that the official client reads. ``logit_bias`` is
 checked at PP=1 (this module's server) and PP=2 (the shared server).
+
+``/v1/responses`` with ``--reasoning-parser deepseek_r1`` (a second server): DeepSeek-R1's outputs
+start in their reasoning, and SmolLM2, asked to copy a text with ``</think>`` in it, writes one
+greedily, unforced; the Responses output items are checked against the chat completion of the
+same input.
 """
 from __future__ import annotations
 
@@ -180,3 +185,80 @@ def test_logit_bias_forces_and_forbids(bias_server, tokenizer):
     assert chat.choices[0].message.content == tokenizer.decode([forced_id] * 2) == chat_s["content"]
     for e in errors:
         assert e.status_code == 400 and e.param == "logit_bias" and e.body["type"] == "invalid_request_error", e.body
+
+
+# --- /v1/responses with a reasoning parser ------------------------------------------------------------
+COPY = "Copy this text: <think>\nParis?\n</think>\n\nIt is sunny."
+
+
+@pytest.fixture(scope="module")
+def r1_server(demo_model):
+    srv = ServerProcess([demo_model, "--max-model-len", "512", "--num-kv-blocks", "64", "--reasoning-parser",
+                         "deepseek_r1", "--log-level", "warning"])
+    yield srv
+    srv.stop()
+
+
+def _items(output) -> list[dict]:
+    """Output items without their random ids (nor the stream helper's ``parsed: None``)."""
+    return [{k: v for k, v in o.to_dict(exclude_none=True).items() if k not in ("id", "call_id")} for o in output]
+
+
+def test_responses_report_reasoning_as_a_reasoning_item(r1_server):
+    from openai import OpenAI
+    c = OpenAI(base_url=r1_server.url + "/v1", api_key="unused", max_retries=0)
+    user = [{"role": "user", "content": COPY}]
+    chat = c.chat.completions.create(model=MODEL, messages=user, temperature=0, max_tokens=40)
+    m = chat.choices[0].message
+    reasoning = m.model_extra["reasoning_content"]
+    assert reasoning and "</think>" not in reasoning and m.content, m  # the greedy output closes its reasoning
+
+    r = c.responses.create(model=MODEL, input=COPY, temperature=0, max_output_tokens=40)
+    assert r.status == "completed" and [o.type for o in r.output] == ["reasoning", "message"]
+    rs = r.output[0]
+    assert rs.id.startswith("rs_") and rs.summary == [] and rs.status == "completed"
+    assert [(p.type, p.text) for p in rs.content] == [("reasoning_text", reasoning)]
+    assert r.output_text == m.content  # the reasoning is not in the text
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+
+    # Streamed: the reasoning item's events (reasoning_text deltas), then the message's.
+    with c.responses.stream(model=MODEL, input=COPY, temperature=0, max_output_tokens=40) as s:
+        events = list(s)
+        final = s.get_final_response()
+    kinds = [e.type for e in events]
+    n = kinds.count("response.reasoning_text.delta")
+    k = kinds.count("response.output_text.delta")
+    assert n >= 1 and k >= 1
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added"] + ["response.reasoning_text.delta"] * n + [
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added"] + ["response.output_text.delta"] * k + [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert events[2].item.type == "reasoning" and events[3].part.type == "reasoning_text"
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+    assert events[4 + n].text == reasoning and events[6 + n].item.content[0].text == reasoning
+    assert all(e.output_index == 0 for e in events[2:7 + n]) and events[7 + n].output_index == 1
+    assert _items(final.output) == _items(r.output) and final.output_text == m.content
+
+    # Cut off inside the reasoning: the reasoning item alone, incomplete, streamed or not.
+    cut = c.chat.completions.create(model=MODEL, messages=user, temperature=0, max_tokens=3).choices[0].message
+    r = c.responses.create(model=MODEL, input=COPY, temperature=0, max_output_tokens=3)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [(o.type, o.status, o.content[0].text) for o in r.output] == [
+        ("reasoning", "incomplete", cut.model_extra["reasoning_content"])] and r.output_text == ""
+    with c.responses.stream(model=MODEL, input=COPY, temperature=0, max_output_tokens=3) as s:
+        assert _items(s.get_final_response().output) == _items(r.output)
+
+    # The next turn gets the whole output back as input, the reasoning item included: accepted, and
+    # left out of the prompt, as the chat template leaves out a message's reasoning.
+    follow = "Thanks. Now the capital of Italy?"
+    whole = c.responses.create(model=MODEL, input=COPY, temperature=0, max_output_tokens=40)
+    r2 = c.responses.create(model=MODEL, temperature=0, max_output_tokens=20, input=[
+        *user, *(o.model_dump(exclude_none=True) for o in whole.output), {"role": "user", "content": follow}])
+    chat2 = c.chat.completions.create(model=MODEL, temperature=0, max_tokens=20, messages=[
+        *user, {"role": "assistant", "content": m.content}, {"role": "user", "content": follow}])
+    assert r2.usage.input_tokens == chat2.usage.prompt_tokens
+    m2 = chat2.choices[0].message
+    assert [o.content[0].text for o in r2.output if o.type == "reasoning"] == \
+        ([m2.model_extra["reasoning_content"]] if m2.model_extra["reasoning_content"] else [])
+    assert r2.output_text == (m2.content or "")

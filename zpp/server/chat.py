@@ -18,7 +18,7 @@ from zpp.server.endpoint import ServingContext
 from zpp.server.protocol import ChatCompletionRequest, check_unsupported_chat_fields, structured_outputs_of, \
     to_sampling_params
 from zpp.server.render import SSEWriter, TokenStrings, json_response, new_id, now, usage, usage_counts
-from zpp.server.tools import ToolPlan, parse_tools
+from zpp.server.tools import ToolPlan, parse_tools, tool_constraint
 
 
 def chat_options(ctx: ServingContext, req, plan: Optional[ToolPlan] = None) -> ChatOptions:
@@ -43,13 +43,7 @@ async def chat_completions(ctx: ServingContext, request: web.Request) -> web.Str
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
     use_mct = req.max_completion_tokens is not None
     plan = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-    so, so_param = structured_outputs_of(req)
-    tool_so = plan.structured_outputs() if plan is not None else None
-    if tool_so is not None:
-        if so is not None:
-            raise RequestError(f"tool_choice {plan.mode!r} constrains the output, so {so_param} cannot "
-                               "be given too", "tool_choice")
-        so, so_param = tool_so, "tools"
+    so, so_param = tool_constraint(plan, *structured_outputs_of(req))
     rename = {"max_tokens": "max_completion_tokens" if use_mct else "max_tokens", "logprobs": "top_logprobs"}
     sampling = to_sampling_params(req, req.max_completion_tokens if use_mct else req.max_tokens,
                                   (req.top_logprobs or 0) if req.logprobs else None,

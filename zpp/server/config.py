@@ -61,7 +61,8 @@ class ServerConfig:
                                               group="sampling")
     """the model's tool-call format (default hermes)"""
     reasoning_parser: Optional[str] = setting(None, choices=("deepseek_r1", "qwen3"), group="sampling")
-    """split the model's <think> reasoning into reasoning_content"""
+    """split the model's <think> reasoning into reasoning_content (chat) and a reasoning output item
+    (/v1/responses)"""
 
     root_path: str = setting("", group="http")
     """the path prefix a proxy serves this server under (e.g. /llm): routes answer both with and

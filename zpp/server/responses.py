@@ -12,13 +12,24 @@ request and the equivalent chat request see the same prompt tokens and sample th
 
 * ``input``: a string (one user message) or a list of items: messages (``role`` user, system,
   developer or assistant; ``content`` a string or ``input_text`` / ``output_text`` / ``refusal``
-  parts), ``function_call`` items (replayed calls) and ``function_call_output`` items (their
-  results, as ``tool`` messages). ``instructions`` becomes a first system message.
+  parts), ``function_call`` items (replayed calls), ``function_call_output`` items (their
+  results, as ``tool`` messages) and ``reasoning`` items (an earlier response's, sent back with
+  its output: accepted, left out of the prompt). ``instructions`` becomes a first system message.
 * ``tools``: function tools ``{"type": "function", "name", "description", "parameters", "strict"}``;
   ``tool_choice`` ``"none"`` / ``"auto"`` / ``"required"`` / ``{"type": "function", "name": N}``.
-  Calls come back as ``function_call`` output items (``call_id``, ``name``, ``arguments``).
+  Calls come back as ``function_call`` output items (``call_id``, ``name``, ``arguments``);
+  ``auto`` outputs are read by the server's ``--tool-call-parser``, as on the chat path.
 * ``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
-  "name", "schema", "strict"}``: the output is constrained by the grammar of that format.
+  "name", "schema", "strict"}``: the output is constrained by the grammar of that format. With a
+  ``tool_choice`` that forces a call (``"required"`` or a named function) the call's grammar wins
+  and ``text.format`` is ignored for the request (echoed as sent), as on the chat path
+  (:func:`zpp.server.tools.tool_constraint`).
+* Reasoning (``--reasoning-parser``): the output's reasoning, split off as on the chat path
+  (:class:`zpp.parsers.chat.ChatParsers`), is a first output item ``{"type": "reasoning", "id":
+  "rs_...", "summary": [], "content": [{"type": "reasoning_text", "text": ...}], "status"}``,
+  before the message (the rest of the output, without the reasoning; ``output_text`` is that
+  message's text) and the calls. An output cut off inside its reasoning is the reasoning item
+  alone (``"incomplete"``); no message item follows a reasoning item when no text does.
 * ``max_output_tokens`` (an output cut by it has ``status: "incomplete"`` and
   ``incomplete_details.reason: "max_output_tokens"``, as OpenAI's), ``temperature``, ``top_p`` and
   vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``.
@@ -27,13 +38,19 @@ request and the equivalent chat request see the same prompt tokens and sample th
   ``response.output_item.added``, for a message ``response.content_part.added``,
   ``response.output_text.delta``..., ``response.output_text.done``, ``response.content_part.done``,
   for a call ``response.function_call_arguments.delta``..., ``response.function_call_arguments.done``,
-  then ``response.output_item.done``; last ``response.completed``, also when ``max_output_tokens``
-  cut the output (the response inside then has ``status: "incomplete"``; OpenAI sends
-  ``response.incomplete`` there, on which the openai client's ``responses.stream`` helper raises
-  "Didn't receive a `response.completed` event"; vLLM sends ``response.completed`` too). An engine
-  failure after the first event sends an ``error`` event and ``response.failed``.
+  for reasoning ``response.content_part.added`` (a ``reasoning_text`` part),
+  ``response.reasoning_text.delta``..., ``response.reasoning_text.done``,
+  ``response.content_part.done``, then ``response.output_item.done``; last
+  ``response.completed``, also when ``max_output_tokens`` cut the output (the response inside
+  then has ``status: "incomplete"``; OpenAI sends ``response.incomplete`` there, on which the
+  openai client's ``responses.stream`` helper raises "Didn't receive a `response.completed`
+  event"; vLLM sends ``response.completed`` too). An engine failure after the first event sends
+  an ``error`` event and ``response.failed``.
 * ``usage``: ``input_tokens``, ``output_tokens``, ``total_tokens`` (and the detail objects, zero:
-  no cached-token accounting, no reasoning tokens).
+  no cached-token accounting; ``reasoning_tokens`` is not counted, the reasoning's tokens are in
+  ``output_tokens``).
+* Items closed before the output ended are ``"completed"``; the last one is ``"incomplete"`` when
+  ``max_output_tokens`` cut the output, streamed or not.
 """
 from __future__ import annotations
 
@@ -48,11 +65,12 @@ from typing import Optional
 from aiohttp import web
 
 from zpp.errors import EngineDeadError, RequestError
+from zpp.parsers.chat import ChatParsers
 from zpp.sampling_params import SamplingParamsError
 from zpp.server.protocol import ProtocolError, structured_outputs_of, to_sampling_params
 from zpp.server.responses_protocol import (_PARAMS, ResponsesRequest, ResponsesStreamOptions, _check_stateless,
                                            _renamed, input_messages, to_chat_request)
-from zpp.server.tools import ToolPlan, ToolStream, parse_output, parse_tools
+from zpp.server.tools import ToolPlan, parse_tools, tool_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +96,17 @@ def _text_part(text: str) -> dict:
 def _message_item(item_id: str, text: Optional[str], status: str) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [] if text is None else [_text_part(text)]}
+
+
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
+def _reasoning_item(item_id: str, text: Optional[str], status: str) -> dict:
+    """A ``reasoning`` output item: the reasoning parser's text as one ``reasoning_text`` content
+    part (no summary: ``summary`` is empty), as vLLM reports it."""
+    return {"type": "reasoning", "id": item_id, "summary": [],
+            "content": [] if text is None else [_reasoning_part(text)], "status": status}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
@@ -107,19 +136,17 @@ class ResponsesAPI:
         req: ResponsesRequest = await ctx.read(request, ResponsesRequest)
         ctx.check_model(req.model)
         _check_stateless(req)
+        reasons = ctx.parsers.reasoning is not None
         try:
             chat = to_chat_request(req)
             plan = parse_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
-            so, so_param = structured_outputs_of(chat)
-            tool_so = plan.structured_outputs() if plan is not None else None
-            if tool_so is not None:
-                if so is not None:
-                    raise ProtocolError(f"tool_choice {plan.mode!r} constrains the output, so text.format cannot "
-                                        "ask for JSON too", "tool_choice")
-                so, so_param = tool_so, "tools"
+            # a forced call's grammar wins over text.format (ignored then), as on the chat path
+            so, so_param = tool_constraint(plan, *structured_outputs_of(chat))
             sampling = to_sampling_params(chat, chat.max_completion_tokens, None,
                                           rename={"max_tokens": "max_output_tokens"}, structured_outputs=so,
                                           defaults=ctx.generation_defaults)
+            if ctx.parsers.keep_special_tokens(plan, reasons):
+                sampling = sampling.clone(skip_special_tokens=False)
             prepared = await ctx.engine.prepare(sampling=sampling, messages=chat.messages,
                                                 chat=chat_options(ctx, chat, plan), grammar_param=so_param,
                                                 rename={"max_tokens": "max_output_tokens"})
@@ -128,7 +155,9 @@ class ResponsesAPI:
         prompt_ids = prepared.prompt_token_ids
         if plan is not None and plan.mode == "none":
             plan = None
-        run = _Run(ctx, req, plan, prompt_ids, sampling)
+        # As on the chat path: a grammar-constrained output reasons only if it writes <think> itself.
+        opened = reasons and so is None and ctx.parsers.opened(ctx.tokenizer.decode(prompt_ids[-16:]))
+        run = _Run(ctx, req, plan, prompt_ids, sampling, reasons, opened)
         # Echoed X-Request-Id, else the response's own id (without "resp_"): the header does not
         # name the response (the response keeps its fresh resp_ id).
         ctx.request_id(request, run.id[5:], use_header=False)
@@ -145,9 +174,13 @@ class ResponsesAPI:
 class _Run:
     """One Responses request's response object, built whole or as stream events."""
 
-    def __init__(self, server, req: ResponsesRequest, plan: Optional[ToolPlan], prompt_ids: list[int], sampling):
+    def __init__(self, server, req: ResponsesRequest, plan: Optional[ToolPlan], prompt_ids: list[int], sampling,
+                 reasons: bool = False, opened: bool = False):
         self.req, self.plan, self.prompt_ids, self.sampling = req, plan, prompt_ids, sampling
         self.model = server.model_name
+        # the server's parsers (--tool-call-parser, --reasoning-parser); hermes and none without
+        self.parsers = getattr(server, "parsers", None) or ChatParsers()
+        self.reasons, self.opened = reasons and self.parsers.reasoning is not None, opened
         self.id = _new_id("resp")
         self.engine_id = "resp-" + self.id[5:]
         self.created = int(time.time())
@@ -171,14 +204,18 @@ class _Run:
     def finish(self, c) -> dict:
         """The finished response object for the final CompletionOutput ``c`` (not streamed)."""
         status, incomplete = _status(c.finish_reason)
-        item_status = "incomplete" if status == "incomplete" else "completed"
+        msg, _ = self.parsers.message(c.text, self.plan, self.reasons, self.opened)
+        reasoning, content, calls = msg.get("reasoning_content"), msg["content"], msg.get("tool_calls", [])
         output = []
-        content, calls = parse_output(self.plan, c.text) if self.plan is not None else (c.text, [])
-        if content or not calls:
-            output.append(_message_item(_new_id("msg"), content or "", item_status))
+        if reasoning:
+            output.append(_reasoning_item(_new_id("rs"), reasoning, "completed"))
+        if content or not (calls or reasoning):
+            output.append(_message_item(_new_id("msg"), content or "", "completed"))
         for call in calls:
             output.append(_call_item(_new_id("fc"), _new_id("call"), call["function"]["name"],
-                                     call["function"]["arguments"], item_status))
+                                     call["function"]["arguments"], "completed"))
+        if status == "incomplete":  # the item the output was cut in, as the stream closes it
+            output[-1]["status"] = "incomplete"
         return self.response(status, output, _usage(len(self.prompt_ids), len(c.token_ids)), incomplete)
 
     # --- streaming ----------------------------------------------------------------------------
@@ -187,7 +224,8 @@ class _Run:
         self.request = request
         self.items: list[dict] = []   # output items so far (the open one last)
         self.open: Optional[dict] = None  # the item being streamed
-        ts = ToolStream(self.plan) if self.plan is not None else None
+        ts = (self.parsers.stream(self.plan, self.reasons, self.opened)
+              if self.plan is not None or self.reasons else None)
         sent = 0
         last = None
         try:
@@ -205,6 +243,8 @@ class _Run:
                             sent = len(c.text)
                     else:
                         for d in ts.feed(c.text, final):
+                            if d.get("reasoning_content"):
+                                await self._reasoning(d["reasoning_content"])
                             if "content" in d:
                                 await self._text(d["content"])
                             for tc in d.get("tool_calls", ()):
@@ -220,7 +260,7 @@ class _Run:
             return await self._fail(e)
         status, incomplete = _status(last.finish_reason)
         item_status = "incomplete" if status == "incomplete" else "completed"
-        if not self.items:  # no text and no call: an empty message, as the whole response has
+        if not self.items:  # no reasoning, text or call: an empty message, as the whole response has
             await self._text("")
         await self._close(item_status)
         usage = _usage(len(self.prompt_ids), len(last.token_ids))
@@ -256,6 +296,22 @@ class _Run:
             await self._send("response.output_text.delta", item_id=o["id"], output_index=len(self.items) - 1,
                              content_index=0, delta=delta, logprobs=[])
 
+    async def _reasoning(self, delta: str) -> None:
+        o = self.open
+        k = len(self.items) - 1
+        if o is None or o["type"] != "reasoning":
+            await self._close("completed")
+            o = self.open = _reasoning_item(_new_id("rs"), None, "in_progress")
+            self.items.append(o)
+            k = len(self.items) - 1
+            await self._send("response.output_item.added", output_index=k, item=o)
+            o["content"].append(_reasoning_part(""))
+            await self._send("response.content_part.added", item_id=o["id"], output_index=k, content_index=0,
+                             part=_reasoning_part(""))
+        o["content"][0]["text"] += delta
+        await self._send("response.reasoning_text.delta", item_id=o["id"], output_index=k, content_index=0,
+                         delta=delta)
+
     async def _open_call(self, name: str) -> None:
         await self._close("completed")
         o = self.open = _call_item(_new_id("fc"), _new_id("call"), name, "", "in_progress")
@@ -278,6 +334,12 @@ class _Run:
             part = o["content"][0]
             await self._send("response.output_text.done", item_id=o["id"], output_index=k, content_index=0,
                              text=part["text"], logprobs=[])
+            await self._send("response.content_part.done", item_id=o["id"], output_index=k, content_index=0,
+                             part=part)
+        elif o["type"] == "reasoning":
+            part = o["content"][0]
+            await self._send("response.reasoning_text.done", item_id=o["id"], output_index=k, content_index=0,
+                             text=part["text"])
             await self._send("response.content_part.done", item_id=o["id"], output_index=k, content_index=0,
                              part=part)
         else:

@@ -6,6 +6,7 @@ tools, ``tool_choice``, ``text.format`` -> ``response_format``), with :func:`_re
 chat path's error params back to the Responses fields."""
 from __future__ import annotations
 
+import re
 from typing import Any, Optional, Union
 
 import msgspec
@@ -24,10 +25,12 @@ class ResponsesRequest(_Request, kw_only=True, forbid_unknown_fields=True):
     """``POST /v1/responses`` (OpenAI's Responses API, stateless: see the module docstring).
 
     ``input`` is a string or a list of input items (messages, ``function_call``,
-    ``function_call_output``); ``tools`` are function tools; ``text.format`` is ``text``,
-    ``json_object`` or ``json_schema``. Fields that need stored state (``store: true``,
-    ``previous_response_id``, ``conversation``, ``background: true``) or that zpp does not implement
-    (``reasoning``, ``prompt``, ``top_logprobs``, ``include`` other than
+    ``function_call_output``, ``reasoning``: ignored); ``tools`` are function tools;
+    ``text.format`` is ``text``, ``json_object`` or ``json_schema``. Fields that need stored state
+    (``store: true``, ``previous_response_id``, ``conversation``, ``background: true``) or that zpp
+    does not implement (``reasoning`` with any value set: the server's ``--reasoning-parser``
+    decides what is reasoning, and there are no reasoning summaries or efforts, ``prompt``,
+    ``top_logprobs``, ``include`` other than
     ``reasoning.encrypted_content``, ``truncation: "auto"``) are refused with HTTP 400 naming them.
     """
 
@@ -95,7 +98,7 @@ def _check_stateless(req: ResponsesRequest) -> None:
     if req.max_tool_calls is not None:
         raise ProtocolError("max_tool_calls is not supported by this server", "max_tool_calls")
     for name in req.include or ():
-        if name != "reasoning.encrypted_content":  # accepted: this server returns no reasoning items
+        if name != "reasoning.encrypted_content":  # accepted: reasoning items here carry no encrypted_content
             raise ProtocolError(f"include {name[:60]!r} is not supported by this server", "include")
     if req.truncation not in (None, "disabled"):
         raise ProtocolError(f"truncation {str(req.truncation)[:30]!r} is not supported: an input longer than the "
@@ -128,11 +131,12 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
 
     Consecutive ``function_call`` items become one assistant message's ``tool_calls`` (joined to
     the assistant message just before them, if any); a ``function_call_output`` becomes a ``tool``
-    message answering its ``call_id``.
+    message answering its ``call_id``; ``reasoning`` items (an earlier response's reasoning, sent
+    back with its output) are accepted and left out of the prompt.
 
     Raises:
         ProtocolError: (``param`` ``"input"``) no input, an item of a type zpp does not serve
-            (``item_reference``, ``reasoning``, images, files, built-in tool calls), a malformed item.
+            (``item_reference``, images, files, built-in tool calls), a malformed item.
     """
     msgs: list[ChatMessage] = []
     if req.instructions:
@@ -172,12 +176,18 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
                 raise ProtocolError(f"{where}: a function_call_output item needs an output", "input")
             msgs.append(ChatMessage(role="tool", content=_content_text(output, where + ".output"),
                                     tool_call_id=call_id))
+        elif kind == "reasoning":
+            # A reasoning item of an earlier response, passed back with its output as clients do
+            # (the openai-agents SDK, vLLM's example): accepted and left out of the prompt, as
+            # chat templates drop earlier turns' reasoning and chat messages' reasoning_content
+            # is ignored.
+            continue
         elif kind == "item_reference":
             raise ProtocolError(f"{where}: item_reference is not supported: this server keeps no items; pass the "
                                 "item itself", "input")
         else:
             raise ProtocolError(f"{where}: input items of type {str(kind)[:40]!r} are not supported (message, "
-                                "function_call and function_call_output are)", "input")
+                                "function_call, function_call_output and reasoning are)", "input")
     return msgs
 
 
@@ -233,13 +243,20 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 
 
 def _renamed(e: ProtocolError, names: dict[str, str]) -> ProtocolError:
-    """``e`` with its param (and the message's leading ``param:``) renamed to the Responses field."""
+    """``e`` with its param (and the message's leading ``param:``) renamed to the Responses field,
+    and every mention of the output-token limit (``max_tokens``, ``max_completion_tokens``: the
+    over-length error ``prompt (N tokens) + max_tokens (M) = ... exceeds max_model_len``, the KV
+    cache one) as ``max_output_tokens``, the field a Responses client sends."""
     new = names.get(e.param, e.param)
     msg = str(e)
     if new != e.param and e.param and msg.startswith(e.param):
         msg = new + msg[len(e.param):]
+    msg = _TOKEN_LIMIT.sub("max_output_tokens", msg)
     return ProtocolError(msg, new, e.status, e.err_type, e.code)
 
 
+_TOKEN_LIMIT = re.compile(r"\b(?:max_tokens|max_completion_tokens)\b")
+# chat-path params -> the Responses fields they come from (``prompt``: the rendered input, not
+# the Responses ``prompt`` field, a stored template refused before the chat path runs)
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-           "response_format": "text", "messages": "input"}
+           "response_format": "text", "messages": "input", "prompt": "input"}

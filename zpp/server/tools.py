@@ -12,6 +12,9 @@ constraining the output and turning it into OpenAI ``tool_calls``.
 * ``{"type": "function", "function": {"name": N}}``: the output is constrained to N's
   ``parameters`` schema and is the call's ``arguments``.
 
+A forced call (``"required"`` or named) wins over a ``response_format``, which is then ignored
+(:func:`tool_constraint`).
+
 An output that ends early (``max_tokens``, a stop string, a grammar dead end) has the same message
 shape streamed or not: a named function's output is always its call, with the arguments as far as
 they were generated and the ``finish_reason`` saying why they stop (``"length"``, ``"stop"``,
@@ -129,6 +132,31 @@ def parse_tools(tools: Optional[list], tool_choice, parallel_tool_calls: Optiona
         return ToolPlan(list(tools), "named", name, parallel, names)
     raise ProtocolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                         '{"name": ...}}', "tool_choice")
+
+
+def tool_constraint(plan: Optional[ToolPlan], so: Optional[StructuredOutputsParams], so_param: Optional[str]
+                    ) -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
+    """The output constraint a request runs with, and the field it came from, given its tool
+    plan and the constraint of its other fields (``so`` from ``so_param``, as
+    :func:`zpp.server.protocol.structured_outputs_of` returns them).
+
+    A ``tool_choice`` that forces a call (``"required"`` or a named function) constrains the
+    output to the call: its grammar wins over ``response_format`` (``json_object`` or
+    ``json_schema``), which is ignored for that request, as vLLM does and OpenAI accepts
+    (pydantic-ai's ``NativeOutput`` with a forced tool sends both). The result is then
+    ``(the tool grammar, "tools")``; with no forcing tool plan, ``(so, so_param)`` unchanged.
+
+    Raises:
+        ProtocolError: (``param`` ``"tool_choice"``) a forced call together with vLLM's explicit
+            constraints (``structured_outputs``, ``guided_*``): two grammars, no way to honour both.
+    """
+    tool_so = plan.structured_outputs() if plan is not None else None
+    if tool_so is None:
+        return so, so_param
+    if so is not None and so_param != "response_format":
+        raise ProtocolError(f"tool_choice {plan.mode!r} constrains the output, so {so_param} cannot "
+                            "be given too", "tool_choice")
+    return tool_so, "tools"
 
 
 def _call(name: str, arguments, call_id: Optional[str] = None) -> dict:
