@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from zpp import envs
 from zpp.errors import ConfigError
-from zpp.settings import parse_human_int, parse_layer_partition, parse_names, parse_nodes, setting, tcp_port
+from zpp.settings import (parse_human_int, parse_layer_partition, parse_names, parse_nodes, parse_size,  # noqa: F401
+                          setting, tcp_port)
 
 if TYPE_CHECKING:  # torch is imported where it is needed, so that `zpp --help` and flag errors are quick
     import torch
@@ -81,20 +82,6 @@ def cpu_threads_per_worker(num_local_workers: int) -> int:
     return threads_per_stage(num_local_workers)
 
 
-def parse_size(value: str | int | float | None, flag: str = "--kv-cache-memory") -> Optional[int]:
-    """Parse a byte size such as ``512MiB``, ``2GiB``, ``1.5G`` or ``1000000`` into bytes."""
-    if value is None or isinstance(value, (int, float)):
-        return None if value is None else int(value)
-    s = value.strip().lower().removesuffix("b").removesuffix("i")
-    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    try:
-        if s and s[-1] in mult:
-            return int(float(s[:-1]) * mult[s[-1]])
-        return int(float(s))
-    except ValueError:
-        raise ConfigError(f"{flag} {value!r} is not a size (examples: 512MiB, 2GiB)") from None
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """What model to serve and how to hold its weights."""
@@ -106,16 +93,12 @@ class ModelConfig:
     """auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16"""
     max_model_len: Optional[int] = setting(None, parse=parse_human_int, metavar="N")
     """longest sequence (prompt + output) in tokens, e.g. 4096, 32k (= 32000) or 32K (= 32768)
-    (default: from the model's config.json)
-
-    vLLM's human-readable integers (``zpp.settings.parse_human_int``): a lowercase suffix k, m, g, t
-    is decimal, an uppercase one binary."""
+    (default: from the model's config.json)"""
     served_model_name: Optional[tuple[str, ...]] = setting(None, parse=parse_names, nargs="+", metavar="NAME")
     """model name(s) in the API: requests may name any of them, responses and metrics carry the
     first, /v1/models lists them all (default: the directory's name)
 
-    vLLM's ``--served-model-name NAME [NAME ...]``. A tuple of names once the config is made
-    (``LLM``: a str or a sequence of str); ``ModelConfig.name`` is the first, ``served_names`` all."""
+    A tuple once the config is made (``LLM``: a str or a sequence of str)."""
     tokenizer: Optional[str] = None
     """tokenizer directory (default: the model directory)"""
     load_format: str = setting("safetensors", choices=("safetensors", "dummy"))
@@ -167,8 +150,7 @@ class ModelConfig:
 
     @property
     def name(self) -> str:
-        """The name responses and metrics carry: the first ``--served-model-name``, else the
-        model directory's name."""
+        """The name responses and metrics carry (the first of :attr:`served_names`)."""
         return self.served_names[0]
 
     @property
@@ -423,8 +405,7 @@ class SchedulerConfig:
     """token budget of one micro-batch, decodes first, e.g. 2048 or 8k (default: 2048 with chunked
     prefill; without: max(--max-model-len, 2048))
 
-    The running requests' decodes take it first, prompt chunks the rest. vLLM's human-readable
-    integers, as ``max_model_len``. ``DEFAULT_MAX_NUM_BATCHED_
+    The running requests' decodes take it first, prompt chunks the rest. ``DEFAULT_MAX_NUM_BATCHED_
     TOKENS`` on CPU and CUDA, serving or offline; while streams decode, ``target_inter_token_latency``
     may cut a step's prompt chunks below what the budget leaves."""
     target_inter_token_latency: Optional[float] = setting(None, metavar="SECONDS")

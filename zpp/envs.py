@@ -101,6 +101,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "``0``: a CPU stage keeps its thread count even when other processes contend for its cores "
            "(``zpp.workers.adaptive_threads``); by default it drops to the cores it really gets and "
            "tries its full count again now and then. For A/B runs."),
+    EnvVar("ZPP_PARENT_PID", "Optional[int]", _int_or_none,
+           "Set by zpp (a ``zpp-node`` agent) for a worker it starts: the pid the worker must have as its "
+           "parent, so that one whose parent died while it started exits at once "
+           "(``zpp.utils.process.expected_parent``, which removes it from the environment)."),
     EnvVar("ZPP_SPLIT_MIXED_ATTENTION", "str", _text("1"),
            "How a micro-batch mixing decodes and prompt chunks attends: ``1`` in two launches (decode "
            "and prefill tile shapes) once the decodes fill a launch of their own, ``0`` one launch, "

@@ -246,3 +246,19 @@ def tcp_port(value: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0-65535)")
     return port
+
+
+def parse_size(value: str | int | float | None, flag: str = "--kv-cache-memory") -> Optional[int]:
+    """Parse a byte size such as ``512MiB``, ``2GiB``, ``1.5G`` or ``1000000`` into bytes.
+    Raises ConfigError naming ``flag`` for anything else."""
+    from zpp.errors import ConfigError
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else int(value)
+    s = value.strip().lower().removesuffix("b").removesuffix("i")
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    try:
+        if s and s[-1] in mult:
+            return int(float(s[:-1]) * mult[s[-1]])
+        return int(float(s))
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r} is not a size (examples: 512MiB, 2GiB)") from None

@@ -38,12 +38,18 @@ def expected_parent() -> int:
     from the environment, so that this process's own children do not inherit it), else
     ``os.getppid()``."""
     import multiprocessing
-    pid = os.environ.pop(PARENT_PID_ENV, "")
+
+    from zpp import envs
+    try:
+        pid = envs.ZPP_PARENT_PID
+    except ValueError:  # not a number: not ours to trust
+        pid = None
+    os.environ.pop(PARENT_PID_ENV, None)
     parent = multiprocessing.parent_process()
     if parent is not None and parent.pid:
         return parent.pid
-    if pid.isdigit():
-        return int(pid)
+    if pid is not None and pid > 0:
+        return pid
     return os.getppid()
 
 
