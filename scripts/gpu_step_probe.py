@@ -5,7 +5,9 @@ prompt then decode steps through ``ModelRunner.execute`` with async-scheduling c
 kernels of a few steps from torch.profiler. With a batch size B > 1: B requests of 256-token
 prompts (prefilled 32 per micro-batch), then decode steps of all B (the 1000 x 256/256 shape).
 
-    python scripts/gpu_step_probe.py scripts/configs/llama3-8b [num_kv_blocks [B]]
+    python scripts/gpu_step_probe.py scripts/configs/llama3-8b [num_kv_blocks [B [fp8 | fp8kv]]]
+
+``fp8``: the weights quantized as ``--quantization fp8``; ``fp8kv``: that and an FP8 KV cache.
 """
 import json
 import sys
@@ -22,13 +24,14 @@ from zpp.workers.runner_state import PendingResult
 cfg_dir = sys.argv[1]
 num_blocks = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
 B = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+quant = sys.argv[4] if len(sys.argv) > 4 else ""
 cfg = json.load(open(f"{cfg_dir}/config.json"))
 dev = torch.device("cuda")
 max_len = int(cfg.get("max_position_embeddings", 4096))
 model = load_stage_model(cfg_dir, cfg, StageInfo(0, 1, 0, cfg["num_hidden_layers"]), torch.bfloat16, dev, max_len,
-                         "dummy")
+                         "dummy", quantization="fp8" if quant.startswith("fp8") else None)
 r = ModelRunner(model, dev, torch.bfloat16, 16, None, {0}, async_scheduling=True, max_model_len=max_len,
-                max_num_seqs=max(256, B))
+                max_num_seqs=max(256, B), kv_cache_dtype=torch.float8_e4m3fn if quant == "fp8kv" else None)
 r.init_kv_cache(num_blocks)
 r.capture_graphs(max_len, max(256, B))
 if B > 1:

@@ -191,7 +191,7 @@ def main() -> int:
         report = asyncio.run(run(args, server))
     finally:
         rc = server.stop()
-    report.update({"server_command": "zpp serve " + server.cmd, "bench_command": "python " + " ".join(sys.argv),
+    report.update({"server_command": "zpp " + server.cmd, "bench_command": "python " + " ".join(sys.argv),
                    "server_exit_status": rc, "log": server.log.name})
     text = json.dumps(report, indent=2)
     print(text)

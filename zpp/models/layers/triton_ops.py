@@ -191,9 +191,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             prefill tiles, 32 and 2 for split decode, and 64 and 3 for unsplit decode (large
             batches): on the H200 a decode batch of 256 (1024) sequences at context 384 read its
             KV at 3.38 (3.96) TB/s against 3.06 (3.76) with 32 and 2
-            (``scripts/kernel_bench.py attn``, ``benchmarks/results/h200_async_kernels_attn.txt``);
-            an FP8 cache's unsplit decode takes 128 keys a step (``scripts/fp8_attn_sweep.py``: 64
-            sequences at context 1024, 196 vs 222 us).
+            (``scripts/kernel_bench.py attn``, ``benchmarks/results/h200_async_kernels_attn.txt``).
+            The same for an FP8 cache: 128 keys a step won alone (``scripts/fp8_attn_sweep.py``, 64
+            sequences at context 1024: 196 vs 222 us) but lost 7% of 1000 x 256/256's throughput.
         window: sliding window ``W`` (None: full causal): the query at position ``i`` sees keys
             ``i - W < j <= i`` (HF's ``sliding_window_overlay``); each tile's key loop starts at its
             first query's first visible key, so blocks wholly outside the window are never read.
@@ -224,8 +224,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         part_o = part_ml = out
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if block_n is None:  # an FP8 cache's unsplit decode: 128 keys a step keep as many bytes in flight
-        block_n = 128 if fp8 and block_m <= 16 and splits == 1 else 64 if block_m == 64 or splits == 1 else 32
+    if block_n is None:
+        block_n = 64 if block_m == 64 or splits == 1 else 32
     if num_stages is None:
         num_stages = 3 if block_m <= 16 and splits == 1 else 2
     grid = (tile_seq.shape[0], Hk, splits)
