@@ -470,7 +470,7 @@ class StructuredOutputsConfig:
     """seconds a request's grammar (JSON schema, regex, choice, EBNF) may take to compile before the
     request is refused with HTTP 400
 
-    Waiting for a compile thread included; the compile itself finishes in the background."""
+    Waiting for a compile slot included; a compile still running then is killed."""
     max_spec_bytes: int = setting(256 << 10, flag="--max-structured-outputs-spec-bytes", parse=parse_size)
     """largest JSON schema / regex / grammar / choice list accepted (larger: HTTP 400)
 

@@ -1014,6 +1014,8 @@ def test_every_early_end_has_one_shape_streamed_or_not(server):
             finishes.add((end, plain[2]))
             if mode == "tools-named":
                 assert len(plain[1]) == 1, (end, plain)  # a named function's output is always its call
+            if end == "stop string":  # a call cut by a stop string is not a whole call: "stop", not "tool_calls"
+                assert plain[2] == "stop", (mode, plain)
         assert {("length", "length"), ("stop string", "stop"), ("dead end", "abort")} <= finishes, finishes
 
     asyncio.run(go())

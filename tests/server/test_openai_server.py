@@ -832,12 +832,15 @@ def test_request_id_names_the_response_and_priority_zero_is_accepted(server):
             await asyncio.sleep(1.0)
             status, got = await _post(s, server, "/v1/completions", {**body, "max_tokens": 2})
             assert status == 400 and got["error"]["param"] == "request_id", got
+            assert got["error"]["message"] == "request id 'busy' is already in use by a request in progress", got
             # an X-Request-Id header names the request when the body does not: the same rule
             del body["request_id"]
             async with s.post(server.url + "/v1/completions", json={**body, "max_tokens": 2},
                               headers={"X-Request-Id": "busy"}) as r:
                 assert r.status == 400 and r.headers["X-Request-Id"] == "busy"
-                assert "in use" in (await r.json())["error"]["message"]
+                err = (await r.json())["error"]  # in the client's words: its id and the header
+                assert err["param"] == "X-Request-Id" and err["message"] == \
+                    "request id 'busy' is already in use by a request in progress", err
             status, got = await first
             assert status == 200 and got["id"] == "cmpl-busy" and got["usage"]["completion_tokens"] == 200, got
 

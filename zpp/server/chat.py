@@ -35,6 +35,13 @@ def chat_options(ctx: ServingContext, req, plan: Optional[ToolPlan] = None) -> C
                        tools_system_text=plan.system_text(ctx.parsers.tool.call_format) if tools else None)
 
 
+def ended_whole(c: CompletionOutput) -> bool:
+    """Whether tool calls parsed from ``c`` are whole, so its finish reason is ``"tool_calls"``: the
+    output ended by itself (EOS, a stop token, the grammar complete), not cut off by ``max_tokens``,
+    a grammar dead end or a stop string (``stop_reason`` a str), which keep their own reason."""
+    return c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
+
+
 async def chat_completions(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
     req: ChatCompletionRequest = await ctx.read(request, ChatCompletionRequest)
     ctx.check_model(req.model)
@@ -70,11 +77,11 @@ async def chat_completions(ctx: ServingContext, request: web.Request) -> web.Str
     def message(c: CompletionOutput) -> tuple[dict, Optional[str]]:
         msg, called = ctx.parsers.message(c.text, plan, reasons, opened, req.include_reasoning)
         msg["role"] = role
-        return msg, "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+        return msg, "tool_calls" if called and ended_whole(c) else c.finish_reason
 
     if not req.stream:
         final = None
-        async with aclosing(ctx.run_all([prepared], cid, stream=False)) as outs:
+        async with aclosing(ctx.run_all([prepared], cid, stream=False, client_id=ctx.client_id(request))) as outs:
             async for _, out in outs:
                 final = out
         choices = []
@@ -106,7 +113,7 @@ async def chat_completions(ctx: ServingContext, request: web.Request) -> web.Str
         return body
 
     try:
-        async with aclosing(ctx.run_all([prepared], cid)) as outs:
+        async with aclosing(ctx.run_all([prepared], cid, client_id=ctx.client_id(request))) as outs:
             async for _, out in outs:
                 if not sse.started:  # the first chunk of every choice carries the role
                     for j in range(sampling.n):
@@ -156,6 +163,6 @@ async def _send_tool_deltas(tokens: TokenStrings, sse: SSEWriter, chunk, sent: S
         await sse.send(chunk([{"index": c.index, "delta": d, "logprobs": lp if i == 0 else None,
                                "finish_reason": None}]))
     if final:
-        reason = "tool_calls" if ts.calls and c.finish_reason == "stop" else c.finish_reason
+        reason = "tool_calls" if ts.calls and ended_whole(c) else c.finish_reason
         await sse.send(chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason,
                                "stop_reason": c.stop_reason}]))

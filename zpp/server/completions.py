@@ -85,7 +85,7 @@ async def completions(ctx: ServingContext, request: web.Request) -> web.StreamRe
 
     if not req.stream:
         finals: dict[int, RequestOutput] = {}
-        async with aclosing(ctx.run_all(prepared, cid, stream=False)) as outs:
+        async with aclosing(ctx.run_all(prepared, cid, stream=False, client_id=ctx.client_id(request))) as outs:
             async for i, out in outs:
                 if out.finished:
                     finals[i] = out
@@ -125,7 +125,7 @@ async def completions(ctx: ServingContext, request: web.Request) -> web.StreamRe
         return body
 
     try:
-        async with aclosing(ctx.run_all(prepared, cid)) as outs:
+        async with aclosing(ctx.run_all(prepared, cid, client_id=ctx.client_id(request))) as outs:
             async for i, out in outs:
                 for key, d in sent.deltas(map(shown, out.outputs), i):
                     c = d.output

@@ -40,6 +40,7 @@ def served_names(served_model_name: Union[str, Sequence[str]]) -> tuple[str, ...
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _RUN_ID = "zpp.request_id"  # key of the id a request ran under, in the aiohttp request's mapping
+_ID_PARAM = "zpp.request_id_param"  # ... and of where the client gave it (request_id or X-Request-Id)
 
 
 async def request_id_header(request: web.Request, response: web.StreamResponse) -> None:
@@ -102,10 +103,20 @@ class ServingContext:
                                        f"no request_id: 1 to {MAX_REQUEST_ID} printable ASCII characters",
                                        REQUEST_ID_HEADER)
                 rid = header
+                request[_ID_PARAM] = REQUEST_ID_HEADER
             else:
                 rid = uuid.uuid4().hex
+        else:
+            request[_ID_PARAM] = "request_id"
         request[_RUN_ID] = rid
         return rid
+
+    @staticmethod
+    def client_id(request: web.Request) -> Optional[tuple[str, str]]:
+        """(the id, the field that gave it: ``request_id`` or ``X-Request-Id``) when the client named
+        the request (:meth:`request_id`), else None."""
+        param = request.get(_ID_PARAM)
+        return (request[_RUN_ID], param) if param else None
 
     def check_logprobs(self, sampling, param: str) -> None:
         """Raises RequestError naming ``param`` (or ``prompt_logprobs``) past --max-logprobs."""
@@ -155,10 +166,12 @@ class ServingContext:
             logger.warning("%s: unrecognized request field %r: refused with HTTP 400 (logged once per field "
                            "name)", path, name)
 
-    async def run_all(self, prepared: list[PreparedRequest], base_id: str,
-                      stream: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def run_all(self, prepared: list[PreparedRequest], base_id: str, stream: bool = True,
+                      client_id: Optional[tuple[str, str]] = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every prepared prompt concurrently; yield (prompt index, output) as they progress
         (with ``stream=False`` only each prompt's final output); outputs are cumulative.
+        ``client_id``: :meth:`client_id`, so that an id already in use is refused in the client's
+        words (its id and the field it came in), not the engine's per-prompt id.
 
         Use under ``contextlib.aclosing``: closing the generator (the handler was cancelled, the
         client went away, an error) cancels the per-prompt tasks, which aborts their requests.
@@ -180,6 +193,9 @@ class ServingContext:
         try:
             while done < len(tasks):
                 i, item = await queue.get()
+                if isinstance(item, RequestError) and item.param == "request_id" and client_id is not None:
+                    raise RequestError(f"request id {client_id[0]!r} is already in use by a request in progress",
+                                       client_id[1]) from item
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:
