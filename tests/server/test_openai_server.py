@@ -807,6 +807,30 @@ def test_prompt_logprobs_in_responses(server, tokenizer):
                 data = await r.json()
             assert data["prompt_logprobs"][0] is None
             assert len(data["prompt_logprobs"]) == data["usage"]["prompt_tokens"]
+            # streamed: the prompt's logprobs come once, in the first chunk (of each choice on
+            # completions, n=2 here; at the top of the first chunk on chat, as the whole response)
+            for path, extra, want in (("/v1/completions", {"prompt": "The capital of France is", "n": 2}, plp),
+                                      ("/v1/chat/completions", {"messages": FRANCE}, data["prompt_logprobs"])):
+                body = {**extra, "max_tokens": 3, "prompt_logprobs": 2 if "prompt" in extra else 0,
+                        "stream": True, "temperature": 0}
+                async with s.post(server.url + path, json=body) as r:
+                    assert r.status == 200
+                    events = [json.loads(line[6:]) for line in (await r.text()).splitlines()
+                              if line.startswith("data: {")]
+                if "prompt" in extra:
+                    got = [(c["index"], c.get("prompt_logprobs")) for e in events for c in e["choices"]]
+                    firsts = {}
+                    for idx, p in got:
+                        firsts.setdefault(idx, p)
+                    assert set(firsts) == {0, 1} and sum(p is not None for _, p in got) == 2, got
+                else:
+                    firsts = {0: events[0].get("prompt_logprobs")}
+                    assert all("prompt_logprobs" not in e for e in events[1:])
+                for p in firsts.values():
+                    assert p is not None and len(p) == len(want) and p[0] is None
+                    for a, b in zip(p[1:], want[1:]):  # same tokens and ranks (values up to batching noise)
+                        assert {t: v["rank"] for t, v in a.items()} == {t: v["rank"] for t, v in b.items()}
+                        assert all(abs(a[t]["logprob"] - b[t]["logprob"]) < 1e-3 for t in a)
     run(go())
 
 

@@ -117,8 +117,11 @@ async def chat_completions(ctx: ServingContext, request: web.Request) -> web.Str
             async for _, out in outs:
                 if not sse.started:  # the first chunk of every choice carries the role
                     for j in range(sampling.n):
-                        await sse.send(chunk([{"index": j, "delta": {"role": role, "content": ""},
-                                               "logprobs": None, "finish_reason": None}]))
+                        first = chunk([{"index": j, "delta": {"role": role, "content": ""},
+                                        "logprobs": None, "finish_reason": None}])
+                        if j == 0 and req.prompt_logprobs is not None:  # where the whole response has them
+                            first["prompt_logprobs"] = tokens.prompt_logprobs(prompt_ids, out.prompt_logprobs)
+                        await sse.send(first)
                 for key, d in sent.deltas(out.outputs):
                     c = d.output
                     if tool_streams:

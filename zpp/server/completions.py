@@ -116,10 +116,13 @@ async def completions(ctx: ServingContext, request: web.Request) -> web.StreamRe
                       and req.stream_options.continuous_usage_stats)
     prompt_total = sum(map(len, prompt_ids))
 
-    def chunk(index: int, text: str, lp, finish_reason=None, stop_reason=None) -> dict:
+    def chunk(index: int, text: str, lp, finish_reason=None, stop_reason=None, prompt_lp=None) -> dict:
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
+        if prompt_lp is not None:  # a choice's first chunk carries its prompt's logprobs (prompt_logprobs)
+            choice["prompt_logprobs"] = prompt_lp
         body = {"id": cid, "object": "text_completion", "created": created, "model": ctx.model_name,
-                "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
-                             "stop_reason": stop_reason}]}
+                "choices": [choice]}
         if continuous:  # vLLM's continuous_usage_stats: the usage so far in every chunk
             body["usage"] = usage_counts(prompt_total, sent.sent_tokens)
         return body
@@ -131,23 +134,27 @@ async def completions(ctx: ServingContext, request: web.Request) -> web.StreamRe
                     c = d.output
                     if not c.token_ids and c.finish_reason is None:
                         continue  # nothing yet for this choice (or its prompt logprobs are not complete)
+                    first_lp = None
                     if key not in base:
                         base[key] = 0
+                        if req.prompt_logprobs is not None:
+                            first_lp = tokens.prompt_logprobs(prompt_ids[i], out.prompt_logprobs)
                         if req.echo:
                             head = echo_text(i)
                             base[key] = len(head)
                             lp = tokens.completion_logprobs(k, prompt_pairs(i, out), 0) if k is not None else None
-                            await sse.send(chunk(i * n + c.index, head, lp))
+                            await sse.send(chunk(i * n + c.index, head, lp, prompt_lp=first_lp))
+                            first_lp = None
                     lp = None
                     if k is not None:
                         lp = tokens.completion_logprobs(k, list(zip(d.token_ids, (d.logprobs or []) + [None] * len(
                             d.token_ids))), base[key] + d.text_start)
-                    if not d.text and c.finish_reason is None and not (lp and lp["tokens"]):
+                    if not d.text and c.finish_reason is None and not (lp and lp["tokens"]) and first_lp is None:
                         continue
                     sent.sent(key, d)
                     if c.finish_reason is not None:
                         completion_tokens += len(c.token_ids)
-                    await sse.send(chunk(i * n + c.index, d.text, lp, c.finish_reason, c.stop_reason))
+                    await sse.send(chunk(i * n + c.index, d.text, lp, c.finish_reason, c.stop_reason, first_lp))
     except (asyncio.CancelledError, ConnectionError):
         raise  # the client went away: nothing to tell it
     except Exception as e:
