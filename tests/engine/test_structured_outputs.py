@@ -674,6 +674,47 @@ def test_compiles_are_killed_refused_once_and_never_starve_small_ones(tokenizer)
     aio.run(go())
 
 
+def small_slow_schema(n: int) -> dict:
+    """A schema of about 117 bytes that takes xgrammar seconds to compile (longer as ``n`` grows):
+    size does not tell a slow grammar."""
+    return {"type": "object", "properties": {"a": {"type": "string", "pattern": f"([a-z0-9]{{1,100}}x){{1,{n}}}"}},
+            "required": ["a"]}
+
+
+@pytest.mark.slow
+def test_small_but_slow_specs_do_not_starve_a_later_request(tokenizer):
+    """Three small specifications that compile slowly hold every slot (both general ones and the
+    small one); a ``choice`` sent after them still compiles within about a second: a compile gives
+    its slot up after ``YOUNG_S`` and runs on below younger ones (the newcomer's case: it waited
+    9.4 s). The slow ones are still killed at their timeout."""
+    import asyncio as aio
+    import time
+
+    from zpp.frontend.compile_host import YOUNG_S
+    from zpp.frontend.grammar import GrammarCompiler
+
+    async def go():
+        gc = GrammarCompiler(tokenizer, 49152, {2}, 4.0, 1 << 20)
+        await gc.compile(SO(choice=["warm", "up"]))  # starts the host (not counted in any timeout)
+        host = gc.host_pid
+        slow = [aio.ensure_future(gc.compile(SO(json=small_slow_schema(n)))) for n in (80, 81, 82)]
+        await aio.sleep(0.3)
+        assert len(_compile_children(host)) == 3
+        t = time.monotonic()
+        assert (await gc.compile(SO(choice=["yes", "no", "maybe"]))).compiled
+        took = time.monotonic() - t
+        assert took < YOUNG_S + 1.0, f"a small choice waited {took:.1f} s behind slow grammars"
+        for f in slow:
+            with pytest.raises(RequestError, match=r"did not compile within 4 s"):
+                await f
+        await aio.sleep(0.5)
+        assert _compile_children(host) == [], "a compile process outlived its timeout"
+        gc.close()
+        return took
+
+    aio.run(go())
+
+
 @pytest.mark.slow
 def test_a_running_compile_does_not_keep_the_process_alive(tmp_path):
     """A process that exits while a grammar compiles exits at once, and its compile host and the

@@ -16,10 +16,13 @@ killed when its time is up:
 * the host kills (SIGKILL) a child that has compiled for ``time_limit`` seconds, and one that no
   request waits for any more (its clients timed out or went away): a slow grammar holds a core
   for at most the compile timeout, and not at all once its requests are gone;
-* slots: at most ``GENERAL_SLOTS`` compiles of any size run at once, plus ``SMALL_SLOTS`` for
-  specifications of at most ``SMALL_SPEC_BYTES`` (a ``choice``, a short regex or schema), so small
-  requests keep being compiled while large ones hold every general slot; waiting compiles start
-  smallest first;
+* slots: at most ``GENERAL_SLOTS`` young compiles of any size run at once, plus ``SMALL_SLOTS``
+  for specifications of at most ``SMALL_SPEC_BYTES`` (a ``choice``, a short regex or schema);
+  waiting compiles start smallest first. A compile is young for its first ``YOUNG_S`` seconds;
+  then it gives its slot up and runs on at ``OLD_NICE``, so a request that arrives while slow
+  grammars compile starts within ``YOUNG_S`` and takes the CPU from them (size does not tell a
+  slow grammar: a 117-byte regex schema can take longer than the timeout), up to ``MAX_COMPILES``
+  compile processes in all;
 * the host dies with the front end (``PR_SET_PDEATHSIG``, and it exits when its pipe closes), and
   every child with the host.
 
@@ -59,6 +62,13 @@ CHILD_NICE = 10
 schemas compiling at the workers' priority slowed a small request's decoding from under 2 s to 7 s
 (tests/test_structured_outputs.py); a typical grammar needs milliseconds of CPU, so it still
 compiles in time on a busy host."""
+YOUNG_S = 1.0
+"""Seconds a compile holds its slot; a typical grammar compiles in milliseconds."""
+OLD_NICE = 19
+"""CPU priority of a compile past ``YOUNG_S``: below every younger compile's ``CHILD_NICE``."""
+MAX_COMPILES = 6
+"""Compile processes at most, young and old (each may hold --max-structured-outputs-grammar-bytes
+and xgrammar's working memory: ~160 MB for the slowest case known)."""
 COMPILE_THREADS = 2
 """xgrammar threads per compile (its ``max_threads``: the token masks of a grammar's rules in
 parallel), as the in-process compiler had."""
@@ -131,10 +141,11 @@ def _child(info, w: int, job: list, host: int) -> None:
 
 
 class _Running:
-    __slots__ = ("job_id", "pid", "fd", "deadline", "chunks", "small")
+    __slots__ = ("job_id", "pid", "fd", "deadline", "chunks", "small", "young_until")
 
-    def __init__(self, job_id, pid, fd, deadline, small):
+    def __init__(self, job_id, pid, fd, deadline, small, young_until):
         self.job_id, self.pid, self.fd, self.deadline, self.small = job_id, pid, fd, deadline, small
+        self.young_until = young_until  # holds a slot until then (None once old)
         self.chunks: list[bytes] = []
 
 
@@ -221,11 +232,22 @@ def host_main(conn, front_end: int, tokenizer_path: str, vocab_size: int, stop_t
         except (msgspec.DecodeError, ValueError, TypeError):
             send(["died", r.job_id, f"the compile process ended with status {status}"])
 
+    def age(now: float) -> None:
+        """Young compiles past ``YOUNG_S`` give their slot up and drop to ``OLD_NICE``."""
+        for r in running.values():
+            if r.young_until is not None and r.young_until <= now:
+                r.young_until = None
+                try:
+                    os.setpriority(os.PRIO_PROCESS, r.pid, OLD_NICE)
+                except OSError:  # it has just exited
+                    pass
+
     def start_ready() -> None:
-        while queue:
-            small_running = sum(r.small for r in running.values())
+        while queue and len(running) < MAX_COMPILES:
+            young = [r for r in running.values() if r.young_until is not None]
+            small_running = sum(r.small for r in young)
             size, _, job = queue[0]
-            general_free = len(running) - small_running < general_slots
+            general_free = len(young) - small_running < general_slots
             small_ok = size <= SMALL_SPEC_BYTES and small_running < small_slots
             if not (general_free or small_ok):
                 return
@@ -238,7 +260,8 @@ def host_main(conn, front_end: int, tokenizer_path: str, vocab_size: int, stop_t
                 _child(info, w, job, host)
             os.close(w)
             os.set_blocking(r, False)
-            run = _Running(job[1], pid, r, time.monotonic() + float(job[6]), not general_free)
+            now = time.monotonic()
+            run = _Running(job[1], pid, r, now + float(job[6]), not general_free, now + YOUNG_S)
             running[r] = run
             sel.register(r, selectors.EVENT_READ, run)
             send(["started", job[1]])
@@ -248,8 +271,11 @@ def host_main(conn, front_end: int, tokenizer_path: str, vocab_size: int, stop_t
             now = time.monotonic()
             for r in [r for r in running.values() if r.deadline <= now]:
                 finish(r, killed=True)
+            age(now)
             start_ready()
-            wait = min((r.deadline for r in running.values()), default=now + 60.0) - time.monotonic()
+            wake = [r.deadline for r in running.values()] + [r.young_until for r in running.values()
+                                                             if r.young_until is not None]
+            wait = min(wake, default=now + 60.0) - time.monotonic()
             for key, _ in sel.select(max(0.0, wait)):
                 run = key.data
                 if run is None:  # a message from the front end

@@ -4,7 +4,8 @@ a request's :class:`~zpp.sampling_params.StructuredOutputsParams`
 is compiled by xgrammar in a process of its own, forked for that compile by the compile host
 (:mod:`zpp.frontend.compile_host`) and killed when ``--structured-outputs-compile-timeout`` is up,
 whether or not a request still waits for it: a slow grammar never holds a core past the timeout,
-and small specifications have a compile slot of their own, so slow ones never starve them. A
+and past its first second it gives its compile slot up and runs at the lowest CPU priority, so
+slow ones (of any size) never starve a later request for long. A
 size limit on the specification (``--max-structured-outputs-spec-bytes``) and one on the
 compiled grammar (``--max-structured-outputs-grammar-bytes``, checked before the grammar is
 serialized: its serialization takes a few times its size in memory) apply; compiled grammars
