@@ -159,6 +159,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's CPU swap space per GPU; zpp recomputes preempted requests instead of swapping")
     g.add_argument("--distributed-executor-backend", choices=["mp", "ray", "uni", "external_launcher"],
                    default=None, help="zpp starts its workers with multiprocessing (mp) always; ray is refused")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="accepted: every zpp response carries X-Request-Id (the request's, else its id)")
     g.add_argument("--download-dir", default=None, help="refused: zpp does not download models")
     g.add_argument("--revision", default=None, help="refused: zpp does not download models")
 

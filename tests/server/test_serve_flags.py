@@ -35,7 +35,7 @@ def server(demo_model, tmp_path_factory):
                    "served-model-name: smol\n")
     s = ServerProcess([demo_model, "--config", str(cfg), "--max-num-seqs", "16", "--response-role", "bot",
                        "--root-path", "/llm", "--max-logprobs", "3", "--swap-space", "4",
-                       "--distributed-executor-backend", "mp", "--disable-uvicorn-access-log",
+                       "--distributed-executor-backend", "mp", "--enable-request-id-headers", "--disable-uvicorn-access-log",
                        "--uvicorn-log-level", "warning", "--trust-remote-code", "--dtype", "float32",
                        "--kv-cache-memory", "128MiB", "--timeout-keep-alive", str(KEEP_ALIVE_S),
                        "--timeout-request-body", str(BODY_S), "--shutdown-timeout", str(SHUTDOWN_S),
