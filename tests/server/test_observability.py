@@ -101,6 +101,7 @@ def test_disable_log_requests_and_stats(demo_model):
 def test_every_served_model_name_is_served_and_the_first_is_reported(server):
     """``--served-model-name smol-test smol-alias``: /v1/models lists both, a request naming either
     (or none) is answered with the first name, another name is a 404 that lists them."""
+    assert f"zpp: serving {NAME}, {OBSERVED_ALIAS} on http://" in server.output()  # the start-up line names both
     with urllib.request.urlopen(server.url + "/v1/models", timeout=30) as r:
         cards = json.loads(r.read())["data"]
     assert [c["id"] for c in cards] == [NAME, OBSERVED_ALIAS] and all(c["max_model_len"] == 512 for c in cards)

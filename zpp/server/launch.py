@@ -170,10 +170,10 @@ async def _run_front_end(engine: AsyncEngine, config, host: str, port: int, api_
         await site.start()
         if owner:
             logger.info("serving %s on http://%s:%d (pipeline-parallel-size %d, tensor-parallel-size %d, "
-                        "%d API server process(es))", config.model.name, host, port,
+                        "%d API server process(es))", ", ".join(config.model.served_names), host, port,
                         config.parallel.pipeline_parallel_size, config.parallel.tensor_parallel_size,
                         1 + len(extra_front_ends))
-            print(f"zpp: serving {config.model.name} on http://{host}:{port}", flush=True)
+            print(f"zpp: serving {', '.join(config.model.served_names)} on http://{host}:{port}", flush=True)
             if log_stats_interval:
                 stats = StatsLogger(engine, server.metrics, log_stats_interval, config.cache.enable_prefix_caching)
                 stats_task = asyncio.create_task(stats.run())
