@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 
@@ -37,6 +38,17 @@ class RequestError(ValueError):
         self.param, self.status, self.err_type, self.code = param, status, err_type, code
         self.unknown_fields = unknown_fields
         self.headers = headers or {}
+
+    def renamed(self, names: dict[str, str]) -> "RequestError":
+        """This error as the client should read it: ``param`` mapped through ``names`` (an internal
+        field -> the request field the client sent, e.g. ``max_tokens`` -> ``max_completion_tokens``)
+        and every whole-word mention of the old name in the message with it. Itself when
+        ``names`` does not map ``param``."""
+        new = names.get(self.param) if self.param else None
+        if not new or new == self.param:
+            return self
+        msg = re.sub(rf"\b{re.escape(self.param)}\b", new, str(self))
+        return RequestError(msg, new, self.status, self.err_type, self.code, self.unknown_fields, self.headers)
 
 
 class SamplingParamsError(RequestError):

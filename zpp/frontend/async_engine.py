@@ -17,7 +17,6 @@ import itertools
 import json
 import logging
 import os
-import re
 from typing import AsyncIterator, Optional, Union
 
 from zpp.config import EngineConfig
@@ -208,9 +207,8 @@ class AsyncEngine:
                     raise
                 raise RequestError(f"{grammar_param}: {e}", grammar_param) from None
         except RequestError as e:
-            if rename and e.param in rename:  # the field the client sent, in the message too
-                old, e.param = e.param, rename[e.param]
-                e.args = (re.sub(rf"\b{re.escape(old)}\b", e.param, str(e)),)
+            if rename:
+                raise e.renamed(rename) from None
             raise
         return PreparedRequest(text, ids, sampling, max_tokens, grammar)
 

@@ -364,11 +364,7 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
             truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
     except SamplingParamsError as e:
-        param = (rename or {}).get(e.param, e.param)
-        msg = str(e)
-        if param != e.param and msg.startswith(e.param + ":"):
-            msg = param + msg[len(e.param):]
-        raise ProtocolError(msg, param) from None
+        raise ProtocolError(str(e), e.param).renamed(rename or {}) from None
 
 
 def logit_bias_of(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:

@@ -69,7 +69,7 @@ from zpp.parsers.chat import ChatParsers
 from zpp.sampling_params import SamplingParamsError
 from zpp.server.protocol import ProtocolError, structured_outputs_of, to_sampling_params
 from zpp.server.responses_protocol import (_PARAMS, ResponsesRequest, ResponsesStreamOptions, _check_stateless,
-                                           _renamed, input_messages, to_chat_request)
+                                           input_messages, to_chat_request)
 from zpp.server.tools import ToolPlan, parse_tools, tool_constraint
 
 logger = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class ResponsesAPI:
                                                 chat=chat_options(ctx, chat, plan), grammar_param=so_param,
                                                 rename={"max_tokens": "max_output_tokens"})
         except ProtocolError as e:
-            raise _renamed(e, _PARAMS) from None
+            raise e.renamed(_PARAMS) from None
         prompt_ids = prepared.prompt_token_ids
         if plan is not None and plan.mode == "none":
             plan = None

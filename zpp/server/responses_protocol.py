@@ -2,11 +2,10 @@
 the request type :class:`ResponsesRequest`, the refusals of what needs stored state or what zpp
 does not implement (:func:`_check_stateless`), and the conversion of a Responses request into the
 chat completion request it runs as (:func:`to_chat_request`: input items -> chat messages, function
-tools, ``tool_choice``, ``text.format`` -> ``response_format``), with :func:`_renamed` mapping the
-chat path's error params back to the Responses fields."""
+tools, ``tool_choice``, ``text.format`` -> ``response_format``), with ``_PARAMS`` mapping the chat
+path's error params back to the Responses fields (``RequestError.renamed``)."""
 from __future__ import annotations
 
-import re
 from typing import Any, Optional, Union
 
 import msgspec
@@ -242,20 +241,6 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         parallel_tool_calls=req.parallel_tool_calls, response_format=_response_format(req.text))
 
 
-def _renamed(e: ProtocolError, names: dict[str, str]) -> ProtocolError:
-    """``e`` with its param (and the message's leading ``param:``) renamed to the Responses field,
-    and every mention of the output-token limit (``max_tokens``, ``max_completion_tokens``: the
-    over-length error ``prompt (N tokens) + max_tokens (M) = ... exceeds max_model_len``, the KV
-    cache one) as ``max_output_tokens``, the field a Responses client sends."""
-    new = names.get(e.param, e.param)
-    msg = str(e)
-    if new != e.param and e.param and msg.startswith(e.param):
-        msg = new + msg[len(e.param):]
-    msg = _TOKEN_LIMIT.sub("max_output_tokens", msg)
-    return ProtocolError(msg, new, e.status, e.err_type, e.code)
-
-
-_TOKEN_LIMIT = re.compile(r"\b(?:max_tokens|max_completion_tokens)\b")
 # chat-path params -> the Responses fields they come from (``prompt``: the rendered input, not
 # the Responses ``prompt`` field, a stored template refused before the chat path runs)
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
