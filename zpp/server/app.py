@@ -28,8 +28,7 @@ from zpp.frontend.inputs import off_loop_if_large, text_size
 from zpp.server.chat import chat_completions, chat_options
 from zpp.server.completions import completions
 from zpp.server.endpoint import (DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_STOP_SEQUENCES,
-                                 DEFAULT_TIMEOUT_REQUEST_BODY_S, ServingContext, request_id_header,
-                                 served_names)
+                                 DEFAULT_TIMEOUT_REQUEST_BODY_S, ServingContext, request_id_header)
 from zpp.server.metrics import Metrics
 from zpp.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from zpp.server.render import classify, error_message, error_response, json_response, now
@@ -89,14 +88,14 @@ class OpenAIServer:
         """Set on the first SIGTERM / SIGINT with --shutdown-timeout: new requests get 503."""
         self.in_flight = 0
         """Requests being handled (streams until their last event)."""
-        self.model_names = served_names(served_model_name)
-        self.model_name = self.model_names[0]
         self.api_key = api_key
         self.max_request_body_bytes = max_request_body_bytes
-        self.ctx = ServingContext(engine, self.model_names, chat_template, max_request_body_bytes,
+        self.ctx = ServingContext(engine, served_model_name, chat_template, max_request_body_bytes,
                                   max_stop_sequences, trust_request_chat_template, response_role, max_logprobs,
                                   timeout_request_body, generation_defaults, parsers)
         self.tokenizer = engine.tokenizer
+        self.model_names = self.ctx.model_names
+        self.model_name = self.ctx.model_name
         self.metrics = Metrics(engine, self.model_name, log_requests=log_requests)
         engine.metrics = self.metrics
 

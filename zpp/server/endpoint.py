@@ -18,6 +18,7 @@ from zpp.server.config import ServerConfig
 from zpp.server.http_body import read_request
 from zpp.server.protocol import MAX_REQUEST_ID, valid_request_id
 from zpp.server.render import TokenStrings
+from zpp.settings import parse_names
 
 logger = logging.getLogger("zpp.server.app")
 
@@ -27,15 +28,6 @@ DEFAULT_MAX_STOP_SEQUENCES = ServerConfig.max_stop_sequences  # --max-stop-seque
 DEFAULT_MAX_LOGPROBS = ServerConfig.max_logprobs  # --max-logprobs (vLLM's default)
 DEFAULT_TIMEOUT_REQUEST_BODY_S = ServerConfig.timeout_request_body  # --timeout-request-body
 MAX_WARNED_FIELDS = 256  # distinct unknown field names logged; later new names are not
-
-
-def served_names(served_model_name: Union[str, Sequence[str]]) -> tuple[str, ...]:
-    """``OpenAIServer``'s ``served_model_name`` (one name, or several: the first is the one responses
-    carry) as a non-empty tuple. Raises ValueError for an empty sequence."""
-    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
-    if not names:
-        raise ValueError("served_model_name: no name given")
-    return names
 
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -64,7 +56,7 @@ class ServingContext:
                  timeout_request_body: float = DEFAULT_TIMEOUT_REQUEST_BODY_S,
                  generation_defaults: Optional[dict] = None, parsers=None):
         self.engine = engine
-        self.model_names = served_names(served_model_name)
+        self.model_names = parse_names(served_model_name, "served_model_name")
         """Every name requests may use (``--served-model-name a b``)."""
         self.model_name = self.model_names[0]
         """The name responses carry: the first."""
