@@ -187,13 +187,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             ``block_q = block_m // (Hq // Hk)``.
         num_splits: decode batches only (``block_m == 16``): split each context into this many
             slices computed in parallel and merged (flash-decoding, Dao et al. 2023).
-        block_n, num_stages: launch tuning; by default 64 keys per loop step and 2 stages for
-            prefill tiles, 32 and 2 for split decode, and 64 and 3 for unsplit decode (large
-            batches): on the H200 a decode batch of 256 (1024) sequences at context 384 read its
-            KV at 3.38 (3.96) TB/s against 3.06 (3.76) with 32 and 2
-            (``scripts/kernel_bench.py attn``, ``benchmarks/results/h200_async_kernels_attn.txt``).
-            The same for an FP8 cache: 128 keys a step won alone (``scripts/fp8_attn_sweep.py``, 64
-            sequences at context 1024: 196 vs 222 us) but lost 7% of 1000 x 256/256's throughput.
+        block_n, num_stages, num_warps: launch tuning; by default 64 keys per loop step, 2 stages
+            and 4 warps for prefill tiles, 32, 2 and 4 for split decode; an unsplit decode batch of
+            at least 2048 programs (sequences x KV heads) 32 keys, 3 stages and ONE warp, a smaller
+            one 64, 3 and 2. One warp holds the whole 16-row tile, so the row max and sum and the
+            scores' way from the QK product into the PV product need no exchange between warps
+            (with 4 warps, each step waited on shared memory and barriers). On the H200 (Llama-3-8B
+            heads, ``python scripts/decode_attn_probe.py``): an FP8 cache at 1024 sequences x 384
+            keys 304 us against 387 with 64 keys and 4 warps (2.6 vs 2.1 TB/s; a bf16 cache's 4.0
+            TB/s is already the memory's pace, 393 vs 399 us), 2048 x 192 324 vs 430 us, 64 x 1024
+            (2 warps) 65 vs 90 us. FP8 tensor-core products (q quantized per row, probabilities x
+            256 in e4m3, or each split into two e4m3 terms for bf16's precision) were no faster.
         window: sliding window ``W`` (None: full causal): the query at position ``i`` sees keys
             ``i - W < j <= i`` (HF's ``sliding_window_overlay``); each tile's key loop starts at its
             first query's first visible key, so blocks wholly outside the window are never read.
@@ -216,7 +220,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_n = block_n or 32
         num_stages = num_stages or 1
         num_warps = num_warps or 8
-    num_warps = num_warps or 4
     splits = num_splits if block_m <= 16 else 1
     if splits > 1:
         part_o = torch.empty((T * Hq * splits, BLOCK_D), dtype=torch.float32, device=q.device)
@@ -224,10 +227,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         part_o = part_ml = out
     fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if block_m <= 16 and splits == 1:  # a decode batch of its own, one program per sequence and KV head
+        wide = tile_seq.shape[0] * Hk >= 2048
+        block_n = block_n or (32 if wide else 64)
+        num_warps = num_warps or (1 if wide else 2)
+        num_stages = num_stages or 3
+    num_warps = num_warps or 4
     if block_n is None:
-        block_n = 64 if block_m == 64 or splits == 1 else 32
+        block_n = 64 if block_m == 64 else 32
     if num_stages is None:
-        num_stages = 3 if block_m <= 16 and splits == 1 else 2
+        num_stages = 2
     grid = (tile_seq.shape[0], Hk, splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
