@@ -164,6 +164,11 @@ def test_slot_table_refuses_a_request_twice_and_rows_past_max_model_len():
     b.add(1, 9, 1, m.SAMPLE, new_tokens=list(range(8)))
     with pytest.raises(ValueError, match="new tokens past a row of 16"):
         t.apply(_wire(b.build(3)))
+    assert t.blocks.shape[1] == 16  # 4 blocks of 4 tokens, rounded up to TABLE_WIDTH_ALIGN columns
+    b = m.BatchBuilder()
+    b.add(1, 9, 1, m.SAMPLE, new_blocks=[20, 21])  # a 5th block: past max_model_len, not past the width
+    with pytest.raises(ValueError, match="new blocks past a row of 4"):
+        t.apply(_wire(b.build(4)))
 
 
 def test_scheduler_slots_lowest_free_freed_on_finish_and_preemption():

@@ -25,9 +25,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-from zpp.models.layers.attention import AttentionMetadata
+from zpp.models.layers.attention import TABLE_WIDTH_ALIGN, AttentionMetadata, block_table_width
 
 logger = logging.getLogger(__name__)
+
+
+def int32_layout(max_bs: int) -> int:
+    """Where the block tables start (in int32 elements) in the graphs' int32 input buffer, after
+    ``seq_lens [max_bs]`` and ``query_start [max_bs + 1]``: rounded up to 32 elements (128 bytes)."""
+    return -(-(2 * max_bs + 1) // 32) * 32
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -49,23 +55,26 @@ class DecodeGraphs:
         self.stage = model.stage
         self.sizes = capture_sizes(max_num_seqs)
         B = self.max_bs = self.sizes[-1]
-        W = -(-max_model_len // block_size)
+        W = block_table_width(max_model_len, block_size, TABLE_WIDTH_ALIGN)
         self.scratch_slot = scratch_slot
         # All per-step inputs live in two device buffers (int64: token ids, positions, slots, and
         # for async scheduling the rows that take a token sampled on the device and where it lies;
         # int32: sequence lengths, query starts, block tables) filled from pinned host staging with
         # one copy each; two staging slots alternate so the CPU can prepare step i+1 while the copy
         # of step i is still queued.
+        # The block tables start 128-byte aligned, as the eager path's uploads do (PinnedStaging),
+        # and are TABLE_WIDTH_ALIGN wide: the same Triton attention variants serve both.
         self.W = W
+        self.bt_at = bt_at = int32_layout(B)
         self.dev64 = torch.zeros(5 * B, dtype=torch.int64, device=device)
-        self.dev32 = torch.zeros(2 * B + 1 + B * W, dtype=torch.int32, device=device)
+        self.dev32 = torch.zeros(bt_at + B * W, dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping, self.prev_dst, self.prev_src = self.dev64.view(5, B)
         self.seq_lens = self.dev32[:B]
         self.query_start = self.dev32[B:2 * B + 1]
-        self.block_tables = self.dev32[2 * B + 1:].view(B, W)
+        self.block_tables = self.dev32[bt_at:].view(B, W)
         self.slot_mapping.fill_(scratch_slot)
         self.host64 = [torch.zeros(5 * B, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self.host32 = [torch.zeros(2 * B + 1 + B * W, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.host32 = [torch.zeros(bt_at + B * W, dtype=torch.int32, pin_memory=True) for _ in range(2)]
         self.copied = [None, None]
         self.slot = 0
         i32 = dict(dtype=torch.int32, device=device)
@@ -143,10 +152,10 @@ class DecodeGraphs:
         h32[b:bs] = 0
         h32[B:B + bs + 1] = np.minimum(np.arange(bs + 1), b)          # query_start (padding: empty)
         w = block_tables.shape[1]
-        h32[2 * B + 1:].reshape(B, W)[:b, :w] = block_tables
+        h32[self.bt_at:].reshape(B, W)[:b, :w] = block_tables
         n64 = 5 * B if n_prev else 3 * B
         self.dev64[:n64].copy_(self.host64[k][:n64], non_blocking=True)
-        n32 = 2 * B + 1 + b * W
+        n32 = self.bt_at + b * W
         self.dev32[:n32].copy_(self.host32[k][:n32], non_blocking=True)
         ev = self.copied[k] = torch.cuda.Event()
         ev.record()

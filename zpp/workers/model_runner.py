@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from zpp.models.base import StageModel
-from zpp.models.layers.attention import build_attention_metadata, triton_metadata_arrays
+from zpp.models.layers.attention import (TABLE_WIDTH_ALIGN, block_table_width, build_attention_metadata,
+                                         triton_metadata_arrays)
 from zpp.trace import Trace
 from zpp.transport import messages as m
 from zpp.transport.p2p import StageLink
@@ -269,7 +270,8 @@ class ModelRunner:
         if long_seq is not None:
             rope_long_at = len(host)
             host.append(np.repeat(long_seq, q_lens).astype(np.int64))
-        width = -(-int((starts + q_lens).max()) // self.block_size)
+        width = block_table_width(int((starts + q_lens).max()), self.block_size,
+                                  TABLE_WIDTH_ALIGN if self.device.type == "cuda" else 1)
         tables = self.table.block_rows(cols.slots, width)
         tmeta = None
         if self.device.type == "cuda":

@@ -7,6 +7,7 @@ from typing import Optional
 
 import numpy as np
 
+from zpp.models.layers.attention import TABLE_WIDTH_ALIGN, block_table_width
 from zpp.sampling_params import SamplingParams
 from zpp.transport import messages as m
 from zpp.workers.sampler import SeqState, is_plain_greedy
@@ -19,8 +20,9 @@ class SlotTable:
     Arrays:
         tokens ``int32[S, max_model_len]``: row ``s`` holds the request's known tokens, the first
             ``num_tokens[s]`` of it valid (with async scheduling the newest may be on the device only).
-        blocks ``int32[S, ceil(max_model_len / block_size)]``: its KV block table, the first
-            ``num_blocks[s]`` valid and the rest 0 (so a row's prefix is a block table as is).
+        blocks ``int32[S, W]``: its KV block table, the first ``num_blocks[s]`` valid (at most
+            ``max_blocks = ceil(max_model_len / block_size)``) and the rest 0 (so a row's prefix is a
+            block table as is); ``W`` is ``max_blocks`` rounded up to ``TABLE_WIDTH_ALIGN``.
         num_tokens, num_blocks, num_prompt ``int64[S]``; live ``bool[S]`` (the slot holds a request);
         plain ``bool[S]`` (it samples greedily with nothing to adjust or report:
             :func:`~zpp.workers.sampler.is_plain_greedy`).
@@ -39,7 +41,8 @@ class SlotTable:
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.tokens = np.zeros((S, max_model_len), dtype=np.int32)
-        self.blocks = np.zeros((S, self.max_blocks), dtype=np.int32)
+        # columns past max_blocks stay 0: room for block_rows' widths rounded up to TABLE_WIDTH_ALIGN
+        self.blocks = np.zeros((S, block_table_width(max_model_len, block_size, TABLE_WIDTH_ALIGN)), dtype=np.int32)
         self.num_tokens = np.zeros(S, dtype=np.int64)
         self.num_blocks = np.zeros(S, dtype=np.int64)
         self.num_prompt = np.zeros(S, dtype=np.int64)
@@ -75,7 +78,8 @@ class SlotTable:
         if cols.size:
             self._check_slots(cols.slots)
             self._append(cols.slots, cols.new_token_counts, cols.new_tokens, self.tokens, self.num_tokens, "tokens")
-            self._append(cols.slots, cols.new_block_counts, cols.new_blocks, self.blocks, self.num_blocks, "blocks")
+            self._append(cols.slots, cols.new_block_counts, cols.new_blocks, self.blocks, self.num_blocks, "blocks",
+                         self.max_blocks)
             self._check_chunks(cols)
         return cols
 
@@ -116,17 +120,19 @@ class SlotTable:
 
     @staticmethod
     def _append(slots: np.ndarray, counts: np.ndarray, values: np.ndarray, table: np.ndarray, lengths: np.ndarray,
-                what: str) -> None:
+                what: str, limit: Optional[int] = None) -> None:
         """Append each chunk's ``counts[i]`` entries of ``values`` (chunk after chunk) to row
-        ``slots[i]`` of ``table`` after its first ``lengths[slot]`` entries."""
+        ``slots[i]`` of ``table`` after its first ``lengths[slot]`` entries (at most ``limit``
+        entries a row, default the table's width)."""
         if not len(values):
             return
         gaining = counts != 0
         if not gaining.all():
             slots, counts = slots[gaining], counts[gaining]
         have = lengths[slots]
-        if int((have + counts).max()) > table.shape[1]:
-            raise ValueError(f"new {what} past a row of {table.shape[1]} (max_model_len)")
+        limit = table.shape[1] if limit is None else limit
+        if int((have + counts).max()) > limit:
+            raise ValueError(f"new {what} past a row of {limit} (max_model_len)")
         if len(values) == len(slots):  # one entry each: the usual case (a token, or a new block)
             table[slots, have] = values
         else:

@@ -127,6 +127,10 @@ def test_mixed_batch_attention_layer(split):
     assert ("decode_tile_seq" in host.arrays) == split
     few = triton_metadata_arrays(starts, q_lens, tables, bs, hq // hk, split_mixed=True, num_kv_heads=hk)
     assert "decode_tile_seq" not in few.arrays  # 4 decodes x 2 heads: too small a launch to split
+    # the block tables are TABLE_WIDTH_ALIGN columns wide whatever the longest sequence (one Triton
+    # variant for every batch), zero past each sequence's blocks
+    bt = host.arrays["block_tables"]
+    assert bt.shape == (len(q_lens), 16) and not bt[:, -(-max(seq_lens) // bs):].any()
     meta = host.to_device([torch.from_numpy(a).to(DEV) for a in host.array_list()])
     T = sum(q_lens)
     q, k, v = (torch.randn(T, h * d, device=DEV, dtype=DT) for h in (hq, hk, hk))
@@ -328,3 +332,17 @@ def test_rope_and_cache_partial_rotary_and_longrope(d, rotary_dim):
     assert rel_err(kc.view(-1, hk, d)[slots], k_ref) < TOL
     assert torch.equal(kc.view(-1, hk, d)[slots][..., rotary_dim:], k[..., rotary_dim:])
     assert torch.equal(vc.view(-1, hk, d)[slots], v)
+
+
+def test_block_table_width_and_graph_buffer_layout():
+    """Eager batches and the decode graphs hand attention block tables of the same kind: a width
+    that is a multiple of TABLE_WIDTH_ALIGN and, in the graphs' packed int32 buffer, a 128-byte
+    aligned start (Triton compiles one kernel variant per integer class and pointer alignment)."""
+    from zpp.models.layers.attention import TABLE_WIDTH_ALIGN, block_table_width
+    from zpp.workers.cuda_graphs import int32_layout
+    assert TABLE_WIDTH_ALIGN == 16
+    assert [block_table_width(n, 16, 16) for n in (0, 1, 16, 17, 256, 257, 4096)] == [16, 16, 16, 16, 16, 32, 256]
+    assert [block_table_width(n, 16) for n in (0, 1, 16, 17, 257)] == [1, 1, 1, 2, 17]
+    for B in (1, 7, 256, 1000, 1024, 2048):
+        at = int32_layout(B)
+        assert at >= 2 * B + 1 and at % 32 == 0 and at - (2 * B + 1) < 32

@@ -173,6 +173,21 @@ class AttentionMetadata:
         return self.block_tables is not None
 
 
+TABLE_WIDTH_ALIGN = 16
+"""The Triton path's block tables are this many columns wide, or a multiple: Triton compiles a
+kernel variant per class of an integer argument (1, a multiple of 16, other) and per pointer
+alignment, so a table width that followed each batch's longest sequence compiled new attention
+variants in the middle of a run (three on the H200 in the first seconds of a 1000 x 256/256 run on a
+fresh machine: 1-2 s each, ``benchmarks/results/h200_fp8_issue38/s17/compiles.txt``)."""
+
+
+def block_table_width(max_seq_len: int, block_size: int, align: int = 1) -> int:
+    """Columns of a block table that covers ``max_seq_len`` tokens in blocks of ``block_size``,
+    rounded up to a multiple of ``align`` (at least one column)."""
+    w = max(1, -(-int(max_seq_len) // block_size))
+    return -(-w // align) * align
+
+
 def _padded_block_tables(block_tables, num_seqs: int, width: int, dtype) -> np.ndarray:
     """``[num_seqs, width]`` block tables, 0 past each sequence's blocks: ``block_tables`` as is when
     it is already such an array (the model runner's slot-table rows), else built from lists."""
@@ -313,7 +328,7 @@ def triton_metadata_arrays(starts, q_lens, block_tables, block_size, group: int,
     T = int(ql.sum())
     qstart = np.zeros(B + 1, dtype=np.int64)
     np.cumsum(ql, out=qstart[1:])
-    W = max(1, int(-(-seq_lens.max() // block_size)))
+    W = block_table_width(seq_lens.max(), block_size, TABLE_WIDTH_ALIGN)
     bt = _padded_block_tables(block_tables, B, W, np.int32)
     seq_of_tok = np.repeat(np.arange(B), ql)
     pos = np.arange(T) - qstart[seq_of_tok] + st[seq_of_tok]
