@@ -59,7 +59,7 @@ class ServerConfig:
     the hermes format is parsed, as before)"""
     tool_call_parser: Optional[str] = setting(None, choices=("deepseek_v3", "hermes", "llama3_json", "mistral"),
                                               group="sampling")
-    """the model's tool-call format (default hermes)"""
+    """the model's tool-call format (unset: tool calls are read in the hermes format)"""
     reasoning_parser: Optional[str] = setting(None, choices=("deepseek_r1", "qwen3"), group="sampling")
     """split the model's <think> reasoning into reasoning_content (chat) and a reasoning output item
     (/v1/responses)"""
