@@ -222,6 +222,8 @@ def _setup(init, sock):
                                           runner.device, runner.group, None if flag == "1" else flag)
     if device_kind == "cuda":  # the rows the memory profile covered (_cuda_kv_blocks)
         runner.warm_up_logits(min(cfg_all.scheduler.max_num_seqs, cfg_all.max_num_batched_tokens))
+        from zpp.utils.late_compiles import watch_late_compiles
+        watch_late_compiles()
     sock.send(m.CacheReady(rank=init.rank))
     return runner
 
