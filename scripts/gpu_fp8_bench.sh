@@ -22,7 +22,18 @@ KV="--kv-cache-dtype fp8"
 TPUT="--num-prompts 1000 --input-len 256 --output-len 256 --max-num-seqs 1024 --max-num-batched-tokens 8192"
 LAT="--batch-size 1 --input-len 128 --output-len 128 --num-iters-warmup 1 --num-iters 5"
 TRT="--num-prompts 30000 --input-len 128 --output-len 128 --max-num-seqs 2048 --max-num-batched-tokens 16384"
-run() { echo "### $*"; "$@" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -15; }
+# Each run's whole log is appended to OUTDIR/runs.log (one file: a lent GPU machine returns at most 8);
+# the lines printed are its figures and any Triton kernel compiled while serving
+# (zpp.utils.late_compiles: a batch waited for that compile inside the measurement).
+run() {
+  echo "### $*" | tee -a "$OUT/runs.log"
+  local log; log=$(mktemp)
+  "$@" 2>&1 | grep -v -E "it/s\]|s/it\]" > "$log"
+  cat "$log" >> "$OUT/runs.log"
+  grep -E "while serving" "$log" | sed 's/^/LATE COMPILE: /' | cut -c1-200
+  tail -15 "$log"
+  rm -f "$log"
+}
 for r in $RUNS; do
   case $r in
     kernels) python scripts/kernel_bench.py fp8 2>&1 | tee "$OUT/kernels.txt" ;;
