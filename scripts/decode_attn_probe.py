@@ -47,24 +47,29 @@ def _read_kernel(K, V, Out, bt, seq_lens, stride_kb, stride_ks, stride_kh, strid
     tl.store(Out + (seq * HK + kvh) * D + d, tl.sum(acc, 0))
 
 
+def _decode_batch(B: int, C: int, hq: int, hk: int, d: int, bs: int, dev: str = "cuda"):
+    """B decodes at context C: (blocks per sequence, shuffled block tables, seq lens, query starts,
+    tile lists, q, out, splits)."""
+    nb = -(-(C + 1) // bs)
+    i32 = lambda v: torch.tensor(v, device=dev, dtype=torch.int32)
+    bt = torch.randperm(B * nb, device=dev).to(torch.int32).view(B, nb)
+    q = torch.randn(B, hq, d, device=dev, dtype=torch.bfloat16)
+    tiles = (i32(list(range(B + 1))), i32(list(range(B))), i32([0] * B))
+    return nb, bt, i32([C] * B), tiles, q, torch.empty_like(q), ops.decode_splits(B, hk)
+
+
 def launch_sweep():
     """num_warps x keys per step x stages for decode batches, bf16 and FP8 caches."""
     dev = "cuda"
     hq, hk, d, bs = 32, 8, 128, 16
     torch.manual_seed(0)
     for B, C in ((1024, 384), (256, 384), (2048, 192), (64, 1024), (1, 2048), (1, 200)):
-        nb = -(-(C + 1) // bs)
-        bt = torch.randperm(B * nb, device=dev).to(torch.int32).view(B, nb)
-        i32 = lambda v: torch.tensor(v, device=dev, dtype=torch.int32)
-        lens = i32([C] * B)
-        q = torch.randn(B, hq, d, device=dev, dtype=torch.bfloat16)
-        out = torch.empty_like(q)
-        sp = ops.decode_splits(B, hk)
+        nb, bt, lens, tiles, q, out, sp = _decode_batch(B, C, hq, hk, d, bs)
         kf, vf = torch.randn(B * nb, bs, hk, d, device=dev) * 2, torch.randn(B * nb, bs, hk, d, device=dev) * 2
         caches = {"fp8": (kf.to(torch.float8_e4m3fn), vf.to(torch.float8_e4m3fn), 0.5),
                   "bf16": (kf.bfloat16(), vf.bfloat16(), 1.0)}
         del kf, vf
-        meta = (bt, lens, i32(list(range(B + 1))), i32(list(range(B))), i32([0] * B), d ** -0.5, 16, sp)
+        meta = (bt, lens, *tiles, d ** -0.5, 16, sp)
         for name, (kc, vc, sc) in caches.items():
             ref = ops.paged_attention(q.float(), kc.float() * sc, vc.float() * sc,
                                       torch.empty(B, hq, d, device=dev), *meta)
@@ -103,13 +108,7 @@ def main():
     del x, y
     shapes = ((1024, 384), (256, 384), (2048, 192), (64, 1024))
     for B, C in shapes[:2] if quick else shapes:
-        nb = -(-(C + 1) // bs)
-        bt = torch.randperm(B * nb, device=dev).to(torch.int32).view(B, nb)
-        i32 = lambda v: torch.tensor(v, device=dev, dtype=torch.int32)
-        lens = i32([C] * B)
-        q = torch.randn(B, hq, d, device=dev, dtype=torch.bfloat16)
-        out = torch.empty_like(q)
-        sp = ops.decode_splits(B, hk)
+        nb, bt, lens, tiles, q, out, sp = _decode_batch(B, C, hq, hk, d, bs)
         for fp8 in (False, True):
             byts = B * C * hk * d * (1 if fp8 else 2) * 2
             for layout in ("NHD", "HND"):
@@ -133,7 +132,7 @@ def main():
                     print(f"{tag} read-only head_fast={hf!s:5} bn={bn:3d} {tt * 1e3:8.1f} us {byts / tt / 1e6:6.0f} GB/s",
                           flush=True)
                 scale = 0.5 if fp8 else 1.0
-                args = (q, kc, vc, out, bt, lens, i32(list(range(B + 1))), i32(list(range(B))), i32([0] * B),
+                args = (q, kc, vc, out, bt, lens, *tiles,
                         d ** -0.5, 16, sp)
                 ref = None
                 rows = []
