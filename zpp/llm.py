@@ -21,6 +21,7 @@ from zpp import config as _config
 from zpp.args import engine_config, engine_settings
 from zpp.config import ConfigError, EngineConfig
 from zpp.frontend.inputs import ChatOptions
+from zpp.parsers.tool import HermesToolParser
 from zpp.utils.process import freeze_gc
 from zpp.outputs import RequestOutput
 from zpp.sampling_params import SamplingParams
@@ -169,7 +170,8 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         opts = ChatOptions(template=chat_template, add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
-                           tools=tools, tools_system_text=None if tools is None else _tools_text(tools))
+                           tools=tools, tools_system_text=None if tools is None else _tools_text(tools),
+                           format_tool_calls=None if tools is None else HermesToolParser().format_calls)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _params_for(sampling_params, len(conversations))

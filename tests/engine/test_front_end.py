@@ -260,3 +260,35 @@ def test_engine_core_on_a_stand_in_executor_and_its_one_death_channel(demo_model
         await asyncio.sleep(0.05)
         assert stages.sent == sent  # nothing sent after the death
     asyncio.run(main())
+
+
+def test_template_ignoring_tools_shows_earlier_calls_in_their_assistant_turn(tokenizer):
+    """SmolLM2's template renders neither ``tools`` nor ``tool_calls``: zpp describes the tools in
+    the system message and must then also write the assistant's earlier call into its turn, in the
+    tool-call parser's own format (each parser reads back what it wrote), or a call -> result ->
+    answer conversation shows a result with no call (the model then repeated zpp's tool text)."""
+    from zpp.frontend.inputs import ChatOptions
+    from zpp.parsers.tool import TOOL_PARSERS
+    ip = InputProcessor(tokenizer, 49152, 8192, 512, 16)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "22C sunny"}]
+    assert "<|im_start|>assistant\n<|im_end|>" in ip.render_chat(msgs, ChatOptions(tools=tools, tools_system_text="T"))
+    for cls in TOOL_PARSERS.values():
+        parser = cls()
+        text = ip.render_chat(msgs, ChatOptions(tools=tools, tools_system_text="T", format_tool_calls=parser.format_calls))
+        written = parser.format_calls([("get_weather", '{"city": "Paris"}')])
+        assert f"<|im_start|>assistant\n{written}<|im_end|>\n<|im_start|>tool\n22C sunny" in text, cls.name
+        assert parser.extract(written, {"get_weather"})[1] == [("get_weather", '{"city": "Paris"}')]
+    # content before the call stays; a template that writes tool_calls itself is left to do so
+    msgs[1]["content"] = "Let me look."
+    hermes = TOOL_PARSERS["hermes"]()
+    text = ip.render_chat(msgs, ChatOptions(tools=tools, tools_system_text="T", format_tool_calls=hermes.format_calls))
+    assert "assistant\nLet me look.\n<tool_call>{\"name\": \"get_weather\"" in text
+    own = ("{% for m in messages %}{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
+           "[{{ c.function.name }}]{% endfor %}\n{% endfor %}")
+    text = ip.render_chat(msgs, ChatOptions(template=own, tools=tools, tools_system_text="T",
+                                            format_tool_calls=hermes.format_calls))
+    assert "assistant:Let me look.[get_weather]" in text and "<tool_call>" not in text

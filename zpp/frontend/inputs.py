@@ -9,8 +9,9 @@ The one place ``max_tokens`` is resolved: omitted (None) means the room left aft
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from zpp.errors import RequestError
 from zpp.sampling_params import SamplingParams
@@ -34,6 +35,10 @@ class ChatOptions:
         tools: OpenAI function tools, handed to the template as ``tools=``.
         tools_system_text: with ``tools``, a system text describing them, used instead when the
             template ignores ``tools`` (the rendering does not change with them).
+        format_tool_calls: with ``tools_system_text``, writes an assistant message's earlier
+            ``tool_calls`` (``[(name, arguments JSON text)]``) as that text tells the model to
+            (the tool-call parser's :meth:`~zpp.parsers.tool.ToolParser.format_calls`), for a
+            template that ignores ``tool_calls`` too: the text joins the message's content.
     """
 
     template: Optional[str] = None
@@ -43,6 +48,7 @@ class ChatOptions:
     chat_template_kwargs: Optional[dict] = None
     tools: Optional[list] = None
     tools_system_text: Optional[str] = None
+    format_tool_calls: Optional[Callable[[list[tuple[str, str]]], str]] = None
 
 
 @dataclass
@@ -108,6 +114,25 @@ def _field(m: Any, name: str):
     return m.get(name) if isinstance(m, dict) else getattr(m, name, None)
 
 
+def _calls_in_content(msgs: list[dict], format_calls, render) -> list[dict]:
+    """``msgs`` with each assistant message's ``tool_calls`` written into its content by
+    ``format_calls``, when the template ``render`` ignores them (renders the same without); as
+    they are otherwise. Calls that are not ``{"function": {"name": str, "arguments": str}}`` are
+    left out of the text."""
+    if not any(m["role"] == "assistant" and m.get("tool_calls") for m in msgs):
+        return msgs
+    bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in msgs]
+    if render(bare) != render(msgs):  # the template writes the calls itself
+        return msgs
+    out = []
+    for orig, m in zip(msgs, bare):
+        fns = [_field(c, "function") for c in (orig.get("tool_calls") or ())]
+        calls = [(_field(f, "name"), _field(f, "arguments")) for f in fns if f is not None]
+        calls = [(n, a if isinstance(a, str) else json.dumps(a)) for n, a in calls if isinstance(n, str)]
+        if m["role"] == "assistant" and calls:
+            m = {**m, "content": (m["content"] + "\n" if m["content"] else "") + format_calls(calls)}
+        out.append(m)
+    return out
 
 
 class InputProcessor:
@@ -216,6 +241,8 @@ class InputProcessor:
                         msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + opts.tools_system_text}
                     else:
                         msgs.insert(0, {"role": "system", "content": opts.tools_system_text})
+                    if opts.format_tool_calls is not None:
+                        msgs = _calls_in_content(msgs, opts.format_tool_calls, render)
                     text = render(msgs)
         except Exception as e:  # template errors are the request's fault (e.g. role order)
             raise RequestError(f"the chat template failed on these messages: {e}", "messages") from None

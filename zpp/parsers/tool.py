@@ -103,6 +103,22 @@ class ToolParser:
         """A fresh tool call id."""
         return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
+    def format_calls(self, calls: list[tuple[str, str]]) -> str:
+        """Earlier calls ``(name, arguments JSON text)`` written as the model is told to write them
+        (:attr:`call_format`): the assistant turn of a chat template that ignores ``tools`` (and so
+        its ``tool_calls``) gets this text, so the conversation shows the call its tool answers."""
+        raise NotImplementedError
+
+
+def call_object(name: str, arguments: str, args_key: str = "arguments") -> str:
+    """``{"name": name, args_key: arguments}`` as JSON; ``arguments`` inlined when it is a JSON
+    text (as OpenAI sends it), else as a string."""
+    try:
+        args = json.loads(arguments)
+    except (TypeError, ValueError):
+        args = arguments
+    return json.dumps({"name": name, args_key: args}, ensure_ascii=False)
+
 
 class HermesToolParser(ToolParser):
     """``<tool_call>{json}</tool_call>`` blocks, or an output that is just a ``{"name", "arguments"}``
@@ -112,6 +128,9 @@ class HermesToolParser(ToolParser):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     markers = (OPEN,)
     call_format = '<tool_call>{"name": "<function name>", "arguments": {...}}</tool_call>'
+
+    def format_calls(self, calls):
+        return "\n".join(self.OPEN + call_object(n, a) + self.CLOSE for n, a in calls)
 
     def _blocks(self, text: str, start: int, names: set[str], final: bool) -> list[Call]:
         calls = []
@@ -150,6 +169,9 @@ class Llama3JsonToolParser(ToolParser):
     TAG = "<|python_tag|>"
     markers = (TAG,)
     call_format = '{"name": "<function name>", "parameters": {...}}'
+
+    def format_calls(self, calls):
+        return "; ".join(call_object(n, a, "parameters") for n, a in calls)
 
     def _body(self, text: str) -> Optional[int]:
         """Index of the first call's JSON (after whitespace and the tag), None if not a call output."""
@@ -197,6 +219,9 @@ class MistralToolParser(ToolParser):
     BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
     markers = (BOT,)
     call_format = '[TOOL_CALLS][{"name": "<function name>", "arguments": {...}}]'
+
+    def format_calls(self, calls):
+        return self.BOT + "[" + ", ".join(call_object(n, a) for n, a in calls) + "]"
     _ALNUM = string.ascii_letters + string.digits
 
     def new_id(self) -> str:
@@ -250,6 +275,10 @@ class DeepSeekV3ToolParser(ToolParser):
     markers = (CALLS_BEGIN,)
     call_format = (CALLS_BEGIN + BEGIN + "function" + SEP + "<function name>\n```json\n{...}\n```" + END
                    + CALLS_END)
+
+    def format_calls(self, calls):
+        return self.CALLS_BEGIN + "".join(self.BEGIN + "function" + self.SEP + n + "\n```json\n" + a + "\n```"
+                                          + self.END for n, a in calls) + self.CALLS_END
 
     def _call(self, block: str, names: set[str]) -> Optional[Call]:
         if self.SEP not in block:

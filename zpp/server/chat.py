@@ -32,7 +32,8 @@ def chat_options(ctx: ServingContext, req, plan: Optional[ToolPlan] = None) -> C
                        add_special_tokens=bool(req.add_special_tokens),
                        chat_template_kwargs=req.chat_template_kwargs,
                        tools=plan.tools if tools else None,
-                       tools_system_text=plan.system_text(ctx.parsers.tool.call_format) if tools else None)
+                       tools_system_text=plan.system_text(ctx.parsers.tool.call_format) if tools else None,
+                       format_tool_calls=ctx.parsers.tool.format_calls if tools else None)
 
 
 def ended_whole(c: CompletionOutput) -> bool:
