@@ -199,6 +199,9 @@ def test_served_model_name_takes_several_names(demo_model, tmp_path):
         cfg = engine_config_from_args(parser.parse_args(argv), streaming=False)
         assert cfg.model.served_model_name == ("a", "b") and cfg.model.name == "a", argv
         assert cfg.model.served_names == ("a", "b")
+    # MODEL after the names is swallowed by nargs="+": refused, not served as the demo model under 3 names
+    with pytest.raises(ConfigError, match=r"^--served-model-name took the model directory .* put MODEL before"):
+        engine_config_from_args(parser.parse_args(["serve", "--served-model-name", "a", "b", demo_model]))
     yaml = tmp_path / "serve.yaml"
     yaml.write_text("served-model-name: [x, y]\n")
     args = parser.parse_args(expand_config_file(parser, ["serve", demo_model, "--config", str(yaml)]))

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import difflib
 import logging
+import os
 import typing
 from typing import Any, Iterable, Optional
 
@@ -238,6 +239,12 @@ def engine_config_from_args(args: argparse.Namespace, streaming: bool = True) ->
     model, flag = args.model, getattr(args, "model_flag", None)
     if model and flag and model != flag:
         raise ConfigError(f"two models given: {model!r} and --model {flag!r}")
+    if not (model or flag):  # `--served-model-name a b DIR` takes DIR for a third name (nargs="+")
+        for name in getattr(args, "served_model_name", None) or ():
+            if os.path.isfile(os.path.join(name, "config.json")):
+                raise ConfigError(f"--served-model-name took the model directory {name!r} for a served name, and "
+                                  f"no MODEL was given: put MODEL before the flag (zpp serve MODEL "
+                                  f"--served-model-name NAME ...) or pass --model MODEL")
     for dest, warning in NO_EFFECT_FLAGS.items():
         if getattr(args, dest, False):
             logger.warning("%s", warning)
