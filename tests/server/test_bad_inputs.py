@@ -138,6 +138,9 @@ CORPUS = [
     ("batch-token-list-too-long", "POST", C, j({"prompt": [[1, 2], [1] * 2000]}), {}, 400, "prompt"),
     ("20k-messages", "POST", H, j({"messages": [{"role": "user", "content": "x"}] * 20_000}), {}, 400,
      "messages"),
+    # tokens past max_model_len, characters under the cheap pre-check: chat names its own field
+    ("chat-tokens-past-context", "POST", H, chat(messages=[{"role": "user", "content": "hello " * 1500}]), {}, 400,
+     "messages"),
     # --- wrong types ------------------------------------------------------------------------------
     ("prompt-int", "POST", C, j({"prompt": 123}), {}, 400, "prompt"),
     ("prompt-object", "POST", C, j({"prompt": {"text": "hi"}}), {}, 400, "prompt"),

@@ -207,9 +207,11 @@ class AsyncEngine:
                     raise
                 raise RequestError(f"{grammar_param}: {e}", grammar_param) from None
         except RequestError as e:
+            if messages is not None and e.param == "prompt":  # a chat request has no field "prompt"
+                e = RequestError(str(e), "messages", e.status, e.err_type, e.code, e.unknown_fields, e.headers)
             if rename:
                 raise e.renamed(rename) from None
-            raise
+            raise e from None
         return PreparedRequest(text, ids, sampling, max_tokens, grammar)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:

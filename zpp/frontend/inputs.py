@@ -110,6 +110,10 @@ async def off_loop_if_large(fn, *args, size: int):
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
+CONTEXT_LENGTH = "context_length_exceeded"
+"""OpenAI's error ``code`` for a prompt (and ``max_tokens``) that the context cannot hold."""
+
+
 def _field(m: Any, name: str):
     return m.get(name) if isinstance(m, dict) else getattr(m, name, None)
 
@@ -159,7 +163,7 @@ class InputProcessor:
         says: tokenizing megabytes would take seconds for a certain 400. Raises RequestError."""
         if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
             raise RequestError(f"the prompt has {len(text)} characters: more than max_model_len "
-                               f"({self.max_model_len}) tokens of this tokenizer can hold", param)
+                               f"({self.max_model_len}) tokens of this tokenizer can hold", param, code=CONTEXT_LENGTH)
 
     def check_token_ids(self, ids, param: str, label: str = "token id") -> None:
         """The one vocabulary check: raises RequestError (naming ``param``) for the first of ``ids``
@@ -301,22 +305,24 @@ class InputProcessor:
         if n >= self.max_model_len:  # before the scan below: a hostile prompt can hold millions of ids
             raise RequestError(
                 f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
-                f"(the prompt must leave room for at least 1 generated token)", "prompt")
+                f"(the prompt must leave room for at least 1 generated token)", "prompt", code=CONTEXT_LENGTH)
         self.check_token_ids(prompt_token_ids, "prompt")
         self.check_token_ids([t for t in sampling.logit_bias or ()], "logit_bias", "logit_bias: token id")
         room = min(self.max_model_len, self.num_kv_blocks * self.block_size) - n
         if sampling.max_tokens is None and room < 1:
             raise RequestError(
                 f"the prompt has {n} tokens, but the KV cache holds only {self.num_kv_blocks} blocks of "
-                f"{self.block_size} tokens (room for at least 1 generated token is needed)", "prompt")
+                f"{self.block_size} tokens (room for at least 1 generated token is needed)", "prompt",
+                code=CONTEXT_LENGTH)
         max_tokens = sampling.max_tokens if sampling.max_tokens is not None else room
         if n + max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
-                f"max_model_len {self.max_model_len}", "max_tokens")
+                f"max_model_len {self.max_model_len}", "max_tokens", code=CONTEXT_LENGTH)
         need = -(-(n + max_tokens) // self.block_size)
         if need > self.num_kv_blocks:
             raise RequestError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks, but the cache "
-                f"holds only {self.num_kv_blocks} blocks of {self.block_size} tokens", "max_tokens")
+                f"holds only {self.num_kv_blocks} blocks of {self.block_size} tokens", "max_tokens",
+                code=CONTEXT_LENGTH)
         return max_tokens
