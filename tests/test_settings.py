@@ -413,3 +413,16 @@ def test_docs_flags_page_is_the_generated_one():
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "flags.md")) as f:
         page = f.read()
     assert page == flags_markdown() + "\n", "docs/flags.md is stale: python -m zpp.args > docs/flags.md"
+
+
+def test_bool_flags_take_vllms_no_form(demo_model):
+    """vLLM command lines switch bools off with ``--no-X`` (``--no-enable-prefix-caching``): each
+    bool setting has both forms, the last one given wins; ``--disable-X`` flags stay plain."""
+    parser = build_parser()
+    for argv, on in ((["--enable-prefix-caching"], True), (["--no-enable-prefix-caching"], False),
+                     (["--enable-prefix-caching", "--no-enable-prefix-caching"], False), ([], False)):
+        cfg = engine_config_from_args(parser.parse_args(["serve", demo_model, *argv]), streaming=False)
+        assert cfg.cache.enable_prefix_caching is on, argv
+    assert parser.parse_args(["serve", "--no-enforce-eager"]).enforce_eager is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--no-disable-log-stats"])

@@ -85,13 +85,15 @@ def _help(s: Setting) -> str:
 
 
 def _add(group, s: Setting) -> None:
-    """One flag for ``s``: store_true for a bool that defaults to False, ``--x`` / ``--no-x`` for
-    another bool, else a value of the annotation's type (text when the setting has a ``parse``)."""
+    """One flag for ``s``: ``--x`` / ``--no-x`` for a bool (as vLLM's, e.g. ``--no-enable-prefix-caching``;
+    store_true for a ``--disable-...`` one that defaults to False), else a value of the annotation's
+    type (text when the setting has a ``parse``)."""
     meta = s.meta
     kwargs: dict[str, Any] = {"dest": s.name, "help": _help(s),
                               "default": None if meta.get("from_launcher") else s.default}
     if s.value_type is bool:
-        kwargs["action"] = "store_true" if s.default is False else argparse.BooleanOptionalAction
+        negative = s.default is False and s.flag.startswith("--disable-")
+        kwargs["action"] = "store_true" if negative else argparse.BooleanOptionalAction
     else:
         kind = meta.get("type") or (str if meta.get("parse") else s.value_type)
         if kind not in (int, float, str) and not meta.get("type"):
