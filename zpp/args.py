@@ -164,6 +164,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    default=None, help="zpp starts its workers with multiprocessing (mp) always; ray is refused")
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="accepted: every zpp response carries X-Request-Id (the request's, else its id)")
+    g.add_argument("--tokenizer-mode", choices=["auto", "hf", "slow", "mistral", "custom"], default=None,
+                   help="auto and hf: what zpp does (the model directory's Hugging Face tokenizer); the others "
+                        "are refused")
     g.add_argument("--download-dir", default=None, help="refused: zpp does not download models")
     g.add_argument("--revision", default=None, help="refused: zpp does not download models")
 

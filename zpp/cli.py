@@ -206,6 +206,9 @@ def _check_vllm_only_flags(args) -> None:
         flag = "--download-dir" if args.download_dir is not None else "--revision"
         raise ConfigError(f"{flag}: zpp does not download models; give a local model directory (config.json + "
                           f"safetensors + tokenizer)")
+    if args.tokenizer_mode not in (None, "auto", "hf"):
+        raise ConfigError(f"--tokenizer-mode {args.tokenizer_mode}: zpp loads the model directory's Hugging Face "
+                          f"tokenizer (auto / hf) only")
     if args.distributed_executor_backend == "ray":
         raise ConfigError("--distributed-executor-backend ray: zpp has no Ray; it starts its workers itself "
                           "(mp, the default; other hosts through --nodes or a per-node launch)")

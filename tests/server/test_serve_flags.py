@@ -199,6 +199,10 @@ def test_cli_refusals_and_hints(capsys, tmp_path):
         assert err.count("\n") == 1 and "zpp does not download" in err, err
     assert main(["serve", "--distributed-executor-backend", "ray"]) == 2
     assert "no Ray" in capsys.readouterr().err
+    assert main(["serve", "--tokenizer-mode", "mistral"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tokenizer-mode mistral: zpp loads" in err, err
+    assert build_parser().parse_args(["serve", "--tokenizer-mode", "auto"]).tokenizer_mode == "auto"
     assert main(["serve", "--load-format", "dummy", "--max-logprobs", "21"]) == 2
     assert "--max-logprobs 21: must be 0 to 20" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
