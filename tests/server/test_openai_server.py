@@ -972,6 +972,14 @@ def test_tokenize_and_detokenize(server, tokenizer):
             assert chat["usage"]["prompt_tokens"] == chat_tok["count"]
             _, no_gen = await _post(s, server, "/tokenize", {"messages": FRANCE, "add_generation_prompt": False})
             assert no_gen["count"] < chat_tok["count"]
+            # with tools: the ids a chat request with those tools runs (its tool text included)
+            tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+            status, tool_tok = await _post(s, server, "/tokenize", {"messages": FRANCE, "tools": tools})
+            _, chat = await _post(s, server, "/v1/chat/completions", {"messages": FRANCE, "tools": tools,
+                                                                      "max_tokens": 1})
+            assert status == 200 and tool_tok["count"] == chat["usage"]["prompt_tokens"] > chat_tok["count"]
+            status, bad = await _post(s, server, "/tokenize", {"messages": FRANCE, "tools": [{"type": "x"}]})
+            assert status == 400 and bad["error"]["param"] == "tools"
 
             status, detok = await _post(s, server, "/detokenize", {"model": MODEL, "tokens": ids})
             assert status == 200 and detok == {"prompt": text}

@@ -32,6 +32,7 @@ from zpp.server.endpoint import (DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_REQUEST_BODY_
 from zpp.server.metrics import Metrics
 from zpp.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from zpp.server.render import classify, error_message, error_response, json_response, now
+from zpp.server.tools import parse_tools
 
 logger = logging.getLogger(__name__)
 
@@ -218,8 +219,8 @@ class OpenAIServer:
                 messages=req.messages, add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 add_special_tokens=bool(req.add_special_tokens), chat_template=req.chat_template,
-                chat_template_kwargs=req.chat_template_kwargs)
-            opts = chat_options(self.ctx, chat)
+                chat_template_kwargs=req.chat_template_kwargs, tools=req.tools)
+            opts = chat_options(self.ctx, chat, parse_tools(req.tools, None, None))
             _, ids = await off_loop_if_large(inputs.tokenize_chat, req.messages, opts,
                                               size=text_size(req.messages) + 100 * len(req.messages))
         elif req.prompt is not None:

@@ -233,8 +233,9 @@ def check_unsupported_chat_fields(req: "ChatCompletionRequest") -> None:
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``POST /tokenize`` (vLLM's): either ``prompt`` (a string, tokenized as ``/v1/completions``
-    does) or ``messages`` (rendered with the chat template as ``/v1/chat/completions`` does).
-    ``add_special_tokens`` defaults to true for a prompt and false for messages, as in vLLM."""
+    does) or ``messages`` (rendered with the chat template as ``/v1/chat/completions`` does, with
+    ``tools`` as a chat request with ``tool_choice`` auto). ``add_special_tokens`` defaults to true
+    for a prompt and false for messages, as in vLLM."""
 
     model: Optional[str] = None
     prompt: Optional[str] = None
@@ -244,6 +245,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     continue_final_message: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
     return_token_strs: bool = False
 
 
