@@ -833,16 +833,16 @@ def test_server_parse_tools_and_vllm_fields(server):
                                  extra_body={"guided_regex": PHONE}))
         p = parsed.choices[0]
         assert p.finish_reason == "stop" and isinstance(p.message.parsed, Person), p
-        for r in (forced, named):
+        for r, reason in ((forced, "tool_calls"), (named, "stop")):  # a named call: "stop", as OpenAI
             ch = r.choices[0]
-            assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
+            assert ch.finish_reason == reason and ch.message.content is None, ch
             for call in ch.message.tool_calls:
                 assert call.id.startswith("chatcmpl-tool-") and call.type == "function"
                 tool = next(t for t in TOOLS if t["function"]["name"] == call.function.name)
                 jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
         assert named.choices[0].message.tool_calls[0].function.name == "get_weather"
-        for calls, finish in streams:
-            assert finish == "tool_calls" and calls
+        for (calls, finish), reason in zip(streams, ("tool_calls", "stop")):  # required, named
+            assert finish == reason and calls
             for call in calls.values():
                 tool = next(t for t in TOOLS if t["function"]["name"] == call["name"])
                 jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
@@ -900,11 +900,12 @@ def test_forced_tool_call_wins_over_response_format(server):
     for choice, (plain, schema, obj, (streamed, finish)) in asyncio.run(go()).items():
         calls = [(t.function.name, t.function.arguments) for t in plain.choices[0].message.tool_calls]
         assert calls and calls[0][0] == "get_weather", choice
-        for r in (schema, obj):
+        reason = "tool_calls" if choice == "required" else "stop"  # a named function's call: "stop"
+        for r in (plain, schema, obj):
             ch = r.choices[0]
-            assert ch.finish_reason == "tool_calls" and ch.message.content is None, (choice, ch)
+            assert ch.finish_reason == reason and ch.message.content is None, (choice, ch)
             assert [(t.function.name, t.function.arguments) for t in ch.message.tool_calls] == calls, choice
-        assert finish == "tool_calls" and [(v["name"], v["arguments"]) for v in streamed.values()] == calls, choice
+        assert finish == reason and [(v["name"], v["arguments"]) for v in streamed.values()] == calls, choice
 
 
 BAD = [
@@ -997,7 +998,8 @@ def _kw(fields: dict) -> dict:
 def test_named_tool_call_cut_off_has_one_shape(server):
     """shared/cases/named-tool-call-cut-off.md: a named tool call cut off by max_tokens (8, 15) is
     its call in both modes, the arguments as far as generated (at 8 tokens: the case's fragment),
-    finish_reason "length"; a complete one (20, 100) is the call with finish "tool_calls"; a cut-off
+    finish_reason "length"; a complete one (20, 100) is the call with finish "stop" (OpenAI's for a
+    forced function); a cut-off
     ``required`` output (8, 15, 20) is content in both modes."""
     async def go():
         c = _client(server)
@@ -1020,7 +1022,7 @@ def test_named_tool_call_cut_off_has_one_shape(server):
             assert calls == [] and finish == "length" and content.startswith('[{"name": "get_')
         for n in (20, 100):
             content, calls, finish = res["tools-named", n, False]
-            assert finish == "tool_calls" and calls[0][0] == "get_weather"
+            assert finish == "stop" and calls[0][0] == "get_weather"
             jsonschema.validate(json.loads(calls[0][1]), GET_WEATHER[0]["function"]["parameters"])
 
     asyncio.run(go())

@@ -43,6 +43,14 @@ def ended_whole(c: CompletionOutput) -> bool:
     return c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
 
 
+def finish_reason(c: CompletionOutput, called: bool, plan: Optional[ToolPlan]) -> Optional[str]:
+    """A chat choice's ``finish_reason``: ``"tool_calls"`` for whole calls the model chose to make
+    (``tool_choice`` auto or required); a named function's call keeps the output's own reason
+    (``"stop"`` when whole), as OpenAI and vLLM answer a forced function."""
+    named = plan is not None and plan.mode == "named"
+    return "tool_calls" if called and not named and ended_whole(c) else c.finish_reason
+
+
 async def chat_completions(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
     req: ChatCompletionRequest = await ctx.read(request, ChatCompletionRequest)
     ctx.check_model(req.model)
@@ -78,7 +86,7 @@ async def chat_completions(ctx: ServingContext, request: web.Request) -> web.Str
     def message(c: CompletionOutput) -> tuple[dict, Optional[str]]:
         msg, called = ctx.parsers.message(c.text, plan, reasons, opened, req.include_reasoning)
         msg["role"] = role
-        return msg, "tool_calls" if called and ended_whole(c) else c.finish_reason
+        return msg, finish_reason(c, called, plan)
 
     if not req.stream:
         final = None
@@ -127,7 +135,7 @@ async def chat_completions(ctx: ServingContext, request: web.Request) -> web.Str
                     c = d.output
                     if tool_streams:
                         await _send_tool_deltas(tokens, sse, chunk, sent, key, d, tool_streams[c.index],
-                                                req.logprobs, k)
+                                                req.logprobs, k, plan)
                         if c.finish_reason is not None:
                             completion_tokens += len(c.token_ids)
                         continue
@@ -152,10 +160,10 @@ async def chat_completions(ctx: ServingContext, request: web.Request) -> web.Str
 
 
 async def _send_tool_deltas(tokens: TokenStrings, sse: SSEWriter, chunk, sent: StreamDeltas, key, d: ChoiceDelta,
-                            ts, logprobs: bool, k: int) -> None:
+                            ts, logprobs: bool, k: int, plan: Optional[ToolPlan]) -> None:
     """Stream one choice of a request with tools or a reasoning parser: reasoning, content and
     ``tool_calls`` deltas from its ChatStream ``ts`` (fed the cumulative text), logprobs on the first delta of each step, the finish
-    reason (``"tool_calls"`` when calls were sent and the output ended normally) on the last."""
+    reason (:func:`finish_reason`) on the last."""
     c = d.output
     final = c.finish_reason is not None
     deltas = ts.feed(c.text, final)
@@ -167,6 +175,6 @@ async def _send_tool_deltas(tokens: TokenStrings, sse: SSEWriter, chunk, sent: S
         await sse.send(chunk([{"index": c.index, "delta": d, "logprobs": lp if i == 0 else None,
                                "finish_reason": None}]))
     if final:
-        reason = "tool_calls" if ts.calls and ended_whole(c) else c.finish_reason
+        reason = finish_reason(c, bool(ts.calls), plan)
         await sse.send(chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason,
                                "stop_reason": c.stop_reason}]))
