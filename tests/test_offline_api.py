@@ -313,6 +313,9 @@ def test_chat_passes_tools_and_template_kwargs(llm):
     out = llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False, chat_template=template,
                    tools=tools, chat_template_kwargs={"greeting": "hello"})[0]
     assert out.prompt == "Hi tools: get_weather hello"
+    for empty in ([], ()):  # nothing to chat about: the server's 400 for an empty list, not []
+        with pytest.raises(ValueError, match="messages must be a non-empty list"):
+            llm.chat(empty, GREEDY, use_tqdm=False)
 
 
 @pytest.mark.slow

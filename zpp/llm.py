@@ -20,6 +20,7 @@ import torch
 from zpp import config as _config
 from zpp.args import engine_config, engine_settings
 from zpp.config import ConfigError, EngineConfig
+from zpp.errors import RequestError
 from zpp.frontend.inputs import ChatOptions
 from zpp.parsers.tool import HermesToolParser
 from zpp.utils.process import freeze_gc
@@ -167,7 +168,9 @@ class LLM:
             RuntimeError: the LLM was shut down.
         """
         self._check_open()
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not messages:  # one empty conversation or none: the server's 400 for an empty list
+            raise RequestError("messages must be a non-empty list (one conversation) or a list of them", "messages")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         opts = ChatOptions(template=chat_template, add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
                            tools=tools, tools_system_text=None if tools is None else _tools_text(tools),
