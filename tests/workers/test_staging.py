@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from zpp.workers.staging import PinnedStaging, _aligned
+from zpp.workers.staging import PinnedStaging, aligned_size
 
 
 def _arrays(rng, n):
@@ -33,7 +33,7 @@ def test_other_dtypes_are_refused():
 
 
 def test_packed_offsets_are_128_byte_aligned():
-    assert [_aligned(n) for n in (0, 1, 31, 32, 33)] == [0, 32, 32, 32, 64]
+    assert [aligned_size(n) for n in (0, 1, 31, 32, 33)] == [0, 32, 32, 32, 64]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned memory)")

@@ -26,14 +26,9 @@ import numpy as np
 import torch
 
 from zpp.models.layers.attention import TABLE_WIDTH_ALIGN, AttentionMetadata, block_table_width
+from zpp.workers.staging import aligned_size
 
 logger = logging.getLogger(__name__)
-
-
-def int32_layout(max_bs: int) -> int:
-    """Where the block tables start (in int32 elements) in the graphs' int32 input buffer, after
-    ``seq_lens [max_bs]`` and ``query_start [max_bs + 1]``: rounded up to 32 elements (128 bytes)."""
-    return -(-(2 * max_bs + 1) // 32) * 32
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -65,7 +60,7 @@ class DecodeGraphs:
         # The block tables start 128-byte aligned, as the eager path's uploads do (PinnedStaging),
         # and are TABLE_WIDTH_ALIGN wide: the same Triton attention variants serve both.
         self.W = W
-        self.bt_at = bt_at = int32_layout(B)
+        self.bt_at = bt_at = aligned_size(2 * B + 1)  # after seq_lens [B] and query_start [B + 1]
         self.dev64 = torch.zeros(5 * B, dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(bt_at + B * W, dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping, self.prev_dst, self.prev_src = self.dev64.view(5, B)

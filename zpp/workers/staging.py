@@ -57,7 +57,7 @@ class PinnedStaging:
         out: list[Optional[torch.Tensor]] = [None] * len(arrays)
         for dt in (np.dtype(np.int64), np.dtype(np.int32)):
             members = [i for i, a in enumerate(arrays) if a.dtype == dt]
-            total = sum(_aligned(arrays[i].size) for i in members)
+            total = sum(aligned_size(arrays[i].size) for i in members)
             if not total:
                 for i in members:
                     out[i] = torch.empty(arrays[i].shape, dtype=_TORCH[dt], device=self.device)
@@ -72,7 +72,7 @@ class PinnedStaging:
                 n = arrays[i].size
                 host[off:off + n] = arrays[i].reshape(-1)
                 spans.append((i, off, n))
-                off += _aligned(n)
+                off += aligned_size(n)
             dev = buf[:total].to(self.device, non_blocking=True)
             for i, o, n in spans:
                 out[i] = dev[o:o + n].view(arrays[i].shape)
@@ -84,7 +84,7 @@ class PinnedStaging:
 _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
-def _aligned(n: int) -> int:
+def aligned_size(n: int) -> int:
     """Elements an array of ``n`` takes in a packed buffer: a multiple of 32, so every array starts
     128-byte aligned. Triton compiles a kernel variant per pointer alignment (16 bytes or not): with
     arrays packed back to back, each new pattern of offsets compiled new attention variants in the

@@ -339,10 +339,10 @@ def test_block_table_width_and_graph_buffer_layout():
     that is a multiple of TABLE_WIDTH_ALIGN and, in the graphs' packed int32 buffer, a 128-byte
     aligned start (Triton compiles one kernel variant per integer class and pointer alignment)."""
     from zpp.models.layers.attention import TABLE_WIDTH_ALIGN, block_table_width
-    from zpp.workers.cuda_graphs import int32_layout
+    from zpp.workers.staging import aligned_size
     assert TABLE_WIDTH_ALIGN == 16
     assert [block_table_width(n, 16, 16) for n in (0, 1, 16, 17, 256, 257, 4096)] == [16, 16, 16, 16, 16, 32, 256]
     assert [block_table_width(n, 16) for n in (0, 1, 16, 17, 257)] == [1, 1, 1, 2, 17]
     for B in (1, 7, 256, 1000, 1024, 2048):
-        at = int32_layout(B)
+        at = aligned_size(2 * B + 1)  # where DecodeGraphs puts its block tables
         assert at >= 2 * B + 1 and at % 32 == 0 and at - (2 * B + 1) < 32
