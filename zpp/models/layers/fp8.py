@@ -41,10 +41,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, p, bias: Optional[torch.Tensor]
         return fp8_linear_reference(x, w, p, bias)
     from zpp.models.layers import fp8_kernels as K
     if 0 < M <= K.FP8_GEMV_MAX_M and _FP8_GEMV and x.stride(-1) == 1:
-        if M == 3:  # as 4 rows: the decode graphs build the kernel for 1, 2 and 4 (their batch sizes),
-            # so an eager 3-token batch would compile a variant of its own mid-run
-            return K.fp8_gemv(F.pad(x, (0, 0, 0, 1)), w, p.weight_scale, p.block, bias,
-                              **K.fp8_gemv_config(w.shape[0], w.shape[1]))[:3]
         return K.fp8_gemv(x, w, p.weight_scale, p.block, bias, **K.fp8_gemv_config(w.shape[0], w.shape[1]))
     if x.stride(-1) != 1:
         x = x.contiguous()

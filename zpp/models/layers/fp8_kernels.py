@@ -160,12 +160,17 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, block
              num_stages: int = 3) -> torch.Tensor:
     """``x [M, K] @ dequant(w)^T (+ bias)`` -> ``[M, N]`` in ``x``'s dtype for M <= 4, the activations
     not quantized (W8A16): ``w [N, K]`` float8_e4m3fn with ``weight_scale`` float32 ``[N]`` (per
-    channel) or, with ``block = (bn, bk)``, ``[ceil(N/bn), ceil(K/bk)]``. fp32 accumulation.
+    channel) or, with ``block = (bn, bk)``, ``[ceil(N/bn), ceil(K/bk)]``. fp32 accumulation. Three
+    rows run as four (a zero row added): the decode graphs build the kernel for 1, 2 and 4 rows
+    (their batch sizes), so an eager 3-token batch would compile a variant of its own mid-run.
 
     Raises ValueError for M > 4."""
     M, K = x.shape
     if M > FP8_GEMV_MAX_M:
         raise ValueError(f"fp8_gemv takes at most {FP8_GEMV_MAX_M} rows, got {M}")
+    if M == 3:
+        return fp8_gemv(torch.nn.functional.pad(x, (0, 0, 0, 1)), w, weight_scale, block, bias, block_n, block_k,
+                        num_warps, num_stages)[:3]
     N = w.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     even = K % block_k == 0 and N % block_n == 0
