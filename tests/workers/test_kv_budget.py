@@ -35,3 +35,23 @@ def test_a_restarted_stage_measures_the_same_share():
 
 def test_nothing_fits_is_negative():
     assert cuda_kv_budget(16 * GIB, 15 * GIB, GIB, 15 * GIB, 0.9, 0, stages_on_gpu=2) < 0
+
+
+def test_decode_graph_buckets_reach_max_num_seqs_up_to_4096():
+    from zpp.workers.cuda_graphs import MAX_GRAPH_BATCH, capture_sizes
+    assert capture_sizes(256)[-1] == 256 and capture_sizes(1)[-1] == 1
+    # a 30k-prompt run at --max-num-seqs 2048 decodes 2048 sequences per step: graphed, not eager
+    sizes = capture_sizes(2048)
+    assert sizes[-1] == 2048 and 1024 in sizes and sizes == sorted(set(sizes))
+    assert capture_sizes(1500)[-1] == 1500 and 1280 in capture_sizes(1500)
+    assert capture_sizes(10_000)[-1] == MAX_GRAPH_BATCH == 4096
+    # every batch size up to max_num_seqs has a bucket
+    for n in (3, 1000, 1025, 1999, 2048):
+        assert any(s >= n for s in capture_sizes(2048))
+
+
+def test_graph_margin_grows_with_buckets_above_1024_only():
+    from zpp.workers.cuda_graphs import graph_pool_margin
+    row = 128256 * 2  # Llama-3 logits row, bf16
+    assert graph_pool_margin(256, row) == graph_pool_margin(1024, row) == 512 << 20
+    assert graph_pool_margin(2048, row) == (512 << 20) + row * (1280 + 1536 + 1792 + 2048)

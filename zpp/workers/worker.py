@@ -353,7 +353,14 @@ def _cuda_kv_blocks(init, runner, device, per_block: int) -> int:
     tokens = cfg_all.max_num_batched_tokens
     peak = runner.profile_peak_memory(tokens, min(cfg_all.scheduler.max_num_seqs, tokens))
     free, total = torch.cuda.mem_get_info(device)
-    graphs_margin = 0 if enforce_eager else 512 << 20
+    graphs_margin = 0
+    if not enforce_eager:
+        from zpp.workers.cuda_graphs import graph_pool_margin
+        model = runner.model
+        itemsize = torch.empty((), dtype=runner.dtype).element_size()
+        row_bytes = (model.lm_head.weight.shape[0] if model.stage.produces_results and hasattr(model, "lm_head")
+                     else model.num_acts * model.hidden_size) * itemsize
+        graphs_margin = graph_pool_margin(cfg_all.scheduler.max_num_seqs, row_bytes)
     budget = cuda_kv_budget(total, free, torch.cuda.memory_reserved(device), peak,
                             cfg_all.cache.gpu_memory_utilization, graphs_margin, sharing)
     logger.info("memory profile: peak %.2f GiB, KV budget %.2f GiB%s", peak / 2**30, budget / 2**30,
