@@ -350,3 +350,21 @@ def test_vllm_only_keywords_accepted_or_refused_in_one_line(caplog):
                       ({"revision": "main"}, "download")):
         with pytest.raises(ConfigError, match=word):
             _vllm_only_keywords(dict(bad))
+
+
+def test_a_large_batch_is_queued_in_chunks_and_answered_in_order(llm):
+    """More prompts than zpp.llm.SUBMIT_CHUNK (queued a chunk at a time, the engine scheduling in
+    between, their objects frozen out of full collections meanwhile): one output per prompt, in
+    the order given, each the same as the prompt generated alone; the collector's state after the
+    call is start-up's (everything frozen again)."""
+    from zpp.llm import FREEZE_MIN_PROMPTS, SUBMIT_CHUNK
+    n = max(FREEZE_MIN_PROMPTS, 2 * SUBMIT_CHUNK) + 7
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(f"Item number {i} of the list is") for i in range(n)]
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    for i in (0, SUBMIT_CHUNK, n - 1):
+        alone = llm.generate([prompts[i]], sp, use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == outs[i].outputs[0].token_ids
+    assert gc.get_freeze_count() > 0
