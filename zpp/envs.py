@@ -91,6 +91,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("ZPP_FP8_GEMV", "bool", _on_unless_0,
            "``0``: FP8 linear layers never use the W8A16 GEMV kernel for small batches (every batch "
            "through the W8A8 GEMMs), for A/B runs. Read once, at import."),
+    EnvVar("ZPP_FP8_FUSED_QUANT", "bool", _on_unless_0,
+           "``0``: a gated MLP with an FP8 down projection runs SiLU-and-mul and the activation "
+           "quantization as two kernels instead of one (``fp8_kernels.silu_mul_quant``), for A/B runs. "
+           "Read once, at import."),
     EnvVar("ZPP_TRITON_GEMV", "bool", _on_unless_0,
            "``0``: batch-1 decode on CUDA multiplies by the weights with cuBLAS instead of zpp's Triton "
            "GEMV (``zpp.models.layers.linear``), for A/B runs. Read once, at import."),

@@ -830,6 +830,27 @@ def test_fp8_linear_gpu_kernels_match_reference(block, m):
 
 
 @pytest.mark.skipif(not _FP8_OK, reason="needs FP8 (compute capability >= 8.9)")
+@pytest.mark.parametrize("m", [5, 300])
+def test_fp8_mlp_fused_silu_quant_matches_two_kernels(m, monkeypatch):
+    """GatedMLP with FP8 weights: SiLU-and-mul fused with the down projection's input quantization
+    (fp8_kernels.silu_mul_quant) against the two kernels (ZPP_FP8_FUSED_QUANT=0's path)."""
+    from zpp.models.layers import fp8 as F8
+    from zpp.models.layers.activation import GatedMLP
+    from zpp.models.quantization import Fp8Params
+    torch.manual_seed(m)
+    mlp = GatedMLP(512, 1408).cuda().to(torch.bfloat16)
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        wq, ws = F8.quantize_per_channel(torch.randn_like(lin.weight, dtype=torch.float32) * 0.05)
+        lin.weight = torch.nn.Parameter(wq, requires_grad=False)
+        lin.fp8 = Fp8Params(ws)
+    x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+    fused = mlp(x)
+    monkeypatch.setattr(F8, "_FUSED_QUANT", False)
+    apart = mlp(x)
+    assert ((fused.float() - apart.float()).norm() / apart.float().norm()).item() < 2e-2
+
+
+@pytest.mark.skipif(not _FP8_OK, reason="needs FP8 (compute capability >= 8.9)")
 @pytest.mark.parametrize("layout", ["ct-channel", "ct-tensor", "block"])
 def test_fp8_checkpoint_kept_in_fp8_on_gpu(demo_model, tmp_path, layout):
     """SmolLM2 written as an FP8 checkpoint: on the GPU its linear layers stay FP8 (where the layout

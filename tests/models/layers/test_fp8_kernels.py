@@ -86,6 +86,24 @@ def test_per_token_group_quant(m, k, g):
     assert_e4m3_close(q.float() * full, x, full)
 
 
+@pytest.mark.parametrize("m,n", [(1, 64), (5, 300), (3, 1100)])
+def test_silu_mul_quant(m, n):
+    """SiLU-and-mul fused with the per-token quantization: the scale is the float32 product's
+    amax / 448 and every value within e4m3's rounding of it (the product is not rounded to the
+    input dtype first, unlike silu_and_mul then per_token_quant)."""
+    torch.manual_seed(2)
+    x = torch.randn(m, 2 * n, device=DEV, dtype=DT) * 3
+    q, s = K.silu_mul_quant(x)
+    g, u = x.float().split(n, dim=1)
+    y = torch.nn.functional.silu(g) * u
+    assert q.dtype == FP8_DTYPE and q.shape == (m, n) and s.shape == (m, 1) and s.dtype == torch.float32
+    torch.testing.assert_close(s[:, 0], y.abs().amax(1) / 448, rtol=1e-5, atol=0)
+    assert_e4m3_close(q.float() * s, y, s)
+    assert (q.float().abs().amax(1) == 448).all()
+    with pytest.raises(ValueError, match="intermediate size"):
+        K.silu_mul_quant(torch.zeros(1, 2 * (K.SILU_MUL_QUANT_MAX_N + 1), device=DEV, dtype=DT))
+
+
 def _fp8_weight(n, k, block, seed):
     torch.manual_seed(seed)
     w = torch.randn(n, k, device=DEV) * 0.05

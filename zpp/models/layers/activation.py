@@ -56,6 +56,12 @@ class GatedMLP(nn.Module):
         :meth:`RowParallelLinear.forward`), for a caller that adds other partials first."""
         gate_up = self.gate_up_proj(x)
         if gate_up.is_cuda and self.act is F.silu:
+            from zpp.models.layers.fp8 import fuses_input_quant
+            if fuses_input_quant(self.down_proj.fp8, gate_up.shape[0], gate_up):
+                from zpp.models.layers import fp8_kernels as K
+                if self.intermediate_size <= K.SILU_MUL_QUANT_MAX_N:  # SiLU, mul and FP8 quantization at once
+                    xq, xs = K.silu_mul_quant(gate_up)
+                    return self.down_proj.forward_fp8_input(xq, xs, gate_up.dtype, reduce)
             from zpp.models.layers.triton_ops import silu_and_mul
             return self.down_proj(silu_and_mul(gate_up), reduce)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)

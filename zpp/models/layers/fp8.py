@@ -17,6 +17,10 @@ On the CPU (unit tests only) the same numerics in PyTorch: activations quantized
 GEMV's W8A16 included), weights dequantized.
 
 ``ZPP_FP8_GEMV=0``: no W8A16 GEMV (every batch through the W8A8 GEMMs), for A/B runs.
+
+A gated MLP quantizes its down projection's input inside the SiLU-and-mul kernel
+(:func:`~zpp.models.layers.fp8_kernels.silu_mul_quant`, where :func:`fuses_input_quant` allows it)
+and calls :func:`fp8_linear_quantized`; ``ZPP_FP8_FUSED_QUANT=0`` keeps the two kernels apart.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 from zpp import envs
 
 _FP8_GEMV = envs.ZPP_FP8_GEMV
+_FUSED_QUANT = envs.ZPP_FP8_FUSED_QUANT
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
@@ -46,12 +51,31 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, p, bias: Optional[torch.Tensor]
         x = x.contiguous()
     if p.block is None:
         xq, xs = K.per_token_quant(x, p.input_scale)
-        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=p.weight_scale.view(1, -1), out_dtype=torch.bfloat16)
-        if bias is not None:
-            y = y + bias
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+        return fp8_linear_quantized(xq, xs, w, p, bias, x.dtype)
     xq, xs = K.per_token_group_quant(x, p.block[1])
     return K.block_gemm(xq, xs, w, p.weight_scale, p.block, x.dtype, bias)
+
+
+def fp8_linear_quantized(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, p, bias: Optional[torch.Tensor],
+                         dtype: torch.dtype) -> torch.Tensor:
+    """The W8A8 row-wise product of :func:`fp8_linear` on activations already quantized per token:
+    ``xq [M, K]`` float8_e4m3fn, ``xs [M, 1]`` float32, per-channel weight ``w [N, K]`` (CUDA) ->
+    ``[M, N]`` in ``dtype`` (+ ``bias``)."""
+    y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=p.weight_scale.view(1, -1), out_dtype=torch.bfloat16)
+    if bias is not None:
+        y = y + bias
+    return y if y.dtype == dtype else y.to(dtype)
+
+
+def fuses_input_quant(p, m: int, x: torch.Tensor) -> bool:
+    """Whether a producer of the ``m``-row input ``x`` of an FP8 layer with scales ``p`` may hand it
+    over already quantized per token (:func:`fp8_linear_quantized`): on CUDA, per-channel weights
+    with dynamic activation scales, a batch past the W8A16 GEMV's rows; not with
+    ``ZPP_FP8_FUSED_QUANT=0``."""
+    if p is None or not x.is_cuda or p.block is not None or p.input_scale is not None or not _FUSED_QUANT:
+        return False
+    from zpp.models.layers.fp8_kernels import FP8_GEMV_MAX_M
+    return not (0 < m <= FP8_GEMV_MAX_M and _FP8_GEMV)
 
 
 def quantize_activations_reference(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None,

@@ -59,6 +59,50 @@ def per_token_quant(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None)
 
 
 @triton.jit
+def _silu_mul_quant_kernel(X, Q, S, N, stride_x, stride_q, BLOCK: tl.constexpr):
+    # One program per row, the row's N products held in registers: read gate | up once, write e4m3.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    g = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(X + row * stride_x + N + cols, mask=ok, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    s = tl.maximum(tl.max(tl.abs(y), 0), 1e-10) / 448.0
+    tl.store(S + row, s)
+    q = tl.clamp(y * (1.0 / s), -448.0, 448.0)
+    tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=ok)
+
+
+SILU_MUL_QUANT_MAX_N = 32768
+"""The widest ``intermediate`` :func:`silu_mul_quant` takes (a row is held in one program's registers)."""
+
+
+def silu_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated MLP's activation and the down projection's activation quantization in one pass:
+    ``x [M, 2N]`` (gate | up; bf16/fp16/fp32, unit stride in a row) -> (float8_e4m3fn ``[M, N]``,
+    float32 ``[M, 1]``) with ``q * s ~= silu(gate) * up`` and ``s = amax(|row|) / 448`` (the
+    per-token scale of :func:`per_token_quant`), the product kept in float32 until it is quantized.
+
+    Against ``per_token_quant(silu_and_mul(x))``: ``x`` is read once and only the e4m3 result written
+    (the separate kernels also write and twice read the ``[M, N]`` product in ``x``'s dtype).
+
+    Raises:
+        ValueError: ``N > SILU_MUL_QUANT_MAX_N``.
+    """
+    M, N2 = x.shape
+    N = N2 // 2
+    if N > SILU_MUL_QUANT_MAX_N:
+        raise ValueError(f"silu_mul_quant: intermediate size {N} > {SILU_MUL_QUANT_MAX_N}")
+    q = torch.empty((M, N), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if M:
+        block = triton.next_power_of_2(N)
+        _silu_mul_quant_kernel[(M,)](x, q, s, N, x.stride(0), q.stride(0), BLOCK=block,
+                                     num_warps=max(4, min(16, block // 1024)))
+    return q, s
+
+
+@triton.jit
 def _group_quant_kernel(X, Q, S, K, G, stride_x, stride_q, stride_s, GS: tl.constexpr, GROUPS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)                      # [GROUPS] group indices

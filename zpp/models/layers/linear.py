@@ -181,11 +181,23 @@ class RowParallelLinear(Linear):
         """``reduce=False``: this rank's partial product ``[T, out_features]`` without the
         all-reduce, the bias added on TP rank 0 only (so a caller summing several row-parallel
         partials and all-reducing once adds it once)."""
+        return self._reduced(lambda bias: linear(x, self.weight, bias, self.fp8), reduce)
+
+    def forward_fp8_input(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype,
+                          reduce: bool = True) -> torch.Tensor:
+        """:meth:`forward` of an input its producer already quantized per token (``xq [T, k]``
+        float8_e4m3fn, ``xs [T, 1]`` float32; only where :func:`~zpp.models.layers.fp8.fuses_input_quant`
+        allows it), output in ``dtype``."""
+        from zpp.models.layers.fp8 import fp8_linear_quantized
+        return self._reduced(lambda bias: fp8_linear_quantized(xq, xs, self.weight, self.fp8, bias, dtype), reduce)
+
+    def _reduced(self, mm, reduce: bool) -> torch.Tensor:
+        """``mm(bias)`` (this rank's product) summed over the tensor-parallel group as :meth:`forward` says."""
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.fp8)
+            return mm(self.bias)
         if not reduce:
-            return linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.fp8)
-        y = tp_all_reduce(linear(x, self.weight, fp8=self.fp8))
+            return mm(self.bias if self.tp_rank == 0 else None)
+        y = tp_all_reduce(mm(None))
         return y if self.bias is None else y + self.bias
 
 
