@@ -6,7 +6,9 @@
 #   kernels               scripts/kernel_bench.py fp8 (GEMV / GEMM / block GEMM / FP8-KV attention vs bf16)
 #   tput-bf16 tput-fp8 tput-fp8-kv        Llama-3-8B shape, 1000 x 256/256 (acceptance: fp8 >= 1.4x bf16)
 #   lat-bf16 lat-fp8 lat-fp8-kv           batch 1, 128 in / 128 out (acceptance: fp8 TPOT <= 2.7 ms)
-#   trt-fp8 trt-fp8-kv                    30,000 prompts x 128/128 (next to TensorRT-LLM's 27,911 out tok/s)
+#   trt-fp8 trt-fp8-kv                    30,000 prompts x 128/128 (next to TensorRT-LLM's 27,911 out tok/s on
+#                                         the H200, 28,312 on the H100)
+#   trt-fp8-kv-trace                      trt-fp8-kv with a ZPP_TRACE timeline (trace_report.txt, trace_30k.tar.gz)
 #   blocks                                the "KV cache: N blocks" start-up lines, bf16 vs --kv-cache-dtype fp8
 # Weights are random (--load-format dummy), quantized at load with --quantization fp8.
 # JSON per run in OUTDIR (and kernels.txt, blocks.txt); a table at the end.
@@ -45,6 +47,12 @@ for r in $RUNS; do
     lat-fp8-kv) run python -m zpp.cli bench latency $COMMON $LAT $FP8 $KV --output-json "$OUT/lat_llama3-8b_fp8_kvfp8.json" ;;
     trt-fp8) run python -m zpp.cli bench throughput $COMMON $TRT $FP8 --output-json "$OUT/tput30k_llama3-8b_fp8.json" ;;
     trt-fp8-kv) run python -m zpp.cli bench throughput $COMMON $TRT $FP8 $KV --output-json "$OUT/tput30k_llama3-8b_fp8_kvfp8.json" ;;
+    trt-fp8-kv-trace)  # the same with a ZPP_TRACE timeline: its report printed, the files in one tar (few files come back)
+      tr=$(mktemp -d)
+      ZPP_TRACE=$tr run python -m zpp.cli bench throughput $COMMON $TRT $FP8 $KV \
+          --output-json "$OUT/tput30k_llama3-8b_fp8_kvfp8_traced.json"
+      python scripts/trace_report.py "$tr" | tee "$OUT/trace_report.txt"
+      tar -czf "$OUT/trace_30k.tar.gz" -C "$tr" . && rm -rf "$tr" ;;
     blocks)
       for kv in auto fp8; do
         echo "### KV cache blocks, --kv-cache-dtype $kv"
