@@ -188,6 +188,8 @@ CORPUS = [
     ("max-completion-tokens-huge", "POST", H, chat(max_completion_tokens=10 ** 6), {}, 400,
      "max_completion_tokens"),
     ("max-tokens-past-kv-cache", "POST", C, comp(max_tokens=900), {}, 400, "max_tokens"),
+    ("chat-max-tokens-zero", "POST", H, chat(max_tokens=0), {}, 400, "max_tokens"),  # a reply of no tokens
+    ("chat-max-completion-tokens-zero", "POST", H, chat(max_completion_tokens=0), {}, 400, "max_completion_tokens"),
     ("min-tokens-over-max", "POST", C, comp(min_tokens=5), {}, 400, "min_tokens"),
     ("temperature-negative", "POST", C, comp(temperature=-0.5), {}, 400, "temperature"),
     ("top-p-zero", "POST", C, comp(top_p=0), {}, 400, "top_p"),
