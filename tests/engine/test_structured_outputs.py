@@ -292,7 +292,7 @@ def test_tensor_parallel_last_stage(demo_model):
 
 
 @pytest.mark.slow
-def test_compile_errors_size_limit_and_timeout(engine):
+def test_compile_errors_size_limit_and_timeout(engine, caplog):
     pp, llm = engine
     if pp != 1:
         pytest.skip("front-end checks: once, at PP=1")
@@ -313,7 +313,10 @@ def test_compile_errors_size_limit_and_timeout(engine):
         refused(SO(json=PERSON), "at most 100")
         e.grammar.max_spec_bytes = limit
         e.grammar.compile_timeout = 0.5  # the slow schema takes tens of seconds
-        refused(SO(json=slow_schema()), r"did not compile within 0.5 s \(--structured-outputs-compile-timeout\)")
+        with caplog.at_level("WARNING", logger="zpp.frontend.grammar"):
+            refused(SO(json=slow_schema()), r"did not compile within 0.5 s \(--structured-outputs-compile-timeout\)")
+        # the operator sees it too, not only the client
+        assert any("did not compile within 0.5 s" in r.getMessage() for r in caplog.records), caplog.text
     finally:
         e.grammar.max_spec_bytes, e.grammar.compile_timeout = limit, timeout
     with pytest.raises(SamplingParamsError):

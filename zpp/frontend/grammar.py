@@ -192,8 +192,10 @@ class GrammarCompiler:
                                    "grammars (--structured-outputs-compile-timeout): retry later",
                                    "structured_outputs") from None
             self._remember_timeout(key, kind)
+            self._log_timeout(kind, size)
             raise RequestError(self._timeout_message(kind), "structured_outputs") from None
         except CompileTimedOut:
+            self._log_timeout(kind, size)
             raise RequestError(self._timeout_message(kind), "structured_outputs") from None
         except CompileFailed as e:
             raise RequestError(self._failed_message(kind, e), "structured_outputs") from None
@@ -209,6 +211,12 @@ class GrammarCompiler:
                 if self._inflight.get(key) is entry:
                     del self._inflight[key]
         return GrammarSpec(key, compiled)
+
+    def _log_timeout(self, kind: str, size: int) -> None:
+        """The operator's record of a grammar refused for its compile time (the client gets a 400)."""
+        logger.warning("structured outputs: a %s of %d bytes did not compile within %g s "
+                       "(--structured-outputs-compile-timeout); the request was refused", kind, size,
+                       self.compile_timeout)
 
     def _timeout_message(self, kind: str) -> str:
         return (f"the {kind} did not compile within {self.compile_timeout:g} s "
