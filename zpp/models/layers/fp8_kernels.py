@@ -151,14 +151,13 @@ def _norm_rstd(X, R, R_OUT, K, eps, kk, WRITE, HAS_RES: tl.constexpr, BLOCK_K: t
 
 
 @triton.jit
-def _norm_row(X, R, NW, k, k_ok, rstd, HAS_RES: tl.constexpr):
+def _norm_row(X, R, nw, k, k_ok, rstd, HAS_RES: tl.constexpr):
     # One row's normed values at columns k (LLaMA order: normalise, cast to x's dtype, multiply by the
-    # norm weight in that dtype), as float32 for the dot product.
+    # norm weight nw, loaded at k, in that dtype), as float32 for the dot product.
     h = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
     if HAS_RES:
         h = (h + tl.load(R + k, mask=k_ok, other=0.0).to(tl.float32)).to(R.dtype.element_ty).to(tl.float32)
     y = (h * rstd).to(X.dtype.element_ty)
-    nw = tl.load(NW + k, mask=k_ok, other=0.0)
     return (nw * y).to(X.dtype.element_ty).to(tl.float32)
 
 
@@ -209,25 +208,26 @@ def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stri
                          mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             w = w * ws
         if NORM:
-            x0 = _norm_row(X, R, NW, k, k_ok, rstd0, HAS_RES)
+            nw = tl.load(NW + k, mask=k_ok, other=0.0)
+            x0 = _norm_row(X, R, nw, k, k_ok, rstd0, HAS_RES)
         else:
             x0 = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
         acc0 += tl.sum(w * x0[None, :], 1)
         if M > 1:
             if NORM:
-                x1 = _norm_row(X + stride_xm, R + stride_rm, NW, k, k_ok, rstd1, HAS_RES)
+                x1 = _norm_row(X + stride_xm, R + stride_rm, nw, k, k_ok, rstd1, HAS_RES)
             else:
                 x1 = tl.load(X + stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
             acc1 += tl.sum(w * x1[None, :], 1)
         if M > 2:
             if NORM:
-                x2 = _norm_row(X + 2 * stride_xm, R + 2 * stride_rm, NW, k, k_ok, rstd2, HAS_RES)
+                x2 = _norm_row(X + 2 * stride_xm, R + 2 * stride_rm, nw, k, k_ok, rstd2, HAS_RES)
             else:
                 x2 = tl.load(X + 2 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
             acc2 += tl.sum(w * x2[None, :], 1)
         if M > 3:
             if NORM:
-                x3 = _norm_row(X + 3 * stride_xm, R + 3 * stride_rm, NW, k, k_ok, rstd3, HAS_RES)
+                x3 = _norm_row(X + 3 * stride_xm, R + 3 * stride_rm, nw, k, k_ok, rstd3, HAS_RES)
             else:
                 x3 = tl.load(X + 3 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
             acc3 += tl.sum(w * x3[None, :], 1)
