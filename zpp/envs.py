@@ -95,6 +95,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "``0``: a gated MLP with an FP8 down projection runs SiLU-and-mul and the activation "
            "quantization as two kernels instead of one (``fp8_kernels.silu_mul_quant``), for A/B runs. "
            "Read once, at import."),
+    EnvVar("ZPP_FUSED_NORM_GEMV", "bool", _on_if_1,
+           "``1``: a LLaMA-family decoder layer on CUDA runs its RMSNorm (with the residual add) inside the "
+           "FP8 W8A16 GEMV of the next projection (qkv, gate_up) for decode batches of up to 4 tokens "
+           "(``fp8_kernels.rms_norm_fp8_gemv``), one launch less per norm. Off by default: not yet "
+           "measured on a GPU; ``1`` turns it on for A/B runs. Read once, at import."),
     EnvVar("ZPP_TRITON_GEMV", "bool", _on_unless_0,
            "``0``: batch-1 decode on CUDA multiplies by the weights with cuBLAS instead of zpp's Triton "
            "GEMV (``zpp.models.layers.linear``), for A/B runs. Read once, at import."),

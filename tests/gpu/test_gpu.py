@@ -851,6 +851,72 @@ def test_fp8_mlp_fused_silu_quant_matches_two_kernels(m, monkeypatch):
 
 
 @pytest.mark.skipif(not _FP8_OK, reason="needs FP8 (compute capability >= 8.9)")
+@pytest.mark.parametrize("qwen3", [False, True])
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_fp8_decoder_layer_fused_norm_gemv_matches_unfused(m, qwen3, monkeypatch):
+    """A LLaMA (and Qwen3) decoder layer with FP8 weights: both RMSNorms run inside the qkv / gate_up
+    W8A16 GEMVs (ZPP_FUSED_NORM_GEMV=1's path, fp8_kernels.rms_norm_fp8_gemv) against rms_norm then
+    the GEMV; the first layer's call (no residual) and a later one's."""
+    from zpp.models import llama
+    from zpp.models.layers import fp8 as F8
+    from zpp.models.layers.attention import build_attention_metadata
+    from zpp.models.quantization import Fp8Params
+    from zpp.models.qwen3 import Qwen3Attention
+    cfg = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, intermediate_size=2816,
+               rms_norm_eps=1e-5, num_hidden_layers=1, vocab_size=32, head_dim=128)
+    torch.manual_seed(m)
+    attn = Qwen3Attention(cfg, 256, False) if qwen3 else None
+    layer = llama.LlamaDecoderLayer(cfg, 256, not qwen3, attn=attn).cuda().to(torch.bfloat16)
+    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        wq, ws = F8.quantize_per_channel(torch.randn_like(lin.weight, dtype=torch.float32) * 0.05)
+        lin.weight = torch.nn.Parameter(wq, requires_grad=False)
+        lin.fp8 = Fp8Params(ws)
+        if lin.bias is not None:
+            lin.bias.data.normal_()
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.weight.data = (1 + 0.3 * torch.randn(1024, device="cuda")).to(torch.bfloat16)
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    resid = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16) * 3
+    pos = torch.arange(m, device="cuda")
+    outs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(F8, "_FUSED_NORM", fused)
+        assert layer.fuses_norm("attn", x) == fused and layer.fuses_norm("mlp", x) == fused
+        for r in (None, resid):
+            meta = build_attention_metadata([0], [m], [[0]], 16, torch.device("cuda"), 4)
+            kv = torch.zeros(2, 1, 16, 2, 128, device="cuda", dtype=torch.bfloat16)
+            with torch.inference_mode():
+                outs[fused, r is None] = layer(pos, x, r, kv, meta)
+    for first in (True, False):
+        (y, res), (y_ref, res_ref) = outs[True, first], outs[False, first]
+        for a, b in ((y, y_ref), (res, res_ref)):
+            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2, (m, qwen3, first)
+
+
+@pytest.mark.skipif(not _FP8_OK, reason="needs FP8 (compute capability >= 8.9)")
+def test_fp8_fused_norm_gemv_greedy_tokens_equal(demo_model, monkeypatch):
+    """SmolLM2 with --quantization fp8: greedy tokens with ZPP_FUSED_NORM_GEMV=1 (the 4-row decode
+    batches take the fused norms, in CUDA graphs and eagerly) equal those without, up to a first
+    divergence where each side's token is among the other's top-5 (float32 summation order)."""
+    from zpp import LLM, SamplingParams
+    prompts = _fp8_prompts(demo_model)[:4]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=TOP_K)
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("ZPP_FUSED_NORM_GEMV", flag)  # the workers read it at import
+        for eager in (False, True):
+            with LLM(demo_model, device="cuda", dtype="bfloat16", kv_cache_memory="256MiB", quantization="fp8",
+                     enforce_eager=eager) as llm:
+                outs[flag, eager] = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs)
+                                     for o in llm.generate(prompts, sp, use_tqdm=False)]
+    for eager in (False, True):
+        for (a, alp), (b, blp) in zip(outs["1", eager], outs["0", eager]):
+            n = next((j for j, (u, v) in enumerate(zip(a, b)) if u != v), None)
+            if n is not None:
+                assert a[n] in blp[n] and b[n] in alp[n], (eager, n)
+
+
+@pytest.mark.skipif(not _FP8_OK, reason="needs FP8 (compute capability >= 8.9)")
 @pytest.mark.parametrize("layout", ["ct-channel", "ct-tensor", "block"])
 def test_fp8_checkpoint_kept_in_fp8_on_gpu(demo_model, tmp_path, layout):
     """SmolLM2 written as an FP8 checkpoint: on the GPU its linear layers stay FP8 (where the layout

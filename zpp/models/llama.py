@@ -17,6 +17,7 @@ from zpp.errors import ConfigError
 from zpp.models.base import PreNormDecoder, StageInfo
 from zpp.models.layers.activation import GatedMLP, check_activation
 from zpp.models.layers.attention import Attention, AttentionMetadata
+from zpp.models.layers.fp8 import fuses_norm, rms_norm_fp8_linear
 from zpp.models.layers.linear import MergedLinear, RowParallelLinear
 from zpp.models.layers.norm import RMSNorm
 from zpp.models.layers.rotary import get_rope, rope_params
@@ -69,9 +70,23 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.forward_qkv(positions, self.qkv_proj(x), kv_cache, meta)
+
+    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: Optional[torch.Tensor],
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """:meth:`forward` from ``qkv_proj``'s output ``qkv [T, q_size + 2 * kv_size]``, for a caller
+        that computed that product itself (:class:`LlamaDecoderLayer` with its RMSNorm fused into it)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         out = self.attn(q, k, v, kv_cache, meta, positions=positions, rotary=self.rotary)
         return self.o_proj(out)                                        # [T, hidden]
+
+
+NORM_GEMV_MODULES: set[type] = {LlamaAttention, GatedMLP}
+"""The attention and MLP classes (exact types: a subclass opts in by adding itself, as
+:class:`zpp.models.qwen3.Qwen3Attention` does) whose input projection a :class:`LlamaDecoderLayer`
+may compute together with the RMSNorm before it (``ZPP_FUSED_NORM_GEMV=1``, see
+:meth:`LlamaDecoderLayer.fuses_norm`): they take that product through ``forward_qkv`` /
+``forward_gate_up``. Mixtral's and Qwen3-MoE's sparse blocks, Phi-3's attention, are not in it."""
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -91,14 +106,35 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
     def forward(self, positions, x, residual, kv_cache, meta):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
+        if self.fuses_norm("attn", x):      # RMSNorm inside the FP8 qkv GEMV (ZPP_FUSED_NORM_GEMV=1)
+            qkv, summed = rms_norm_fp8_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj)
+            residual = x if residual is None else summed
+            x = self.self_attn.forward_qkv(positions, qkv, kv_cache, meta)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
+            if residual is None:
+                residual = x
+                x = self.input_layernorm(x)
+            else:
+                x, residual = self.input_layernorm(x, residual)
+            x = self.self_attn(positions, x, kv_cache, meta)
+        if self.fuses_norm("mlp", x):       # RMSNorm inside the FP8 gate_up GEMV
+            norm, proj = self.post_attention_layernorm, self.mlp.gate_up_proj
+            gate_up, residual = rms_norm_fp8_linear(x, residual, norm, proj)
+            return self.mlp.forward_gate_up(gate_up), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def fuses_norm(self, which: str, x: torch.Tensor) -> bool:
+        """Whether the RMSNorm before ``which`` (``"attn"``: ``input_layernorm`` then ``qkv_proj``;
+        ``"mlp"``: ``post_attention_layernorm`` then ``gate_up_proj``) runs inside that projection's
+        FP8 GEMV for the input ``x [T, hidden]``: the module's type in :data:`NORM_GEMV_MODULES`, and
+        :func:`zpp.models.layers.fp8.fuses_norm` (``ZPP_FUSED_NORM_GEMV=1``, CUDA, T <= 4, a LLaMA
+        RMSNorm, per-channel FP8 weights with dynamic activation scales)."""
+        if which == "attn":
+            module, norm, proj = self.self_attn, self.input_layernorm, "qkv_proj"
+        else:
+            module, norm, proj = self.mlp, self.post_attention_layernorm, "gate_up_proj"
+        return type(module) in NORM_GEMV_MODULES and fuses_norm(norm, getattr(module, proj), x)
 
 
 class LlamaForCausalLM(PreNormDecoder):

@@ -25,7 +25,7 @@ from torch import nn
 from zpp.errors import ConfigError
 from zpp.models.layers.attention import AttentionMetadata
 from zpp.models.layers.norm import RMSNorm
-from zpp.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from zpp.models.llama import NORM_GEMV_MODULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 QWEN3_HEAD_DIM_DEFAULT = 128
 """HF ``Qwen3Config.head_dim``'s default, used when ``config.json`` omits the key."""
@@ -33,7 +33,8 @@ QWEN3_HEAD_DIM_DEFAULT = 128
 
 class Qwen3Attention(LlamaAttention):
     """:class:`LlamaAttention` with per-head RMSNorm on q and k before RoPE (HF ``Qwen3Attention``).
-    ``forward(positions [T], x [T, hidden])`` -> ``[T, hidden]``."""
+    ``forward(positions [T], x [T, hidden])`` -> ``[T, hidden]`` (LlamaAttention's: the projection,
+    then this class's :meth:`forward_qkv`)."""
 
     def __init__(self, cfg: dict[str, Any], max_positions: int, qkv_bias: bool, tp_rank: int = 0, tp_size: int = 1):
         super().__init__(cfg, max_positions, qkv_bias, tp_rank, tp_size)
@@ -41,10 +42,10 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        T, D = x.shape[0], self.head_dim
+    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: Optional[torch.Tensor],
+                    meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        T, D = qkv.shape[0], self.head_dim
         if q.is_cuda:
             from zpp.models.layers.triton_ops import qk_rms_norm
             q, k = qk_rms_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, D)
@@ -53,6 +54,9 @@ class Qwen3Attention(LlamaAttention):
             k = self.k_norm(k.view(T, self.num_kv_heads, D)).view(T, self.kv_size)    # [T, Hk*D]
         out = self.attn(q, k, v, kv_cache, meta, positions=positions, rotary=self.rotary)
         return self.o_proj(out)                                                       # [T, hidden]
+
+
+NORM_GEMV_MODULES.add(Qwen3Attention)  # its forward_qkv takes the decoder layer's fused RMSNorm + qkv GEMV
 
 
 def with_qwen3_defaults(cfg: dict[str, Any], head_dim_default: Optional[int]) -> dict[str, Any]:

@@ -54,7 +54,12 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce=False`` (``tp_size > 1``): this rank's partial sum, no all-reduce (see
         :meth:`RowParallelLinear.forward`), for a caller that adds other partials first."""
-        gate_up = self.gate_up_proj(x)
+        return self.forward_gate_up(self.gate_up_proj(x), reduce)
+
+    def forward_gate_up(self, gate_up: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """:meth:`forward` from ``gate_up_proj``'s output ``[T, 2 * intermediate]`` (this rank's gate |
+        up), for a caller that computed that product itself (the decoder layer's RMSNorm fused into
+        it, :func:`zpp.models.layers.fp8.rms_norm_fp8_linear`)."""
         if gate_up.is_cuda and self.act is F.silu:
             from zpp.models.layers.fp8 import fuses_input_quant
             if fuses_input_quant(self.down_proj.fp8, gate_up.shape[0], gate_up):

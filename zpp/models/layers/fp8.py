@@ -21,6 +21,9 @@ GEMV's W8A16 included), weights dequantized.
 A gated MLP quantizes its down projection's input inside the SiLU-and-mul kernel
 (:func:`~zpp.models.layers.fp8_kernels.silu_mul_quant`, where :func:`fuses_input_quant` allows it)
 and calls :func:`fp8_linear_quantized`; ``ZPP_FP8_FUSED_QUANT=0`` keeps the two kernels apart.
+
+With ``ZPP_FUSED_NORM_GEMV=1`` a LLaMA-family decoder layer hands its RMSNorm to the W8A16 GEMV of
+the projection after it (:func:`rms_norm_fp8_linear`, where :func:`fuses_norm` allows it).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from zpp import envs
 
 _FP8_GEMV = envs.ZPP_FP8_GEMV
 _FUSED_QUANT = envs.ZPP_FP8_FUSED_QUANT
+_FUSED_NORM = envs.ZPP_FUSED_NORM_GEMV
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
@@ -76,6 +80,38 @@ def fuses_input_quant(p, m: int, x: torch.Tensor) -> bool:
         return False
     from zpp.models.layers.fp8_kernels import FP8_GEMV_MAX_M
     return not (0 < m <= FP8_GEMV_MAX_M and _FP8_GEMV)
+
+
+def fuses_norm(norm, layer, x: torch.Tensor) -> bool:
+    """Whether the RMSNorm module ``norm`` of the ``[M, K]`` input ``x`` may run inside the W8A16 GEMV
+    of the FP8 linear ``layer`` it feeds (:func:`rms_norm_fp8_linear`): with ``ZPP_FUSED_NORM_GEMV=1``,
+    on CUDA, ``0 < M <= FP8_GEMV_MAX_M`` with the GEMV on (``ZPP_FP8_GEMV``), ``norm`` a plain
+    LLaMA :class:`~zpp.models.layers.norm.RMSNorm` (weight multiplied in the model dtype), ``layer``
+    a column-parallel :class:`~zpp.models.layers.linear.MergedLinear` (no all-reduce after its
+    product) with per-channel FP8 weights and dynamic activation scales."""
+    if not (_FUSED_NORM and _FP8_GEMV and x.is_cuda):
+        return False
+    from zpp.models.layers.linear import MergedLinear
+    from zpp.models.layers.norm import RMSNorm
+    p = getattr(layer, "fp8", None)
+    if p is None or p.block is not None or p.input_scale is not None or not isinstance(layer, MergedLinear):
+        return False
+    if type(norm) is not RMSNorm or norm.weight_in_float32:
+        return False
+    from zpp.models.layers.fp8_kernels import FP8_GEMV_MAX_M
+    return 0 < x.shape[0] <= FP8_GEMV_MAX_M
+
+
+def rms_norm_fp8_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm, layer
+                        ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``layer(norm(x, residual))`` in one launch where :func:`fuses_norm` allows it: ``x [M, K]``,
+    ``residual [M, K]`` or None -> ``(layer's output [M, N], x + residual)`` (None without
+    ``residual``), as :func:`~zpp.models.layers.fp8_kernels.rms_norm_fp8_gemv` computes them with
+    :func:`fp8_linear`'s launch configuration."""
+    from zpp.models.layers import fp8_kernels as K
+    w = layer.weight
+    return K.rms_norm_fp8_gemv(x, residual, norm.weight, norm.eps, w, layer.fp8.weight_scale, layer.bias,
+                               **K.fp8_gemv_config(w.shape[0], w.shape[1]))
 
 
 def quantize_activations_reference(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None,

@@ -1,0 +1,130 @@
+"""A LLaMA-family decoder layer's RMSNorm fused into the FP8 GEMV of the projection after it
+(``ZPP_FUSED_NORM_GEMV=1``; ``fp8.fuses_norm``, ``LlamaDecoderLayer.fuses_norm``,
+``fp8_kernels.rms_norm_fp8_gemv``): which layers and batches take the fused path, and, on the CPU
+under TRITON_INTERPRET=1 with the CUDA check stood in, that a decoder layer taking it computes what
+the unfused layer computes."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from test_triton_ops import DEV, ON_GPU  # noqa: F401  (sets TRITON_INTERPRET on the CPU)
+
+from zpp.models import llama
+from zpp.models.layers import fp8 as F8
+from zpp.models.layers.norm import GemmaRMSNorm
+from zpp.models.quantization import Fp8Params
+from zpp.models.qwen3 import Qwen3Attention
+
+CFG = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, rms_norm_eps=1e-5,
+           num_hidden_layers=1, vocab_size=32)
+
+
+def _fp8(layer, seed, **kw):
+    torch.manual_seed(seed)
+    w, ws = F8.quantize_per_channel(torch.randn(layer.weight.shape) * 0.1)
+    layer.weight = torch.nn.Parameter(w, requires_grad=False)
+    layer.fp8 = Fp8Params(ws, **kw)
+
+
+def _layer(attn=None, mlp=None, bias=False):
+    layer = llama.LlamaDecoderLayer(CFG, 64, bias, attn=attn, mlp=mlp)
+    for i, lin in enumerate((layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                             layer.mlp.down_proj)):
+        _fp8(lin, i)
+        if lin.bias is not None:
+            lin.bias.data.normal_()
+    for i, norm in enumerate((layer.input_layernorm, layer.post_attention_layernorm)):
+        torch.manual_seed(10 + i)
+        norm.weight.data = 1 + 0.3 * torch.randn(CFG["hidden_size"])
+    return layer
+
+
+def _cuda(m):
+    return types.SimpleNamespace(is_cuda=True, shape=(m, CFG["hidden_size"]))
+
+
+def test_which_layers_and_batches_fuse(monkeypatch):
+    monkeypatch.setattr(F8, "_FUSED_NORM", True)
+    layer = _layer()
+    for m in (1, 2, 3, 4):
+        assert layer.fuses_norm("attn", _cuda(m)) and layer.fuses_norm("mlp", _cuda(m))
+    for m in (0, 5, 64):                                                   # past the GEMV's rows
+        assert not layer.fuses_norm("attn", _cuda(m)) and not layer.fuses_norm("mlp", _cuda(m))
+    assert not layer.fuses_norm("attn", torch.zeros(1, 64))                # the CPU
+    qwen3 = _layer(attn=Qwen3Attention(CFG, 64, False))
+    assert qwen3.fuses_norm("attn", _cuda(1))
+
+    class Phi3Like(llama.LlamaAttention):                                  # a subclass not opted in
+        pass
+
+    class MoELike(torch.nn.Module):                                        # Mixtral's place: not a GatedMLP
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = layer.mlp.gate_up_proj
+
+    other = llama.LlamaDecoderLayer(CFG, 64, False, attn=Phi3Like(CFG, 64, False), mlp=MoELike())
+    other.self_attn.qkv_proj = layer.self_attn.qkv_proj
+    assert not other.fuses_norm("attn", _cuda(1)) and not other.fuses_norm("mlp", _cuda(1))
+    # the norm: LLaMA's only (not the float32-weight one, not Gemma's)
+    layer.input_layernorm.weight_in_float32 = True
+    assert not layer.fuses_norm("attn", _cuda(1))
+    layer.post_attention_layernorm = GemmaRMSNorm(64)
+    assert not layer.fuses_norm("mlp", _cuda(1))
+    # the projection: per-channel FP8 weights with dynamic activation scales only
+    fresh = _layer()
+    ws = fresh.self_attn.qkv_proj.fp8.weight_scale
+    fresh.self_attn.qkv_proj.fp8 = Fp8Params(ws, input_scale=torch.ones(1))
+    assert not fresh.fuses_norm("attn", _cuda(1))
+    fresh.self_attn.qkv_proj.fp8 = Fp8Params(ws, block=(16, 16))
+    assert not fresh.fuses_norm("attn", _cuda(1))
+    fresh.mlp.gate_up_proj.fp8 = None
+    assert not fresh.fuses_norm("mlp", _cuda(1))
+    # the switches: ZPP_FUSED_NORM_GEMV off (the default), or the W8A16 GEMV off (ZPP_FP8_GEMV=0)
+    monkeypatch.setattr(F8, "_FP8_GEMV", False)
+    assert not _layer().fuses_norm("mlp", _cuda(1))
+    monkeypatch.setattr(F8, "_FP8_GEMV", True)
+    monkeypatch.setattr(F8, "_FUSED_NORM", False)
+    assert not _layer().fuses_norm("mlp", _cuda(1))
+
+
+def test_switch_is_off_by_default():
+    from zpp import envs
+    assert envs.VARIABLES["ZPP_FUSED_NORM_GEMV"].default is False
+
+
+@pytest.mark.slow  # the kernel under the Triton interpreter on the CPU
+@pytest.mark.parametrize("attn_cls", [llama.LlamaAttention, Qwen3Attention])
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_decoder_layer_fused_equals_unfused(monkeypatch, attn_cls, m):
+    """One decoder layer (FP8 weights, qkv bias) with both norms fused into their GEMVs against the
+    same layer unfused, first layer (no residual) and later ones; on the CPU the layer's CUDA check
+    is stood in and the kernel runs under the interpreter, the unfused layer on PyTorch's path."""
+    from zpp.models.layers.attention import build_attention_metadata
+    layer = _layer(attn=attn_cls(CFG, 64, True) if attn_cls is Qwen3Attention else None, bias=True)
+    hk, d, bs = 2, 16, 16
+    torch.manual_seed(m)
+    x = torch.randn(m, 64) * 2
+    pos = torch.arange(m)
+    resid = torch.randn(m, 64) * 3
+    real = F8.fuses_norm
+    monkeypatch.setattr(llama, "fuses_norm", lambda norm, lin, t: real(norm, lin, types.SimpleNamespace(
+        is_cuda=True, shape=t.shape)))
+    taken = []
+    kernel = F8.rms_norm_fp8_linear
+    monkeypatch.setattr(llama, "rms_norm_fp8_linear", lambda *a: taken.append(1) or kernel(*a))
+    outs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(F8, "_FUSED_NORM", fused)
+        for r in (None, resid):
+            meta = build_attention_metadata([0], [m], [[0]], bs, torch.device("cpu"), 2)
+            with torch.no_grad():
+                outs[fused, r is None] = layer(pos, x, r, torch.zeros(2, 1, bs, hk, d), meta)
+    assert len(taken) == 4                                                 # 2 norms x 2 calls, fused only
+    for first in (True, False):
+        (y, res), (y_ref, res_ref) = outs[True, first], outs[False, first]
+        # the residual after attention holds the attention's output: float32 noise of the fused qkv
+        assert ((res - res_ref).abs().max() / res_ref.abs().max()).item() < 1e-5
+        assert ((y - y_ref).abs().max() / y_ref.abs().max()).item() < 1e-5
