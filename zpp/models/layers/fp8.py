@@ -91,10 +91,11 @@ def fuses_norm(norm, layer, x: torch.Tensor) -> bool:
     product) with per-channel FP8 weights and dynamic activation scales."""
     if not (_FUSED_NORM and _FP8_GEMV and x.is_cuda):
         return False
-    from zpp.models.layers.linear import MergedLinear
     from zpp.models.layers.norm import RMSNorm
     p = getattr(layer, "fp8", None)
-    if p is None or p.block is not None or p.input_scale is not None or not isinstance(layer, MergedLinear):
+    # a MergedLinear (column-parallel: no all-reduce after it), told by its attribute: importing
+    # zpp.models.layers.linear here would close an import cycle (it imports this module)
+    if p is None or p.block is not None or p.input_scale is not None or not hasattr(layer, "output_sizes"):
         return False
     if type(norm) is not RMSNorm or norm.weight_in_float32:
         return False
