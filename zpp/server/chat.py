@@ -59,7 +59,7 @@ async def chat_completions(ctx: ServingContext, request: web.Request) -> web.Str
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
     use_mct = req.max_completion_tokens is not None
     limit = req.max_completion_tokens if use_mct else req.max_tokens
-    if limit is not None and limit == 0:  # a reply of no tokens (OpenAI and vLLM refuse it; < 0 is refused below)
+    if limit == 0:  # a reply of no tokens (OpenAI and vLLM refuse it; < 0 is refused below)
         name = "max_completion_tokens" if use_mct else "max_tokens"
         raise RequestError(f"{name} must be at least 1, got 0", name)
     plan = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)

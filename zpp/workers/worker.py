@@ -357,9 +357,8 @@ def _cuda_kv_blocks(init, runner, device, per_block: int) -> int:
     if not enforce_eager:
         from zpp.workers.cuda_graphs import graph_pool_margin
         model = runner.model
-        itemsize = torch.empty((), dtype=runner.dtype).element_size()
         row_bytes = (model.lm_head.weight.shape[0] if model.stage.produces_results and hasattr(model, "lm_head")
-                     else model.num_acts * model.hidden_size) * itemsize
+                     else model.num_acts * model.hidden_size) * runner.dtype.itemsize
         graphs_margin = graph_pool_margin(cfg_all.scheduler.max_num_seqs, row_bytes)
     budget = cuda_kv_budget(total, free, torch.cuda.memory_reserved(device), peak,
                             cfg_all.cache.gpu_memory_utilization, graphs_margin, sharing)
