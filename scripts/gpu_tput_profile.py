@@ -6,7 +6,10 @@ in-process (dummy weights, no engine), then
     kernel table.
 Matmul FLOPs are printed next to each so the table reads as TFLOP/s.
 
-    python scripts/gpu_tput_profile.py scripts/configs/llama3-8b [B C P L]
+    python scripts/gpu_tput_profile.py scripts/configs/llama3-8b [B C P L] [--fp8] [--kv-fp8]
+
+--fp8 quantizes the linear weights at load (``--quantization fp8``); --kv-fp8 makes the KV cache
+float8_e4m3fn (``--kv-cache-dtype fp8``). The 30,000 x 128/128 run's decode steps: B 2048, C 192.
 """
 import json
 import sys
@@ -19,16 +22,20 @@ from zpp.models.layers.attention import build_attention_metadata
 from zpp.models.loader import load_stage_model
 from zpp.workers.cuda_graphs import DecodeGraphs
 
-cfg_dir = sys.argv[1]
-B, C, P, L = (int(a) for a in (sys.argv[2:6] if len(sys.argv) >= 6 else (1000, 384, 32, 256)))
+flags = {a for a in sys.argv[1:] if a.startswith("--")}
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+cfg_dir = args[0]
+B, C, P, L = (int(a) for a in (args[1:5] if len(args) >= 5 else (1000, 384, 32, 256)))
+kv_dtype = torch.float8_e4m3fn if "--kv-fp8" in flags else torch.bfloat16
 cfg = json.load(open(f"{cfg_dir}/config.json"))
 dev = torch.device("cuda")
 n_layers = cfg["num_hidden_layers"]
-model = load_stage_model(cfg_dir, cfg, StageInfo(0, 1, 0, n_layers), torch.bfloat16, dev, 4096, "dummy")
+model = load_stage_model(cfg_dir, cfg, StageInfo(0, 1, 0, n_layers), torch.bfloat16, dev, 4096, "dummy",
+                          quantization="fp8" if "--fp8" in flags else None)
 bs = 16
 blocks_per_seq = -(-(max(C, L) + 1) // bs)
 num_blocks = max(B, P) * blocks_per_seq
-kv = [torch.zeros(2, num_blocks + 1, bs, model.num_kv_heads, model.head_dim, dtype=torch.bfloat16, device=dev)
+kv = [torch.zeros(2, num_blocks + 1, bs, model.num_kv_heads, model.head_dim, dtype=kv_dtype, device=dev)
       for _ in range(n_layers)]
 group = cfg["num_attention_heads"] // model.num_kv_heads
 params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
@@ -37,7 +44,7 @@ lm = H * V
 print(f"matmul params per token (no embedding, no LM head): {(params - lm) / 1e9:.2f} B; LM head {lm / 1e9:.2f} B")
 
 
-def table(prof, rows=16):
+def table(prof, rows=24):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows))
 
 
@@ -61,7 +68,7 @@ b.record()
 torch.cuda.synchronize()
 ms = a.elapsed_time(b) / 10
 flop = 2 * B * params
-kvb = B * (C + 1) * model.num_kv_heads * model.head_dim * 2 * 2 * n_layers
+kvb = B * (C + 1) * model.num_kv_heads * model.head_dim * 2 * kv[0].element_size() * n_layers
 print(f"decode graph: batch {B} context {C}: {ms:.2f} ms/step; matmul {flop / 1e12:.1f} TFLOP "
       f"({flop / ms / 1e9:.0f} TFLOP/s if it were all), KV read {kvb / 1e9:.1f} GB")
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
