@@ -92,9 +92,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "``0``: FP8 linear layers never use the W8A16 GEMV kernel for small batches (every batch "
            "through the W8A8 GEMMs), for A/B runs. Read once, at import."),
     EnvVar("ZPP_FP8_FUSED_QUANT", "bool", _on_unless_0,
-           "``0``: a gated MLP with an FP8 down projection runs SiLU-and-mul and the activation "
-           "quantization as two kernels instead of one (``fp8_kernels.silu_mul_quant``), for A/B runs. "
-           "Read once, at import."),
+           "``0``: the activation quantization of an FP8 layer is not fused into the kernel before it: "
+           "a gated MLP runs SiLU-and-mul and the down projection's quantization as two kernels "
+           "(``fp8_kernels.silu_mul_quant``), a LLaMA-family decoder layer its RMSNorm and the qkv / "
+           "gate_up quantization as two (``fp8_kernels.rms_norm_quant``, batches past the W8A16 GEMV's), "
+           "for A/B runs. Read once, at import."),
     EnvVar("ZPP_FUSED_NORM_GEMV", "bool", _on_if_1,
            "``1``: a LLaMA-family decoder layer on CUDA runs its RMSNorm (with the residual add) inside the "
            "FP8 W8A16 GEMV of the next projection (qkv, gate_up) for decode batches of up to 4 tokens "

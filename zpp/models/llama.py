@@ -84,7 +84,7 @@ class LlamaAttention(nn.Module):
 NORM_GEMV_MODULES: set[type] = {LlamaAttention, GatedMLP}
 """The attention and MLP classes (exact types: a subclass opts in by adding itself, as
 :class:`zpp.models.qwen3.Qwen3Attention` does) whose input projection a :class:`LlamaDecoderLayer`
-may compute together with the RMSNorm before it (``ZPP_FUSED_NORM_GEMV=1``, see
+may compute together with the RMSNorm before it (FP8 weights, see
 :meth:`LlamaDecoderLayer.fuses_norm`): they take that product through ``forward_qkv`` /
 ``forward_gate_up``. Mixtral's and Qwen3-MoE's sparse blocks, Phi-3's attention, are not in it."""
 
@@ -106,7 +106,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
     def forward(self, positions, x, residual, kv_cache, meta):
-        if self.fuses_norm("attn", x):      # RMSNorm inside the FP8 qkv GEMV (ZPP_FUSED_NORM_GEMV=1)
+        if self.fuses_norm("attn", x):      # RMSNorm fused with the FP8 qkv projection
             qkv, summed = rms_norm_fp8_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj)
             residual = x if residual is None else summed
             x = self.self_attn.forward_qkv(positions, qkv, kv_cache, meta)
@@ -117,7 +117,7 @@ class LlamaDecoderLayer(nn.Module):
             else:
                 x, residual = self.input_layernorm(x, residual)
             x = self.self_attn(positions, x, kv_cache, meta)
-        if self.fuses_norm("mlp", x):       # RMSNorm inside the FP8 gate_up GEMV
+        if self.fuses_norm("mlp", x):       # RMSNorm fused with the FP8 gate_up projection
             norm, proj = self.post_attention_layernorm, self.mlp.gate_up_proj
             gate_up, residual = rms_norm_fp8_linear(x, residual, norm, proj)
             return self.mlp.forward_gate_up(gate_up), residual
@@ -126,10 +126,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def fuses_norm(self, which: str, x: torch.Tensor) -> bool:
         """Whether the RMSNorm before ``which`` (``"attn"``: ``input_layernorm`` then ``qkv_proj``;
-        ``"mlp"``: ``post_attention_layernorm`` then ``gate_up_proj``) runs inside that projection's
-        FP8 GEMV for the input ``x [T, hidden]``: the module's type in :data:`NORM_GEMV_MODULES`, and
-        :func:`zpp.models.layers.fp8.fuses_norm` (``ZPP_FUSED_NORM_GEMV=1``, CUDA, T <= 4, a LLaMA
-        RMSNorm, per-channel FP8 weights with dynamic activation scales)."""
+        ``"mlp"``: ``post_attention_layernorm`` then ``gate_up_proj``) runs fused with that FP8
+        projection for the input ``x [T, hidden]``: the module's type in :data:`NORM_GEMV_MODULES`,
+        and :func:`zpp.models.layers.fp8.fuses_norm` (CUDA, a LLaMA RMSNorm, per-channel FP8 weights
+        with dynamic activation scales; inside the W8A16 GEMV for T <= 4 with
+        ``ZPP_FUSED_NORM_GEMV=1``, with the activation quantization past that)."""
         if which == "attn":
             module, norm, proj = self.self_attn, self.input_layernorm, "qkv_proj"
         else:

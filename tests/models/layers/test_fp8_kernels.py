@@ -104,6 +104,33 @@ def test_silu_mul_quant(m, n):
         K.silu_mul_quant(torch.zeros(1, 2 * (K.SILU_MUL_QUANT_MAX_N + 1), device=DEV, dtype=DT))
 
 
+@pytest.mark.parametrize("m,k,res", [(1, 64, True), (5, 300, False), (3, 4100, True), (7, 512, False)])
+def test_rms_norm_quant(m, k, res):
+    """Residual add + RMSNorm + per-token quantization in one kernel against the two kernels it
+    replaces (triton_ops.rms_norm, then per_token_quant): bit for bit (the same roundings in the same
+    order), the residual sum too; in float32 on the CPU (the interpreter's bf16 products are garbage)."""
+    torch.manual_seed(3 + m)
+    x = torch.randn(m, k, device=DEV, dtype=DT) * torch.logspace(-1, 1, m, device=DEV, dtype=DT)[:, None]
+    r = torch.randn(m, k, device=DEV, dtype=DT) * 4 if res else None
+    nw = (1 + 0.3 * torch.randn(k, device=DEV)).to(DT)
+    normed = ops.rms_norm(x, nw, 1e-5, r)
+    r_ref = None
+    if res:
+        normed, r_ref = normed
+    q_ref, s_ref = K.per_token_quant(normed)
+    q, s, r_out = K.rms_norm_quant(x, r, nw, 1e-5)
+    assert q.dtype == FP8_DTYPE and q.shape == (m, k) and s.shape == (m, 1) and s.dtype == torch.float32
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    if res:
+        assert r_out.dtype == DT and torch.equal(r_out, r_ref)
+    else:
+        assert r_out is None
+    assert (q.float().abs().amax(1) == 448).all()
+    with pytest.raises(ValueError, match="row width"):
+        K.rms_norm_quant(torch.zeros(1, K.RMS_NORM_QUANT_MAX_K + 1, device=DEV, dtype=DT), None,
+                         torch.ones(K.RMS_NORM_QUANT_MAX_K + 1, device=DEV, dtype=DT), 1e-5)
+
+
 def _fp8_weight(n, k, block, seed):
     torch.manual_seed(seed)
     w = torch.randn(n, k, device=DEV) * 0.05

@@ -22,8 +22,11 @@ A gated MLP quantizes its down projection's input inside the SiLU-and-mul kernel
 (:func:`~zpp.models.layers.fp8_kernels.silu_mul_quant`, where :func:`fuses_input_quant` allows it)
 and calls :func:`fp8_linear_quantized`; ``ZPP_FP8_FUSED_QUANT=0`` keeps the two kernels apart.
 
-With ``ZPP_FUSED_NORM_GEMV=1`` a LLaMA-family decoder layer hands its RMSNorm to the W8A16 GEMV of
-the projection after it (:func:`rms_norm_fp8_linear`, where :func:`fuses_norm` allows it).
+A LLaMA-family decoder layer hands its RMSNorm to the projection after it (:func:`rms_norm_fp8_linear`,
+where :func:`fuses_norm` allows it): past the GEMV's rows the norm quantizes its output per token in
+the same kernel (:func:`~zpp.models.layers.fp8_kernels.rms_norm_quant`; ``ZPP_FP8_FUSED_QUANT=0``
+keeps norm and quantization apart); with ``ZPP_FUSED_NORM_GEMV=1`` a batch of up to 4 tokens runs the
+norm inside the W8A16 GEMV.
 """
 from __future__ import annotations
 
@@ -83,13 +86,15 @@ def fuses_input_quant(p, m: int, x: torch.Tensor) -> bool:
 
 
 def fuses_norm(norm, layer, x: torch.Tensor) -> bool:
-    """Whether the RMSNorm module ``norm`` of the ``[M, K]`` input ``x`` may run inside the W8A16 GEMV
-    of the FP8 linear ``layer`` it feeds (:func:`rms_norm_fp8_linear`): with ``ZPP_FUSED_NORM_GEMV=1``,
-    on CUDA, ``0 < M <= FP8_GEMV_MAX_M`` with the GEMV on (``ZPP_FP8_GEMV``), ``norm`` a plain
+    """Whether the RMSNorm module ``norm`` of the ``[M, K]`` input ``x`` may run fused with the FP8
+    linear ``layer`` it feeds (:func:`rms_norm_fp8_linear`): on CUDA, ``M > 0``, ``norm`` a plain
     LLaMA :class:`~zpp.models.layers.norm.RMSNorm` (weight multiplied in the model dtype), ``layer``
     a column-parallel :class:`~zpp.models.layers.linear.MergedLinear` (no all-reduce after its
-    product) with per-channel FP8 weights and dynamic activation scales."""
-    if not (_FUSED_NORM and _FP8_GEMV and x.is_cuda):
+    product) with per-channel FP8 weights and dynamic activation scales; then for a batch the W8A16
+    GEMV takes (``0 < M <= FP8_GEMV_MAX_M``, ``ZPP_FP8_GEMV`` on) only with ``ZPP_FUSED_NORM_GEMV=1``
+    (the norm inside the GEMV), for a larger one unless ``ZPP_FP8_FUSED_QUANT=0`` (the norm and the
+    activation quantization in one kernel, ``K <= RMS_NORM_QUANT_MAX_K``)."""
+    if not x.is_cuda or x.shape[0] == 0:
         return False
     from zpp.models.layers.norm import RMSNorm
     p = getattr(layer, "fp8", None)
@@ -99,20 +104,27 @@ def fuses_norm(norm, layer, x: torch.Tensor) -> bool:
         return False
     if type(norm) is not RMSNorm or norm.weight_in_float32:
         return False
-    from zpp.models.layers.fp8_kernels import FP8_GEMV_MAX_M
-    return 0 < x.shape[0] <= FP8_GEMV_MAX_M
+    from zpp.models.layers.fp8_kernels import FP8_GEMV_MAX_M, RMS_NORM_QUANT_MAX_K
+    if x.shape[0] <= FP8_GEMV_MAX_M and _FP8_GEMV:
+        return _FUSED_NORM
+    return _FUSED_QUANT and x.shape[1] <= RMS_NORM_QUANT_MAX_K
 
 
 def rms_norm_fp8_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm, layer
                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``layer(norm(x, residual))`` in one launch where :func:`fuses_norm` allows it: ``x [M, K]``,
-    ``residual [M, K]`` or None -> ``(layer's output [M, N], x + residual)`` (None without
-    ``residual``), as :func:`~zpp.models.layers.fp8_kernels.rms_norm_fp8_gemv` computes them with
-    :func:`fp8_linear`'s launch configuration."""
+    """``layer(norm(x, residual))`` with the norm fused where :func:`fuses_norm` allows it: ``x [M, K]``,
+    ``residual [M, K]`` or None -> ``(layer's output [M, N]`` in ``x``'s dtype, ``x + residual)``
+    (None without ``residual``). A batch the W8A16 GEMV takes: one launch,
+    :func:`~zpp.models.layers.fp8_kernels.rms_norm_fp8_gemv` with :func:`fp8_linear`'s launch
+    configuration; a larger one: :func:`~zpp.models.layers.fp8_kernels.rms_norm_quant` (the norm and
+    the per-token quantization in one pass) then :func:`fp8_linear_quantized`."""
     from zpp.models.layers import fp8_kernels as K
     w = layer.weight
-    return K.rms_norm_fp8_gemv(x, residual, norm.weight, norm.eps, w, layer.fp8.weight_scale, layer.bias,
-                               **K.fp8_gemv_config(w.shape[0], w.shape[1]))
+    if x.shape[0] <= K.FP8_GEMV_MAX_M and _FP8_GEMV:
+        return K.rms_norm_fp8_gemv(x, residual, norm.weight, norm.eps, w, layer.fp8.weight_scale, layer.bias,
+                                   **K.fp8_gemv_config(w.shape[0], w.shape[1]))
+    xq, xs, summed = K.rms_norm_quant(x, residual, norm.weight, norm.eps)
+    return fp8_linear_quantized(xq, xs, w, layer.fp8, layer.bias, x.dtype), summed
 
 
 def quantize_activations_reference(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None,

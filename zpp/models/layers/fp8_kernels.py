@@ -104,6 +104,72 @@ def silu_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
+def _rms_norm_quant_kernel(X, R, R_OUT, NW, Q, S, K, eps, stride_x, stride_r, stride_o, stride_q,
+                           HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per row, the row held in registers: triton_ops._rms_norm_kernel's LLaMA arithmetic
+    # (sum rounded to the residual's dtype, normalise in float32, cast, multiply by the weight in the
+    # model dtype), then _per_token_quant_kernel's on the normed row as the model dtype rounds it.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < K
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x_round = (x + tl.load(R + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)).to(R_OUT.dtype.element_ty)
+        tl.store(R_OUT + row * stride_o + cols, x_round, mask=ok)
+        x = x_round.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, 0) / K + eps)
+    y = (x * rstd).to(X.dtype.element_ty)
+    w = tl.load(NW + cols, mask=ok, other=0.0)
+    y = (w * y).to(X.dtype.element_ty).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(y), 0), 1e-10) / 448.0
+    tl.store(S + row, s)
+    q = tl.clamp(y * (1.0 / s), -448.0, 448.0)
+    tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=ok)
+
+
+RMS_NORM_QUANT_MAX_K = 16384
+"""The widest row :func:`rms_norm_quant` takes (a row is held in one program's registers)."""
+
+
+def rms_norm_quant(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """A pre-norm layer's residual add and RMSNorm (LLaMA order, the weight in the model dtype) with the
+    next FP8 layer's per-token activation quantization, in one pass over the row: what
+    ``per_token_quant(triton_ops.rms_norm(x, norm_weight, eps, residual))`` computes, rounding for
+    rounding (the normed row rounded to ``x``'s dtype before its amax and quantization).
+
+    ``x [M, K]`` (bf16/fp16; rows with unit stride), ``residual [M, K]`` or None, ``norm_weight [K]``
+    -> ``(q`` float8_e4m3fn ``[M, K]``, ``s`` float32 ``[M, 1]`` with ``q * s ~= norm(x + residual)``,
+    ``s = amax / 448``, ``residual_out [M, K] = x + residual`` in the residual's dtype, None without
+    ``residual)``. The normed row is never written: against the two kernels, ``[M, K]`` in the
+    model dtype is neither stored nor read back twice, and one launch is gone (vLLM's
+    ``rms_norm_dynamic_per_token_quant`` fuses the same pair).
+
+    Raises:
+        ValueError: ``K > RMS_NORM_QUANT_MAX_K``.
+    """
+    M, K = x.shape
+    if K > RMS_NORM_QUANT_MAX_K:
+        raise ValueError(f"rms_norm_quant: row width {K} > {RMS_NORM_QUANT_MAX_K}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if residual is not None:
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+        r_out = torch.empty((M, K), dtype=residual.dtype, device=x.device)
+        r, o, stride_r, stride_o = residual, r_out, residual.stride(0), r_out.stride(0)
+    else:
+        r_out = None
+        r, o, stride_r, stride_o = x, x, 0, 0
+    if M:
+        block = triton.next_power_of_2(K)
+        _rms_norm_quant_kernel[(M,)](x, r, o, norm_weight, q, s, K, eps, x.stride(0), stride_r, stride_o,
+                                     q.stride(0), HAS_RES=residual is not None, BLOCK=block,
+                                     num_warps=4 if block <= 2048 else 8)
+    return q, s, r_out
+
+
+@triton.jit
 def _group_quant_kernel(X, Q, S, K, G, stride_x, stride_q, stride_s, GS: tl.constexpr, GROUPS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)                      # [GROUPS] group indices
