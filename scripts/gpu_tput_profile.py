@@ -33,8 +33,9 @@ n_layers = cfg["num_hidden_layers"]
 model = load_stage_model(cfg_dir, cfg, StageInfo(0, 1, 0, n_layers), torch.bfloat16, dev, 4096, "dummy",
                           quantization="fp8" if "--fp8" in flags else None)
 bs = 16
-blocks_per_seq = -(-(max(C, L) + 1) // bs)
-num_blocks = max(B, P) * blocks_per_seq
+blocks_per_seq = -(-(C + 1) // bs)            # a decode sequence's blocks
+prefill_blocks = -(-(L + 1) // bs)            # a prompt's
+num_blocks = max(B * blocks_per_seq, P * prefill_blocks)
 kv = [torch.zeros(2, num_blocks + 1, bs, model.num_kv_heads, model.head_dim, dtype=kv_dtype, device=dev)
       for _ in range(n_layers)]
 group = cfg["num_attention_heads"] // model.num_kv_heads
@@ -79,7 +80,7 @@ del g
 torch.cuda.empty_cache()
 
 # --- prefill P x L ------------------------------------------------------------------------------
-tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(P)]
+tables = [list(range(i * prefill_blocks, (i + 1) * prefill_blocks)) for i in range(P)]
 meta = build_attention_metadata([0] * P, [L] * P, tables, bs, dev, group)
 ids = torch.ones(P * L, dtype=torch.int64, device=dev)
 post = torch.arange(L, device=dev).repeat(P)
