@@ -53,6 +53,11 @@ def test_text_and_message_input_match_the_chat_path(client):
     assert r.output_text == c.choices[0].message.content and "Paris" in r.output_text
     assert (r.usage.input_tokens, r.usage.output_tokens) == (c.usage.prompt_tokens, c.usage.completion_tokens)
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    # A reasoning effort is accepted and echoed; SmolLM2's template does not read it: same answer.
+    e = client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=TOKENS,
+                                reasoning={"effort": "low", "summary": None})
+    assert e.output_text == r.output_text and e.usage.input_tokens == r.usage.input_tokens
+    assert e.reasoning.effort == "low" and r.reasoning is None
 
     # A message list with instructions (a system message first), developer role as system, and
     # content as input_text parts; store: false is accepted.
@@ -104,8 +109,12 @@ def test_stateful_and_unsupported_fields_are_refused(client, server):
     refused("text", text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "objec"}}})
     refused("stream_options", stream_options={"include_obfuscation": False})  # without stream: true
     for name, value in [("conversation", "conv_1"), ("background", True), ("include", ["file_search_call.results"]),
-                        ("reasoning", {"effort": "high"}), ("truncation", "auto"), ("prompt", {"id": "pmpt_1"})]:
+                        ("truncation", "auto"), ("prompt", {"id": "pmpt_1"})]:
         assert name in refused(name, **{name: value})
+    # reasoning.effort is the template's reasoning_effort (tests/server/test_reasoning_effort.py);
+    # summaries are not written, and an effort outside OpenAI's values is refused.
+    assert "summar" in refused("reasoning.summary", reasoning={"effort": "high", "summary": "auto"})
+    assert "'extreme'" in refused("reasoning.effort", reasoning={"effort": "extreme"})
     with pytest.raises(openai.BadRequestError) as e:  # an unknown field, named
         client.responses.create(model=MODEL, input="hi", extra_body={"frobnicate": 1})
     assert e.value.body["param"] == "frobnicate"

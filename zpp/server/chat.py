@@ -24,13 +24,17 @@ from zpp.server.tools import ToolPlan, parse_tools, tool_constraint
 def chat_options(ctx: ServingContext, req, plan: Optional[ToolPlan] = None) -> ChatOptions:
     """How the request's messages become its prompt (the template: the request's own only with
     --trust-request-chat-template). With tools (``plan``, unless ``tool_choice`` is ``"none"``)
-    the template gets ``tools=``. Raises RequestError."""
+    the template gets ``tools=``. A ``reasoning_effort`` is the template variable of that name,
+    unless ``chat_template_kwargs`` sets that variable itself. Raises RequestError."""
     tools = plan is not None and plan.mode != "none"
+    kwargs = req.chat_template_kwargs
+    if req.reasoning_effort is not None:
+        kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
     return ChatOptions(template=ctx.chat_template_for(req.chat_template),
                        add_generation_prompt=req.add_generation_prompt,
                        continue_final_message=req.continue_final_message,
                        add_special_tokens=bool(req.add_special_tokens),
-                       chat_template_kwargs=req.chat_template_kwargs,
+                       chat_template_kwargs=kwargs,
                        tools=plan.tools if tools else None,
                        tools_system_text=plan.system_text(ctx.parsers.tool.call_format) if tools else None,
                        format_tool_calls=ctx.parsers.tool.format_calls if tools else None)

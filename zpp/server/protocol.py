@@ -201,28 +201,40 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     parallel_tool_calls: Optional[bool] = None
     include_reasoning: bool = True
     """vLLM's: with a ``--reasoning-parser``, false leaves ``reasoning_content`` out (None)."""
+    reasoning_effort: Optional[str] = None
+    """One of REASONING_EFFORTS: the chat template's variable ``reasoning_effort`` (as in vLLM; gpt-oss's
+    template reads it), unless ``chat_template_kwargs`` sets that one; null: no such variable."""
     # OpenAI fields that would change the output and that zpp does not implement: null is accepted,
     # anything else refused naming the field (check_unsupported_chat_fields), not silently ignored.
     modalities: Optional[list[str]] = None
     audio: Optional[dict[str, Any]] = None
     prediction: Optional[dict[str, Any]] = None
-    reasoning_effort: Optional[str] = None
     verbosity: Optional[str] = None
     web_search_options: Optional[dict[str, Any]] = None
     functions: Optional[list[Any]] = None
     function_call: Union[None, str, dict[str, Any]] = None
 
 
-UNSUPPORTED_CHAT_FIELDS = ("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options",
-                           "functions", "function_call")
+UNSUPPORTED_CHAT_FIELDS = ("audio", "prediction", "verbosity", "web_search_options", "functions", "function_call")
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # chat's reasoning_effort (OpenAI's values)
+
+
+def check_reasoning_effort(effort: Any, param: str) -> None:
+    """Raises ProtocolError naming ``param`` for an effort (not None) outside REASONING_EFFORTS."""
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise ProtocolError(f"{param} must be one of {', '.join(repr(e) for e in REASONING_EFFORTS)}, got "
+                            f"{str(effort)[:30]!r}", param)
 
 
 def check_unsupported_chat_fields(req: "ChatCompletionRequest") -> None:
     """Refuse OpenAI chat fields zpp does not implement (``modalities`` other than ``["text"]``,
-    audio, predicted outputs, reasoning effort, verbosity, web search, the deprecated functions).
+    audio, predicted outputs, verbosity, web search, the deprecated functions) and a
+    ``reasoning_effort`` that is not one of REASONING_EFFORTS.
 
     Raises:
         ProtocolError: naming the field (``functions`` / ``function_call``: use ``tools``)."""
+    check_reasoning_effort(req.reasoning_effort, "reasoning_effort")
     if req.modalities is not None and req.modalities != ["text"]:
         raise ProtocolError(f"modalities {req.modalities} are not supported by this server (text only)", "modalities")
     for name in UNSUPPORTED_CHAT_FIELDS:

@@ -30,6 +30,10 @@ request and the equivalent chat request see the same prompt tokens and sample th
   before the message (the rest of the output, without the reasoning; ``output_text`` is that
   message's text) and the calls. An output cut off inside its reasoning is the reasoning item
   alone (``"incomplete"``); no message item follows a reasoning item when no text does.
+  ``reasoning.effort`` (``"none"``, ``"minimal"``, ``"low"``, ``"medium"``, ``"high"``) is the
+  chat template's variable ``reasoning_effort``, as chat's ``reasoning_effort`` field (templates
+  of reasoning models such as gpt-oss read it, others ignore it), and is echoed in the response's
+  ``reasoning``; ``reasoning.summary`` (reasoning summaries) is refused.
 * ``max_output_tokens`` (an output cut by it has ``status: "incomplete"`` and
   ``incomplete_details.reason: "max_output_tokens"``, as OpenAI's), ``temperature``, ``top_p`` and
   vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``.
@@ -69,7 +73,7 @@ from zpp.parsers.chat import ChatParsers
 from zpp.sampling_params import SamplingParamsError
 from zpp.server.protocol import ProtocolError, structured_outputs_of, to_sampling_params
 from zpp.server.responses_protocol import (_PARAMS, ResponsesRequest, ResponsesStreamOptions, _check_stateless,
-                                           input_messages, to_chat_request)
+                                           input_messages, reasoning_effort, to_chat_request)
 from zpp.server.tools import ToolPlan, parse_tools, tool_constraint
 
 logger = logging.getLogger(__name__)
@@ -190,12 +194,14 @@ class _Run:
                  incomplete: Optional[dict] = None, error: Optional[dict] = None) -> dict:
         r = self.req
         fmt = (r.text or {}).get("format") or {"type": "text"}
+        effort = reasoning_effort(r)
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "completed_at": int(time.time()) if status == "completed" else None,
                 "error": error, "incomplete_details": incomplete, "instructions": r.instructions,
                 "max_output_tokens": r.max_output_tokens, "model": self.model, "output": output,
                 "parallel_tool_calls": r.parallel_tool_calls is not False,
-                "previous_response_id": None, "reasoning": None, "store": False,
+                "previous_response_id": None,
+                "reasoning": None if effort is None else {"effort": effort, "summary": None}, "store": False,
                 "temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "text": {"format": fmt},
                 "tool_choice": r.tool_choice if r.tool_choice is not None else "auto",
                 "tools": r.tools or [], "truncation": "disabled", "usage": usage, "metadata": r.metadata or {},

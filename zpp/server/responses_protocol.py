@@ -10,7 +10,8 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-from zpp.server.protocol import ChatCompletionRequest, ChatMessage, Int64, ProtocolError, _Request
+from zpp.server.protocol import ChatCompletionRequest, ChatMessage, Int64, ProtocolError, _Request, \
+    check_reasoning_effort
 
 
 class ResponsesStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -27,10 +28,12 @@ class ResponsesRequest(_Request, kw_only=True, forbid_unknown_fields=True):
     ``function_call_output``, ``reasoning``: ignored); ``tools`` are function tools;
     ``text.format`` is ``text``, ``json_object`` or ``json_schema``. Fields that need stored state
     (``store: true``, ``previous_response_id``, ``conversation``, ``background: true``) or that zpp
-    does not implement (``reasoning`` with any value set: the server's ``--reasoning-parser``
-    decides what is reasoning, and there are no reasoning summaries or efforts, ``prompt``,
-    ``top_logprobs``, ``include`` other than
-    ``reasoning.encrypted_content``, ``truncation: "auto"``) are refused with HTTP 400 naming them.
+    does not implement (``reasoning.summary`` / ``reasoning.generate_summary`` set: there are no
+    reasoning summaries, the server's ``--reasoning-parser`` decides what is reasoning; ``prompt``,
+    ``top_logprobs``, ``include`` other than ``reasoning.encrypted_content``, ``truncation:
+    "auto"``) are refused with HTTP 400 naming them. ``reasoning.effort`` (one of
+    :data:`~zpp.server.protocol.REASONING_EFFORTS`) is handed to the chat template as the variable
+    ``reasoning_effort``, as chat's ``reasoning_effort`` is.
     """
 
     input: Union[None, str, list[dict[str, Any]]] = None
@@ -90,8 +93,17 @@ def _check_stateless(req: ResponsesRequest) -> None:
                             "background")
     if req.prompt is not None:
         raise ProtocolError("prompt (a stored prompt template) is not supported by this server", "prompt")
-    if req.reasoning is not None and any(v is not None for v in req.reasoning.values()):
-        raise ProtocolError("reasoning is not supported by this server", "reasoning")
+    for key, value in (req.reasoning or {}).items():
+        if value is None:
+            continue
+        if key == "effort":
+            check_reasoning_effort(value, "reasoning.effort")
+        elif key in ("summary", "generate_summary"):
+            raise ProtocolError(f"reasoning.{key} is not supported: this server writes no reasoning summaries (the "
+                                "reasoning itself is a reasoning output item with a --reasoning-parser)",
+                                f"reasoning.{key}")
+        else:
+            raise ProtocolError(f"reasoning.{key[:40]} is not supported by this server", "reasoning")
     if req.top_logprobs:
         raise ProtocolError("top_logprobs is not supported by this server's Responses API", "top_logprobs")
     if req.max_tool_calls is not None:
@@ -238,7 +250,13 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         messages=input_messages(req), max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
         tools=_chat_tools(req.tools), tool_choice=_chat_tool_choice(req.tool_choice),
-        parallel_tool_calls=req.parallel_tool_calls, response_format=_response_format(req.text))
+        parallel_tool_calls=req.parallel_tool_calls, response_format=_response_format(req.text),
+        reasoning_effort=reasoning_effort(req))
+
+
+def reasoning_effort(req: ResponsesRequest) -> Optional[str]:
+    """``reasoning.effort`` (checked by :func:`_check_stateless`), None when not set."""
+    return (req.reasoning or {}).get("effort")
 
 
 # chat-path params -> the Responses fields they come from (``prompt``: the rendered input, not
