@@ -248,37 +248,63 @@ def test_rope_and_cache_fp8():
     assert vc.view(-1, hk, d)[slots][0, 0, 0].float() == 448
 
 
-@pytest.mark.parametrize("mode", ["decode", "decode-split", "chunked"])
-def test_paged_attention_fp8_cache(mode):
-    """An FP8 cache read by the attention kernel equals the reference attention over the cache's
-    values upcast and scaled (K's scale on the logits, V's on the output)."""
+def _fp8_cache_case(mode, dtype):
+    """An FP8 cache (K scale 0.03, V 0.2) and a batch of 3 over it: (attention(**kw) -> out, reference
+    attention over the cache's values upcast and scaled)."""
     torch.manual_seed(0)
     rng = random.Random(1)
     hq, hk, d, bs, nblocks = 8, 2, 64, 16, 48
     ks, vs = 0.03, 0.2
     kc = (torch.randn(nblocks, bs, hk, d, device=DEV) / ks).clamp(-448, 448).to(FP8_DTYPE)
     vc = (torch.randn(nblocks, bs, hk, d, device=DEV) / vs).clamp(-448, 448).to(FP8_DTYPE)
+    kc.view(torch.uint8)[0, 0, 0, :8] = torch.arange(8, dtype=torch.uint8)  # subnormals and zero
     B = 3
     q_lens = [1] * B if mode.startswith("decode") else [rng.randrange(1, 40) for _ in range(B)]
     seq_lens = [n + rng.randrange(1, 60) for n in q_lens]
     free = list(range(nblocks))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range((L + bs - 1) // bs)] for L in seq_lens]
+    tables[0][0] = 0                                                    # the block holding them
     width = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV)
     T = sum(q_lens)
-    q = torch.randn(T, hq, d, device=DEV, dtype=DT)
-    out = torch.full_like(q, float("nan"))
+    q = torch.randn(T, hq, d, device=DEV, dtype=dtype)
     block_m = ops.pick_block_m(max(q_lens), hq // hk)
     ts, tq = ops.attention_tiles(q_lens, max(1, block_m // (hq // hk)))
     qstart = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
     i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)
     splits = 4 if mode == "decode-split" else 1
-    ops.paged_attention(q, kc, vc, out, bt, i32(seq_lens), qstart, i32(ts), i32(tq), d ** -0.5, block_m, splits,
-                        k_scale=ks, v_scale=vs)
-    ref = ref_attention(q, kc.to(DT) * ks, vc.to(DT) * vs, tables, seq_lens, q_lens, d ** -0.5)
+
+    def attention(**kw):
+        out = torch.full_like(q, float("nan"))
+        ops.paged_attention(q, kc, vc, out, bt, i32(seq_lens), qstart, i32(ts), i32(tq), d ** -0.5, block_m, splits,
+                            k_scale=ks, v_scale=vs, **kw)
+        return out
+    ref = ref_attention(q.float(), kc.float() * ks, vc.float() * vs, tables, seq_lens, q_lens, d ** -0.5)
+    return attention, ref
+
+
+@pytest.mark.parametrize("mode", ["decode", "decode-split", "chunked"])
+def test_paged_attention_fp8_cache(mode):
+    """An FP8 cache read by the attention kernel equals the reference attention over the cache's
+    values upcast and scaled (K's scale on the logits, V's on the output)."""
+    attention, ref = _fp8_cache_case(mode, DT)
+    out = attention()
     assert not out.isnan().any()
-    assert rel_err(out, ref) < (2e-2 if ON_GPU else 1e-4)
+    assert rel_err(out, ref.to(DT)) < (2e-2 if ON_GPU else 1e-4)
+
+
+@pytest.mark.parametrize("mode", ["decode", "decode-split", "chunked"])
+def test_paged_attention_fp8_cache_shifted_to_fp16(mode):
+    """16-bit queries: the FP8 cache's values become fp16 by moving bits (``fp8_shift``, 2**-8 of
+    their value, the scales times 2**8) or by the conversion instruction: the same output (exact
+    values, the products and sums scaled by a power of two), within fp16's rounding of the
+    reference."""
+    attention, ref = _fp8_cache_case(mode, torch.float16)
+    shifted, converted = attention(fp8_shift=True), attention(fp8_shift=False)
+    assert not shifted.isnan().any()
+    torch.testing.assert_close(shifted, converted, rtol=1e-3, atol=1e-5)
+    assert rel_err(shifted.float(), ref) < 5e-3
 
 
 def test_attention_layer_fp8_cache_portable_path():
