@@ -33,7 +33,7 @@ for B, C in ((1, 2048), (256, 384), (1024, 384), (2048, 192)):
     byts = B * C * hk * d * 2
     print(f"B={B:5d} ctx {C:5d} splits {sp:2d} bf16 KV default          {t * 1e3:8.1f} us {byts * 2 / t / 1e6:6.0f} GB/s", flush=True)
     rows = []
-    for shift, bn, ns in itertools.product((False, True), (None, 64), (None, 4)):
+    for shift, bn, ns in itertools.product((False, True), (None, 16, 64), (None, 4)):
         try:
             f = lambda: ops.paged_attention(*args(k8, v8), k_scale=0.5, v_scale=0.5, fp8_shift=shift, block_n=bn,
                                             num_stages=ns)
