@@ -3,9 +3,10 @@ fp16 and e4m3 -> fp16 by moving bits (default, ``fp8_shift``) or by the conversi
 (``fp8_shift=False``), over a few launch configurations; Llama-3-8B heads (32 query / 8 KV heads of
 128), 16-token blocks.
 
-    python scripts/fp8_attn_sweep.py
+    python scripts/fp8_attn_sweep.py [B:C ...]     (default: 1:2048 256:384 1024:384 2048:192)
 """
 import itertools
+import sys
 
 import torch
 from triton.testing import do_bench
@@ -15,7 +16,8 @@ from zpp.models.layers import triton_ops as ops
 dev = "cuda"
 hq, hk, d, bs = 32, 8, 128, 16
 torch.manual_seed(0)
-for B, C in ((1, 2048), (256, 384), (1024, 384), (2048, 192)):
+shapes = [tuple(int(v) for v in a.split(":")) for a in sys.argv[1:]] or [(1, 2048), (256, 384), (1024, 384), (2048, 192)]
+for B, C in shapes:
     nb = -(-(C + 1) // bs)
     kf = torch.randn(B * nb + 1, bs, hk, d, device=dev)
     vf = torch.randn(B * nb + 1, bs, hk, d, device=dev)
