@@ -231,7 +231,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             or ``fp8_f16=False`` (kept for A/B runs), upcasts them to ``q``'s dtype instead).
         fp8_shift: with an FP8 cache and fp16 products, convert e4m3 to fp16 by moving bits
             (``_e4m3_as_f16``: exact, two integer ops per value, no cvt instruction) rather than with
-            the hardware conversion; None: ``ZPP_FP8_KV_SHIFT`` (on unless ``0``).
+            the hardware conversion; None: ``ZPP_FP8_KV_SHIFT`` (off unless ``1``: not yet measured on a GPU).
     """
     T, Hq, Dq = q.shape
     _, kv_block, Hk, _ = k_cache.shape
