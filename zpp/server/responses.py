@@ -33,7 +33,7 @@ request and the equivalent chat request see the same prompt tokens and sample th
   ``reasoning.effort`` (``"none"``, ``"minimal"``, ``"low"``, ``"medium"``, ``"high"``) is the
   chat template's variable ``reasoning_effort``, as chat's ``reasoning_effort`` field (templates
   of reasoning models such as gpt-oss read it, others ignore it), and is echoed in the response's
-  ``reasoning``; ``reasoning.summary`` (reasoning summaries) is refused.
+  ``reasoning``; ``reasoning.summary`` is accepted (echoed) and no summary is written.
 * ``max_output_tokens`` (an output cut by it has ``status: "incomplete"`` and
   ``incomplete_details.reason: "max_output_tokens"``, as OpenAI's), ``temperature``, ``top_p`` and
   vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``.
@@ -195,13 +195,14 @@ class _Run:
         r = self.req
         fmt = (r.text or {}).get("format") or {"type": "text"}
         effort = reasoning_effort(r)
+        summary = (r.reasoning or {}).get("summary")
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "completed_at": int(time.time()) if status == "completed" else None,
                 "error": error, "incomplete_details": incomplete, "instructions": r.instructions,
                 "max_output_tokens": r.max_output_tokens, "model": self.model, "output": output,
                 "parallel_tool_calls": r.parallel_tool_calls is not False,
                 "previous_response_id": None,
-                "reasoning": None if effort is None else {"effort": effort, "summary": None}, "store": False,
+                "reasoning": None if effort is None and summary is None else {"effort": effort, "summary": summary}, "store": False,
                 "temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "text": {"format": fmt},
                 "tool_choice": r.tool_choice if r.tool_choice is not None else "auto",
                 "tools": r.tools or [], "truncation": "disabled", "usage": usage, "metadata": r.metadata or {},

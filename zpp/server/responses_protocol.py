@@ -28,12 +28,13 @@ class ResponsesRequest(_Request, kw_only=True, forbid_unknown_fields=True):
     ``function_call_output``, ``reasoning``: ignored); ``tools`` are function tools;
     ``text.format`` is ``text``, ``json_object`` or ``json_schema``. Fields that need stored state
     (``store: true``, ``previous_response_id``, ``conversation``, ``background: true``) or that zpp
-    does not implement (``reasoning.summary`` / ``reasoning.generate_summary`` set: there are no
-    reasoning summaries, the server's ``--reasoning-parser`` decides what is reasoning; ``prompt``,
+    does not implement (``prompt``,
     ``top_logprobs``, ``include`` other than ``reasoning.encrypted_content``, ``truncation:
     "auto"``) are refused with HTTP 400 naming them. ``reasoning.effort`` (one of
     :data:`~zpp.server.protocol.REASONING_EFFORTS`) is handed to the chat template as the variable
-    ``reasoning_effort``, as chat's ``reasoning_effort`` is.
+    ``reasoning_effort``, as chat's ``reasoning_effort`` is; ``reasoning.summary`` (one of
+    :data:`REASONING_SUMMARIES`) is accepted and writes no summary, as in vLLM (the server's
+    ``--reasoning-parser`` decides what is reasoning).
     """
 
     input: Union[None, str, list[dict[str, Any]]] = None
@@ -99,9 +100,11 @@ def _check_stateless(req: ResponsesRequest) -> None:
         if key == "effort":
             check_reasoning_effort(value, "reasoning.effort")
         elif key in ("summary", "generate_summary"):
-            raise ProtocolError(f"reasoning.{key} is not supported: this server writes no reasoning summaries (the "
-                                "reasoning itself is a reasoning output item with a --reasoning-parser)",
-                                f"reasoning.{key}")
+            # accepted and ignored, as vLLM does (clients such as Codex send "auto" by default): no
+            # summaries are written, the reasoning itself is a reasoning item with a --reasoning-parser
+            if value not in REASONING_SUMMARIES:
+                raise ProtocolError(f"reasoning.{key} must be one of {', '.join(map(repr, REASONING_SUMMARIES))}, "
+                                    f"got {str(value)[:40]!r}", f"reasoning.{key}")
         else:
             raise ProtocolError(f"reasoning.{key[:40]} is not supported by this server", "reasoning")
     if req.top_logprobs:
@@ -252,6 +255,10 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         tools=_chat_tools(req.tools), tool_choice=_chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls, response_format=_response_format(req.text),
         reasoning_effort=reasoning_effort(req))
+
+
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
+"""OpenAI's ``reasoning.summary`` values: accepted, no summary written (``summary`` items stay empty)."""
 
 
 def reasoning_effort(req: ResponsesRequest) -> Optional[str]:
