@@ -677,6 +677,34 @@ def test_compiles_are_killed_refused_once_and_never_starve_small_ones(tokenizer)
     aio.run(go())
 
 
+@pytest.mark.parametrize("sig,level", [("SIGTERM", "INFO"), ("SIGKILL", "WARNING")])
+def test_compile_host_death_is_logged_by_its_cause_and_the_next_compile_respawns_it(tokenizer, caplog, sig, level):
+    """The compile host ended by SIGTERM (a signal to the server's whole process group, as `timeout`
+    or a service manager sends it) is logged at INFO, not as a WARNING; killed otherwise, WARNING.
+    Either way the next compile starts a new host."""
+    import asyncio as aio
+    import logging
+    import os
+    import signal
+
+    from zpp.frontend.grammar import GrammarCompiler
+
+    async def go():
+        gc = GrammarCompiler(tokenizer, 49152, {2}, 5.0, 1 << 20)
+        await gc.compile(SO(choice=["warm", "up"]))
+        host = gc.host_pid
+        with caplog.at_level(logging.INFO, logger="zpp"):
+            os.kill(host, getattr(signal, sig))
+            await aio.sleep(1.5)
+        died = [r for r in caplog.records if "grammar compile process exited" in r.getMessage()]
+        assert [r.levelname for r in died] == [level], [(r.levelname, r.getMessage()) for r in died]
+        assert (await gc.compile(SO(choice=["yes", "no"]))).compiled
+        assert gc.host_pid not in (None, host)
+        gc.close()
+
+    aio.run(go())
+
+
 def small_slow_schema(n: int) -> dict:
     """A schema of about 117 bytes that takes xgrammar seconds to compile (longer as ``n`` grows):
     size does not tell a slow grammar."""

@@ -385,7 +385,10 @@ class CompileHost:
                 if proc is not None:
                     proc.join(1.0)
                 call, gone = self._fail, True
-                args = (f"the grammar compile process exited (code {proc.exitcode if proc is not None else None})",)
+                code = proc.exitcode if proc is not None else None
+                # ended by SIGTERM / SIGINT (a signal to the whole process group, the server's own
+                # shutdown on its way): the next compile respawns it; not worth a warning
+                args = (f"the grammar compile process exited (code {code})", code in (-signal.SIGTERM, -signal.SIGINT))
             try:
                 loop.call_soon_threadsafe(call, *args)
             except RuntimeError:  # the loop is closed: nobody waits any more
@@ -420,12 +423,13 @@ class CompileHost:
         else:
             fut.set_exception(CompileHostDied(msg[2]))
 
-    def _fail(self, reason: str) -> None:
-        """The host is gone: fail everything waiting; the next ``start`` spawns a new one."""
+    def _fail(self, reason: str, signalled: bool = False) -> None:
+        """The host is gone: fail everything waiting; the next ``start`` spawns a new one. Logged as a
+        WARNING, at INFO when a termination signal ended it (``signalled``)."""
         if self._dead is not None:
             return
         self._dead = reason
-        logger.warning("structured outputs: %s", reason)
+        logger.log(logging.INFO if signalled else logging.WARNING, "structured outputs: %s", reason)
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(CompileHostDied(reason))
             self._ready.exception()  # retrieved: waiters get it through shield
