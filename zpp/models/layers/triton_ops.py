@@ -34,6 +34,17 @@ def _e4m3_as_f16(x):
 
 
 @triton.jit
+def _kv_for_dot(x, dtype: tl.constexpr, FP8_KV: tl.constexpr, FP8_SHIFT: tl.constexpr):
+    # A K / V tile as read from the cache, made the products' operand (see _paged_attention_kernel).
+    if FP8_SHIFT:
+        return _e4m3_as_f16(x)
+    elif FP8_KV:
+        return x.to(dtype)
+    else:
+        return x
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, K_cache, V_cache, Out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
     Part_O, Part_ML, Sinks, scale_log2e, window,
@@ -109,18 +120,12 @@ def _paged_attention_kernel(
         blk = tl.load(block_tables + seq * stride_bt + n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
         off = blk * stride_kb + (n % KV_BLOCK) * stride_ks + kvh * stride_kh
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP8_SHIFT:
-            k = _e4m3_as_f16(k)
-        elif FP8_KV:
-            k = k.to(q.dtype)
+        k = _kv_for_dot(tl.load(K_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype, FP8_KV,
+                        FP8_SHIFT)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2e                       # [BLOCK_M, BLOCK_N], log2 units
         if D_EXTRA > 0:
-            k_ext = tl.load(K_cache + off[:, None] + D + de[None, :], mask=n_ok[:, None] & de_ok[None, :], other=0.0)
-            if FP8_SHIFT:
-                k_ext = _e4m3_as_f16(k_ext)
-            elif FP8_KV:
-                k_ext = k_ext.to(q.dtype)
+            k_ext = _kv_for_dot(tl.load(K_cache + off[:, None] + D + de[None, :], mask=n_ok[:, None] & de_ok[None, :],
+                                        other=0.0), q.dtype, FP8_KV, FP8_SHIFT)
             s += tl.dot(q_ext, tl.trans(k_ext), input_precision=PREC) * scale_log2e
         visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
         if SLIDING:
@@ -134,11 +139,8 @@ def _paged_attention_kernel(
         if V_FROM_K:
             v = k
         else:
-            v = tl.load(V_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if FP8_SHIFT:
-                v = _e4m3_as_f16(v)
-            elif FP8_KV:
-                v = v.to(q.dtype)
+            v = _kv_for_dot(tl.load(V_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype, FP8_KV,
+                            FP8_SHIFT)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
