@@ -220,11 +220,11 @@ UNSUPPORTED_CHAT_FIELDS = ("audio", "prediction", "verbosity", "web_search_optio
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # chat's reasoning_effort (OpenAI's values)
 
 
-def check_reasoning_effort(effort: Any, param: str) -> None:
-    """Raises ProtocolError naming ``param`` for an effort (not None) outside REASONING_EFFORTS."""
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise ProtocolError(f"{param} must be one of {', '.join(repr(e) for e in REASONING_EFFORTS)}, got "
-                            f"{str(effort)[:30]!r}", param)
+def check_one_of(value: Any, choices: tuple, param: str) -> None:
+    """Raises ProtocolError naming ``param`` for a value (not None) outside ``choices``."""
+    if value is not None and value not in choices:
+        raise ProtocolError(f"{param} must be one of {', '.join(repr(e) for e in choices)}, got "
+                            f"{str(value)[:30]!r}", param)
 
 
 def check_unsupported_chat_fields(req: "ChatCompletionRequest") -> None:
@@ -234,7 +234,7 @@ def check_unsupported_chat_fields(req: "ChatCompletionRequest") -> None:
 
     Raises:
         ProtocolError: naming the field (``functions`` / ``function_call``: use ``tools``)."""
-    check_reasoning_effort(req.reasoning_effort, "reasoning_effort")
+    check_one_of(req.reasoning_effort, REASONING_EFFORTS, "reasoning_effort")
     if req.modalities is not None and req.modalities != ["text"]:
         raise ProtocolError(f"modalities {req.modalities} are not supported by this server (text only)", "modalities")
     for name in UNSUPPORTED_CHAT_FIELDS:

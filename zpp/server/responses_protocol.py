@@ -10,8 +10,8 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-from zpp.server.protocol import ChatCompletionRequest, ChatMessage, Int64, ProtocolError, _Request, \
-    check_reasoning_effort
+from zpp.server.protocol import REASONING_EFFORTS, ChatCompletionRequest, ChatMessage, Int64, ProtocolError, \
+    _Request, check_one_of
 
 
 class ResponsesStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -98,13 +98,11 @@ def _check_stateless(req: ResponsesRequest) -> None:
         if value is None:
             continue
         if key == "effort":
-            check_reasoning_effort(value, "reasoning.effort")
+            check_one_of(value, REASONING_EFFORTS, "reasoning.effort")
         elif key in ("summary", "generate_summary"):
             # accepted and ignored, as vLLM does (clients such as Codex send "auto" by default): no
             # summaries are written, the reasoning itself is a reasoning item with a --reasoning-parser
-            if value not in REASONING_SUMMARIES:
-                raise ProtocolError(f"reasoning.{key} must be one of {', '.join(map(repr, REASONING_SUMMARIES))}, "
-                                    f"got {str(value)[:40]!r}", f"reasoning.{key}")
+            check_one_of(value, REASONING_SUMMARIES, f"reasoning.{key}")
         else:
             raise ProtocolError(f"reasoning.{key[:40]} is not supported by this server", "reasoning")
     if req.top_logprobs:
