@@ -97,11 +97,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "(``fp8_kernels.silu_mul_quant``), a LLaMA-family decoder layer its RMSNorm and the qkv / "
            "gate_up quantization as two (``fp8_kernels.rms_norm_quant``, batches past the W8A16 GEMV's), "
            "for A/B runs. Read once, at import."),
-    EnvVar("ZPP_FP8_KV_SHIFT", "bool", _on_if_1,
-           "``1``: attention over an FP8 KV cache turns e4m3 into fp16 by moving bits "
-           "(``triton_ops._e4m3_as_f16``, exact) instead of with the GPU's conversion instruction. Off "
-           "by default: not yet compiled or measured on a GPU; ``1`` turns it on for A/B runs. Read "
-           "once, at import."),
+    EnvVar("ZPP_FP8_FAST_ACCUM", "bool", _on_unless_0,
+           "``0``: the W8A8 GEMMs of FP8 layers (``torch._scaled_mm``) promote their FP8 tensor-core "
+           "partial sums into fp32 every few steps instead of keeping them in the MMA's accumulator "
+           "(``use_fast_accum``, what vLLM's and TensorRT-LLM's FP8 GEMMs run), for A/B runs. Read once, "
+           "at import."),
     EnvVar("ZPP_FUSED_NORM_GEMV", "bool", _on_if_1,
            "``1``: a LLaMA-family decoder layer on CUDA runs its RMSNorm (with the residual add) inside the "
            "FP8 W8A16 GEMV of the next projection (qkv, gate_up) for decode batches of up to 4 tokens "

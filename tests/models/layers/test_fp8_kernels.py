@@ -236,7 +236,10 @@ def test_rope_and_cache_fp8():
     slots = torch.tensor([3, 40, 7, 16, 63, 0], device=DEV)
     kc = torch.zeros(4, bs, hk, d, device=DEV, dtype=FP8_DTYPE)
     vc = torch.zeros_like(kc)
-    q_ref, k_ref = rope(pos, q.clone(), k.clone())
+    q_ref, _ = rope(pos, q.clone(), k.clone())
+    # K's reference rotated in fp32, as the kernel does (rotated in bf16 it is off by up to 2**-8 of
+    # |k| where the rotated value is near zero: past e4m3's bound there; seen on the H100)
+    _, k_ref = rope(pos, q.float(), k.float())
     q2 = q.clone()
     ks, vs = 0.05, 0.5
     ops.rope_and_cache(q2, k, v, pos, rope.cos, rope.sin, kc, vc, slots, ks, vs)
@@ -292,19 +295,6 @@ def test_paged_attention_fp8_cache(mode):
     out = attention()
     assert not out.isnan().any()
     assert rel_err(out, ref.to(DT)) < (2e-2 if ON_GPU else 1e-4)
-
-
-@pytest.mark.parametrize("mode", ["decode", "decode-split", "chunked"])
-def test_paged_attention_fp8_cache_shifted_to_fp16(mode):
-    """16-bit queries: the FP8 cache's values become fp16 by moving bits (``fp8_shift``, 2**-8 of
-    their value, the scales times 2**8) or by the conversion instruction: the same output (exact
-    values, the products and sums scaled by a power of two), within fp16's rounding of the
-    reference."""
-    attention, ref = _fp8_cache_case(mode, torch.float16)
-    shifted, converted = attention(fp8_shift=True), attention(fp8_shift=False)
-    assert not shifted.isnan().any()
-    torch.testing.assert_close(shifted, converted, rtol=1e-3, atol=1e-5)
-    assert rel_err(shifted.float(), ref) < 5e-3
 
 
 def test_attention_layer_fp8_cache_portable_path():

@@ -40,6 +40,7 @@ from zpp import envs
 _FP8_GEMV = envs.ZPP_FP8_GEMV
 _FUSED_QUANT = envs.ZPP_FP8_FUSED_QUANT
 _FUSED_NORM = envs.ZPP_FUSED_NORM_GEMV
+_FAST_ACCUM = envs.ZPP_FP8_FAST_ACCUM
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
@@ -67,8 +68,11 @@ def fp8_linear_quantized(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, p,
                          dtype: torch.dtype) -> torch.Tensor:
     """The W8A8 row-wise product of :func:`fp8_linear` on activations already quantized per token:
     ``xq [M, K]`` float8_e4m3fn, ``xs [M, 1]`` float32, per-channel weight ``w [N, K]`` (CUDA) ->
-    ``[M, N]`` in ``dtype`` (+ ``bias``)."""
-    y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=p.weight_scale.view(1, -1), out_dtype=torch.bfloat16)
+    ``[M, N]`` in ``dtype`` (+ ``bias``). The FP8 tensor-core partial sums stay in the MMA's own
+    accumulator (``use_fast_accum``, as vLLM's CUTLASS and TensorRT-LLM's FP8 GEMMs run) unless
+    ``ZPP_FP8_FAST_ACCUM=0``."""
+    y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=p.weight_scale.view(1, -1), out_dtype=torch.bfloat16,
+                         use_fast_accum=_FAST_ACCUM)
     if bias is not None:
         y = y + bias
     return y if y.dtype == dtype else y.to(dtype)

@@ -16,29 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from zpp import envs
-
-_FP8_KV_SHIFT = envs.ZPP_FP8_KV_SHIFT
-
 
 # --- attention --------------------------------------------------------------------------------
 @triton.jit
-def _e4m3_as_f16(x):
-    # float8_e4m3fn -> fp16 by moving bits, no conversion instruction: s.eeee.mmm becomes the fp16
-    # s.0eeee.mmm0000000, which is the e4m3 value times 2**-8 exactly (normals and subnormals alike:
-    # both formats' exponent biases differ by 8; NaN, never stored, would read as a finite value).
-    # Two integer ops per value against one cvt per two values, whose rate on Hopper is a quarter of
-    # the integer units'. The caller multiplies 2**8 back into its scales.
-    b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
-    return (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _kv_for_dot(x, dtype: tl.constexpr, FP8_KV: tl.constexpr, FP8_SHIFT: tl.constexpr):
+def _kv_for_dot(x, dtype: tl.constexpr, FP8_KV: tl.constexpr):
     # A K / V tile as read from the cache, made the products' operand (see _paged_attention_kernel).
-    if FP8_SHIFT:
-        return _e4m3_as_f16(x)
-    elif FP8_KV:
+    if FP8_KV:
         return x.to(dtype)
     else:
         return x
@@ -54,7 +37,7 @@ def _paged_attention_kernel(
     KV_BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HQ: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
     D_EXTRA: tl.constexpr = 0, BLOCK_DE: tl.constexpr = 16, V_FROM_K: tl.constexpr = False,
-    v_scale=1.0, FP8_KV: tl.constexpr = False, FP8_F16: tl.constexpr = True, FP8_SHIFT: tl.constexpr = False,
+    v_scale=1.0, FP8_KV: tl.constexpr = False, FP8_F16: tl.constexpr = True,
 ):
     # D_EXTRA > 0: queries and keys have D + D_EXTRA dims, values D (their scores add the extra
     # dims' dot product). V_FROM_K: the value of a key row is its first D dims (MLA's latent cache).
@@ -63,8 +46,6 @@ def _paged_attention_kernel(
     # FP8_F16 (with FP8_KV): the products run in fp16, q cast down once: every e4m3 value is exact in
     # fp16 and e4m3 -> fp16 is one cvt per two values, where e4m3 -> bf16 goes through fp32 (the
     # conversions, not the bytes, bounded the FP8 cache's speed). False: upcast to q's dtype.
-    # FP8_SHIFT (with FP8_F16): e4m3 -> fp16 by moving bits (_e4m3_as_f16, values 2**-8 of the
-    # cache's); the caller has multiplied scale_log2e and v_scale by 2**8.
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -120,12 +101,11 @@ def _paged_attention_kernel(
         blk = tl.load(block_tables + seq * stride_bt + n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
         off = blk * stride_kb + (n % KV_BLOCK) * stride_ks + kvh * stride_kh
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = _kv_for_dot(tl.load(K_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype, FP8_KV,
-                        FP8_SHIFT)
+        k = _kv_for_dot(tl.load(K_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype, FP8_KV)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2e                       # [BLOCK_M, BLOCK_N], log2 units
         if D_EXTRA > 0:
             k_ext = _kv_for_dot(tl.load(K_cache + off[:, None] + D + de[None, :], mask=n_ok[:, None] & de_ok[None, :],
-                                        other=0.0), q.dtype, FP8_KV, FP8_SHIFT)
+                                        other=0.0), q.dtype, FP8_KV)
             s += tl.dot(q_ext, tl.trans(k_ext), input_precision=PREC) * scale_log2e
         visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
         if SLIDING:
@@ -139,8 +119,7 @@ def _paged_attention_kernel(
         if V_FROM_K:
             v = k
         else:
-            v = _kv_for_dot(tl.load(V_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype, FP8_KV,
-                            FP8_SHIFT)
+            v = _kv_for_dot(tl.load(V_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype, FP8_KV)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -197,7 +176,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     num_splits: int = 1, block_n: Optional[int] = None, num_warps: Optional[int] = None,
                     num_stages: Optional[int] = None, window: Optional[int] = None,
                     sinks: Optional[torch.Tensor] = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                    fp8_f16: bool = True, fp8_shift: Optional[bool] = None) -> torch.Tensor:
+                    fp8_f16: bool = True) -> torch.Tensor:
     """Causal attention of new query tokens over the paged KV cache (their own K/V already written).
 
     Args:
@@ -231,9 +210,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             ``V / v_scale``: K's scale multiplies the logits (not the sinks), V's the output (the cache
             values are converted to fp16, and a 16-bit ``q`` with them, for the products; an fp32 ``q``,
             or ``fp8_f16=False`` (kept for A/B runs), upcasts them to ``q``'s dtype instead).
-        fp8_shift: with an FP8 cache and fp16 products, convert e4m3 to fp16 by moving bits
-            (``_e4m3_as_f16``: exact, two integer ops per value, no cvt instruction) rather than with
-            the hardware conversion; None: ``ZPP_FP8_KV_SHIFT`` (off unless ``1``: not yet measured on a GPU).
     """
     T, Hq, Dq = q.shape
     _, kv_block, Hk, _ = k_cache.shape
@@ -256,9 +232,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_o = part_ml = out
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     f16 = fp8 and fp8_f16 and q.dtype != torch.float32
-    shift = f16 and (_FP8_KV_SHIFT if fp8_shift is None else fp8_shift)
-    if shift:  # the shifted values are 2**-8 of the cache's
-        k_scale, v_scale = k_scale * 256.0, v_scale * 256.0
     if block_m <= 16 and splits == 1:  # a decode batch of its own, one program per sequence and KV head
         wide = tile_seq.shape[0] * Hk >= 2048
         block_n = block_n or (32 if wide else 64)
@@ -279,7 +252,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         KV_BLOCK=kv_block, D=D, BLOCK_D=BLOCK_D, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=splits, HQ=Hq, SLIDING=window is not None, HAS_SINKS=sinks is not None,
         D_EXTRA=d_extra, BLOCK_DE=max(16, triton.next_power_of_2(max(d_extra, 1))),
-        V_FROM_K=bool(d_extra), v_scale=v_scale, FP8_KV=fp8, FP8_F16=f16, FP8_SHIFT=shift,
+        V_FROM_K=bool(d_extra), v_scale=v_scale, FP8_KV=fp8, FP8_F16=f16,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge_splits_kernel[(T, Hq)](part_o, part_ml, out, out.stride(0), out.stride(1), HQ=Hq,
