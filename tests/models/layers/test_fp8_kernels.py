@@ -243,7 +243,7 @@ def test_rope_and_cache_fp8():
     q2 = q.clone()
     ks, vs = 0.05, 0.5
     ops.rope_and_cache(q2, k, v, pos, rope.cos, rope.sin, kc, vc, slots, ks, vs)
-    assert rel_err(q2, q_ref) < 1e-4 if not ON_GPU else 2e-2
+    assert rel_err(q2, q_ref) < (1e-4 if not ON_GPU else 2e-2)
     s = torch.tensor(ks, device=DEV)
     assert_e4m3_close(kc.view(-1, hk, d)[slots].float() * ks, k_ref.float(), s)
     v_sat = v.float().clamp(-448 * vs, 448 * vs)
