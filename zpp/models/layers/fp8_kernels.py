@@ -18,12 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
+from zpp.models.layers.pdl import gemv_pdl, pdl, pdl_enter, prefetch_rows_l2
+
 FP8_MAX = 448.0
 
 
 # --- activation quantization ----------------------------------------------------------------------
 @triton.jit
-def _per_token_quant_kernel(X, Q, S, IN_SCALE, K, stride_x, stride_q, STATIC: tl.constexpr, BLOCK: tl.constexpr):
+def _per_token_quant_kernel(X, Q, S, IN_SCALE, K, stride_x, stride_q, STATIC: tl.constexpr, BLOCK: tl.constexpr,
+                            USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     if STATIC:
@@ -55,13 +59,14 @@ def per_token_quant(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None)
         block = min(2048, triton.next_power_of_2(K))
         _per_token_quant_kernel[(M,)](x, q, s, input_scale if input_scale is not None else s, K, x.stride(0),
                                       q.stride(0), STATIC=input_scale is not None, BLOCK=block,
-                                      num_warps=4 if block <= 1024 else 8)
+                                      num_warps=4 if block <= 1024 else 8, **pdl(x))
     return q, s
 
 
 @triton.jit
-def _silu_mul_quant_kernel(X, Q, S, N, stride_x, stride_q, BLOCK: tl.constexpr):
+def _silu_mul_quant_kernel(X, Q, S, N, stride_x, stride_q, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     # One program per row, the row's N products held in registers: read gate | up once, write e4m3.
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -99,16 +104,17 @@ def silu_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if M:
         block = triton.next_power_of_2(N)
         _silu_mul_quant_kernel[(M,)](x, q, s, N, x.stride(0), q.stride(0), BLOCK=block,
-                                     num_warps=max(4, min(16, block // 1024)))
+                                     num_warps=max(4, min(16, block // 1024)), **pdl(x))
     return q, s
 
 
 @triton.jit
 def _rms_norm_quant_kernel(X, R, R_OUT, NW, Q, S, K, eps, stride_x, stride_r, stride_o, stride_q,
-                           HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                           HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     # One program per row, the row held in registers: triton_ops._rms_norm_kernel's LLaMA arithmetic
     # (sum rounded to the residual's dtype, normalise in float32, cast, multiply by the weight in the
     # model dtype), then _per_token_quant_kernel's on the normed row as the model dtype rounds it.
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < K
@@ -165,12 +171,14 @@ def rms_norm_quant(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weigh
         block = triton.next_power_of_2(K)
         _rms_norm_quant_kernel[(M,)](x, r, o, norm_weight, q, s, K, eps, x.stride(0), stride_r, stride_o,
                                      q.stride(0), HAS_RES=residual is not None, BLOCK=block,
-                                     num_warps=4 if block <= 2048 else 8)
+                                     num_warps=4 if block <= 2048 else 8, **pdl(x))
     return q, s, r_out
 
 
 @triton.jit
-def _group_quant_kernel(X, Q, S, K, G, stride_x, stride_q, stride_s, GS: tl.constexpr, GROUPS: tl.constexpr):
+def _group_quant_kernel(X, Q, S, K, G, stride_x, stride_q, stride_s, GS: tl.constexpr, GROUPS: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)                      # [GROUPS] group indices
     c = tl.arange(0, GS)
@@ -194,7 +202,7 @@ def per_token_group_quant(x: torch.Tensor, group_size: int) -> tuple[torch.Tenso
     if M:
         groups = 8
         _group_quant_kernel[(M, triton.cdiv(G, groups))](x, q, s, K, G, x.stride(0), q.stride(0), s.stride(0),
-                                                         GS=group_size, GROUPS=groups, num_warps=4)
+                                                         GS=group_size, GROUPS=groups, num_warps=4, **pdl(x))
     return q, s
 
 
@@ -232,7 +240,8 @@ def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stri
                      M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCKWISE: tl.constexpr, BN_S: tl.constexpr,
                      BK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
                      R=None, NW=None, R_OUT=None, stride_rm=0, stride_om=0, eps=0.0,
-                     NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False):
+                     NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
+                     USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_LINES: tl.constexpr = 1):
     # One program: BLOCK_N output rows for all M (<= 4) inputs, the whole K. Each step's
     # [BLOCK_N, BLOCK_K] products are reduced to [BLOCK_N] at once: a [BLOCK_N, BLOCK_K] fp32
     # accumulator (triton_ops._gemv_kernel's layout) costs registers that, with float8 weights, left
@@ -245,6 +254,9 @@ def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stri
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    if PREFETCH:  # the weight rows are nobody's output: read them while the kernel before finishes
+        prefetch_rows_l2(W, n, N, stride_wn, K, PF_LINES, 128)
+    pdl_enter(USE_PDL)
     kk = tl.arange(0, BLOCK_K)
     if NORM:
         rstd0 = _norm_rstd(X, R, R_OUT, K, eps, kk, pid == 0, HAS_RES, BLOCK_K)
@@ -346,7 +358,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, block
     _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](
         x, w, weight_scale, bias if bias is not None else x, y, N, K, x.stride(0), w.stride(0), y.stride(0),
         weight_scale.stride(0), M=M, HAS_BIAS=bias is not None, BLOCKWISE=block is not None, BN_S=bn, BK_S=bk,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, num_warps=num_warps, num_stages=num_stages, **gemv_pdl(w))
     return y
 
 
@@ -397,7 +409,7 @@ def rms_norm_fp8_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_we
         x, w, weight_scale, bias if bias is not None else x, y, N, K, x.stride(0), w.stride(0), y.stride(0),
         weight_scale.stride(0), M=M, HAS_BIAS=bias is not None, BLOCKWISE=False, BN_S=1, BK_S=1,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, NW=norm_weight, eps=eps, NORM=True, **res,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **gemv_pdl(w))
     return y, r_out
 
 

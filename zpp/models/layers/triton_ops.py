@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from zpp.models.layers.pdl import gemv_pdl, pdl, pdl_enter, prefetch_rows_l2
+
 
 # --- attention --------------------------------------------------------------------------------
 @triton.jit
@@ -37,7 +39,7 @@ def _paged_attention_kernel(
     KV_BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HQ: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
     D_EXTRA: tl.constexpr = 0, BLOCK_DE: tl.constexpr = 16, V_FROM_K: tl.constexpr = False,
-    v_scale=1.0, FP8_KV: tl.constexpr = False, FP8_F16: tl.constexpr = True,
+    v_scale=1.0, FP8_KV: tl.constexpr = False, FP8_F16: tl.constexpr = True, USE_PDL: tl.constexpr = False,
 ):
     # D_EXTRA > 0: queries and keys have D + D_EXTRA dims, values D (their scores add the extra
     # dims' dot product). V_FROM_K: the value of a key row is its first D dims (MLA's latent cache).
@@ -46,6 +48,7 @@ def _paged_attention_kernel(
     # FP8_F16 (with FP8_KV): the products run in fp16, q cast down once: every e4m3 value is exact in
     # fp16 and e4m3 -> fp16 is one cvt per two values, where e4m3 -> bf16 goes through fp32 (the
     # conversions, not the bytes, bounded the FP8 cache's speed). False: upcast to q's dtype.
+    pdl_enter(USE_PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -137,7 +140,9 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(Part_O, Part_ML, Out, stride_ot, stride_oh, HQ: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, NUM_SPLITS)
@@ -253,10 +258,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         NUM_SPLITS=splits, HQ=Hq, SLIDING=window is not None, HAS_SINKS=sinks is not None,
         D_EXTRA=d_extra, BLOCK_DE=max(16, triton.next_power_of_2(max(d_extra, 1))),
         V_FROM_K=bool(d_extra), v_scale=v_scale, FP8_KV=fp8, FP8_F16=f16,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl(q))
     if splits > 1:
         _merge_splits_kernel[(T, Hq)](part_o, part_ml, out, out.stride(0), out.stride(1), HQ=Hq,
-                                      NUM_SPLITS=splits, D=D, BLOCK_D=BLOCK_D, num_warps=4)
+                                      NUM_SPLITS=splits, D=D, BLOCK_D=BLOCK_D, num_warps=4,
+                                      **pdl(q))
     return out
 
 
@@ -270,7 +276,9 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> int:
 # --- fused add + RMSNorm ----------------------------------------------------------------------
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, R_out, stride_x, stride_r, stride_y, N, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, W_F32: tl.constexpr, OFFSET: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, W_F32: tl.constexpr, OFFSET: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -302,7 +310,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Option
     y = torch.empty_like(x)
     BLOCK = triton.next_power_of_2(N)
     warps = 4 if BLOCK <= 2048 else 8
-    flags = dict(W_F32=weight_in_float32 or offset, OFFSET=offset)
+    flags = dict(W_F32=weight_in_float32 or offset, OFFSET=offset, **pdl(x))
     if residual is None:
         _rms_norm_kernel[(T,)](x, x, weight, y, x, x.stride(0), 0, y.stride(0), N, eps,
                                HAS_RES=False, BLOCK=BLOCK, num_warps=warps, **flags)
@@ -320,10 +328,11 @@ def _rope_cache_kernel(Q, K, V, positions, cos_ptr, sin_ptr, k_cache, v_cache, s
                        stride_cs, stride_kcs, stride_kch,
                        HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-                       k_inv=1.0, v_inv=1.0, FP8_KV: tl.constexpr = False):
+                       k_inv=1.0, v_inv=1.0, FP8_KV: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     # One program per token. Dims [0, 2 * HALF) of each head are rotated (rotate-half pairs i and
     # i + HALF), dims [2 * HALF, D) pass through (partial rotary); HALF and D need not be powers of 2.
     # FP8_KV: K and V are stored as float8_e4m3fn, K * k_inv and V * v_inv saturated to +-448.
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     pos = tl.load(positions + t).to(tl.int64)
     slot = tl.load(slots + t).to(tl.int64)
@@ -397,12 +406,13 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
                              HQ=HQ, HK=HK, HALF=R // 2, D=D, BLOCK_R=triton.next_power_of_2(R // 2),
                              BLOCK_D=triton.next_power_of_2(D), BLOCK_H=triton.next_power_of_2(HQ),
                              k_inv=1.0 / k_scale, v_inv=1.0 / v_scale, FP8_KV=k_cache.dtype == torch.float8_e4m3fn,
-                             num_warps=4)
+                             num_warps=4, **pdl(q))
 
 
 # --- SiLU and mul -------------------------------------------------------------------------------
 @triton.jit
-def _silu_mul_kernel(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -417,20 +427,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     N = N2 // 2
     y = torch.empty((T, N), dtype=x.dtype, device=x.device)
     BLOCK = 1024
-    _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](x, y, x.stride(0), y.stride(0), N, BLOCK=BLOCK, num_warps=4)
+    _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](x, y, x.stride(0), y.stride(0), N, BLOCK=BLOCK, num_warps=4,
+                                                **pdl(x))
     return y
 
 
 # --- small-batch matrix-vector product ------------------------------------------------------------
 @triton.jit
 def _gemv_kernel(X, W, B, Y, N, K, stride_xm, stride_wn, stride_ym, M: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                 USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_LINES: tl.constexpr = 1):
     # One program: BLOCK_N output rows for all M (<= 4) inputs, the whole K, so each weight row is
     # read once and no second (reduce) kernel is needed. Partial sums stay in a [BLOCK_N, BLOCK_K]
     # fp32 tile and are reduced once at the end.
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    if PREFETCH:  # the weight rows are nobody's output: read them while the kernel before finishes
+        prefetch_rows_l2(W, n, N, stride_wn, K, PF_LINES, 64)
+    pdl_enter(USE_PDL)
     kk = tl.arange(0, BLOCK_K)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -495,14 +510,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, 
     _gemv_kernel[(triton.cdiv(N, block_n),)](x, w, bias if bias is not None else w, y, N, K, x.stride(0),
                                              w.stride(0), y.stride(0), M=M, HAS_BIAS=bias is not None,
                                              BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even,
-                                             num_warps=num_warps, num_stages=num_stages)
+                                             num_warps=num_warps, num_stages=num_stages, **gemv_pdl(w))
     return y
 
 
 # --- per-head RMSNorm of q and k (Qwen3's QK norm) ------------------------------------------------
 @triton.jit
 def _qk_rms_norm_kernel(Q, K, WQ, WK, QO, KO, stride_qt, stride_kt, eps,
-                        HQ: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+                        HQ: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -534,5 +550,6 @@ def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weig
     ko = torch.empty((T, HK * D), dtype=k.dtype, device=k.device)
     if T:
         _qk_rms_norm_kernel[(T, HQ + HK)](q, k, q_weight, k_weight, qo, ko, q.stride(0), k.stride(0), eps,
-                                          HQ=HQ, D=D, BLOCK=triton.next_power_of_2(D), num_warps=1 if D <= 128 else 2)
+                                          HQ=HQ, D=D, BLOCK=triton.next_power_of_2(D), num_warps=1 if D <= 128 else 2,
+                                          **pdl(q))
     return qo, ko

@@ -1,0 +1,80 @@
+"""Programmatic dependent launch (PDL) for zpp's Triton kernels on Hopper and newer GPUs.
+
+A decode step at batch 1 is a few hundred short kernels; between two of them the GPU drains one grid
+and ramps the next up. With PDL the next kernel's programs may start while the one before finishes
+and wait in-kernel (``griddepcontrol.wait``) for its writes, so those gaps overlap; the GEMVs also
+ask L2 for their weight rows (never written by anyone) before the wait. References: the CUDA
+programming guide, "Programmatic Dependent Launch and Synchronization"; PTX ``griddepcontrol``;
+Triton's tutorial 11 (``gdc_wait`` / ``gdc_launch_dependents`` and ``launch_pdl``); CUTLASS's
+example 63 (weight prefetch before the dependency wait).
+
+Never on the CPU path, and off under ``TRITON_INTERPRET=1`` (CPU tensors get no keywords).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from zpp import envs
+
+_PDL = envs.ZPP_PDL
+_PREFETCH = envs.ZPP_GEMV_PREFETCH
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(t: torch.Tensor) -> dict:
+    """Launch keywords for a zpp Triton kernel whose operands live on ``t``'s device: on a CUDA
+    device of compute capability 9.0 or newer (Hopper, Blackwell) and unless ``ZPP_PDL=0``,
+    ``USE_PDL=True`` (the kernel starts with :func:`pdl_enter`) and ``launch_pdl=True`` (Triton
+    launches it with CUDA's programmatic-stream-serialization attribute); else nothing.
+
+    Programmatic dependent launch (CUDA programming guide, "Programmatic Dependent Launch and
+    Synchronization"; Triton's tutorial 11): the GPU may start a kernel's programs while the kernel
+    before it on the stream is still finishing, and each program waits (``griddepcontrol.wait``)
+    until that kernel has completed and its writes are visible before it reads or writes anything
+    the kernels before it touch. A batch-1 decode step is ~300 short kernels whose start-up and tail
+    gaps add up to a tenth of the step; the waits keep every read after its producer, so results do
+    not change. CUDA graphs keep the attribute (stream capture turns it into programmatic edges)."""
+    if not (_PDL and t.is_cuda):
+        return {}
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return dict(USE_PDL=True, launch_pdl=True) if _pdl_capable(index) else {}
+
+
+def gemv_pdl(w: torch.Tensor) -> dict:
+    """:func:`pdl`'s keywords for a GEMV over the ``[N, K]`` weight ``w`` (unit stride in a row),
+    with its rows' L2 prefetch (:func:`prefetch_rows_l2`) unless ``ZPP_GEMV_PREFETCH=0``."""
+    kw = pdl(w)
+    if kw and _PREFETCH:
+        per_line = 128 // w.element_size()
+        kw.update(PREFETCH=True, PF_LINES=triton.next_power_of_2(triton.cdiv(w.shape[1], per_line)))
+    return kw
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """A kernel's first step under :func:`pdl`: wait for the kernel before it (its writes visible),
+    then let the next kernel's programs launch as this one's finish."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_rows_l2(W, n, N, stride_wn, K, LINES: tl.constexpr, ELEMS_PER_LINE: tl.constexpr):
+    """Ask L2 for rows ``n`` (``[BLOCK_N]``, clamped to ``N - 1``) of the ``[N, K]`` matrix ``W``, one
+    ``prefetch.global.L2`` per 128-byte line (``LINES`` >= ``ceil(K / ELEMS_PER_LINE)``, a power of
+    two). Before :func:`pdl_enter`: weights are never written by the kernel before, so their reads may
+    start while it finishes."""
+    rows = tl.minimum(n, N - 1)
+    cols = tl.minimum(tl.arange(0, LINES) * ELEMS_PER_LINE, K - 1)
+    addr = (W + rows[:, None] * stride_wn + cols[None, :]).to(tl.uint64, bitcast=True)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [addr], dtype=tl.int32, is_pure=False,
+                              pack=1)
