@@ -115,6 +115,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "``0``: the W8A16 / bf16 decode GEMVs launched with programmatic dependent launch do not "
            "prefetch their weight rows into L2 while the kernel before them finishes, for A/B runs. "
            "Read once, at import."),
+    EnvVar("ZPP_FP8_SWIGLU_GEMV", "bool", _on_if_1,
+           "``1``: a SiLU-gated MLP with FP8 weights on CUDA computes ``silu(gate) * up`` for decode "
+           "batches of up to 4 tokens inside the gate_up W8A16 GEMV (``fp8_kernels.fp8_swiglu_gemv``: no "
+           "SiLU-and-mul launch, the gate | up product never written). Off by default until measured on a "
+           "GPU. Read once, at import."),
     EnvVar("ZPP_TRITON_GEMV", "bool", _on_unless_0,
            "``0``: batch-1 decode on CUDA multiplies by the weights with cuBLAS instead of zpp's Triton "
            "GEMV (``zpp.models.layers.linear``), for A/B runs. Read once, at import."),

@@ -78,25 +78,42 @@ def test_pdl_kernels_carry_the_wait():
         assert pdl, kernel
 
 
-def test_pdl_greedy_tokens_equal(tmp_path, monkeypatch):
-    """A small LLaMA with --quantization fp8 in CUDA graphs: the same greedy tokens with ZPP_PDL=0."""
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from zpp import LLM, SamplingParams
     cfg = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
                       rms_norm_eps=1e-5, initializer_range=0.2, tie_word_embeddings=False)
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    d = tmp_path_factory.mktemp("llama-pdl")
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    return str(d)
+
+
+def _greedy(model, prompts, quant):
+    from zpp import LLM, SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+    with LLM(model, device="cuda", dtype="bfloat16", kv_cache_memory="128MiB", quantization=quant) as llm:
+        return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs)
+                for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("flag,quant", [("ZPP_PDL=0", None), ("ZPP_PDL=0", "fp8"), ("ZPP_FP8_SWIGLU_GEMV=0", "fp8")])
+def test_greedy_tokens_with_and_without(small_llama, flag, quant, monkeypatch):
+    """A small LLaMA in CUDA graphs, decode batches of 1-3: the default launches (PDL, the fused
+    SwiGLU GEMV) against the switch turned the other way. With PDL only the launches differ: equal
+    tokens. The fused SwiGLU GEMV sums each row in another order: equal up to a first divergence,
+    where each side's token is among the other's top-5."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, 8000, (n,), generator=g).tolist() for n in (1, 9, 40)]
-    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    outs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("ZPP_PDL", flag)  # the workers read it at import
-        for quant in (None, "fp8"):
-            with LLM(str(tmp_path), device="cuda", dtype="bfloat16", kv_cache_memory="128MiB",
-                     quantization=quant) as llm:
-                outs[flag, quant] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
-    for quant in (None, "fp8"):
-        assert outs["1", quant] == outs["0", quant], quant
+    name, value = flag.split("=")
+    monkeypatch.setenv("ZPP_FP8_SWIGLU_GEMV", "1")
+    base = _greedy(small_llama, prompts, quant)
+    monkeypatch.setenv(name, value)  # the workers read it at import
+    other = _greedy(small_llama, prompts, quant)
+    for (a, alp), (b, blp) in zip(base, other):
+        if name == "ZPP_PDL":
+            assert a == b
+        n = next((j for j, (u, v) in enumerate(zip(a, b)) if u != v), None)
+        if n is not None:
+            assert a[n] in blp[n] and b[n] in alp[n], n
