@@ -10,6 +10,8 @@ PORT="${PORT:-8000}"
 if ! "${PYTHON:-python3}" -c "import socket, sys
 s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+if not sys.argv[1].isdigit() or not 0 < int(sys.argv[1]) < 65536:
+    sys.exit(f'demo.sh: PORT={sys.argv[1]!r} is not a port number (1-65535)')
 try:
     s.bind(('', int(sys.argv[1])))
 except OSError as e:

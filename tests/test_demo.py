@@ -116,6 +116,16 @@ def test_demo_sh_refuses_a_port_in_use(tmp_path):
                        f"set PORT=N\n", r.stderr
 
 
+@pytest.mark.parametrize("port", ["abc", "70000", "0"])
+def test_demo_sh_refuses_a_port_that_is_no_number(port):
+    """PORT=abc: one line naming the setting, exit 1, no traceback, nothing started."""
+    env = {**os.environ, "ZPP_DEMO_SKIP_SETUP": "1", "PORT": port}
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh")], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr == f"demo.sh: PORT={port!r} is not a port number (1-65535)\n", r.stderr
+
+
 @pytest.mark.slow
 def test_demo_sh_prints_its_hint_once_the_server_answers(demo_model, tmp_path):
     """scripts/demo.sh (setup skipped: the python and zpp of this test run): the "Try: curl" hint
