@@ -120,6 +120,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "batches of up to 4 tokens inside the gate_up W8A16 GEMV (``fp8_kernels.fp8_swiglu_gemv``: no "
            "SiLU-and-mul launch, the gate | up product never written). Off by default until measured on a "
            "GPU. Read once, at import."),
+    EnvVar("ZPP_ATTN_FUSED_MERGE", "bool", _on_if_1,
+           "``1``: split-KV decode attention on CUDA merges its context slices inside the attention "
+           "kernel (the program that finishes a tile's slices last combines them) instead of a second "
+           "launch. Off by default until measured on a GPU. Read once, at import."),
     EnvVar("ZPP_TRITON_GEMV", "bool", _on_unless_0,
            "``0``: batch-1 decode on CUDA multiplies by the weights with cuBLAS instead of zpp's Triton "
            "GEMV (``zpp.models.layers.linear``), for A/B runs. Read once, at import."),
