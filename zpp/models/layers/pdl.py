@@ -26,7 +26,9 @@ _PREFETCH = envs.ZPP_GEMV_PREFETCH
 
 @functools.lru_cache(maxsize=None)
 def _pdl_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    # Triton 3.3 brought gdc_wait and launch_pdl; torch >= 2.4 may come with an older one
+    from triton.language.extra import cuda
+    return torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(cuda, "gdc_wait")
 
 
 def pdl(t: torch.Tensor) -> dict:
