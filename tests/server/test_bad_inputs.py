@@ -227,6 +227,10 @@ CORPUS = [
     ("stop-empty-string", "POST", C, comp(stop=[""]), {}, 400, "stop"),
     # --- unknown fields and unsupported features --------------------------------------------------
     ("unknown-field", "POST", C, comp(foo=1), {}, 400, "foo"),
+    ("unknown-field-in-stream-options", "POST", H, chat(stream=True, stream_options={"foo": 1}), {}, 400,
+     "stream_options.foo"),
+    ("unknown-field-in-stream-options-comp", "POST", C,
+     comp(stream=True, stream_options={"include_usage": True, "x": 1}), {}, 400, "stream_options.x"),
     ("unknown-guided-whitespace", "POST", H, chat(guided_whitespace_pattern=" "), {}, 400,
      "guided_whitespace_pattern"),
     ("guided-json-uncompilable", "POST", H, chat(guided_json={"type": "objec"}), {}, 400, "guided_json"),

@@ -150,7 +150,8 @@ def _inflate(data: bytes, coding: str, limit: int) -> bytes:
 
 
 _PATH_RE = re.compile(r"at `\$\.([A-Za-z_]+)")
-_UNKNOWN_RE = re.compile(r"^Object contains unknown field `(.*)`$", re.DOTALL)  # top level only
+_UNKNOWN_RE = re.compile(r"^Object contains unknown field `(.*)`$", re.DOTALL)
+_NESTED_RE = re.compile(r"^(.*)` - at `\$\.([^`]*)$", re.DOTALL)  # what _UNKNOWN_RE took inside a field
 _MISSING_RE = re.compile(r"^Object missing required field `([A-Za-z_]+)`$")  # top level only
 MAX_FIELD_NAME = 100  # characters of an unknown field's name kept in messages and logs
 
@@ -181,6 +182,11 @@ def decode_request(body: bytes, kind: type):
         unknown = _UNKNOWN_RE.search(str(e))
         if unknown:
             name = unknown.group(1)[:MAX_FIELD_NAME]
+            nested = _NESTED_RE.match(unknown.group(1))
+            if nested:  # inside a field: named by its path, as stream_options.foo
+                name = f"{nested.group(2)}.{nested.group(1)}"[:MAX_FIELD_NAME]
+                raise ProtocolError(f"unrecognized request argument supplied: {name!r}", name,
+                                    unknown_fields=(name,)) from None
             raise ProtocolError(f"unrecognized request argument supplied: {name!r}", name,
                                 unknown_fields=_unknown_fields(body, kind) or (name,)) from None
         missing = _MISSING_RE.search(str(e))
