@@ -107,10 +107,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "FP8 W8A16 GEMV of the next projection (qkv, gate_up) for decode batches of up to 4 tokens "
            "(``fp8_kernels.rms_norm_fp8_gemv``), one launch less per norm. Off by default: not yet "
            "measured on a GPU; ``1`` turns it on for A/B runs. Read once, at import."),
-    EnvVar("ZPP_PDL", "bool", _on_unless_0,
-           "``0``: zpp's Triton kernels on a Hopper or newer GPU launch without programmatic dependent "
-           "launch (each waits for the kernel before it to finish before it starts; "
-           "``zpp.models.layers.pdl``), for A/B runs. Read once, at import."),
+    EnvVar("ZPP_PDL", "bool", _on_if_1,
+           "``1``: zpp's Triton kernels on a Hopper or newer GPU launch with programmatic dependent "
+           "launch (``zpp.models.layers.pdl``: a kernel's programs may start while the one before "
+           "finishes and wait in-kernel for its writes). Off by default until measured on a GPU. Read "
+           "once, at import."),
     EnvVar("ZPP_GEMV_PREFETCH", "bool", _on_unless_0,
            "``0``: the W8A16 / bf16 decode GEMVs launched with programmatic dependent launch do not "
            "prefetch their weight rows into L2 while the kernel before them finishes, for A/B runs. "

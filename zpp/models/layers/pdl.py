@@ -33,7 +33,7 @@ def _pdl_capable(index: int) -> bool:
 
 def pdl(t: torch.Tensor) -> dict:
     """Launch keywords for a zpp Triton kernel whose operands live on ``t``'s device: on a CUDA
-    device of compute capability 9.0 or newer (Hopper, Blackwell) and unless ``ZPP_PDL=0``,
+    device of compute capability 9.0 or newer (Hopper, Blackwell) with ``ZPP_PDL=1``,
     ``USE_PDL=True`` (the kernel starts with :func:`pdl_enter`) and ``launch_pdl=True`` (Triton
     launches it with CUDA's programmatic-stream-serialization attribute); else nothing.
 
