@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (``zpp.models.layers.pdl``, ``ZPP_PDL=1``; off by default until measured): zpp's Triton
-kernels launched with it, eagerly and replayed in a CUDA graph, give bit-for-bit what they give
+"""Programmatic dependent launch (``zpp.models.layers.pdl``, ``ZPP_PDL=1``; off by default until
+measured): zpp's Triton kernels launched with it, eagerly and replayed in a CUDA graph, give bit-for-bit what they give
 launched one after another, and the engine's greedy tokens do not change. Skipped below compute
 capability 9.0 (the kernels then launch without it)."""
 from __future__ import annotations
