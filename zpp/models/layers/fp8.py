@@ -50,11 +50,10 @@ FP8_MAX = 448.0
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, p, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [M, K]`` (bf16/fp16) times the FP8 weight ``w [N, K]`` with scales ``p``
     (:class:`zpp.models.quantization.Fp8Params`) -> ``[M, N]`` in ``x``'s dtype (+ ``bias``)."""
-    M = x.shape[0]
     if not x.is_cuda:
         return fp8_linear_reference(x, w, p, bias)
     from zpp.models.layers import fp8_kernels as K
-    if 0 < M <= K.FP8_GEMV_MAX_M and _FP8_GEMV and x.stride(-1) == 1:
+    if _takes_gemv(x):
         return K.fp8_gemv(x, w, p.weight_scale, p.block, bias, **K.fp8_gemv_config(w.shape[0], w.shape[1]))
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -63,6 +62,13 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, p, bias: Optional[torch.Tensor]
         return fp8_linear_quantized(xq, xs, w, p, bias, x.dtype)
     xq, xs = K.per_token_group_quant(x, p.block[1])
     return K.block_gemm(xq, xs, w, p.weight_scale, p.block, x.dtype, bias)
+
+
+def _takes_gemv(x: torch.Tensor) -> bool:
+    """Whether the CUDA activations ``x [M, K]`` go to the W8A16 GEMV: ``0 < M <= 4``, ``ZPP_FP8_GEMV``
+    on, unit stride in a row."""
+    from zpp.models.layers.fp8_kernels import FP8_GEMV_MAX_M
+    return 0 < x.shape[0] <= FP8_GEMV_MAX_M and _FP8_GEMV and x.stride(-1) == 1
 
 
 def fp8_swiglu_linear(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -74,13 +80,13 @@ def fp8_swiglu_linear(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
     ``[M, K_out / 2]`` in ``x``'s dtype, or None where it does not apply (the caller runs the two
     steps)."""
     p = getattr(layer, "fp8", None)
-    if p is None or p.input_scale is not None or not (_SWIGLU and _FP8_GEMV and x.is_cuda and x.stride(-1) == 1):
-        return None
-    from zpp.models.layers import fp8_kernels as K
     sizes = getattr(layer, "output_sizes", None)
-    if not 0 < x.shape[0] <= K.FP8_GEMV_MAX_M or sizes is None or len(sizes) != 2 or sizes[0] != sizes[1]:
+    if p is None or p.input_scale is not None or not (_SWIGLU and x.is_cuda and _takes_gemv(x)):
         return None
-    return K.fp8_swiglu_gemv(x, layer.weight, p.weight_scale, p.block, layer.bias)
+    if sizes is None or len(sizes) != 2 or sizes[0] != sizes[1]:
+        return None
+    from zpp.models.layers.fp8_kernels import fp8_swiglu_gemv
+    return fp8_swiglu_gemv(x, layer.weight, p.weight_scale, p.block, layer.bias)
 
 
 def fp8_linear_quantized(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, p, bias: Optional[torch.Tensor],
