@@ -112,6 +112,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "launch (``zpp.models.layers.pdl``: a kernel's programs may start while the one before "
            "finishes and wait in-kernel for its writes). Off by default until measured on a GPU. Read "
            "once, at import."),
+    EnvVar("ZPP_PDL_TRIGGER", "str", _text("entry"),
+           "Under ``ZPP_PDL=1``, where a kernel lets the next one's programs launch: ``entry`` (every kernel "
+           "at its start), ``late`` (the GEMVs, whose grids run in several waves, after their last weight "
+           "load; the others at their start) or ``exit`` (never explicitly: when the kernel's programs have "
+           "all exited). For A/B runs. Read once, at import."),
     EnvVar("ZPP_GEMV_PREFETCH", "bool", _on_unless_0,
            "``0``: the W8A16 / bf16 decode GEMVs launched with programmatic dependent launch do not "
            "prefetch their weight rows into L2 while the kernel before them finishes, for A/B runs. "

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zpp.models.layers.pdl import gemv_pdl, pdl, pdl_enter, prefetch_rows_l2
+from zpp.models.layers.pdl import gemv_pdl, pdl, pdl_enter, pdl_trigger, prefetch_rows_l2
 
 FP8_MAX = 448.0
 
@@ -265,7 +265,7 @@ def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stri
         n_ok = n < N
     if PREFETCH:  # the weight rows are nobody's output: read them while the kernel before finishes
         prefetch_rows_l2(W, n, N * (2 if SWIGLU else 1), stride_wn, K, PF_LINES, 128)
-    pdl_enter(USE_PDL)
+    pdl_enter(USE_PDL, True)
     kk = tl.arange(0, BLOCK_K)
     if NORM:
         rstd0 = _norm_rstd(X, R, R_OUT, K, eps, kk, pid == 0, HAS_RES, BLOCK_K)
@@ -318,6 +318,7 @@ def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stri
             else:
                 x3 = tl.load(X + 3 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
             acc3 += tl.sum(w * x3[None, :], 1)
+    pdl_trigger(USE_PDL)
     scale = tl.full([BLOCK_N], 1.0, tl.float32)
     if not BLOCKWISE:
         scale = tl.load(WS + n, mask=n_ok, other=0.0)

@@ -22,6 +22,12 @@ from zpp import envs
 
 _PDL = envs.ZPP_PDL
 _PREFETCH = envs.ZPP_GEMV_PREFETCH
+_TRIGGER = envs.ZPP_PDL_TRIGGER
+if _TRIGGER not in ("entry", "late", "exit"):
+    raise ValueError(f"ZPP_PDL_TRIGGER must be entry, late or exit, got {_TRIGGER!r}")
+# read by the jitted helpers below as compile-time constants
+_TRIGGER_AT_ENTRY = tl.constexpr(_TRIGGER == "entry")
+_TRIGGER_LATE = tl.constexpr(_TRIGGER == "late")
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,12 +67,24 @@ def gemv_pdl(w: torch.Tensor) -> dict:
 
 
 @triton.jit
-def pdl_enter(USE_PDL: tl.constexpr):
+def pdl_enter(USE_PDL: tl.constexpr, MULTI_WAVE: tl.constexpr = False):
     """A kernel's first step under :func:`pdl`: wait for the kernel before it (its writes visible),
-    then let the next kernel's programs launch as this one's finish."""
+    then let the next kernel's programs launch as this one's finish (``ZPP_PDL_TRIGGER=entry``; with
+    ``late`` only a kernel that is not ``MULTI_WAVE``: those call :func:`pdl_trigger` after their main
+    loop, so the next kernel's waiting programs do not take SM slots from this one's later waves)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if _TRIGGER_AT_ENTRY or (_TRIGGER_LATE and not MULTI_WAVE):
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_trigger(USE_PDL: tl.constexpr):
+    """A ``MULTI_WAVE`` kernel's launch of the next one under ``ZPP_PDL_TRIGGER=late``, called once its
+    last loads are issued; nothing otherwise."""
+    if USE_PDL:
+        if _TRIGGER_LATE:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

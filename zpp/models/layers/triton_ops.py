@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from zpp import envs
-from zpp.models.layers.pdl import gemv_pdl, pdl, pdl_enter, prefetch_rows_l2
+from zpp.models.layers.pdl import gemv_pdl, pdl, pdl_enter, pdl_trigger, prefetch_rows_l2
 
 _FUSED_MERGE = envs.ZPP_ATTN_FUSED_MERGE
 
@@ -489,7 +489,7 @@ def _gemv_kernel(X, W, B, Y, N, K, stride_xm, stride_wn, stride_ym, M: tl.conste
     n_ok = n < N
     if PREFETCH:  # the weight rows are nobody's output: read them while the kernel before finishes
         prefetch_rows_l2(W, n, N, stride_wn, K, PF_LINES, 64)
-    pdl_enter(USE_PDL)
+    pdl_enter(USE_PDL, True)
     kk = tl.arange(0, BLOCK_K)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -515,6 +515,7 @@ def _gemv_kernel(X, W, B, Y, N, K, stride_xm, stride_wn, stride_ym, M: tl.conste
         if M > 3:
             x3 = tl.load(X + 3 * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
             acc3 += w * x3[None, :]
+    pdl_trigger(USE_PDL)
     bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias = tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)
