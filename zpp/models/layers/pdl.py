@@ -39,7 +39,7 @@ def _pdl_capable(index: int) -> bool:
 
 def pdl(t: torch.Tensor) -> dict:
     """Launch keywords for a zpp Triton kernel whose operands live on ``t``'s device: on a CUDA
-    device of compute capability 9.0 or newer (Hopper, Blackwell) with ``ZPP_PDL=1``,
+    device of compute capability 9.0 or newer (Hopper, Blackwell) unless ``ZPP_PDL=0``,
     ``USE_PDL=True`` (the kernel starts with :func:`pdl_enter`) and ``launch_pdl=True`` (Triton
     launches it with CUDA's programmatic-stream-serialization attribute); else nothing.
 
@@ -58,7 +58,7 @@ def pdl(t: torch.Tensor) -> dict:
 
 def gemv_pdl(w: torch.Tensor) -> dict:
     """:func:`pdl`'s keywords for a GEMV over the ``[N, K]`` weight ``w`` (unit stride in a row),
-    with its rows' L2 prefetch (:func:`prefetch_rows_l2`) unless ``ZPP_GEMV_PREFETCH=0``."""
+    with its rows' L2 prefetch (:func:`prefetch_rows_l2`) under ``ZPP_GEMV_PREFETCH=1``."""
     kw = pdl(w)
     if kw and _PREFETCH:
         per_line = 128 // w.element_size()
