@@ -1,7 +1,7 @@
-"""Programmatic dependent launch (``zpp.models.layers.pdl``, ``ZPP_PDL=1``; off by default until
-measured): zpp's Triton kernels launched with it, eagerly and replayed in a CUDA graph, give bit-for-bit what they give
-launched one after another, and the engine's greedy tokens do not change. Skipped below compute
-capability 9.0 (the kernels then launch without it)."""
+"""Programmatic dependent launch (``zpp.models.layers.pdl``; on by default for small decode steps,
+``ZPP_PDL=0`` turns it off): zpp's Triton kernels launched with it, eagerly and replayed in a CUDA
+graph, give bit-for-bit what they give launched one after another, and the engine's greedy tokens
+do not change. Skipped below compute capability 9.0 (the kernels then launch without it)."""
 from __future__ import annotations
 
 import pytest
@@ -38,14 +38,14 @@ def test_pdl_chain_bit_equal_eager_and_in_graph(prefetch, monkeypatch):
     norm_w = (1 + 0.3 * torch.randn(H, device=dev)).to(torch.bfloat16)
     args = (norm_w, w1, s1, w2, s2, w_bf16)
     monkeypatch.setattr(P, "_PREFETCH", prefetch)
-    monkeypatch.setattr(P, "_PDL", True)
+    monkeypatch.setattr(P, "_active", True)
     assert P.pdl(w1) == dict(USE_PDL=True, launch_pdl=True)  # on, so the comparison below means something
     assert ("PREFETCH" in P.gemv_pdl(w1)) == prefetch
     inputs = [(torch.randn(1, H, device=dev).to(torch.bfloat16), torch.randn(1, H, device=dev).to(torch.bfloat16) * 3)
               for _ in range(8)]
-    monkeypatch.setattr(P, "_PDL", False)
+    monkeypatch.setattr(P, "_active", False)
     ref = [_chain(x, r, *args) for x, r in inputs]
-    monkeypatch.setattr(P, "_PDL", True)
+    monkeypatch.setattr(P, "_active", True)
     eager = [_chain(x, r, *args) for x, r in inputs]
     for (y, r2), (y_ref, r2_ref) in zip(eager, ref):
         assert torch.equal(y, y_ref) and torch.equal(r2, r2_ref)
@@ -69,7 +69,7 @@ def test_pdl_chain_bit_equal_eager_and_in_graph(prefetch, monkeypatch):
 def test_pdl_kernels_carry_the_wait(monkeypatch):
     """Each kernel launched with the attribute waits on its predecessor: the compiled code holds
     ``griddepcontrol.wait`` (a launch without it would race)."""
-    monkeypatch.setattr(P, "_PDL", True)
+    monkeypatch.setattr(P, "_active", True)
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     w, s = F8.quantize_per_channel(torch.randn(256, 1024, device="cuda"))
     FK.fp8_gemv(x, w, s)
@@ -120,3 +120,23 @@ def test_greedy_tokens_with_and_without(small_llama, flag, quant, monkeypatch):
         n = next((j for j, (u, v) in enumerate(zip(a, b)) if u != v), None)
         if n is not None:
             assert a[n] in blp[n] and b[n] in alp[n], n
+
+
+def test_decode_step_scopes_pdl(monkeypatch):
+    """PDL only inside a decode step of at most PDL_MAX_TOKENS tokens (the CUDA graphs of those batch
+    sizes), never outside one, and the scope is left as found even when the step raises."""
+    w = torch.zeros(8, 8, device="cuda")
+    monkeypatch.setattr(P, "_PDL", True)
+    assert P.pdl(w) == {}
+    with P.decode_step(P.PDL_MAX_TOKENS):
+        assert P.pdl(w) == dict(USE_PDL=True, launch_pdl=True)
+        with P.decode_step(P.PDL_MAX_TOKENS + 1):
+            assert P.pdl(w) == {}
+        assert P.pdl(w)
+        with pytest.raises(RuntimeError), P.decode_step(1):
+            raise RuntimeError
+        assert P.pdl(w)
+    assert P.pdl(w) == {} and P.pdl(w.cpu()) == {}
+    monkeypatch.setattr(P, "_PDL", False)  # ZPP_PDL=0
+    with P.decode_step(1):
+        assert P.pdl(w) == {}

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from zpp.models.layers.attention import TABLE_WIDTH_ALIGN, AttentionMetadata, block_table_width
+from zpp.models.layers.pdl import decode_step
 from zpp.workers.staging import aligned_size
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,10 @@ class DecodeGraphs:
                                  block_m=self.block_m, decode_only=True)
 
     def _forward(self, bs: int) -> torch.Tensor:
+        with decode_step(bs):  # small batches: the graph's kernels launch with PDL (sm90+)
+            return self._model_forward(bs)
+
+    def _model_forward(self, bs: int) -> torch.Tensor:
         out = self.model(self.input_ids[:bs] if self.stage.is_first else None, self.positions[:bs],
                          self.acts[:, :bs] if self.acts is not None else None, self.kv_caches, self._meta(bs))
         if self.stage.produces_results:  # in the model's dtype: the runner upcasts for anything but argmax
