@@ -112,16 +112,6 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "launch (``zpp.models.layers.pdl``: by default a kernel's programs may start while the one "
            "before finishes and wait in-kernel for its writes; batch-1 FP8 decode on an H100 3.60 -> "
            "3.39 ms per token). For A/B runs. Read once, at import."),
-    EnvVar("ZPP_PDL_TRIGGER", "str", _text("entry"),
-           "Under programmatic dependent launch, where a kernel lets the next one's programs launch: "
-           "``entry`` (every kernel at its start, the default and the fastest measured), ``late`` (the "
-           "GEMVs, whose grids run in several waves, after their last weight load; the others at their "
-           "start) or ``exit`` (never explicitly: when the kernel's programs have all exited). For A/B "
-           "runs. Read once, at import."),
-    EnvVar("ZPP_GEMV_PREFETCH", "bool", _on_if_1,
-           "``1``: under programmatic dependent launch the W8A16 / bf16 decode GEMVs ask L2 for their "
-           "weight rows before waiting for the kernel before them. Off by default: slower on an H100 "
-           "(batch-1 FP8 decode 3.39 -> 3.58 ms per token). For A/B runs. Read once, at import."),
     EnvVar("ZPP_FP8_SWIGLU_GEMV", "bool", _on_if_1,
            "``1``: a SiLU-gated MLP with FP8 weights on CUDA computes ``silu(gate) * up`` for decode "
            "batches of up to 4 tokens inside the gate_up W8A16 GEMV (``fp8_kernels.fp8_swiglu_gemv``: no "

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zpp.models.layers.pdl import gemv_pdl, pdl, pdl_enter, pdl_trigger, prefetch_rows_l2
+from zpp.models.layers.pdl import pdl, pdl_enter
 
 FP8_MAX = 448.0
 
@@ -241,8 +241,7 @@ def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stri
                      BK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
                      R=None, NW=None, R_OUT=None, stride_rm=0, stride_om=0, eps=0.0,
                      NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
-                     USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_LINES: tl.constexpr = 1,
-                     SWIGLU: tl.constexpr = False):
+                     USE_PDL: tl.constexpr = False, SWIGLU: tl.constexpr = False):
     # One program: BLOCK_N output rows for all M (<= 4) inputs, the whole K. Each step's
     # [BLOCK_N, BLOCK_K] products are reduced to [BLOCK_N] at once: a [BLOCK_N, BLOCK_K] fp32
     # accumulator (triton_ops._gemv_kernel's layout) costs registers that, with float8 weights, left
@@ -263,9 +262,7 @@ def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stri
     else:
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
-    if PREFETCH:  # the weight rows are nobody's output: read them while the kernel before finishes
-        prefetch_rows_l2(W, n, N * (2 if SWIGLU else 1), stride_wn, K, PF_LINES, 128)
-    pdl_enter(USE_PDL, True)
+    pdl_enter(USE_PDL)
     kk = tl.arange(0, BLOCK_K)
     if NORM:
         rstd0 = _norm_rstd(X, R, R_OUT, K, eps, kk, pid == 0, HAS_RES, BLOCK_K)
@@ -318,7 +315,6 @@ def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stri
             else:
                 x3 = tl.load(X + 3 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
             acc3 += tl.sum(w * x3[None, :], 1)
-    pdl_trigger(USE_PDL)
     scale = tl.full([BLOCK_N], 1.0, tl.float32)
     if not BLOCKWISE:
         scale = tl.load(WS + n, mask=n_ok, other=0.0)
@@ -379,7 +375,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, block
     _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](
         x, w, weight_scale, bias if bias is not None else x, y, N, K, x.stride(0), w.stride(0), y.stride(0),
         weight_scale.stride(0), M=M, HAS_BIAS=bias is not None, BLOCKWISE=block is not None, BN_S=bn, BK_S=bk,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, num_warps=num_warps, num_stages=num_stages, **gemv_pdl(w))
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, num_warps=num_warps, num_stages=num_stages, **pdl(w))
     return y
 
 
@@ -411,7 +407,7 @@ def fp8_swiglu_gemv(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor
         x, w, weight_scale, bias if bias is not None else x, y, N, K, x.stride(0), w.stride(0), y.stride(0),
         weight_scale.stride(0), M=M, HAS_BIAS=bias is not None, BLOCKWISE=block is not None, BN_S=bn, BK_S=bk,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, SWIGLU=True, num_warps=num_warps, num_stages=num_stages,
-        **gemv_pdl(w))
+        **pdl(w))
     return y
 
 
@@ -462,7 +458,7 @@ def rms_norm_fp8_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_we
         x, w, weight_scale, bias if bias is not None else x, y, N, K, x.stride(0), w.stride(0), y.stride(0),
         weight_scale.stride(0), M=M, HAS_BIAS=bias is not None, BLOCKWISE=False, BN_S=1, BK_S=1,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, NW=norm_weight, eps=eps, NORM=True, **res,
-        num_warps=num_warps, num_stages=num_stages, **gemv_pdl(w))
+        num_warps=num_warps, num_stages=num_stages, **pdl(w))
     return y, r_out
 
 

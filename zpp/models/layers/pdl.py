@@ -2,11 +2,9 @@
 
 A decode step at batch 1 is a few hundred short kernels; between two of them the GPU drains one grid
 and ramps the next up. With PDL the next kernel's programs may start while the one before finishes
-and wait in-kernel (``griddepcontrol.wait``) for its writes, so those gaps overlap; the GEMVs also
-ask L2 for their weight rows (never written by anyone) before the wait. References: the CUDA
-programming guide, "Programmatic Dependent Launch and Synchronization"; PTX ``griddepcontrol``;
-Triton's tutorial 11 (``gdc_wait`` / ``gdc_launch_dependents`` and ``launch_pdl``); CUTLASS's
-example 63 (weight prefetch before the dependency wait).
+and wait in-kernel (``griddepcontrol.wait``) for its writes, so those gaps overlap. References: the
+CUDA programming guide, "Programmatic Dependent Launch and Synchronization"; PTX ``griddepcontrol``;
+Triton's tutorial 11 (``gdc_wait`` / ``gdc_launch_dependents`` and ``launch_pdl``).
 
 Never on the CPU path, and off under ``TRITON_INTERPRET=1`` (CPU tensors get no keywords).
 """
@@ -23,13 +21,6 @@ import triton.language as tl
 from zpp import envs
 
 _PDL = envs.ZPP_PDL
-_PREFETCH = envs.ZPP_GEMV_PREFETCH
-_TRIGGER = envs.ZPP_PDL_TRIGGER
-if _TRIGGER not in ("entry", "late", "exit"):
-    raise ValueError(f"ZPP_PDL_TRIGGER must be entry, late or exit, got {_TRIGGER!r}")
-# read by the jitted helpers below as compile-time constants
-_TRIGGER_AT_ENTRY = tl.constexpr(_TRIGGER == "entry")
-_TRIGGER_LATE = tl.constexpr(_TRIGGER == "late")
 
 PDL_MAX_TOKENS = 4
 """Decode steps of at most this many tokens launch with PDL. One H100, Llama-3-8B shape, FP8 weights,
@@ -61,8 +52,8 @@ def _pdl_capable(index: int) -> bool:
 def pdl(t: torch.Tensor) -> dict:
     """Launch keywords for a zpp Triton kernel whose operands live on ``t``'s device: on a CUDA
     device of compute capability 9.0 or newer (Hopper, Blackwell), inside :func:`decode_step` for a
-    small step, ``USE_PDL=True`` (the kernel starts with :func:`pdl_enter`) and ``launch_pdl=True`` (Triton
-    launches it with CUDA's programmatic-stream-serialization attribute); else nothing.
+    small step, ``USE_PDL=True`` (the kernel starts with :func:`pdl_enter`) and ``launch_pdl=True``
+    (Triton launches it with CUDA's programmatic-stream-serialization attribute); else nothing.
 
     Programmatic dependent launch (CUDA programming guide, "Programmatic Dependent Launch and
     Synchronization"; Triton's tutorial 11): the GPU may start a kernel's programs while the kernel
@@ -77,45 +68,13 @@ def pdl(t: torch.Tensor) -> dict:
     return dict(USE_PDL=True, launch_pdl=True) if _pdl_capable(index) else {}
 
 
-def gemv_pdl(w: torch.Tensor) -> dict:
-    """:func:`pdl`'s keywords for a GEMV over the ``[N, K]`` weight ``w`` (unit stride in a row),
-    with its rows' L2 prefetch (:func:`prefetch_rows_l2`) under ``ZPP_GEMV_PREFETCH=1``."""
-    kw = pdl(w)
-    if kw and _PREFETCH:
-        per_line = 128 // w.element_size()
-        kw.update(PREFETCH=True, PF_LINES=triton.next_power_of_2(triton.cdiv(w.shape[1], per_line)))
-    return kw
-
-
 @triton.jit
-def pdl_enter(USE_PDL: tl.constexpr, MULTI_WAVE: tl.constexpr = False):
+def pdl_enter(USE_PDL: tl.constexpr):
     """A kernel's first step under :func:`pdl`: wait for the kernel before it (its writes visible),
-    then let the next kernel's programs launch as this one's finish (``ZPP_PDL_TRIGGER=entry``; with
-    ``late`` only a kernel that is not ``MULTI_WAVE``: those call :func:`pdl_trigger` after their main
-    loop, so the next kernel's waiting programs do not take SM slots from this one's later waves)."""
+    then let the next kernel's programs launch as this one's finish. Where the launch is released
+    was measured on an H100 (batch-1 FP8 decode, ms per token): here 3.39, after a GEMV's last weight
+    load 3.44. An L2 prefetch of the GEMV's weights before the wait made each placement slower (3.58
+    here, 3.66 late, 3.91 released only at exit) and was removed."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if _TRIGGER_AT_ENTRY or (_TRIGGER_LATE and not MULTI_WAVE):
-            tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_trigger(USE_PDL: tl.constexpr):
-    """A ``MULTI_WAVE`` kernel's launch of the next one under ``ZPP_PDL_TRIGGER=late``, called once its
-    last loads are issued; nothing otherwise."""
-    if USE_PDL:
-        if _TRIGGER_LATE:
-            tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_rows_l2(W, n, N, stride_wn, K, LINES: tl.constexpr, ELEMS_PER_LINE: tl.constexpr):
-    """Ask L2 for rows ``n`` (``[BLOCK_N]``, clamped to ``N - 1``) of the ``[N, K]`` matrix ``W``, one
-    ``prefetch.global.L2`` per 128-byte line (``LINES`` >= ``ceil(K / ELEMS_PER_LINE)``, a power of
-    two). Before :func:`pdl_enter`: weights are never written by the kernel before, so their reads may
-    start while it finishes."""
-    rows = tl.minimum(n, N - 1)
-    cols = tl.minimum(tl.arange(0, LINES) * ELEMS_PER_LINE, K - 1)
-    addr = (W + rows[:, None] * stride_wn + cols[None, :]).to(tl.uint64, bitcast=True)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [addr], dtype=tl.int32, is_pure=False,
-                              pack=1)
+        tl.extra.cuda.gdc_launch_dependents()

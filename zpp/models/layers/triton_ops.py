@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from zpp import envs
-from zpp.models.layers.pdl import gemv_pdl, pdl, pdl_enter, pdl_trigger, prefetch_rows_l2
+from zpp.models.layers.pdl import pdl, pdl_enter
 
 _FUSED_MERGE = envs.ZPP_ATTN_FUSED_MERGE
 
@@ -480,16 +480,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _gemv_kernel(X, W, B, Y, N, K, stride_xm, stride_wn, stride_ym, M: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                 USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_LINES: tl.constexpr = 1):
+                 USE_PDL: tl.constexpr = False):
     # One program: BLOCK_N output rows for all M (<= 4) inputs, the whole K, so each weight row is
     # read once and no second (reduce) kernel is needed. Partial sums stay in a [BLOCK_N, BLOCK_K]
     # fp32 tile and are reduced once at the end.
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    if PREFETCH:  # the weight rows are nobody's output: read them while the kernel before finishes
-        prefetch_rows_l2(W, n, N, stride_wn, K, PF_LINES, 64)
-    pdl_enter(USE_PDL, True)
+    pdl_enter(USE_PDL)
     kk = tl.arange(0, BLOCK_K)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -515,7 +513,6 @@ def _gemv_kernel(X, W, B, Y, N, K, stride_xm, stride_wn, stride_ym, M: tl.conste
         if M > 3:
             x3 = tl.load(X + 3 * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
             acc3 += w * x3[None, :]
-    pdl_trigger(USE_PDL)
     bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias = tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -555,7 +552,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, 
     _gemv_kernel[(triton.cdiv(N, block_n),)](x, w, bias if bias is not None else w, y, N, K, x.stride(0),
                                              w.stride(0), y.stride(0), M=M, HAS_BIAS=bias is not None,
                                              BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even,
-                                             num_warps=num_warps, num_stages=num_stages, **gemv_pdl(w))
+                                             num_warps=num_warps, num_stages=num_stages, **pdl(w))
     return y
 
 
