@@ -71,11 +71,8 @@ def ref_attention(q, k_cache, v_cache, block_tables, seq_lens, q_lens, scale, wi
 
 
 @pytest.mark.parametrize("hq,hk,d", [(4, 2, 64), (9, 3, 64), (8, 8, 32)])
-@pytest.mark.parametrize("mode", ["decode", "prefill", "chunked", "decode-split", "decode-split-fused-merge"])
-def test_paged_attention(hq, hk, d, mode, monkeypatch):
-    """Against the reference; ``decode-split-fused-merge``: the split-KV slices merged inside the kernel
-    by the program that finishes last (``ZPP_ATTN_FUSED_MERGE=1``), its counters back at 0 after."""
-    monkeypatch.setattr(ops, "_FUSED_MERGE", mode.endswith("fused-merge"))
+@pytest.mark.parametrize("mode", ["decode", "prefill", "chunked", "decode-split"])
+def test_paged_attention(hq, hk, d, mode):
     torch.manual_seed(0)
     rng = random.Random(1)
     bs, nblocks = 16, 64
@@ -103,15 +100,11 @@ def test_paged_attention(hq, hk, d, mode, monkeypatch):
     ts, tq = ops.attention_tiles(q_lens, max(1, block_m // (hq // hk)))
     qstart = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
     i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)
-    splits = 4 if mode.startswith("decode-split") else 1
-    for _ in range(2 if mode.endswith("fused-merge") else 1):  # twice: the counters reset themselves
-        out.fill_(float("nan"))
-        ops.paged_attention(q, kc, vc, out, bt, i32(seq_lens), qstart, i32(ts), i32(tq), d ** -0.5, block_m, splits)
-        ref = ref_attention(q, kc, vc, tables, seq_lens, q_lens, d ** -0.5)
-        assert not out.isnan().any()
-        assert rel_err(out, ref) < TOL
-    if mode.endswith("fused-merge"):
-        assert int(ops._COUNTERS[q.device].abs().sum()) == 0
+    splits = 4 if mode == "decode-split" else 1
+    ops.paged_attention(q, kc, vc, out, bt, i32(seq_lens), qstart, i32(ts), i32(tq), d ** -0.5, block_m, splits)
+    ref = ref_attention(q, kc, vc, tables, seq_lens, q_lens, d ** -0.5)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL
 
 
 @pytest.mark.parametrize("split", [True, False])

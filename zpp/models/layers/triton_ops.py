@@ -16,10 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zpp import envs
 from zpp.models.layers.pdl import pdl, pdl_enter
-
-_FUSED_MERGE = envs.ZPP_ATTN_FUSED_MERGE
 
 
 # --- attention --------------------------------------------------------------------------------
@@ -35,7 +32,7 @@ def _kv_for_dot(x, dtype: tl.constexpr, FP8_KV: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     Q, K_cache, V_cache, Out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
-    Part_O, Part_ML, Sinks, scale_log2e, window, Counter,
+    Part_O, Part_ML, Sinks, scale_log2e, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -43,7 +40,6 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, HQ: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
     D_EXTRA: tl.constexpr = 0, BLOCK_DE: tl.constexpr = 16, V_FROM_K: tl.constexpr = False,
     v_scale=1.0, FP8_KV: tl.constexpr = False, FP8_F16: tl.constexpr = True, USE_PDL: tl.constexpr = False,
-    FUSED_MERGE: tl.constexpr = False,
 ):
     # D_EXTRA > 0: queries and keys have D + D_EXTRA dims, values D (their scores add the extra
     # dims' dot product). V_FROM_K: the value of a key row is its first D dims (MLA's latent cache).
@@ -140,29 +136,6 @@ def _paged_attention_kernel(
         tl.store(Part_O + row[:, None] * BLOCK_D + d[None, :], out, mask=row_ok[:, None])
         tl.store(Part_ML + row * 2, m_i, mask=row_ok)
         tl.store(Part_ML + row * 2 + 1, l_i, mask=row_ok)
-        if FUSED_MERGE:  # the program that finishes last of this tile's splits merges them (one launch less)
-            tl.debug_barrier()  # every thread's partial stored before the release below
-            idx = tile * tl.num_programs(1) + kvh
-            if tl.atomic_add(Counter + idx, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                base = ((qs + tok) * HQ + head) * NUM_SPLITS                  # [BLOCK_M]
-                m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                for sp in tl.static_range(NUM_SPLITS):
-                    m_max = tl.maximum(m_max, tl.load(Part_ML + (base + sp) * 2, mask=row_ok, other=float("-inf"),
-                                                      cache_modifier=".cg"))
-                m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-                o_sum = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-                w_sum = tl.zeros([BLOCK_M], tl.float32)
-                for sp in tl.static_range(NUM_SPLITS):
-                    m_s = tl.load(Part_ML + (base + sp) * 2, mask=row_ok, other=0.0, cache_modifier=".cg")
-                    w = tl.math.exp2(m_s - m_max) * tl.load(Part_ML + (base + sp) * 2 + 1, mask=row_ok, other=0.0,
-                                                             cache_modifier=".cg")
-                    o_sum += w[:, None] * tl.load(Part_O + (base + sp)[:, None] * BLOCK_D + d[None, :],
-                                                  mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-                    w_sum += w
-                tl.store(Out + (qs + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                         (o_sum / tl.maximum(w_sum, 1e-30)[:, None]).to(Out.dtype.element_ty),
-                         mask=row_ok[:, None] & d_ok[None, :])
-                tl.atomic_xchg(Counter + idx, 0)  # ready for the next launch (and graph replay)
 
 
 @triton.jit
@@ -262,7 +235,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_ml = torch.empty((T * Hq * splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out
-    counter = _merge_counters(q.device, tile_seq.shape[0] * Hk) if splits > 1 and _FUSED_MERGE else None
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     f16 = fp8 and fp8_f16 and q.dtype != torch.float32
     if block_m <= 16 and splits == 1:  # a decode batch of its own, one program per sequence and KV head
@@ -279,7 +251,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
         part_o, part_ml, sinks if sinks is not None else out, scale * k_scale * 1.4426950408889634, window or 0,
-        counter if counter is not None else out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=G, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
@@ -287,27 +258,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         NUM_SPLITS=splits, HQ=Hq, SLIDING=window is not None, HAS_SINKS=sinks is not None,
         D_EXTRA=d_extra, BLOCK_DE=max(16, triton.next_power_of_2(max(d_extra, 1))),
         V_FROM_K=bool(d_extra), v_scale=v_scale, FP8_KV=fp8, FP8_F16=f16,
-        FUSED_MERGE=counter is not None, num_warps=num_warps, num_stages=num_stages, **pdl(q))
-    if splits > 1 and counter is None:
+        num_warps=num_warps, num_stages=num_stages, **pdl(q))
+    if splits > 1:
         _merge_splits_kernel[(T, Hq)](part_o, part_ml, out, out.stride(0), out.stride(1), HQ=Hq,
                                       NUM_SPLITS=splits, D=D, BLOCK_D=BLOCK_D, num_warps=4,
                                       **pdl(q))
     return out
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _merge_counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
-    """Zeroed int32 counters (one per tile and KV head, >= ``n``) for the in-kernel merge of
-    split-KV decode attention, kept per device (each merging program resets its own to 0); None
-    while a CUDA graph is being captured and none exist yet (the eager warm-up makes them)."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return c
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> int:
