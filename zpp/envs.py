@@ -102,11 +102,6 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "partial sums into fp32 every few steps instead of keeping them in the MMA's accumulator "
            "(``use_fast_accum``, what vLLM's and TensorRT-LLM's FP8 GEMMs run), for A/B runs. Read once, "
            "at import."),
-    EnvVar("ZPP_FUSED_NORM_GEMV", "bool", _on_if_1,
-           "``1``: a LLaMA-family decoder layer on CUDA runs its RMSNorm (with the residual add) inside the "
-           "FP8 W8A16 GEMV of the next projection (qkv, gate_up) for decode batches of up to 4 tokens "
-           "(``fp8_kernels.rms_norm_fp8_gemv``), one launch less per norm. Off by default: not yet "
-           "measured on a GPU; ``1`` turns it on for A/B runs. Read once, at import."),
     EnvVar("ZPP_PDL", "bool", _on_unless_0,
            "``0``: zpp's Triton kernels on a Hopper or newer GPU launch without programmatic dependent "
            "launch (``zpp.models.layers.pdl``: by default a kernel's programs may start while the one "

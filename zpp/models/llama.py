@@ -129,8 +129,8 @@ class LlamaDecoderLayer(nn.Module):
         ``"mlp"``: ``post_attention_layernorm`` then ``gate_up_proj``) runs fused with that FP8
         projection for the input ``x [T, hidden]``: the module's type in :data:`NORM_GEMV_MODULES`,
         and :func:`zpp.models.layers.fp8.fuses_norm` (CUDA, a LLaMA RMSNorm, per-channel FP8 weights
-        with dynamic activation scales; inside the W8A16 GEMV for T <= 4 with
-        ``ZPP_FUSED_NORM_GEMV=1``, with the activation quantization past that)."""
+        with dynamic activation scales, a batch past the W8A16 GEMV's: the norm with the activation
+        quantization)."""
         if which == "attn":
             module, norm, proj = self.self_attn, self.input_layernorm, "qkv_proj"
         else:

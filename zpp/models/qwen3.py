@@ -56,7 +56,7 @@ class Qwen3Attention(LlamaAttention):
         return self.o_proj(out)                                                       # [T, hidden]
 
 
-NORM_GEMV_MODULES.add(Qwen3Attention)  # its forward_qkv takes the decoder layer's fused RMSNorm + qkv GEMV
+NORM_GEMV_MODULES.add(Qwen3Attention)  # its forward_qkv takes the decoder layer's fused RMSNorm + qkv projection
 
 
 def with_qwen3_defaults(cfg: dict[str, Any], head_dim_default: Optional[int]) -> dict[str, Any]:

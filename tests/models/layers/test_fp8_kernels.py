@@ -171,51 +171,6 @@ def test_fp8_swiglu_gemv_equals_gemv_then_silu_mul(m, i, k, block, bn, bk, dt):
         K.fp8_swiglu_gemv(x, w[:-1], ws[:-1], None)
 
 
-@pytest.mark.parametrize("m,n,k,bn,bk,res,dt", [
-    (1, 301, 700, 4, 256, True, DT), (2, 64, 512, 4, 512, False, DT), (3, 301, 700, 4, 256, False, DT),
-    (4, 64, 512, 4, 128, True, DT), (4, 301, 700, 4, 256, True, DT), (1, 64, 512, 4, 512, False, DT),
-    (2, 64, 512, 4, 128, True, torch.bfloat16), (3, 301, 700, 4, 256, True, torch.bfloat16),
-    (4, 64, 512, 4, 512, False, torch.bfloat16)])
-def test_rms_norm_fp8_gemv(m, n, k, bn, bk, res, dt):
-    """RMSNorm (with the residual add) fused into the GEMV's prologue against the two kernels it
-    replaces (triton_ops.rms_norm, then fp8_gemv): the residual sum bit for bit, the product within
-    float32 summation-order noise (the norm's statistics summed in K-blocks, not in one). bf16 too on
-    the CPU, where the roundings of the sum and of the normed value show; the interpreter rounds to
-    bf16 its own way (not the GPU's, so only kernel against kernel) and multiplies two bf16 tensors
-    into garbage, so there the norm weight is float32."""
-    w, ws = _fp8_weight(n, k, None, seed=m)
-    torch.manual_seed(10 * m + n)
-    x = (torch.randn(m, k, device=DEV) * 3).to(dt)
-    r = (torch.randn(m, k, device=DEV) * 5).to(dt) if res else None
-    nw = (1 + 0.3 * torch.randn(k, device=DEV)).to(dt if ON_GPU else torch.float32)
-    b = torch.randn(n, device=DEV, dtype=dt)
-    eps = 1e-5
-    normed = ops.rms_norm(x, nw, eps, r)
-    r_ref = None
-    if res:
-        normed, r_ref = normed
-    for bias in (None, b):
-        y, r_out = K.rms_norm_fp8_gemv(x, r, nw, eps, w, ws, bias, block_n=bn, block_k=bk)
-        ref = K.fp8_gemv(normed, w, ws, None, bias, block_n=bn, block_k=bk)
-        assert y.shape == (m, n) and y.dtype == dt
-        if res:
-            assert r_out.dtype == dt and torch.equal(r_out, r_ref)
-        else:
-            assert r_out is None
-        # float32 noise in 1 / rms may flip a bf16 rounding of a normed value or of an output: a bf16 step
-        tol = 1e-5 if dt == torch.float32 else 2 ** -7
-        diff = (y.float() - ref.float()).abs().max().item()
-        assert diff <= tol * ref.float().abs().max().item(), diff
-        assert rel_err(y, ref) < tol / 4
-        if dt == torch.float32:
-            full = x.float() + (r.float() if res else 0)
-            want = (full * torch.rsqrt(full.pow(2).mean(1, keepdim=True) + eps) * nw) @ dequantize(
-                w, ws, None, torch.float32).t() + (0 if bias is None else bias.float())
-            assert rel_err(y, want) < 1e-5
-    with pytest.raises(ValueError, match="at most 4"):
-        K.rms_norm_fp8_gemv(torch.randn(5, k, device=DEV, dtype=dt), None, nw, eps, w, ws)
-
-
 @pytest.mark.parametrize("m,n,k,block", [(37, 300, 700, (128, 128)), (5, 64, 256, (128, 128)),
                                          (70, 96, 200, (64, 32)), (1, 200, 128, (128, 128))])
 @pytest.mark.parametrize("tiles", [None, dict(block_m=16, block_n=32, num_warps=4, num_stages=2)])

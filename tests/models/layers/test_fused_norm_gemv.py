@@ -1,9 +1,9 @@
 """A LLaMA-family decoder layer's RMSNorm fused with the FP8 projection after it (``fp8.fuses_norm``,
-``LlamaDecoderLayer.fuses_norm``): inside the W8A16 GEMV for batches of up to 4 tokens
-(``ZPP_FUSED_NORM_GEMV=1``, ``fp8_kernels.rms_norm_fp8_gemv``), with the per-token activation
-quantization past that (unless ``ZPP_FP8_FUSED_QUANT=0``, ``fp8_kernels.rms_norm_quant``): which
-layers and batches take each fused path, and, on the CPU under TRITON_INTERPRET=1 with the CUDA
-check stood in, that a decoder layer taking it computes what the unfused layer computes."""
+``LlamaDecoderLayer.fuses_norm``): with the per-token activation quantization for batches past the
+W8A16 GEMV's (unless ``ZPP_FP8_FUSED_QUANT=0``, ``fp8_kernels.rms_norm_quant``), not for the GEMV's
+batches of up to 4 tokens: which layers and batches take the fused path, and, on the CPU under
+TRITON_INTERPRET=1 with the CUDA check stood in, that a decoder layer taking it computes what the
+unfused layer computes."""
 from __future__ import annotations
 
 import types
@@ -49,20 +49,20 @@ def _cuda(m):
 
 
 def test_which_layers_and_batches_fuse(monkeypatch):
-    monkeypatch.setattr(F8, "_FUSED_NORM", True)
+    monkeypatch.setattr(F8, "_FP8_GEMV", True)
     monkeypatch.setattr(F8, "_FUSED_QUANT", True)
     layer = _layer()
-    for m in (1, 2, 3, 4, 5, 64, 2048):                                   # GEMV rows, then the quantization
+    for m in (5, 64, 2048):                                                # past the GEMV's rows: the quantization
         assert layer.fuses_norm("attn", _cuda(m)) and layer.fuses_norm("mlp", _cuda(m))
-    assert not layer.fuses_norm("attn", _cuda(0)) and not layer.fuses_norm("mlp", _cuda(0))
-    monkeypatch.setattr(F8, "_FUSED_QUANT", False)                         # ZPP_FP8_FUSED_QUANT=0
-    for m in (5, 64):
+    for m in (0, 1, 2, 3, 4):                                              # none, or the GEMV's: the norm alone
         assert not layer.fuses_norm("attn", _cuda(m)) and not layer.fuses_norm("mlp", _cuda(m))
-    assert layer.fuses_norm("attn", _cuda(4))
+    monkeypatch.setattr(F8, "_FUSED_QUANT", False)                         # ZPP_FP8_FUSED_QUANT=0
+    for m in (1, 4, 5, 64):
+        assert not layer.fuses_norm("attn", _cuda(m)) and not layer.fuses_norm("mlp", _cuda(m))
     monkeypatch.setattr(F8, "_FUSED_QUANT", True)
-    assert not layer.fuses_norm("attn", torch.zeros(1, 64))                # the CPU
+    assert not layer.fuses_norm("attn", torch.zeros(5, 64))                # the CPU
     qwen3 = _layer(attn=Qwen3Attention(CFG, 64, False))
-    assert qwen3.fuses_norm("attn", _cuda(1))
+    assert qwen3.fuses_norm("attn", _cuda(5))
 
     class Phi3Like(llama.LlamaAttention):                                  # a subclass not opted in
         pass
@@ -74,48 +74,39 @@ def test_which_layers_and_batches_fuse(monkeypatch):
 
     other = llama.LlamaDecoderLayer(CFG, 64, False, attn=Phi3Like(CFG, 64, False), mlp=MoELike())
     other.self_attn.qkv_proj = layer.self_attn.qkv_proj
-    assert not other.fuses_norm("attn", _cuda(1)) and not other.fuses_norm("mlp", _cuda(1))
+    assert not other.fuses_norm("attn", _cuda(5)) and not other.fuses_norm("mlp", _cuda(5))
     # the norm: LLaMA's only (not the float32-weight one, not Gemma's)
     layer.input_layernorm.weight_in_float32 = True
-    assert not layer.fuses_norm("attn", _cuda(1))
+    assert not layer.fuses_norm("attn", _cuda(5))
     layer.post_attention_layernorm = GemmaRMSNorm(64)
-    assert not layer.fuses_norm("mlp", _cuda(1))
+    assert not layer.fuses_norm("mlp", _cuda(5))
     # the projection: per-channel FP8 weights with dynamic activation scales only
     fresh = _layer()
     ws = fresh.self_attn.qkv_proj.fp8.weight_scale
     fresh.self_attn.qkv_proj.fp8 = Fp8Params(ws, input_scale=torch.ones(1))
-    assert not fresh.fuses_norm("attn", _cuda(1))
+    assert not fresh.fuses_norm("attn", _cuda(5))
     fresh.self_attn.qkv_proj.fp8 = Fp8Params(ws, block=(16, 16))
-    assert not fresh.fuses_norm("attn", _cuda(1))
+    assert not fresh.fuses_norm("attn", _cuda(5))
     fresh.mlp.gate_up_proj.fp8 = None
-    assert not fresh.fuses_norm("mlp", _cuda(1))
-    # the switches: ZPP_FUSED_NORM_GEMV off (the default), or the W8A16 GEMV off (ZPP_FP8_GEMV=0:
-    # every batch quantized, so the norm fuses with the quantization), and ZPP_FP8_FUSED_QUANT=0
+    assert not fresh.fuses_norm("mlp", _cuda(5))
+    # the switches: the W8A16 GEMV off (ZPP_FP8_GEMV=0: every batch quantized, so the norm fuses with
+    # the quantization), and ZPP_FP8_FUSED_QUANT=0
     monkeypatch.setattr(F8, "_FP8_GEMV", False)
     assert _layer().fuses_norm("mlp", _cuda(1))
     monkeypatch.setattr(F8, "_FUSED_QUANT", False)
     assert not _layer().fuses_norm("mlp", _cuda(1))
-    monkeypatch.setattr(F8, "_FP8_GEMV", True)
-    monkeypatch.setattr(F8, "_FUSED_QUANT", True)
-    monkeypatch.setattr(F8, "_FUSED_NORM", False)
-    assert not _layer().fuses_norm("mlp", _cuda(1))
-    assert _layer().fuses_norm("mlp", _cuda(5))
-
-
-def test_switch_is_off_by_default():
-    from zpp import envs
-    assert envs.VARIABLES["ZPP_FUSED_NORM_GEMV"].default is False
 
 
 @pytest.mark.slow  # the kernel under the Triton interpreter on the CPU
 @pytest.mark.parametrize("attn_cls", [llama.LlamaAttention, Qwen3Attention])
 @pytest.mark.parametrize("m", [1, 3, 4, 6])
 def test_decoder_layer_fused_equals_unfused(monkeypatch, attn_cls, m):
-    """One decoder layer (FP8 weights, qkv bias) with both norms fused into their projections (GEMVs
-    for m <= 4, the activation quantization for 6) against the same layer unfused, first layer (no
-    residual) and later ones; on the CPU the layer's CUDA check is stood in and the kernel runs under
-    the interpreter, the unfused layer on PyTorch's path (for 6 rows every W8A8 product, fused or not,
-    in PyTorch's CPU ``_scaled_mm`` with bf16 out, as on the GPU)."""
+    """One decoder layer (FP8 weights, qkv bias) with both norms fused into their projections' activation
+    quantization against the same layer unfused, first layer (no residual) and later ones: m = 6 past
+    the W8A16 GEMV's rows; m <= 4 the GEMV's, which run the norm unfused unless the GEMV is off
+    (``ZPP_FP8_GEMV=0``, as here). On the CPU the layer's CUDA check is stood in and the kernel runs
+    under the interpreter, the unfused layer on PyTorch's path (every W8A8 product, fused or not, in
+    PyTorch's CPU ``_scaled_mm`` with bf16 out, as on the GPU)."""
     from zpp.models.layers.attention import build_attention_metadata
     layer = _layer(attn=attn_cls(CFG, 64, True) if attn_cls is Qwen3Attention else None, bias=True)
     hk, d, bs = 2, 16, 16
@@ -126,21 +117,24 @@ def test_decoder_layer_fused_equals_unfused(monkeypatch, attn_cls, m):
     real = F8.fuses_norm
     monkeypatch.setattr(llama, "fuses_norm", lambda norm, lin, t: real(norm, lin, types.SimpleNamespace(
         is_cuda=True, shape=t.shape)))
-    if m > 4:  # the unfused W8A8 layers as on the GPU: per-token quantization, then _scaled_mm (bf16 out)
-        ref = F8.fp8_linear_reference
+    monkeypatch.setattr(F8, "_FP8_GEMV", True)
+    monkeypatch.setattr(F8, "_FUSED_QUANT", True)
+    if m <= 4:  # the W8A16 GEMV's batch: the norm runs on its own, unless the GEMV is off
+        assert not layer.fuses_norm("attn", x) and not layer.fuses_norm("mlp", x)
+        monkeypatch.setattr(F8, "_FP8_GEMV", False)
 
-        def gpu_like(x, w, p, bias=None):
-            xf = x.float()
-            xs = xf.abs().amax(1, keepdim=True).clamp_min(1e-10) / F8.FP8_MAX
-            xq = (xf * (1.0 / xs)).clamp(-F8.FP8_MAX, F8.FP8_MAX).to(F8.FP8_DTYPE)  # as the kernels round
-            return F8.fp8_linear_quantized(xq, xs, w, p, bias, x.dtype) if x.shape[0] > 4 else ref(x, w, p, bias)
-        monkeypatch.setattr(F8, "fp8_linear_reference", gpu_like)
+    # the unfused W8A8 layers as on the GPU: per-token quantization, then _scaled_mm (bf16 out)
+    def gpu_like(x, w, p, bias=None):
+        xf = x.float()
+        xs = xf.abs().amax(1, keepdim=True).clamp_min(1e-10) / F8.FP8_MAX
+        xq = (xf * (1.0 / xs)).clamp(-F8.FP8_MAX, F8.FP8_MAX).to(F8.FP8_DTYPE)  # as the kernels round
+        return F8.fp8_linear_quantized(xq, xs, w, p, bias, x.dtype)
+    monkeypatch.setattr(F8, "fp8_linear_reference", gpu_like)
     taken = []
     kernel = F8.rms_norm_fp8_linear
     monkeypatch.setattr(llama, "rms_norm_fp8_linear", lambda *a: taken.append(1) or kernel(*a))
     outs = {}
     for fused in (True, False):
-        monkeypatch.setattr(F8, "_FUSED_NORM", fused)
         monkeypatch.setattr(F8, "_FUSED_QUANT", fused)
         for r in (None, resid):
             meta = build_attention_metadata([0], [m], [[0]], bs, torch.device("cpu"), 2)
@@ -149,7 +143,7 @@ def test_decoder_layer_fused_equals_unfused(monkeypatch, attn_cls, m):
     assert len(taken) == 4                                                 # 2 norms x 2 calls, fused only
     # float32 noise of the norm's statistics; with the W8A8 products it moves a row's scale by an ulp,
     # which may flip a bf16 rounding of the products' output (one bf16 step)
-    tol = 1e-5 if m <= 4 else 2 ** -8
+    tol = 2 ** -8
     for first in (True, False):
         (y, res), (y_ref, res_ref) = outs[True, first], outs[False, first]
         # the residual after attention holds the attention's output

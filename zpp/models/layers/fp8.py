@@ -25,8 +25,8 @@ and calls :func:`fp8_linear_quantized`; ``ZPP_FP8_FUSED_QUANT=0`` keeps the two 
 A LLaMA-family decoder layer hands its RMSNorm to the projection after it (:func:`rms_norm_fp8_linear`,
 where :func:`fuses_norm` allows it): past the GEMV's rows the norm quantizes its output per token in
 the same kernel (:func:`~zpp.models.layers.fp8_kernels.rms_norm_quant`; ``ZPP_FP8_FUSED_QUANT=0``
-keeps norm and quantization apart); with ``ZPP_FUSED_NORM_GEMV=1`` a batch of up to 4 tokens runs the
-norm inside the W8A16 GEMV.
+keeps norm and quantization apart). A batch the W8A16 GEMV takes runs the norm on its own (the norm
+inside the GEMV measured slower on an H100, 3.65 vs 3.58 ms batch-1 TPOT, and was removed).
 """
 from __future__ import annotations
 
@@ -39,7 +39,6 @@ from zpp import envs
 
 _FP8_GEMV = envs.ZPP_FP8_GEMV
 _FUSED_QUANT = envs.ZPP_FP8_FUSED_QUANT
-_FUSED_NORM = envs.ZPP_FUSED_NORM_GEMV
 _FAST_ACCUM = envs.ZPP_FP8_FAST_ACCUM
 _SWIGLU = envs.ZPP_FP8_SWIGLU_GEMV
 FP8_DTYPE = torch.float8_e4m3fn
@@ -119,10 +118,10 @@ def fuses_norm(norm, layer, x: torch.Tensor) -> bool:
     linear ``layer`` it feeds (:func:`rms_norm_fp8_linear`): on CUDA, ``M > 0``, ``norm`` a plain
     LLaMA :class:`~zpp.models.layers.norm.RMSNorm` (weight multiplied in the model dtype), ``layer``
     a column-parallel :class:`~zpp.models.layers.linear.MergedLinear` (no all-reduce after its
-    product) with per-channel FP8 weights and dynamic activation scales; then for a batch the W8A16
-    GEMV takes (``0 < M <= FP8_GEMV_MAX_M``, ``ZPP_FP8_GEMV`` on) only with ``ZPP_FUSED_NORM_GEMV=1``
-    (the norm inside the GEMV), for a larger one unless ``ZPP_FP8_FUSED_QUANT=0`` (the norm and the
-    activation quantization in one kernel, ``K <= RMS_NORM_QUANT_MAX_K``)."""
+    product) with per-channel FP8 weights and dynamic activation scales, a batch past the W8A16
+    GEMV's (not ``0 < M <= FP8_GEMV_MAX_M`` with ``ZPP_FP8_GEMV`` on: that batch runs the norm, then
+    the GEMV), and ``ZPP_FP8_FUSED_QUANT`` on (the norm and the activation quantization in one
+    kernel, ``K <= RMS_NORM_QUANT_MAX_K``)."""
     if not x.is_cuda or x.shape[0] == 0:
         return False
     from zpp.models.layers.norm import RMSNorm
@@ -135,25 +134,19 @@ def fuses_norm(norm, layer, x: torch.Tensor) -> bool:
         return False
     from zpp.models.layers.fp8_kernels import FP8_GEMV_MAX_M, RMS_NORM_QUANT_MAX_K
     if x.shape[0] <= FP8_GEMV_MAX_M and _FP8_GEMV:
-        return _FUSED_NORM
+        return False
     return _FUSED_QUANT and x.shape[1] <= RMS_NORM_QUANT_MAX_K
 
 
 def rms_norm_fp8_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm, layer
                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``layer(norm(x, residual))`` with the norm fused where :func:`fuses_norm` allows it: ``x [M, K]``,
+    """``layer(norm(x, residual))`` with the norm fused, where :func:`fuses_norm` allows it: ``x [M, K]``,
     ``residual [M, K]`` or None -> ``(layer's output [M, N]`` in ``x``'s dtype, ``x + residual)``
-    (None without ``residual``). A batch the W8A16 GEMV takes: one launch,
-    :func:`~zpp.models.layers.fp8_kernels.rms_norm_fp8_gemv` with :func:`fp8_linear`'s launch
-    configuration; a larger one: :func:`~zpp.models.layers.fp8_kernels.rms_norm_quant` (the norm and
+    (None without ``residual``): :func:`~zpp.models.layers.fp8_kernels.rms_norm_quant` (the norm and
     the per-token quantization in one pass) then :func:`fp8_linear_quantized`."""
     from zpp.models.layers import fp8_kernels as K
-    w = layer.weight
-    if x.shape[0] <= K.FP8_GEMV_MAX_M and _FP8_GEMV:
-        return K.rms_norm_fp8_gemv(x, residual, norm.weight, norm.eps, w, layer.fp8.weight_scale, layer.bias,
-                                   **K.fp8_gemv_config(w.shape[0], w.shape[1]))
     xq, xs, summed = K.rms_norm_quant(x, residual, norm.weight, norm.eps)
-    return fp8_linear_quantized(xq, xs, w, layer.fp8, layer.bias, x.dtype), summed
+    return fp8_linear_quantized(xq, xs, layer.weight, layer.fp8, layer.bias, x.dtype), summed
 
 
 def quantize_activations_reference(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None,

@@ -1,7 +1,6 @@
 """Triton kernels for FP8 (e4m3) linear layers on the GPU: activation quantization (per token, static,
 or per token and 128-wide group), a W8A16 matrix-vector product for decode batches of up to 4
-tokens (also with the preceding residual add and RMSNorm in its prologue, :func:`rms_norm_fp8_gemv`),
-and the block-scaled W8A8 GEMM of DeepSeek-style checkpoints.
+tokens, and the block-scaled W8A8 GEMM of DeepSeek-style checkpoints.
 
 References: DeepSeek-V3's ``inference/kernel.py`` (``act_quant``, ``fp8_gemm``: per-128-group
 activation scales times 128 x 128 weight-block scales, applied to each K-block's partial product),
@@ -208,39 +207,9 @@ def per_token_group_quant(x: torch.Tensor, group_size: int) -> tuple[torch.Tenso
 
 # --- W8A16 matrix-vector product for decode ---------------------------------------------------------
 @triton.jit
-def _norm_rstd(X, R, R_OUT, K, eps, kk, WRITE, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr):
-    # One row's 1 / rms over K in float32, of x + residual rounded to the residual's dtype (stored to
-    # R_OUT where WRITE), as triton_ops._rms_norm_kernel computes it.
-    acc = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + kk
-        k_ok = k < K
-        h = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
-        if HAS_RES:
-            h_round = (h + tl.load(R + k, mask=k_ok, other=0.0).to(tl.float32)).to(R.dtype.element_ty)
-            tl.store(R_OUT + k, h_round, mask=k_ok & WRITE)
-            h = h_round.to(tl.float32)
-        acc += h * h
-    return tl.math.rsqrt(tl.sum(acc, 0) / K + eps)
-
-
-@triton.jit
-def _norm_row(X, R, nw, k, k_ok, rstd, HAS_RES: tl.constexpr):
-    # One row's normed values at columns k (LLaMA order: normalise, cast to x's dtype, multiply by the
-    # norm weight nw, loaded at k, in that dtype), as float32 for the dot product.
-    h = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
-    if HAS_RES:
-        h = (h + tl.load(R + k, mask=k_ok, other=0.0).to(tl.float32)).to(R.dtype.element_ty).to(tl.float32)
-    y = (h * rstd).to(X.dtype.element_ty)
-    return (nw * y).to(X.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
 def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stride_ws,
                      M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCKWISE: tl.constexpr, BN_S: tl.constexpr,
                      BK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                     R=None, NW=None, R_OUT=None, stride_rm=0, stride_om=0, eps=0.0,
-                     NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
                      USE_PDL: tl.constexpr = False, SWIGLU: tl.constexpr = False):
     # One program: BLOCK_N output rows for all M (<= 4) inputs, the whole K. Each step's
     # [BLOCK_N, BLOCK_K] products are reduced to [BLOCK_N] at once: a [BLOCK_N, BLOCK_K] fp32
@@ -248,9 +217,6 @@ def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stri
     # too few loads in flight (H200, Llama-3-8B shapes at M = 1: 83.9 -> 61.5 us per layer,
     # scripts/fp8_gemv_sweep.py). Per-channel scales multiply the sums once at the end; block scales
     # (BN_S x BK_S tiles) multiply each weight element as it is read.
-    # NORM (rms_norm_fp8_gemv): X is the RMSNorm's input, not the product's: every program first
-    # computes each row's 1 / rms itself (a pass over X, and R with HAS_RES, from L2), program 0 storing
-    # X + R to R_OUT, then norms each K-block of X as it multiplies it (NW: the norm's weight).
     # SWIGLU (fp8_swiglu_gemv): W is [2N, K], gate rows then up rows; a program's rows alternate gate
     # n, up n, gate n + 1, ... and it writes silu(gate) * up for its BLOCK_N / 2 outputs.
     pid = tl.program_id(0)
@@ -264,17 +230,6 @@ def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stri
         n_ok = n < N
     pdl_enter(USE_PDL)
     kk = tl.arange(0, BLOCK_K)
-    if NORM:
-        rstd0 = _norm_rstd(X, R, R_OUT, K, eps, kk, pid == 0, HAS_RES, BLOCK_K)
-        if M > 1:
-            rstd1 = _norm_rstd(X + stride_xm, R + stride_rm, R_OUT + stride_om, K, eps, kk, pid == 0, HAS_RES,
-                               BLOCK_K)
-        if M > 2:
-            rstd2 = _norm_rstd(X + 2 * stride_xm, R + 2 * stride_rm, R_OUT + 2 * stride_om, K, eps, kk, pid == 0,
-                               HAS_RES, BLOCK_K)
-        if M > 3:
-            rstd3 = _norm_rstd(X + 3 * stride_xm, R + 3 * stride_rm, R_OUT + 3 * stride_om, K, eps, kk, pid == 0,
-                               HAS_RES, BLOCK_K)
     acc0 = tl.zeros([BLOCK_N], tl.float32)
     acc1 = tl.zeros([BLOCK_N], tl.float32)
     acc2 = tl.zeros([BLOCK_N], tl.float32)
@@ -291,29 +246,16 @@ def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stri
             ws = tl.load(WS + (n // BN_S)[:, None] * stride_ws + (k // BK_S)[None, :],
                          mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             w = w * ws
-        if NORM:
-            nw = tl.load(NW + k, mask=k_ok, other=0.0)
-            x0 = _norm_row(X, R, nw, k, k_ok, rstd0, HAS_RES)
-        else:
-            x0 = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
+        x0 = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
         acc0 += tl.sum(w * x0[None, :], 1)
         if M > 1:
-            if NORM:
-                x1 = _norm_row(X + stride_xm, R + stride_rm, nw, k, k_ok, rstd1, HAS_RES)
-            else:
-                x1 = tl.load(X + stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
+            x1 = tl.load(X + stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
             acc1 += tl.sum(w * x1[None, :], 1)
         if M > 2:
-            if NORM:
-                x2 = _norm_row(X + 2 * stride_xm, R + 2 * stride_rm, nw, k, k_ok, rstd2, HAS_RES)
-            else:
-                x2 = tl.load(X + 2 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
+            x2 = tl.load(X + 2 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
             acc2 += tl.sum(w * x2[None, :], 1)
         if M > 3:
-            if NORM:
-                x3 = _norm_row(X + 3 * stride_xm, R + 3 * stride_rm, nw, k, k_ok, rstd3, HAS_RES)
-            else:
-                x3 = tl.load(X + 3 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
+            x3 = tl.load(X + 3 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
             acc3 += tl.sum(w * x3[None, :], 1)
     scale = tl.full([BLOCK_N], 1.0, tl.float32)
     if not BLOCKWISE:
@@ -409,57 +351,6 @@ def fp8_swiglu_gemv(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, SWIGLU=True, num_warps=num_warps, num_stages=num_stages,
         **pdl(w))
     return y
-
-
-def rms_norm_fp8_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
-                      w: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                      block_n: int = 4, block_k: int = 2048, num_warps: int = 4,
-                      num_stages: int = 3) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """A pre-norm layer's RMSNorm (with its residual add) and the FP8 W8A16 GEMV that consumes it, in
-    one launch: what ``triton_ops.rms_norm(x, norm_weight, eps, residual)`` (LLaMA order, the weight
-    in the model dtype) followed by :func:`fp8_gemv` on the normed rows computes, for M <= 4 rows.
-
-    ``x [M, K]`` (bf16/fp16/fp32; rows copied contiguous unless unit stride), ``residual [M, K]`` or None, ``norm_weight
-    [K]``; ``w [N, K]`` float8_e4m3fn with per-channel ``weight_scale`` float32 ``[N]`` (no block
-    scales), ``bias [N]`` or None. Returns ``(y [M, N]`` in ``x``'s dtype, ``residual_out [M, K])``:
-    ``residual_out = x + residual`` (float32 sum rounded to ``residual``'s dtype, written by program 0;
-    the norm reads the rounded sum), None without ``residual``. The norm's statistics are summed in
-    another order than rms_norm's one-block sum (float32 noise in 1 / rms); everything else rounds as
-    the two kernels do. Launch arguments as :func:`fp8_gemv`'s (:func:`fp8_gemv_config`); three rows
-    run as four.
-
-    Each program computes the rows' 1 / rms itself in a pass over ``x`` (and ``residual``) before
-    its main loop, then norms each K-block of ``x`` as it multiplies it: the normed activations are
-    never written, and the norm's launch is gone. vLLM fuses the residual add and RMSNorm into the
-    activation quantization of the next FP8 layer; with W8A16 there is no quantization, so this goes
-    one step further into the GEMV's prologue.
-
-    Raises ValueError for M > 4."""
-    M, K = x.shape
-    if M > FP8_GEMV_MAX_M:
-        raise ValueError(f"rms_norm_fp8_gemv takes at most {FP8_GEMV_MAX_M} rows, got {M}")
-    if M == 3:
-        pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, 1))
-        y, r = rms_norm_fp8_gemv(pad(x), pad(residual) if residual is not None else None, norm_weight, eps, w,
-                                 weight_scale, bias, block_n, block_k, num_warps, num_stages)
-        return y[:3], (r[:3] if r is not None else None)
-    N = w.shape[0]
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if residual is not None:
-        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
-        r_out = torch.empty((M, K), dtype=residual.dtype, device=x.device)
-        res = dict(R=residual, R_OUT=r_out, stride_rm=residual.stride(0), stride_om=r_out.stride(0), HAS_RES=True)
-    else:
-        r_out = None
-        res = dict(R=x, R_OUT=x, stride_rm=0, stride_om=0, HAS_RES=False)
-    even = K % block_k == 0 and N % block_n == 0
-    _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, w, weight_scale, bias if bias is not None else x, y, N, K, x.stride(0), w.stride(0), y.stride(0),
-        weight_scale.stride(0), M=M, HAS_BIAS=bias is not None, BLOCKWISE=False, BN_S=1, BK_S=1,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, NW=norm_weight, eps=eps, NORM=True, **res,
-        num_warps=num_warps, num_stages=num_stages, **pdl(w))
-    return y, r_out
 
 
 # --- block-scaled W8A8 GEMM -------------------------------------------------------------------------
