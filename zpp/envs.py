@@ -107,15 +107,6 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "launch (``zpp.models.layers.pdl``: by default a kernel's programs may start while the one "
            "before finishes and wait in-kernel for its writes; batch-1 FP8 decode on an H100 3.60 -> "
            "3.39 ms per token). For A/B runs. Read once, at import."),
-    EnvVar("ZPP_FP8_SWIGLU_GEMV", "bool", _on_if_1,
-           "``1``: a SiLU-gated MLP with FP8 weights on CUDA computes ``silu(gate) * up`` for decode "
-           "batches of up to 4 tokens inside the gate_up W8A16 GEMV (``fp8_kernels.fp8_swiglu_gemv``: no "
-           "SiLU-and-mul launch, the gate | up product never written). Off by default until measured on a "
-           "GPU. Read once, at import."),
-    EnvVar("ZPP_ATTN_FUSED_MERGE", "bool", _on_if_1,
-           "``1``: split-KV decode attention on CUDA merges its context slices inside the attention "
-           "kernel (the program that finishes a tile's slices last combines them) instead of a second "
-           "launch. Off by default until measured on a GPU. Read once, at import."),
     EnvVar("ZPP_TRITON_GEMV", "bool", _on_unless_0,
            "``0``: batch-1 decode on CUDA multiplies by the weights with cuBLAS instead of zpp's Triton "
            "GEMV (``zpp.models.layers.linear``), for A/B runs. Read once, at import."),

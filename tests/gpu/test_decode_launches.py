@@ -91,32 +91,21 @@ def small_llama(tmp_path_factory):
 
 def _greedy(model, prompts, quant):
     from zpp import LLM, SamplingParams
-    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     with LLM(model, device="cuda", dtype="bfloat16", kv_cache_memory="128MiB", quantization=quant) as llm:
-        return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs)
-                for o in llm.generate(prompts, sp, use_tqdm=False)]
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("flag,quant", [("ZPP_PDL=0", None), ("ZPP_PDL=0", "fp8"), ("ZPP_FP8_SWIGLU_GEMV=0", "fp8")])
-def test_greedy_tokens_with_and_without(small_llama, flag, quant, monkeypatch):
-    """A small LLaMA in CUDA graphs, decode batches of 1-3: the default launches (PDL, the fused
-    SwiGLU GEMV) against the switch turned the other way. With PDL only the launches differ: equal
-    tokens. The fused SwiGLU GEMV sums each row in another order: equal up to a first divergence,
-    where each side's token is among the other's top-5."""
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_greedy_tokens_with_and_without_pdl(small_llama, quant, monkeypatch):
+    """A small LLaMA in CUDA graphs, decode batches of 1-3, bf16 and FP8 weights: with PDL (the
+    default) and with ``ZPP_PDL=0`` only the launches differ, so the greedy tokens are equal."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, 8000, (n,), generator=g).tolist() for n in (1, 9, 40)]
-    name, value = flag.split("=")
-    monkeypatch.setenv("ZPP_FP8_SWIGLU_GEMV", "1")
     monkeypatch.setenv("ZPP_PDL", "1")
     base = _greedy(small_llama, prompts, quant)
-    monkeypatch.setenv(name, value)  # the workers read it at import
-    other = _greedy(small_llama, prompts, quant)
-    for (a, alp), (b, blp) in zip(base, other):
-        if name == "ZPP_PDL":
-            assert a == b
-        n = next((j for j, (u, v) in enumerate(zip(a, b)) if u != v), None)
-        if n is not None:
-            assert a[n] in blp[n] and b[n] in alp[n], n
+    monkeypatch.setenv("ZPP_PDL", "0")  # the workers read it at import
+    assert _greedy(small_llama, prompts, quant) == base
 
 
 def test_decode_step_scopes_pdl(monkeypatch):

@@ -54,11 +54,6 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce=False`` (``tp_size > 1``): this rank's partial sum, no all-reduce (see
         :meth:`RowParallelLinear.forward`), for a caller that adds other partials first."""
-        if x.is_cuda and self.act is F.silu:
-            from zpp.models.layers.fp8 import fp8_swiglu_linear
-            y = fp8_swiglu_linear(self.gate_up_proj, x)  # a decode batch with FP8 weights: one launch
-            if y is not None:
-                return self.down_proj(y, reduce)
         return self.forward_gate_up(self.gate_up_proj(x), reduce)
 
     def forward_gate_up(self, gate_up: torch.Tensor, reduce: bool = True) -> torch.Tensor:

@@ -40,7 +40,6 @@ from zpp import envs
 _FP8_GEMV = envs.ZPP_FP8_GEMV
 _FUSED_QUANT = envs.ZPP_FP8_FUSED_QUANT
 _FAST_ACCUM = envs.ZPP_FP8_FAST_ACCUM
-_SWIGLU = envs.ZPP_FP8_SWIGLU_GEMV
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
@@ -68,24 +67,6 @@ def _takes_gemv(x: torch.Tensor) -> bool:
     on, unit stride in a row."""
     from zpp.models.layers.fp8_kernels import FP8_GEMV_MAX_M
     return 0 < x.shape[0] <= FP8_GEMV_MAX_M and _FP8_GEMV and x.stride(-1) == 1
-
-
-def fp8_swiglu_linear(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
-    """``silu(gate) * up`` of the merged gate | up linear ``layer`` (a
-    :class:`~zpp.models.layers.linear.MergedLinear` of two equal parts) for ``x [M, K]`` in one W8A16
-    launch (:func:`~zpp.models.layers.fp8_kernels.fp8_swiglu_gemv`) where that applies: FP8 weights
-    with dynamic activation scales, CUDA, ``0 < M <= 4`` (the rows :func:`fp8_linear` gives the
-    GEMV), ``x`` unit stride in a row, ``ZPP_FP8_GEMV`` and ``ZPP_FP8_SWIGLU_GEMV`` on. Returns
-    ``[M, K_out / 2]`` in ``x``'s dtype, or None where it does not apply (the caller runs the two
-    steps)."""
-    p = getattr(layer, "fp8", None)
-    sizes = getattr(layer, "output_sizes", None)
-    if p is None or p.input_scale is not None or not (_SWIGLU and x.is_cuda and _takes_gemv(x)):
-        return None
-    if sizes is None or len(sizes) != 2 or sizes[0] != sizes[1]:
-        return None
-    from zpp.models.layers.fp8_kernels import fp8_swiglu_gemv
-    return fp8_swiglu_gemv(x, layer.weight, p.weight_scale, p.block, layer.bias)
 
 
 def fp8_linear_quantized(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, p, bias: Optional[torch.Tensor],

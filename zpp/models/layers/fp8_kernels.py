@@ -210,24 +210,16 @@ def per_token_group_quant(x: torch.Tensor, group_size: int) -> tuple[torch.Tenso
 def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stride_ws,
                      M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCKWISE: tl.constexpr, BN_S: tl.constexpr,
                      BK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                     USE_PDL: tl.constexpr = False, SWIGLU: tl.constexpr = False):
+                     USE_PDL: tl.constexpr = False):
     # One program: BLOCK_N output rows for all M (<= 4) inputs, the whole K. Each step's
     # [BLOCK_N, BLOCK_K] products are reduced to [BLOCK_N] at once: a [BLOCK_N, BLOCK_K] fp32
     # accumulator (triton_ops._gemv_kernel's layout) costs registers that, with float8 weights, left
     # too few loads in flight (H200, Llama-3-8B shapes at M = 1: 83.9 -> 61.5 us per layer,
     # scripts/fp8_gemv_sweep.py). Per-channel scales multiply the sums once at the end; block scales
     # (BN_S x BK_S tiles) multiply each weight element as it is read.
-    # SWIGLU (fp8_swiglu_gemv): W is [2N, K], gate rows then up rows; a program's rows alternate gate
-    # n, up n, gate n + 1, ... and it writes silu(gate) * up for its BLOCK_N / 2 outputs.
     pid = tl.program_id(0)
-    if SWIGLU:
-        r = tl.arange(0, BLOCK_N)
-        out = pid * (BLOCK_N // 2) + r // 2
-        n = out + (r % 2) * N
-        n_ok = out < N
-    else:
-        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < N
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
     pdl_enter(USE_PDL)
     kk = tl.arange(0, BLOCK_K)
     acc0 = tl.zeros([BLOCK_N], tl.float32)
@@ -263,24 +255,13 @@ def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stri
     bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias = tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)
-    _store_gemv_row(Y, acc0 * scale + bias, n, n_ok, pid, N, SWIGLU, BLOCK_N)
+    tl.store(Y + n, (acc0 * scale + bias).to(Y.dtype.element_ty), mask=n_ok)
     if M > 1:
-        _store_gemv_row(Y + stride_ym, acc1 * scale + bias, n, n_ok, pid, N, SWIGLU, BLOCK_N)
+        tl.store(Y + stride_ym + n, (acc1 * scale + bias).to(Y.dtype.element_ty), mask=n_ok)
     if M > 2:
-        _store_gemv_row(Y + 2 * stride_ym, acc2 * scale + bias, n, n_ok, pid, N, SWIGLU, BLOCK_N)
+        tl.store(Y + 2 * stride_ym + n, (acc2 * scale + bias).to(Y.dtype.element_ty), mask=n_ok)
     if M > 3:
-        _store_gemv_row(Y + 3 * stride_ym, acc3 * scale + bias, n, n_ok, pid, N, SWIGLU, BLOCK_N)
-
-
-@triton.jit
-def _store_gemv_row(Y, v, n, n_ok, pid, N, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr):
-    # One output row of _fp8_gemv_kernel: v [BLOCK_N] float32 products (scaled, bias added).
-    if SWIGLU:  # gate | up rounded to Y's dtype as the plain GEMV writes them, then triton_ops' SiLU-and-mul
-        g, u = tl.split(tl.reshape(v.to(Y.dtype.element_ty).to(tl.float32), [BLOCK_N // 2, 2]))
-        out = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(Y + out, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty), mask=out < N)
-    else:
-        tl.store(Y + n, v.to(Y.dtype.element_ty), mask=n_ok)
+        tl.store(Y + 3 * stride_ym + n, (acc3 * scale + bias).to(Y.dtype.element_ty), mask=n_ok)
 
 
 FP8_GEMV_MAX_M = 4
@@ -318,38 +299,6 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, block
         x, w, weight_scale, bias if bias is not None else x, y, N, K, x.stride(0), w.stride(0), y.stride(0),
         weight_scale.stride(0), M=M, HAS_BIAS=bias is not None, BLOCKWISE=block is not None, BN_S=bn, BK_S=bk,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, num_warps=num_warps, num_stages=num_stages, **pdl(w))
-    return y
-
-
-def fp8_swiglu_gemv(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor,
-                    block: Optional[tuple[int, int]] = None, bias: Optional[torch.Tensor] = None, block_n: int = 8,
-                    block_k: int = 1024, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """A gated MLP's ``silu(x @ gate^T) * (x @ up^T)`` -> ``[M, I]`` in ``x``'s dtype for M <= 4, in
-    one W8A16 launch: ``w [2I, K]`` float8_e4m3fn, the gate rows then the up rows (a merged gate_up
-    projection), ``weight_scale`` and ``block`` as :func:`fp8_gemv`'s, ``bias [2I]`` or None. Bit for
-    bit :func:`fp8_gemv` then ``triton_ops.silu_and_mul``: each program reads ``block_n / 2`` gate rows
-    and the matching up rows, rounds both products to ``x``'s dtype and multiplies them in float32;
-    the ``[M, 2I]`` product is never written, and the SiLU kernel's launch is gone. Default launch:
-    8 rows (4 outputs) and 1024 bytes of each per step, the bytes per step of :func:`fp8_gemv_config`.
-
-    Raises ValueError for M > 4 or an odd row count."""
-    M, K = x.shape
-    if M > FP8_GEMV_MAX_M:
-        raise ValueError(f"fp8_swiglu_gemv takes at most {FP8_GEMV_MAX_M} rows, got {M}")
-    if w.shape[0] % 2:
-        raise ValueError(f"fp8_swiglu_gemv needs gate and up rows, got {w.shape[0]} rows")
-    if M == 3:
-        return fp8_swiglu_gemv(torch.nn.functional.pad(x, (0, 0, 0, 1)), w, weight_scale, block, bias, block_n,
-                               block_k, num_warps, num_stages)[:3]
-    N = w.shape[0] // 2
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    even = K % block_k == 0 and N % (block_n // 2) == 0
-    bn, bk = block if block is not None else (1, 1)
-    _fp8_gemv_kernel[(triton.cdiv(N, block_n // 2),)](
-        x, w, weight_scale, bias if bias is not None else x, y, N, K, x.stride(0), w.stride(0), y.stride(0),
-        weight_scale.stride(0), M=M, HAS_BIAS=bias is not None, BLOCKWISE=block is not None, BN_S=bn, BK_S=bk,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, SWIGLU=True, num_warps=num_warps, num_stages=num_stages,
-        **pdl(w))
     return y
 
 
