@@ -103,10 +103,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "(``use_fast_accum``, what vLLM's and TensorRT-LLM's FP8 GEMMs run), for A/B runs. Read once, "
            "at import."),
     EnvVar("ZPP_PDL", "bool", _on_unless_0,
-           "``0``: zpp's Triton kernels on a Hopper or newer GPU launch without programmatic dependent "
-           "launch (``zpp.models.layers.pdl``: by default a kernel's programs may start while the one "
-           "before finishes and wait in-kernel for its writes; batch-1 FP8 decode on an H100 3.60 -> "
-           "3.39 ms per token). For A/B runs. Read once, at import."),
+           "``0``: no programmatic dependent launch (``zpp.models.layers.pdl``). By default, on a Hopper "
+           "or newer GPU, the Triton kernels of CUDA-graph decode steps of at most 4 tokens (one stage "
+           "rank, no tensor parallelism) launch with it: a kernel's programs may start while the one "
+           "before finishes and wait in-kernel for its writes (batch-1 FP8 decode on an H100 3.56-3.60 "
+           "-> 3.38-3.40 ms per token). For A/B runs. Read once, at import."),
     EnvVar("ZPP_TRITON_GEMV", "bool", _on_unless_0,
            "``0``: batch-1 decode on CUDA multiplies by the weights with cuBLAS instead of zpp's Triton "
            "GEMV (``zpp.models.layers.linear``), for A/B runs. Read once, at import."),

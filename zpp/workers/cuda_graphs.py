@@ -111,7 +111,12 @@ class DecodeGraphs:
                                  block_m=self.block_m, decode_only=True)
 
     def _forward(self, bs: int) -> torch.Tensor:
-        with decode_step(bs):  # small batches: the graph's kernels launch with PDL (sm90+)
+        """The graphed forward of ``bs`` rows; at ``bs <= pdl.PDL_MAX_TOKENS`` its kernels launch with
+        PDL (sm90+). One stage rank only: with tensor parallelism the graphs hold NCCL all-reduces,
+        and PDL next to them has not been run on a multi-GPU host yet."""
+        if self.stage.tp_size > 1:
+            return self._model_forward(bs)
+        with decode_step(bs):
             return self._model_forward(bs)
 
     def _model_forward(self, bs: int) -> torch.Tensor:
@@ -128,8 +133,10 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         mode = "thread_local" if self.stage.tp_size > 1 else "global"
         for bs in sorted(self.sizes, reverse=True):
-            for _ in range(2):
-                self._forward(bs)
+            # the first warm-up without PDL also builds the kernels an eager step of bs tokens (a short
+            # prompt, prompt logprobs) launches, which would otherwise compile mid-serving
+            self._model_forward(bs)
+            self._forward(bs)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, capture_error_mode=mode):

@@ -281,8 +281,8 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, block
     """``x [M, K] @ dequant(w)^T (+ bias)`` -> ``[M, N]`` in ``x``'s dtype for M <= 4, the activations
     not quantized (W8A16): ``w [N, K]`` float8_e4m3fn with ``weight_scale`` float32 ``[N]`` (per
     channel) or, with ``block = (bn, bk)``, ``[ceil(N/bn), ceil(K/bk)]``. fp32 accumulation. Three
-    rows run as four (a zero row added): the decode graphs build the kernel for 1, 2 and 4 rows
-    (their batch sizes), so an eager 3-token batch would compile a variant of its own mid-run.
+    rows run as four (a zero row added): the decode graphs' warm-ups build the kernel for 1, 2 and 4
+    rows (their batch sizes), so an eager 3-token batch would compile a variant of its own mid-run.
 
     Raises ValueError for M > 4."""
     M, K = x.shape

@@ -24,8 +24,9 @@ _PDL = envs.ZPP_PDL
 
 PDL_MAX_TOKENS = 4
 """Decode steps of at most this many tokens launch with PDL. One H100, Llama-3-8B shape, FP8 weights,
-``zpp bench latency`` in CUDA graphs: batch 1 3.56 -> 3.40 ms per token, batch 8 4.87 either way,
-batch 64 5.49 -> 5.54 (the GEMMs there are cuBLAS's, launched without it)."""
+``zpp bench latency`` in CUDA graphs, PDL everywhere against none: batch 1 3.56-3.60 -> 3.38-3.40 ms
+per token, batch 8 4.86-4.89 either way, batch 64 5.49 -> 5.54 (the GEMMs there are cuBLAS's,
+launched without it). Batches 2 and 4 were not measured apart: they run batch 1's kernels."""
 _active = False  # inside decode_step() for a step of <= PDL_MAX_TOKENS tokens
 
 
