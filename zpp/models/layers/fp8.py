@@ -51,7 +51,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, p, bias: Optional[torch.Tensor]
     if not x.is_cuda:
         return fp8_linear_reference(x, w, p, bias)
     from zpp.models.layers import fp8_kernels as K
-    if _takes_gemv(x):
+    if _gemv_rows(x.shape[0]) and x.stride(-1) == 1:
         return K.fp8_gemv(x, w, p.weight_scale, p.block, bias, **K.fp8_gemv_config(w.shape[0], w.shape[1]))
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -62,11 +62,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, p, bias: Optional[torch.Tensor]
     return K.block_gemm(xq, xs, w, p.weight_scale, p.block, x.dtype, bias)
 
 
-def _takes_gemv(x: torch.Tensor) -> bool:
-    """Whether the CUDA activations ``x [M, K]`` go to the W8A16 GEMV: ``0 < M <= 4``, ``ZPP_FP8_GEMV``
-    on, unit stride in a row."""
+def _gemv_rows(m: int) -> bool:
+    """Whether a CUDA batch of ``m`` rows goes to the W8A16 GEMV (given unit stride in a row):
+    ``0 < m <= FP8_GEMV_MAX_M`` with ``ZPP_FP8_GEMV`` on. The fusions below apply past it."""
     from zpp.models.layers.fp8_kernels import FP8_GEMV_MAX_M
-    return 0 < x.shape[0] <= FP8_GEMV_MAX_M and _FP8_GEMV and x.stride(-1) == 1
+    return 0 < m <= FP8_GEMV_MAX_M and _FP8_GEMV
 
 
 def fp8_linear_quantized(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, p, bias: Optional[torch.Tensor],
@@ -90,8 +90,7 @@ def fuses_input_quant(p, m: int, x: torch.Tensor) -> bool:
     ``ZPP_FP8_FUSED_QUANT=0``."""
     if p is None or not x.is_cuda or p.block is not None or p.input_scale is not None or not _FUSED_QUANT:
         return False
-    from zpp.models.layers.fp8_kernels import FP8_GEMV_MAX_M
-    return not (0 < m <= FP8_GEMV_MAX_M and _FP8_GEMV)
+    return not _gemv_rows(m)
 
 
 def fuses_norm(norm, layer, x: torch.Tensor) -> bool:
@@ -113,10 +112,8 @@ def fuses_norm(norm, layer, x: torch.Tensor) -> bool:
         return False
     if type(norm) is not RMSNorm or norm.weight_in_float32:
         return False
-    from zpp.models.layers.fp8_kernels import FP8_GEMV_MAX_M, RMS_NORM_QUANT_MAX_K
-    if x.shape[0] <= FP8_GEMV_MAX_M and _FP8_GEMV:
-        return False
-    return _FUSED_QUANT and x.shape[1] <= RMS_NORM_QUANT_MAX_K
+    from zpp.models.layers.fp8_kernels import RMS_NORM_QUANT_MAX_K
+    return not _gemv_rows(x.shape[0]) and _FUSED_QUANT and x.shape[1] <= RMS_NORM_QUANT_MAX_K
 
 
 def rms_norm_fp8_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm, layer
