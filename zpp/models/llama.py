@@ -81,7 +81,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out)                                        # [T, hidden]
 
 
-NORM_GEMV_MODULES: set[type] = {LlamaAttention, GatedMLP}
+FUSED_NORM_MODULES: set[type] = {LlamaAttention, GatedMLP}
 """The attention and MLP classes (exact types: a subclass opts in by adding itself, as
 :class:`zpp.models.qwen3.Qwen3Attention` does) whose input projection a :class:`LlamaDecoderLayer`
 may compute together with the RMSNorm before it (FP8 weights, see
@@ -127,7 +127,7 @@ class LlamaDecoderLayer(nn.Module):
     def fuses_norm(self, which: str, x: torch.Tensor) -> bool:
         """Whether the RMSNorm before ``which`` (``"attn"``: ``input_layernorm`` then ``qkv_proj``;
         ``"mlp"``: ``post_attention_layernorm`` then ``gate_up_proj``) runs fused with that FP8
-        projection for the input ``x [T, hidden]``: the module's type in :data:`NORM_GEMV_MODULES`,
+        projection for the input ``x [T, hidden]``: the module's type in :data:`FUSED_NORM_MODULES`,
         and :func:`zpp.models.layers.fp8.fuses_norm` (CUDA, a LLaMA RMSNorm, per-channel FP8 weights
         with dynamic activation scales, a batch past the W8A16 GEMV's: the norm with the activation
         quantization)."""
@@ -135,7 +135,7 @@ class LlamaDecoderLayer(nn.Module):
             module, norm, proj = self.self_attn, self.input_layernorm, "qkv_proj"
         else:
             module, norm, proj = self.mlp, self.post_attention_layernorm, "gate_up_proj"
-        return type(module) in NORM_GEMV_MODULES and fuses_norm(norm, getattr(module, proj), x)
+        return type(module) in FUSED_NORM_MODULES and fuses_norm(norm, getattr(module, proj), x)
 
 
 class LlamaForCausalLM(PreNormDecoder):

@@ -25,7 +25,7 @@ from torch import nn
 from zpp.errors import ConfigError
 from zpp.models.layers.attention import AttentionMetadata
 from zpp.models.layers.norm import RMSNorm
-from zpp.models.llama import NORM_GEMV_MODULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from zpp.models.llama import FUSED_NORM_MODULES, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 QWEN3_HEAD_DIM_DEFAULT = 128
 """HF ``Qwen3Config.head_dim``'s default, used when ``config.json`` omits the key."""
@@ -56,7 +56,7 @@ class Qwen3Attention(LlamaAttention):
         return self.o_proj(out)                                                       # [T, hidden]
 
 
-NORM_GEMV_MODULES.add(Qwen3Attention)  # its forward_qkv takes the decoder layer's fused RMSNorm + qkv projection
+FUSED_NORM_MODULES.add(Qwen3Attention)  # its forward_qkv takes the decoder layer's fused RMSNorm + qkv projection
 
 
 def with_qwen3_defaults(cfg: dict[str, Any], head_dim_default: Optional[int]) -> dict[str, Any]:
