@@ -16,7 +16,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
     """Constrain a request's output to a grammar (vLLM's ``StructuredOutputsParams``; the OpenAI
     server's ``structured_outputs`` object, ``guided_*`` fields and ``response_format`` map onto it).
 
-    Exactly one of ``json``, ``regex``, ``choice``, ``grammar`` and ``json_object`` is set. The
+    Exactly one of ``json``, ``regex``, ``choice``, ``grammar`` and ``json_object`` is set (the
+    constraint); ``disable_any_whitespace`` and ``whitespace_pattern`` are options of the JSON ones. The
     grammar is compiled by xgrammar in the front end (a bad one is refused before the request is
     queued) and enforced by a token mask before every sampled token, in every sampling mode.
     The output then follows the grammar to its end, where only a stop token (EOS) is allowed:
@@ -39,7 +40,15 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
     json_object: Optional[bool] = None
     """True: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
     disable_any_whitespace: bool = False
-    """JSON without optional whitespace (compact), for ``json`` and ``json_object``."""
+    """JSON without optional whitespace (compact: ``{"a": 1, "b": [1, 2]}``), for ``json`` and
+    ``json_object`` (and tool calls); an option, not a constraint. Without it (and without
+    ``whitespace_pattern``) each run of whitespace between JSON tokens is at most
+    ``StructuredOutputsConfig.max_whitespace_cnt`` characters (16 by default: pretty-printed JSON
+    stays legal, and a model that keeps writing newlines cannot run to ``max_tokens``)."""
+    whitespace_pattern: Optional[str] = None
+    """A regular expression every run of whitespace between JSON tokens must match (vLLM's
+    option, e.g. ``"[ ]?"``), for ``json`` and ``json_object``; it replaces the bound above. With
+    ``disable_any_whitespace`` the output is compact and the pattern is unused."""
 
     def __post_init__(self):
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -56,6 +65,9 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
             v = getattr(self, k)
             if v is not None and (not isinstance(v, str) or not v):
                 raise SamplingParamsError("structured_outputs", f"structured_outputs: {k} must be a non-empty string")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise SamplingParamsError("structured_outputs", "structured_outputs: whitespace_pattern must be a string "
+                                      "(a regular expression)")
 
     @property
     def kind(self) -> str:

@@ -90,7 +90,7 @@ class AsyncEngine:
         engine = cls(config, tokenizer, eos, client)
         so = config.structured_outputs
         engine.grammar = GrammarCompiler(tokenizer, engine.vocab_size, eos, so.compile_timeout, so.max_spec_bytes,
-                                         so.max_grammar_bytes)
+                                         so.max_grammar_bytes, so.json_whitespace)
         # Serving: the grammar compile host starts while the workers load, so that no HTTP request
         # waits for it. Offline (in process) it starts with the first structured-output request:
         # an LLM that never asks for one does not pay a process importing xgrammar.

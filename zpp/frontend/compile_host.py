@@ -39,6 +39,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import re
 import selectors
 import signal
 import threading
@@ -95,13 +96,42 @@ class CompileHostDied(Exception):
 
 
 # --- the host process --------------------------------------------------------------------------
-def _compile(compiler, kind: str, text: str, any_whitespace: bool, max_grammar_bytes: int) -> list:
-    """In a forked child: ``["ok", serialized]``, ``["too_large", message]`` or ``["error", message]``."""
+_ANY_WS = "[ \\n\\r\\t]*"  # xgrammar's whitespace between JSON tokens, in its EBNF text
+_REGEX_RULE = re.compile(r"\broot(_\d+)?\b")
+
+
+def json_grammar_with_whitespace(xgr, schema: str, strict: bool, pattern: str) -> str:
+    """The EBNF of the JSON schema ``schema`` in which every run of whitespace between JSON tokens
+    matches the regex ``pattern`` (vLLM's ``whitespace_pattern``; xgrammar has no such option):
+    xgrammar's grammar with any whitespace, each ``[ \\n\\r\\t]*`` outside a lookahead replaced
+    by the rule ``zpp_ws``, which is xgrammar's grammar of ``pattern`` with its rules renamed.
+    (A lookahead keeps any whitespace: it only prunes, and the rule after it still holds.)
+
+    Raises whatever xgrammar raises for a bad schema or regex."""
+    base = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True, strict_mode=strict))
+    ws = _REGEX_RULE.sub(lambda m: "zpp_ws" + (m.group(1) or ""), str(xgr.Grammar.from_regex(pattern)))
+    lines = []
+    for line in base.splitlines():
+        head, sep, lookahead = line.partition(" (=(")
+        lines.append(head.replace(_ANY_WS, "zpp_ws") + sep + lookahead)
+    return "\n".join(lines) + "\n" + ws
+
+
+def _compile(compiler, kind: str, text: str, whitespace, max_grammar_bytes: int) -> list:
+    """In a forked child: ``["ok", serialized]``, ``["too_large", message]`` or ``["error", message]``.
+    ``whitespace`` (JSON kinds; :meth:`zpp.frontend.grammar.GrammarCompiler.whitespace_of`): False
+    compact, True any, an int the most characters of each run, a str the regex each run matches."""
     import json
-    if kind == "json":
-        g = compiler.compile_json_schema(text, any_whitespace=any_whitespace, strict_mode=True)
-    elif kind == "json_object":  # any object: not strict, else {"type": "object"} admits only {}
-        g = compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False)
+    if kind in ("json", "json_object"):
+        # json_object: any object, not strict, else {"type": "object"} admits only {}
+        schema, strict = (text, True) if kind == "json" else ('{"type": "object"}', False)
+        if isinstance(whitespace, str):
+            import xgrammar as xgr
+            g = compiler.compile_grammar(json_grammar_with_whitespace(xgr, schema, strict, whitespace))
+        else:
+            count = whitespace if isinstance(whitespace, int) and not isinstance(whitespace, bool) else None
+            g = compiler.compile_json_schema(schema, any_whitespace=whitespace is not False, strict_mode=strict,
+                                             max_whitespace_cnt=count)
     elif kind == "regex":
         g = compiler.compile_regex(text)
     elif kind == "choice":
@@ -125,10 +155,10 @@ def _child(info, w: int, job: list, host: int) -> None:
             os._exit(1)
         os.nice(CHILD_NICE)
         import xgrammar as xgr
-        _, _, kind, text, any_ws, max_bytes, _ = job
+        _, _, kind, text, whitespace, max_bytes, _ = job
         try:
             compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
-            out = _compile(compiler, kind, text, any_ws, max_bytes)
+            out = _compile(compiler, kind, text, whitespace, max_bytes)
         except Exception as e:  # xgrammar's refusal
             out = ["error", str(e) or type(e).__name__]
         data = _encode(out)
@@ -175,7 +205,7 @@ def host_main(conn, front_end: int, tokenizer_path: str, vocab_size: int, stop_t
               general_slots: int, small_slots: int, log_level: int) -> None:
     """The compile host's main loop (a spawned process; see the module docstring).
 
-    From the front end: ``["compile", job_id, kind, text, any_whitespace, max_grammar_bytes,
+    From the front end: ``["compile", job_id, kind, text, whitespace, max_grammar_bytes,
     time_limit]``, ``["drop", job_id]`` (nobody waits for it any more: unqueue it, or kill it,
     without a reply), ``["stop"]``.
     To it: ``["ready", tokenizer_info_json]`` (or ``["failed", message]``), then per job
@@ -323,7 +353,7 @@ class CompileHost:
         vocab_size, stop_token_ids: as xgrammar's ``TokenizerInfo.from_huggingface`` takes them.
 
     ``start()`` returns the tokenizer info (xgrammar's JSON, which the engine core needs to read the
-    grammars). ``submit(job_id, kind, text, any_whitespace, max_grammar_bytes, time_limit)``
+    grammars). ``submit(job_id, kind, text, whitespace, max_grammar_bytes, time_limit)``
     returns an ``asyncio.Future`` on the calling loop: the serialized grammar, or CompileFailed /
     CompileTimedOut / CompileHostDied. ``started_at(job_id)`` tells when the compile left the host's
     queue; ``drop(job_id)`` unqueues or kills a compile nobody waits for.
@@ -441,10 +471,10 @@ class CompileHost:
         self._started.clear()
         self._close_conn()
 
-    def submit(self, job_id: int, kind: str, text: str, any_whitespace: bool, max_grammar_bytes: int,
+    def submit(self, job_id: int, kind: str, text: str, whitespace, max_grammar_bytes: int,
                time_limit: float) -> asyncio.Future:
         fut = self._futures[job_id] = asyncio.get_running_loop().create_future()
-        self._send(["compile", job_id, kind, text, any_whitespace, max_grammar_bytes, time_limit])
+        self._send(["compile", job_id, kind, text, whitespace, max_grammar_bytes, time_limit])
         return fut
 
     def started_at(self, job_id: int) -> Optional[float]:

@@ -28,10 +28,11 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from typing import Optional
+from typing import Optional, Union
 
 import msgspec
 
+from zpp.config import JsonWhitespace
 from zpp.errors import RequestError
 from zpp.frontend.compile_host import CompileFailed, CompileHost, CompileHostDied, CompileTimedOut
 from zpp.sampling_params import StructuredOutputsParams
@@ -93,6 +94,9 @@ class GrammarCompiler:
             still running then is killed.
         max_spec_bytes: largest specification (UTF-8 bytes) accepted.
         max_grammar_bytes: largest compiled grammar (xgrammar's ``memory_size_bytes``) accepted.
+        whitespace: the server-wide whitespace rule of JSON grammars (``--structured-outputs-config``;
+            default: each run of whitespace at most DEFAULT_MAX_WHITESPACE_CNT characters), see
+            :meth:`whitespace_of`.
 
     The compile host (:class:`~zpp.frontend.compile_host.CompileHost`: it imports xgrammar and builds
     its ``TokenizerInfo`` from the tokenizer's directory, a few seconds) is started by
@@ -102,7 +106,8 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], compile_timeout: float,
-                 max_spec_bytes: int, max_grammar_bytes: int = 16 << 20):
+                 max_spec_bytes: int, max_grammar_bytes: int = 16 << 20, whitespace: Optional[JsonWhitespace] = None):
+        self.whitespace = whitespace or JsonWhitespace()
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
@@ -152,8 +157,8 @@ class GrammarCompiler:
         if size > self.max_spec_bytes:
             raise RequestError(f"the {kind} specification has {size} bytes; this server accepts at most "
                                f"{self.max_spec_bytes} (--max-structured-outputs-spec-bytes)", "structured_outputs")
-        any_ws = not params.disable_any_whitespace
-        key = hashlib.sha256(f"{kind}\0{int(any_ws)}\0{text}".encode("utf-8", "surrogatepass")).hexdigest()[:32]
+        ws = self.whitespace_of(params)
+        key = hashlib.sha256(f"{kind}\0{ws!r}\0{text}".encode("utf-8", "surrogatepass")).hexdigest()[:32]
         compiled = self._cache.get(key)
         if compiled is not None:
             self._cache.move_to_end(key)
@@ -174,7 +179,7 @@ class GrammarCompiler:
         if entry is None:  # one compile per specification at a time, however many requests wait for it
             job_id = next(self._job_ids)
             entry = self._inflight[key] = _Compile(job_id, host.submit(
-                job_id, kind, text, any_ws, self.max_grammar_bytes, self.compile_timeout))
+                job_id, kind, text, ws, self.max_grammar_bytes, self.compile_timeout))
             entry.future.add_done_callback(lambda f, key=key, e=entry, k=kind: self._compiled(key, e, k))
         entry.waiters += 1
         try:
@@ -211,6 +216,23 @@ class GrammarCompiler:
                 if self._inflight.get(key) is entry:
                     del self._inflight[key]
         return GrammarSpec(key, compiled)
+
+    def whitespace_of(self, params: StructuredOutputsParams) -> Union[None, bool, int, str]:
+        """The whitespace rule ``params`` compiles with (what the compile host's ``_compile`` takes):
+        None for a grammar that is not JSON; False: compact (the request's
+        ``disable_any_whitespace``, else the server's); a str: the request's ``whitespace_pattern``
+        (a regex every run of whitespace matches; the request's ``disable_any_whitespace`` wins
+        over it, it wins over the server's); an int: each run at most that many characters (the
+        server's ``max_whitespace_cnt``); True: any whitespace (``max_whitespace_cnt`` null)."""
+        if params.kind not in ("json", "json_object"):
+            return None
+        if params.disable_any_whitespace:
+            return False
+        if params.whitespace_pattern is not None:
+            return params.whitespace_pattern
+        if self.whitespace.disable_any_whitespace:
+            return False
+        return self.whitespace.max_whitespace_cnt or True
 
     def _log_timeout(self, kind: str, size: int) -> None:
         """The operator's record of a grammar refused for its compile time (the client gets a 400)."""

@@ -15,8 +15,8 @@ from zpp.frontend.inputs import ChatOptions
 from zpp.frontend.output_processor import ChoiceDelta, StreamDeltas
 from zpp.outputs import CompletionOutput
 from zpp.server.endpoint import ServingContext
-from zpp.server.protocol import ChatCompletionRequest, check_unsupported_chat_fields, structured_outputs_of, \
-    to_sampling_params
+from zpp.server.protocol import ChatCompletionRequest, check_unsupported_chat_fields, structured_output_options, \
+    structured_outputs_of, to_sampling_params
 from zpp.server.render import SSEWriter, TokenStrings, json_response, new_id, now, usage, usage_counts
 from zpp.server.tools import ToolPlan, parse_tools, tool_constraint
 
@@ -67,7 +67,7 @@ async def chat_completions(ctx: ServingContext, request: web.Request) -> web.Str
         name = "max_completion_tokens" if use_mct else "max_tokens"
         raise RequestError(f"{name} must be at least 1, got 0", name)
     plan = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-    so, so_param = tool_constraint(plan, *structured_outputs_of(req))
+    so, so_param = tool_constraint(plan, *structured_outputs_of(req), structured_output_options(req))
     rename = {"max_tokens": "max_completion_tokens" if use_mct else "max_tokens", "logprobs": "top_logprobs"}
     sampling = to_sampling_params(req, req.max_completion_tokens if use_mct else req.max_tokens,
                                   (req.top_logprobs or 0) if req.logprobs else None,

@@ -154,6 +154,8 @@ class _SamplingFields(_Request, kw_only=True, forbid_unknown_fields=True):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+    """vLLM's older spelling of ``structured_outputs.whitespace_pattern`` (an option, not a constraint)."""
     # OpenAI fields with no effect on a self-hosted server, accepted as vLLM does.
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
@@ -275,15 +277,54 @@ ProtocolError = RequestError
 
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+SO_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+"""The keys of a ``structured_outputs`` object that constrain the output (one per request)."""
+SO_OPTIONS = ("disable_any_whitespace", "whitespace_pattern")
+"""Its keys that only tune the JSON grammars: they combine with any constraint (``response_format``,
+a tool call's), as in vLLM. vLLM's ``disable_fallback`` / ``disable_additional_properties`` are
+accepted too and change nothing (xgrammar has no fallback; its schemas are strict)."""
+_SO_NO_EFFECT = ("disable_fallback", "disable_additional_properties")
+
+
+def structured_output_options(req: _SamplingFields) -> dict[str, Any]:
+    """The request's structured-output *options* (SO_OPTIONS present in ``structured_outputs``, and
+    ``guided_whitespace_pattern`` as ``whitespace_pattern``), which apply to whatever constraint the
+    request runs with.
+
+    Raises:
+        ProtocolError: ``structured_outputs`` that is not an object, or an option of the wrong type."""
+    so = req.structured_outputs
+    out: dict[str, Any] = {}
+    if so is not None:
+        for k in SO_OPTIONS + _SO_NO_EFFECT:
+            v = so.get(k)
+            if v is None:
+                continue
+            if k == "whitespace_pattern" and not isinstance(v, str):
+                raise ProtocolError("structured_outputs: whitespace_pattern must be a string (a regular "
+                                    "expression)", "structured_outputs")
+            if k != "whitespace_pattern" and not isinstance(v, bool):
+                raise ProtocolError(f"structured_outputs: {k} must be a boolean", "structured_outputs")
+            if k in SO_OPTIONS:
+                out[k] = v
+    if req.guided_whitespace_pattern is not None:
+        if "whitespace_pattern" in out and out["whitespace_pattern"] != req.guided_whitespace_pattern:
+            raise ProtocolError("give one whitespace pattern: structured_outputs.whitespace_pattern and "
+                                "guided_whitespace_pattern differ", "guided_whitespace_pattern")
+        out["whitespace_pattern"] = req.guided_whitespace_pattern
+    return out
 
 
 def structured_outputs_of(req: _SamplingFields) -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
     """The request's output constraint and the field it came from: ``response_format``
     (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema",
     "strict"}}``; ``{"type": "text"}`` is no constraint), ``structured_outputs`` (vLLM's object:
-    ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``, ``disable_any_whitespace``) or
-    vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``.
-    ``(None, None)`` when there is none.
+    ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``) or vLLM's older ``guided_json``
+    / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``. ``(None, None)`` when there is none.
+    The options (:func:`structured_output_options`: ``structured_outputs.disable_any_whitespace`` /
+    ``whitespace_pattern``, ``guided_whitespace_pattern``) are no constraint: they are set on the
+    constraint, whichever field gave it (``structured_outputs: {"disable_any_whitespace": true}``
+    next to a ``response_format`` is compact JSON of that format, as in vLLM).
 
     Raises:
         ProtocolError: a malformed constraint, or more than one given (``param`` names the field).
@@ -310,8 +351,12 @@ def structured_outputs_of(req: _SamplingFields) -> tuple[Optional[StructuredOutp
         value = getattr(req, name)
         if value is not None:
             found.append((name, {name.removeprefix("guided_"): value}))
-    if req.structured_outputs is not None:
-        found.append(("structured_outputs", req.structured_outputs))
+    options = structured_output_options(req)
+    so = req.structured_outputs
+    if so is not None:
+        rest = {k: v for k, v in so.items() if k not in SO_OPTIONS + _SO_NO_EFFECT}
+        if rest or not options and not any(k in so for k in _SO_NO_EFFECT):
+            found.append(("structured_outputs", rest))  # a constraint (or a malformed object: refused below)
     if not found:
         return None, None
     if len(found) > 1:
@@ -319,7 +364,7 @@ def structured_outputs_of(req: _SamplingFields) -> tuple[Optional[StructuredOutp
                             f"{', '.join(n for n, _ in found)}", found[1][0])
     name, fields = found[0]
     try:
-        return msgspec.convert(fields, StructuredOutputsParams), name
+        return msgspec.convert({**fields, **options}, StructuredOutputsParams), name
     except (msgspec.ValidationError, SamplingParamsError) as e:
         msg = str(e).removeprefix("structured_outputs: ")
         raise ProtocolError(f"{name}: {msg}", name) from None

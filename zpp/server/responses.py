@@ -71,7 +71,8 @@ from aiohttp import web
 from zpp.errors import EngineDeadError, RequestError
 from zpp.parsers.chat import ChatParsers
 from zpp.sampling_params import SamplingParamsError
-from zpp.server.protocol import ProtocolError, structured_outputs_of, to_sampling_params
+from zpp.server.protocol import ProtocolError, structured_output_options, structured_outputs_of, \
+    to_sampling_params
 from zpp.server.responses_protocol import (_PARAMS, ResponsesRequest, ResponsesStreamOptions, _check_stateless,
                                            input_messages, reasoning_effort, to_chat_request)
 from zpp.server.tools import ToolPlan, parse_tools, tool_constraint
@@ -145,7 +146,7 @@ class ResponsesAPI:
             chat = to_chat_request(req)
             plan = parse_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
             # a forced call's grammar wins over text.format (ignored then), as on the chat path
-            so, so_param = tool_constraint(plan, *structured_outputs_of(chat))
+            so, so_param = tool_constraint(plan, *structured_outputs_of(chat), structured_output_options(chat))
             sampling = to_sampling_params(chat, chat.max_completion_tokens, None,
                                           rename={"max_tokens": "max_output_tokens"}, structured_outputs=so,
                                           defaults=ctx.generation_defaults)

@@ -63,12 +63,13 @@ class ToolPlan:
                 return t["function"].get("parameters") or _EMPTY_PARAMETERS
         raise KeyError(name)
 
-    def structured_outputs(self) -> Optional[StructuredOutputsParams]:
+    def structured_outputs(self, **options) -> Optional[StructuredOutputsParams]:
         """The output constraint: ``named``: the function's parameters schema; ``required``: an
         array of ``{"name", "parameters"}`` objects (``anyOf`` over the tools, at least one, at
-        most one without ``parallel``); None for ``auto`` and ``none``."""
+        most one without ``parallel``); None for ``auto`` and ``none``. ``options``: the request's
+        structured-output options (``disable_any_whitespace``, ``whitespace_pattern``)."""
         if self.mode == "named":
-            return StructuredOutputsParams(json=self.parameters(self.name))
+            return StructuredOutputsParams(json=self.parameters(self.name), **options)
         if self.mode != "required":
             return None
         items = [{"type": "object",
@@ -78,7 +79,7 @@ class ToolPlan:
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not self.parallel:
             schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=schema, **options)
 
     def system_text(self, call_format: Optional[str] = None) -> str:
         """The tools described for a chat template that does not render ``tools`` itself;
@@ -134,8 +135,8 @@ def parse_tools(tools: Optional[list], tool_choice, parallel_tool_calls: Optiona
                         '{"name": ...}}', "tool_choice")
 
 
-def tool_constraint(plan: Optional[ToolPlan], so: Optional[StructuredOutputsParams], so_param: Optional[str]
-                    ) -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
+def tool_constraint(plan: Optional[ToolPlan], so: Optional[StructuredOutputsParams], so_param: Optional[str],
+                    options: Optional[dict] = None) -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
     """The output constraint a request runs with, and the field it came from, given its tool
     plan and the constraint of its other fields (``so`` from ``so_param``, as
     :func:`zpp.server.protocol.structured_outputs_of` returns them).
@@ -144,13 +145,15 @@ def tool_constraint(plan: Optional[ToolPlan], so: Optional[StructuredOutputsPara
     output to the call: its grammar wins over ``response_format`` (``json_object`` or
     ``json_schema``), which is ignored for that request, as vLLM does and OpenAI accepts
     (pydantic-ai's ``NativeOutput`` with a forced tool sends both). The result is then
-    ``(the tool grammar, "tools")``; with no forcing tool plan, ``(so, so_param)`` unchanged.
+    ``(the tool grammar, "tools")``, compiled with the request's structured-output ``options``
+    (:func:`zpp.server.protocol.structured_output_options`); with no forcing tool plan,
+    ``(so, so_param)`` unchanged.
 
     Raises:
         ProtocolError: (``param`` ``"tool_choice"``) a forced call together with vLLM's explicit
             constraints (``structured_outputs``, ``guided_*``): two grammars, no way to honour both.
     """
-    tool_so = plan.structured_outputs() if plan is not None else None
+    tool_so = plan.structured_outputs(**(options or {})) if plan is not None else None
     if tool_so is None:
         return so, so_param
     if so is not None and so_param != "response_format":
