@@ -118,6 +118,32 @@ def _field(m: Any, name: str):
     return m.get(name) if isinstance(m, dict) else getattr(m, name, None)
 
 
+def template_tool_calls(calls: list) -> list:
+    """An assistant message's ``tool_calls`` as chat templates read them (vLLM's rendering): each
+    call's ``function.arguments``, a JSON text in OpenAI's API, parsed into a mapping, so that
+    templates iterating it (``arguments|items``: Qwen3-Coder's, Qwen3.5's) work and templates that
+    ``tojson`` it (Qwen2.5's, Llama-3.1's) do not encode it twice; empty or missing arguments are
+    ``{}``; a text that is not a JSON object stays the text. The calls are copied, not changed."""
+    out = []
+    for call in calls:
+        fn = _field(call, "function")
+        if not isinstance(call, dict) or not isinstance(fn, dict):
+            out.append(call)
+            continue
+        args = fn.get("arguments")
+        if args is None or args == "":
+            args = {}
+        elif isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                args = parsed
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
+
+
 def _calls_in_content(msgs: list[dict], format_calls, render) -> list[dict]:
     """``msgs`` with each assistant message's ``tool_calls`` written into its content by
     ``format_calls``, when the template ``render`` ignores them (renders the same without); as
@@ -132,7 +158,8 @@ def _calls_in_content(msgs: list[dict], format_calls, render) -> list[dict]:
     for orig, m in zip(msgs, bare):
         fns = [_field(c, "function") for c in (orig.get("tool_calls") or ())]
         calls = [(_field(f, "name"), _field(f, "arguments")) for f in fns if f is not None]
-        calls = [(n, a if isinstance(a, str) else json.dumps(a)) for n, a in calls if isinstance(n, str)]
+        calls = [(n, a if isinstance(a, str) else json.dumps(a, ensure_ascii=False)) for n, a in calls
+                 if isinstance(n, str)]
         if m["role"] == "assistant" and calls:
             m = {**m, "content": (m["content"] + "\n" if m["content"] else "") + format_calls(calls)}
         out.append(m)
@@ -178,10 +205,14 @@ class InputProcessor:
 
     def render_chat(self, messages: list, opts: ChatOptions, check_chars: bool = True) -> str:
         """Render ``messages`` (OpenAI chat messages, as dicts or structs with ``role``, ``content``
-        (a str, text parts or None), ``name``, ``tool_calls``, ``tool_call_id``) with the chat
-        template; a ``developer`` message is a ``system`` one. With ``opts.tools`` the template
-        gets ``tools=``; a template that ignores them gets ``opts.tools_system_text`` as (the end
-        of) the system message instead.
+        (a str, text parts or None), ``name``, ``tool_calls``, ``tool_call_id``, and for an assistant
+        ``reasoning_content`` / ``reasoning``) with the chat template, shaped as vLLM hands them
+        over: a ``developer`` message is a ``system`` one, text parts are joined with ``"\n"``,
+        tool calls' arguments are mappings (:func:`template_tool_calls`), and an assistant's
+        reasoning (``reasoning_content``, else ``reasoning``) is both ``reasoning_content`` (what
+        Qwen3's template re-renders for the turns of the current tool loop) and ``reasoning``.
+        With ``opts.tools`` the template gets ``tools=``; a template that ignores them gets
+        ``opts.tools_system_text`` as (the end of) the system message instead.
 
         Raises:
             RequestError: (``messages``) no tokenizer or chat template, an empty list, a bad role
@@ -215,7 +246,7 @@ class InputProcessor:
                     if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
                         raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
                     parts.append(p["text"])
-                content = "".join(parts)
+                content = "\n".join(parts)
             elif content is None and role != "assistant":
                 raise RequestError(f"messages[{i}].content is required for role {role!r}", "messages")
             elif content is not None and not isinstance(content, str):
@@ -227,6 +258,15 @@ class InputProcessor:
             for name in ("name", "tool_calls", "tool_call_id"):
                 if _field(m, name) is not None:
                     msg[name] = _field(m, name)
+            if isinstance(msg.get("tool_calls"), list):
+                msg["tool_calls"] = template_tool_calls(msg["tool_calls"])
+            reasoning = _field(m, "reasoning_content")
+            if reasoning is None:
+                reasoning = _field(m, "reasoning")
+            if role == "assistant" and reasoning is not None:
+                if not isinstance(reasoning, str):
+                    raise RequestError(f"messages[{i}].reasoning_content must be a string", "messages")
+                msg["reasoning_content"] = msg["reasoning"] = reasoning
             msgs.append(msg)
 
         def render(msgs, **extra):

@@ -28,7 +28,7 @@ from zpp.frontend.inputs import off_loop_if_large, text_size
 from zpp.server.chat import chat_completions, chat_options
 from zpp.server.completions import completions
 from zpp.server.endpoint import (DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_STOP_SEQUENCES,
-                                 DEFAULT_TIMEOUT_REQUEST_BODY_S, ServingContext, request_id_header)
+                                 DEFAULT_TIMEOUT_REQUEST_BODY_S, ServingContext, ignored_fields_header, request_id_header)
 from zpp.server.metrics import Metrics
 from zpp.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from zpp.server.render import classify, error_message, error_response, json_response, now
@@ -107,6 +107,7 @@ class OpenAIServer:
         would be undone twice."""
         app = web.Application(middlewares=[self._middleware], client_max_size=self.max_request_body_bytes)
         app.on_response_prepare.append(request_id_header)
+        app.on_response_prepare.append(ignored_fields_header)
         app.router.add_post("/v1/completions", functools.partial(completions, self.ctx))
         app.router.add_post("/v1/chat/completions", functools.partial(chat_completions, self.ctx))
         app.router.add_get("/v1/models", self.models)

@@ -51,6 +51,9 @@ async def completions(ctx: ServingContext, request: web.Request) -> web.StreamRe
                   if req.max_tokens is None else req.max_tokens)
     sampling = to_sampling_params(req, max_tokens, req.logprobs, structured_outputs=so,
                                   defaults=ctx.generation_defaults)
+    if max_tokens == 0 and not req.echo:  # OpenAI and vLLM refuse it; with echo it scores the prompt
+        raise RequestError("max_tokens must be at least 1, got 0 (0 only with echo: the prompt returned, "
+                           "nothing generated)", "max_tokens")
     want_prompt_lps = req.echo and req.logprobs is not None
     # echo + logprobs + max_tokens 0 scores the prompt: run one step for its logprobs and
     # drop the sampled token.

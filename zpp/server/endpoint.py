@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from urllib.parse import quote
 from typing import AsyncIterator, Optional, Sequence, Union
 
 from aiohttp import web
@@ -42,6 +43,19 @@ async def request_id_header(request: web.Request, response: web.StreamResponse) 
     ``--enable-request-id-headers``)."""
     response.headers[REQUEST_ID_HEADER] = (request.headers.get(REQUEST_ID_HEADER) or request.get(_RUN_ID)
                                            or uuid.uuid4().hex)
+
+
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+_IGNORED = "zpp.ignored_fields"  # key of a request's ignored unknown fields, in the aiohttp request's mapping
+
+
+async def ignored_fields_header(request: web.Request, response: web.StreamResponse) -> None:
+    """aiohttp ``on_response_prepare`` hook: a response to a request whose body had unknown
+    top-level fields (ignored) carries ``X-Ignored-Fields: a, b`` (each name percent-encoded where
+    it has characters other than letters, digits and ``_.-~``; streams and errors too)."""
+    names = request.get(_IGNORED)
+    if names:
+        response.headers[IGNORED_FIELDS_HEADER] = ", ".join(quote(n, safe="") for n in names)
 
 
 class ServingContext:
@@ -135,12 +149,14 @@ class ServingContext:
 
     async def read(self, request: web.Request, kind):
         """The request body decoded into ``kind`` (see :func:`~zpp.server.http_body.read_request`),
-        with ``stop`` / ``stop_token_ids`` within --max-stop-sequences. Raises RequestError."""
-        try:
-            req = await read_request(request, kind, self.max_request_body_bytes, self.timeout_request_body)
-        except RequestError as e:
-            self._warn_unknown_fields(request.path, e.unknown_fields)
-            raise
+        with ``stop`` / ``stop_token_ids`` within --max-stop-sequences. Unknown top-level fields
+        are ignored, as vLLM does: a warning names them (:meth:`_warn_unknown_fields`) and the
+        response's ``X-Ignored-Fields`` header lists them (:func:`ignored_fields_header`).
+        Raises RequestError."""
+        req, unknown = await read_request(request, kind, self.max_request_body_bytes, self.timeout_request_body)
+        if unknown:
+            request[_IGNORED] = unknown
+            self._warn_unknown_fields(request.path, unknown)
         for name in ("stop", "stop_token_ids"):
             value = getattr(req, name, None)
             if isinstance(value, list) and len(value) > self.max_stop_sequences:
@@ -149,14 +165,15 @@ class ServingContext:
         return req
 
     def _warn_unknown_fields(self, path: str, names) -> None:
-        """Log a warning the first time each unknown request field name is seen (as vLLM logs
-        ignored fields; here the request still gets its 400). At most MAX_WARNED_FIELDS names."""
-        for name in names:
-            if name in self._warned_fields or len(self._warned_fields) >= MAX_WARNED_FIELDS:
-                continue
-            self._warned_fields.add(name)
-            logger.warning("%s: unrecognized request field %r: refused with HTTP 400 (logged once per field "
-                           "name)", path, name)
+        """One warning line naming a request's ignored unknown fields (vLLM logs the fields it
+        ignores), when one of them is new: a client that sends the same field with every request
+        is reported once, not per request. At most MAX_WARNED_FIELDS names are remembered."""
+        new = [n for n in names if n not in self._warned_fields]
+        if not new or len(self._warned_fields) >= MAX_WARNED_FIELDS:
+            return
+        self._warned_fields.update(new[:MAX_WARNED_FIELDS - len(self._warned_fields)])
+        logger.warning("%s: ignored unknown request field%s %s (as vLLM does; each name is logged once)", path,
+                       "s" if len(names) > 1 else "", ", ".join(repr(n) for n in names))
 
     async def run_all(self, prepared: list[PreparedRequest], base_id: str, stream: bool = True,
                       client_id: Optional[tuple[str, str]] = None) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -16,14 +16,16 @@ from zpp.server.protocol import _dec_hook
 
 
 async def read_request(request: web.Request, kind: type, limit: int, timeout: float = 30.0):
-    """The request body, its ``Content-Encoding`` undone, decoded into ``kind``.
+    """``(request, unknown)``: the request body, its ``Content-Encoding`` undone, decoded into
+    ``kind``, and the top-level fields ``kind`` does not know, which were ignored (vLLM's
+    behaviour; see :func:`decode_request`).
 
     Raises ProtocolError: 415 for a Content-Encoding other than identity, gzip, deflate (told
     before reading); 413 past ``limit`` bytes (--max-request-body-bytes; told from Content-Length
     before reading when it is sent; a chunked body is cut off as soon as it passes the limit, a
     compressed one as soon as its decoded bytes do); 400 for a body that cannot be read or
-    decoded, or is not a valid request (``unknown_fields`` then lists unknown top-level fields);
-    408 when no byte of the body arrives for ``timeout`` seconds (--timeout-request-body: a client
+    decoded, or is not a valid request (an unknown key inside a known object: named by its path,
+    ``stream_options.foo``); 408 when no byte of the body arrives for ``timeout`` seconds (--timeout-request-body: a client
     that promised a body and stopped sending it; the connection is then closed).
     """
     codings = content_codings(request.headers.getall(hdrs.CONTENT_ENCODING, ()))
@@ -35,7 +37,8 @@ async def read_request(request: web.Request, kind: type, limit: int, timeout: fl
         raise ProtocolError(f"the request body could not be read: {e}") from None
     if codings:
         body = undo_content_encoding(body, codings, limit)
-    return decode_request(body, kind)
+    req = decode_request(body, kind)
+    return req, unknown_fields(body, kind)
 
 
 async def _read_body(request: web.Request, limit: int, timeout: float) -> bytes:
@@ -156,39 +159,46 @@ _MISSING_RE = re.compile(r"^Object missing required field `([A-Za-z_]+)`$")  # t
 MAX_FIELD_NAME = 100  # characters of an unknown field's name kept in messages and logs
 
 
-def _unknown_fields(body: bytes, kind: type) -> tuple[str, ...]:
-    """Every top-level key of ``body`` that ``kind`` does not know (msgspec names only the first)."""
+_KNOWN: dict[type, frozenset] = {}
+MAX_UNKNOWN_FIELDS = 32  # unknown top-level field names reported per request (logs, header)
+_TopLevel = dict[str, msgspec.Raw]  # a body's top-level keys, their values left undecoded
+
+
+def unknown_fields(body: bytes, kind: type) -> tuple[str, ...]:
+    """The top-level keys of the JSON object ``body`` that the request struct ``kind`` does not
+    know, in their order, each cut to MAX_FIELD_NAME characters, at most MAX_UNKNOWN_FIELDS of
+    them (call after :func:`decode_request` accepted ``body``). The values are not decoded again
+    (``msgspec.Raw``), so a large body costs one more scan, not one more parse."""
+    known = _KNOWN.get(kind)
+    if known is None:
+        known = _KNOWN[kind] = frozenset(f.encode_name for f in msgspec.structs.fields(kind))
     try:
-        obj = msgspec.json.decode(body)
-    except (msgspec.DecodeError, RecursionError):
+        keys = msgspec.json.decode(body, type=_TopLevel)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return ()
-    if not isinstance(obj, dict):
-        return ()
-    known = {f.encode_name for f in msgspec.structs.fields(kind)}
-    return tuple(k[:MAX_FIELD_NAME] for k in obj if k not in known)
+    out = [k[:MAX_FIELD_NAME] for k in keys if k not in known]
+    return tuple(out[:MAX_UNKNOWN_FIELDS])
 
 
 def decode_request(body: bytes, kind: type):
     """Parse and type-check a JSON body into ``kind`` (a request struct of this module).
 
+    Unknown top-level fields are ignored (as vLLM does: clients send OpenAI's newer fields by
+    default; :func:`unknown_fields` names them for the warning and the response header).
+
     Raises:
         ProtocolError: the body is not JSON, not an object, or a field has the wrong type or is
-            out of range (``param`` names the top-level field); an unknown top-level field
-            (``unknown_fields`` lists them all).
+            out of range (``param`` names the top-level field); an unknown key inside a known
+            object (``param`` its path, ``stream_options.foo``).
     """
     try:
         req = msgspec.json.decode(body, type=kind, dec_hook=_dec_hook)
     except msgspec.ValidationError as e:
         unknown = _UNKNOWN_RE.search(str(e))
-        if unknown:
-            name = unknown.group(1)[:MAX_FIELD_NAME]
+        if unknown:  # inside a known object (the top level ignores unknown fields): named by its path
             nested = _NESTED_RE.match(unknown.group(1))
-            if nested:  # inside a field: named by its path, as stream_options.foo
-                name = f"{nested.group(2)}.{nested.group(1)}"[:MAX_FIELD_NAME]
-                raise ProtocolError(f"unrecognized request argument supplied: {name!r}", name,
-                                    unknown_fields=(name,)) from None
-            raise ProtocolError(f"unrecognized request argument supplied: {name!r}", name,
-                                unknown_fields=_unknown_fields(body, kind) or (name,)) from None
+            name = (f"{nested.group(2)}.{nested.group(1)}" if nested else unknown.group(1))[:MAX_FIELD_NAME]
+            raise ProtocolError(f"unrecognized request argument supplied: {name!r}", name) from None
         missing = _MISSING_RE.search(str(e))
         if missing:
             raise ProtocolError(f"invalid request: {e}", missing.group(1)) from None

@@ -3,11 +3,11 @@
 Decoding a body with :func:`zpp.server.http_body.decode_request` checks every field's type and the ranges that can be
 checked without the model (an integer must fit in 64 bits, ``n`` is at most 128, ...; a whole
 float such as ``5.0`` is an integer, as in vLLM); a ValidationError's path (``$.temperature``)
-names the parameter for the 400 response. An unknown top-level field is refused with a 400 naming
-it, as OpenAI does ("Unrecognized request argument"): silently ignoring, say,
-``guided_whitespace_pattern`` would hand back text the client did not ask for. Inside ``messages`` and
-``stream_options`` unknown keys are ignored (clients replay assistant messages with ``refusal``,
-``tool_calls``, ...).
+names the parameter for the 400 response. An unknown top-level field is ignored, as vLLM does
+(clients send OpenAI's newer fields by default): the server logs a warning naming it and lists it
+in the response's ``X-Ignored-Fields`` header (:func:`zpp.server.http_body.read_request`). Unknown
+keys inside a known object (``stream_options.foo``) are a 400 naming the path; inside ``messages``
+they are ignored (clients replay assistant messages with ``refusal``, ``annotations``, ...).
 """
 from __future__ import annotations
 
@@ -108,14 +108,14 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     """``stream_options``: OpenAI's ``include_usage`` (a last chunk with the usage) and
     ``include_obfuscation`` (accepted; zpp adds no obfuscation field), vLLM's
     ``continuous_usage_stats`` (with ``include_usage``: the usage so far in every chunk). Unknown
-    keys are refused, as at the top level."""
+    keys are refused (a 400 naming ``stream_options.KEY``): a typo inside a known object."""
 
     include_usage: Optional[bool] = False
     continuous_usage_stats: Optional[bool] = False
     include_obfuscation: Optional[bool] = None
 
 
-class _SamplingFields(_Request, kw_only=True, forbid_unknown_fields=True):
+class _SamplingFields(_Request, kw_only=True):
     model: Optional[str] = None
     max_tokens: Optional[Int64] = None
     temperature: Optional[float] = None
@@ -183,6 +183,12 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
     """An assistant message's tool calls (passed to the chat template)."""
     tool_call_id: Optional[str] = None
     """A ``tool`` message: the call it answers (passed to the chat template)."""
+    reasoning_content: Optional[str] = None
+    """An assistant message's reasoning (as zpp and vLLM return it with ``--reasoning-parser``),
+    sent back in an agent loop: the chat template gets it as ``reasoning_content`` (Qwen3's
+    re-renders the current tool loop's thinking)."""
+    reasoning: Optional[str] = None
+    """vLLM's newer name of ``reasoning_content`` (used when that one is not given)."""
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -206,18 +212,21 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     reasoning_effort: Optional[str] = None
     """One of REASONING_EFFORTS: the chat template's variable ``reasoning_effort`` (as in vLLM; gpt-oss's
     template reads it), unless ``chat_template_kwargs`` sets that one; null: no such variable."""
+    verbosity: Optional[str] = None
+    """OpenAI's (``"low"``, ``"medium"``, ``"high"``; another value is a 400): accepted and no
+    effect, as in vLLM (clients send it by default; the model's own length is what it writes)."""
     # OpenAI fields that would change the output and that zpp does not implement: null is accepted,
     # anything else refused naming the field (check_unsupported_chat_fields), not silently ignored.
     modalities: Optional[list[str]] = None
     audio: Optional[dict[str, Any]] = None
     prediction: Optional[dict[str, Any]] = None
-    verbosity: Optional[str] = None
     web_search_options: Optional[dict[str, Any]] = None
     functions: Optional[list[Any]] = None
     function_call: Union[None, str, dict[str, Any]] = None
 
 
-UNSUPPORTED_CHAT_FIELDS = ("audio", "prediction", "verbosity", "web_search_options", "functions", "function_call")
+UNSUPPORTED_CHAT_FIELDS = ("audio", "prediction", "web_search_options", "functions", "function_call")
+VERBOSITIES = ("low", "medium", "high")  # OpenAI's verbosity values (chat's verbosity, Responses' text.verbosity)
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # chat's reasoning_effort (OpenAI's values)
 
@@ -231,12 +240,13 @@ def check_one_of(value: Any, choices: tuple, param: str) -> None:
 
 def check_unsupported_chat_fields(req: "ChatCompletionRequest") -> None:
     """Refuse OpenAI chat fields zpp does not implement (``modalities`` other than ``["text"]``,
-    audio, predicted outputs, verbosity, web search, the deprecated functions) and a
-    ``reasoning_effort`` that is not one of REASONING_EFFORTS.
+    audio, predicted outputs, web search, the deprecated functions), a ``reasoning_effort`` that is
+    not one of REASONING_EFFORTS and a ``verbosity`` that is not one of VERBOSITIES.
 
     Raises:
         ProtocolError: naming the field (``functions`` / ``function_call``: use ``tools``)."""
     check_one_of(req.reasoning_effort, REASONING_EFFORTS, "reasoning_effort")
+    check_one_of(req.verbosity, VERBOSITIES, "verbosity")
     if req.modalities is not None and req.modalities != ["text"]:
         raise ProtocolError(f"modalities {req.modalities} are not supported by this server (text only)", "modalities")
     for name in UNSUPPORTED_CHAT_FIELDS:
@@ -245,7 +255,7 @@ def check_unsupported_chat_fields(req: "ChatCompletionRequest") -> None:
             raise ProtocolError(f"{name} is not supported by this server{hint}", name)
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class TokenizeRequest(msgspec.Struct, kw_only=True):
     """``POST /tokenize`` (vLLM's): either ``prompt`` (a string, tokenized as ``/v1/completions``
     does) or ``messages`` (rendered with the chat template as ``/v1/chat/completions`` does, with
     ``tools`` as a chat request with ``tool_choice`` auto). ``add_special_tokens`` defaults to true
@@ -263,7 +273,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Request, kw_only=True, forbid_unknown_fields=True):
+class DetokenizeRequest(_Request, kw_only=True):
     """``POST /detokenize`` (vLLM's): token ids back to text."""
 
     model: Optional[str] = None

@@ -73,6 +73,7 @@ from zpp.parsers.chat import ChatParsers
 from zpp.sampling_params import SamplingParamsError
 from zpp.server.protocol import ProtocolError, structured_output_options, structured_outputs_of, \
     to_sampling_params
+from zpp.server.render import error_message
 from zpp.server.responses_protocol import (_PARAMS, ResponsesRequest, ResponsesStreamOptions, _check_stateless,
                                            input_messages, reasoning_effort, to_chat_request)
 from zpp.server.tools import ToolPlan, parse_tools, tool_constraint
@@ -142,6 +143,8 @@ class ResponsesAPI:
         ctx.check_model(req.model)
         _check_stateless(req)
         reasons = ctx.parsers.reasoning is not None
+        if req.max_output_tokens == 0:  # as chat's max_completion_tokens (OpenAI and vLLM refuse it)
+            raise ProtocolError("max_output_tokens must be at least 1, got 0", "max_output_tokens")
         try:
             chat = to_chat_request(req)
             plan = parse_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
@@ -359,8 +362,8 @@ class _Run:
     async def _fail(self, e: Exception) -> web.StreamResponse:
         if isinstance(e, (ProtocolError, RequestError, SamplingParamsError)):
             message, code = str(e), "invalid_request_error"
-        elif isinstance(e, EngineDeadError):
-            message, code = f"the engine is dead: {e}", "server_error"
+        elif isinstance(e, EngineDeadError):  # the words chat's and completions' streams use (a drain too)
+            message, code = error_message(e), "server_error"
         else:
             logger.exception("error while streaming %s", self.request.path)
             message, code = f"internal error: {type(e).__name__}: {e}", "server_error"

@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-from zpp.server.protocol import REASONING_EFFORTS, ChatCompletionRequest, ChatMessage, Int64, ProtocolError, \
+from zpp.server.protocol import REASONING_EFFORTS, VERBOSITIES, ChatCompletionRequest, ChatMessage, Int64, ProtocolError, \
     _Request, check_one_of
 
 
@@ -21,7 +21,7 @@ class ResponsesStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_obfuscation: Optional[bool] = None
 
 
-class ResponsesRequest(_Request, kw_only=True, forbid_unknown_fields=True):
+class ResponsesRequest(_Request, kw_only=True):
     """``POST /v1/responses`` (OpenAI's Responses API, stateless: see the module docstring).
 
     ``input`` is a string or a list of input items (messages, ``function_call``,
@@ -115,8 +115,8 @@ def _check_stateless(req: ResponsesRequest) -> None:
     if req.truncation not in (None, "disabled"):
         raise ProtocolError(f"truncation {str(req.truncation)[:30]!r} is not supported: an input longer than the "
                             "model's context is refused (truncation: \"disabled\")", "truncation")
-    if req.text is not None and req.text.get("verbosity") is not None:
-        raise ProtocolError("text.verbosity is not supported by this server", "text")
+    if req.text is not None:  # text.verbosity: accepted, no effect (as chat's verbosity)
+        check_one_of(req.text.get("verbosity"), VERBOSITIES, "text.verbosity")
 
 
 def _content_text(content, where: str) -> str:
@@ -135,7 +135,17 @@ def _content_text(content, where: str) -> str:
         else:
             raise ProtocolError(f"{where}.content[{j}]: only text parts (input_text, output_text) are supported, "
                                 f"got {str(kind)[:40]!r}", "input")
-    return "".join(out)
+    return "\n".join(out)  # as vLLM joins a message's text parts
+
+
+def _reasoning_text(item: dict) -> Optional[str]:
+    """The text of a ``reasoning`` input item: its ``reasoning_text`` content parts, else its
+    summary parts (joined with "\n"), None when it has neither."""
+    for key in ("content", "summary"):
+        parts = [p.get("text") for p in item.get(key) or () if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        if parts:
+            return "\n".join(parts)
+    return None
 
 
 def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
@@ -144,7 +154,9 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
     Consecutive ``function_call`` items become one assistant message's ``tool_calls`` (joined to
     the assistant message just before them, if any); a ``function_call_output`` becomes a ``tool``
     message answering its ``call_id``; ``reasoning`` items (an earlier response's reasoning, sent
-    back with its output) are accepted and left out of the prompt.
+    back with its output) become the ``reasoning_content`` of the assistant message that follows
+    them (vLLM joins a reasoning item and the call after it into one assistant message), which the
+    chat template may re-render (Qwen3's does, for the current tool loop) or drop.
 
     Raises:
         ProtocolError: (``param`` ``"input"``) no input, an item of a type zpp does not serve
@@ -158,6 +170,7 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
     if isinstance(req.input, str):
         msgs.append(ChatMessage(role="user", content=req.input))
         return msgs
+    reasoning: Optional[str] = None  # of a reasoning item, for the assistant message after it
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -168,7 +181,9 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
                                     f"{str(role)[:30]!r}", "input")
             if "content" not in item:
                 raise ProtocolError(f"{where}.content is required", "input")
-            msgs.append(ChatMessage(role=role, content=_content_text(item["content"], where)))
+            msgs.append(ChatMessage(role=role, content=_content_text(item["content"], where),
+                                    reasoning_content=reasoning if role == "assistant" else None))
+            reasoning = None
         elif kind == "function_call":
             name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
@@ -178,9 +193,13 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
             last = msgs[-1] if msgs else None
             if last is not None and last.role == "assistant":
                 last.tool_calls = (last.tool_calls or []) + [call]
+                if last.reasoning_content is None:
+                    last.reasoning_content = reasoning
             else:
-                msgs.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+                msgs.append(ChatMessage(role="assistant", content=None, tool_calls=[call], reasoning_content=reasoning))
+            reasoning = None
         elif kind == "function_call_output":
+            reasoning = None  # only an assistant turn right after a reasoning item takes it
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise ProtocolError(f"{where}: a function_call_output item needs the call_id of its call", "input")
@@ -190,9 +209,8 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
                                     tool_call_id=call_id))
         elif kind == "reasoning":
             # A reasoning item of an earlier response, passed back with its output as clients do
-            # (the openai-agents SDK, vLLM's example): accepted and left out of the prompt, as
-            # chat templates drop earlier turns' reasoning and chat messages' reasoning_content
-            # is ignored.
+            # (the openai-agents SDK, vLLM's example): the next assistant message's reasoning_content.
+            reasoning = _reasoning_text(item)
             continue
         elif kind == "item_reference":
             raise ProtocolError(f"{where}: item_reference is not supported: this server keeps no items; pass the "
