@@ -32,7 +32,7 @@ from typing import Optional, Union
 
 import msgspec
 
-from zpp.config import JsonWhitespace
+from zpp.structured_outputs_config import JsonWhitespace
 from zpp.errors import RequestError
 from zpp.frontend.compile_host import CompileFailed, CompileHost, CompileHostDied, CompileTimedOut
 from zpp.sampling_params import StructuredOutputsParams

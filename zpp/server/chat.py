@@ -15,9 +15,9 @@ from zpp.frontend.inputs import ChatOptions
 from zpp.frontend.output_processor import ChoiceDelta, StreamDeltas
 from zpp.outputs import CompletionOutput
 from zpp.server.endpoint import ServingContext
-from zpp.server.protocol import ChatCompletionRequest, check_unsupported_chat_fields, structured_output_options, \
-    structured_outputs_of, to_sampling_params
+from zpp.server.protocol import ChatCompletionRequest, check_unsupported_chat_fields, to_sampling_params
 from zpp.server.render import SSEWriter, TokenStrings, json_response, new_id, now, usage, usage_counts
+from zpp.server.structured_outputs import structured_output_options, structured_outputs_of
 from zpp.server.tools import ToolPlan, parse_tools, tool_constraint
 
 

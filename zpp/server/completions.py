@@ -13,8 +13,9 @@ from zpp.errors import RequestError
 from zpp.frontend.output_processor import StreamDeltas
 from zpp.outputs import CompletionOutput, RequestOutput
 from zpp.server.endpoint import ServingContext
-from zpp.server.protocol import CompletionRequest, structured_outputs_of, to_sampling_params
+from zpp.server.protocol import CompletionRequest, to_sampling_params
 from zpp.server.render import SSEWriter, json_response, new_id, now, usage, usage_counts
+from zpp.server.structured_outputs import structured_outputs_of
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 

@@ -71,11 +71,11 @@ from aiohttp import web
 from zpp.errors import EngineDeadError, RequestError
 from zpp.parsers.chat import ChatParsers
 from zpp.sampling_params import SamplingParamsError
-from zpp.server.protocol import ProtocolError, structured_output_options, structured_outputs_of, \
-    to_sampling_params
+from zpp.server.protocol import ProtocolError, to_sampling_params
 from zpp.server.render import error_message
 from zpp.server.responses_protocol import (_PARAMS, ResponsesRequest, ResponsesStreamOptions, _check_stateless,
                                            input_messages, reasoning_effort, to_chat_request)
+from zpp.server.structured_outputs import structured_output_options, structured_outputs_of
 from zpp.server.tools import ToolPlan, parse_tools, tool_constraint
 
 logger = logging.getLogger(__name__)
