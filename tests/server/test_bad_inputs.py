@@ -6,7 +6,7 @@ What the corpus covers: broken JSON and encodings, Content-Encodings the server 
 br, zstd, unknown names) and bodies that do not decode (400), NaN/inf, bodies past --max-request-body-bytes
 (plain, chunked, gzip bomb), deep nesting, texts and token lists far past max_model_len, wrong types
 in every field, out-of-range values, token ids outside the vocabulary, empty prompts and messages,
-wrong roles, stop lists past --max-stop-sequences, unknown fields, unsupported features, request
+wrong roles, stop lists past --max-stop-sequences, unknown keys in stream_options, unsupported features, request
 chat templates (refused without --trust-request-chat-template) and wrong routes.
 
 (Legitimate but unusual values — a negative seed inside 64 bits, top_k of 10**12, temperature 1e300 —
@@ -226,13 +226,14 @@ CORPUS = [
     ("stop-token-ids-1000", "POST", C, comp(stop_token_ids=list(range(1000))), {}, 400, "stop_token_ids"),
     ("stop-empty-string", "POST", C, comp(stop=[""]), {}, 400, "stop"),
     # --- unknown fields and unsupported features --------------------------------------------------
-    ("unknown-field", "POST", C, comp(foo=1), {}, 400, "foo"),
+    # (unknown top-level fields are ignored, as in vLLM: tests/server/test_unknown_fields.py)
     ("unknown-field-in-stream-options", "POST", H, chat(stream=True, stream_options={"foo": 1}), {}, 400,
      "stream_options.foo"),
     ("unknown-field-in-stream-options-comp", "POST", C,
      comp(stream=True, stream_options={"include_usage": True, "x": 1}), {}, 400, "stream_options.x"),
-    ("unknown-guided-whitespace", "POST", H, chat(guided_whitespace_pattern=" "), {}, 400,
+    ("guided-whitespace-not-a-string", "POST", H, chat(guided_whitespace_pattern=3), {}, 400,
      "guided_whitespace_pattern"),
+    ("max-tokens-zero-completions", "POST", C, comp(max_tokens=0), {}, 400, "max_tokens"),
     ("guided-json-uncompilable", "POST", H, chat(guided_json={"type": "objec"}), {}, 400, "guided_json"),
     ("structured-outputs-two-kinds", "POST", C, comp(structured_outputs={"regex": "a", "choice": ["a"]}), {}, 400,
      "structured_outputs"),

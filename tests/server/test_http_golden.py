@@ -117,7 +117,7 @@ CASES = [
                                        **G}, None),
     # --- errors
     ("err_model", "POST", C, {"model": "nope", "prompt": "x"}, None),
-    ("err_unknown_field", "POST", C, {"prompt": "x", "frobnicate": 1}, None),
+    ("err_unknown_field", "POST", C, {"prompt": "x", "stream": True, "stream_options": {"frobnicate": 1}}, None),
     ("err_bad_json", "POST", C, b"{not json", {"Content-Type": "application/json"}),
     ("err_missing_prompt", "POST", C, {"max_tokens": 3}, None),
     ("err_empty_prompt_list", "POST", C, {"prompt": []}, None),

@@ -115,9 +115,9 @@ def test_stateful_and_unsupported_fields_are_refused(client, server):
     # summaries are accepted and not written (test_reasoning_effort.py); values outside OpenAI's are refused.
     assert "'detailed'" in refused("reasoning.summary", reasoning={"effort": "high", "summary": "long"})
     assert "'extreme'" in refused("reasoning.effort", reasoning={"effort": "extreme"})
-    with pytest.raises(openai.BadRequestError) as e:  # an unknown field, named
-        client.responses.create(model=MODEL, input="hi", extra_body={"frobnicate": 1})
-    assert e.value.body["param"] == "frobnicate"
+    with pytest.raises(openai.BadRequestError) as e:  # an unknown key inside stream_options, named by its path
+        client.responses.create(model=MODEL, input="hi", stream=True, extra_body={"stream_options": {"frobnicate": 1}})
+    assert e.value.body["param"] == "stream_options.frobnicate"
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-4o", input="hi")
 
