@@ -856,32 +856,33 @@ ISSUE_51 = {"messages": [{"role": "user", "content": "Tell me about Paris"}], "t
 def test_issue_request_json_ends(server):
     """Issue 51's request (its JSON ran 200 tokens into newlines, finish "length"): with the default
     whitespace bound it ends with valid JSON and "stop" well inside 200 tokens, in chat and in
-    /v1/responses, streamed and not; with ``disable_any_whitespace`` next to the response_format
-    it is compact JSON."""
+    /v1/responses, streamed and not (the four at once: one batch). Compact JSON next to a
+    response_format (``structured_outputs.disable_any_whitespace``) is tested in-process
+    (tests/server/test_json_whitespace.py)."""
     schema = ISSUE_51["response_format"]["json_schema"]["schema"]
+    fmt = {"format": {"type": "json_schema", "name": "City", "schema": schema, "strict": True}}
+    responses = dict(model=MODEL, input="Tell me about Paris", temperature=0, max_output_tokens=200, text=fmt)
 
     async def go():
         c = _client(server)
-        r = await c.chat.completions.create(model=MODEL, **ISSUE_51)
+
+        async def chat_stream():
+            return [ch async for ch in await c.chat.completions.create(model=MODEL, stream=True, **ISSUE_51)]
+
+        async def responses_stream():
+            return [e async for e in await c.responses.create(stream=True, **responses)]
+
+        r, chunks, resp, events = await asyncio.gather(c.chat.completions.create(model=MODEL, **ISSUE_51),
+                                                       chat_stream(), c.responses.create(**responses),
+                                                       responses_stream())
         text = r.choices[0].message.content
         jsonschema.validate(json.loads(text), schema)
         assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 100, (r.usage, text)
-        stream = await c.chat.completions.create(model=MODEL, stream=True, **ISSUE_51)
-        chunks = [ch async for ch in stream]
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
-        fmt = {"format": {"type": "json_schema", "name": "City", "schema": schema, "strict": True}}
-        resp = await c.responses.create(model=MODEL, input="Tell me about Paris", temperature=0,
-                                        max_output_tokens=200, text=fmt)
         assert resp.status == "completed" and resp.output_text == text and resp.usage.output_tokens < 100
-        events = [e async for e in await c.responses.create(model=MODEL, input="Tell me about Paris", temperature=0,
-                                                            max_output_tokens=200, text=fmt, stream=True)]
         done = [e for e in events if e.type == "response.completed"]
         assert done and done[0].response.status == "completed" and done[0].response.output_text == text
-        r = await c.chat.completions.create(model=MODEL, **ISSUE_51,
-                                            extra_body={"structured_outputs": {"disable_any_whitespace": True}})
-        compact = r.choices[0].message.content
-        assert r.choices[0].finish_reason == "stop" and json.dumps(json.loads(compact)) == compact, compact
     asyncio.run(go())
 
 
