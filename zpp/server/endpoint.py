@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from urllib.parse import quote
 from typing import AsyncIterator, Optional, Sequence, Union
+from urllib.parse import quote
 
 from aiohttp import web
 
