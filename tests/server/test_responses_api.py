@@ -253,7 +253,9 @@ def test_openapi_json_describes_the_request_types(server):
 
     check({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 5})
     check({"input": "hi", "max_output_tokens": 5, "store": False}, "ResponsesRequest")
-    for bad in ({"messages": [], "n": 0}, {"messages": [], "temperature": "hot"}, {"messages": [], "nope": 1}):
+    check({"messages": [{"role": "user", "content": "hi"}], "nope": 1})  # unknown top-level fields: ignored
+    for bad in ({"messages": [], "n": 0}, {"messages": [], "temperature": "hot"},
+                {"messages": [], "stream": True, "stream_options": {"nope": 1}}):
         with pytest.raises(jsonschema.ValidationError):
             check(bad)
         post = urllib.request.Request(server.url + "/v1/chat/completions", json.dumps(bad).encode(),
