@@ -13,6 +13,8 @@ from two_hosts import TwoHosts, ensure_openssh, unavailable_reason
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+pytest_plugins = ["process_guard"]  # a test that starts a process and is not marked slow fails
+
 
 @pytest.fixture(scope="session")
 def demo_model() -> str:

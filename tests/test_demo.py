@@ -101,6 +101,7 @@ def test_conversion_shows_a_progress_bar(tmp_path):
     assert r.returncode == 0 and "steps" not in r.stderr
 
 
+@pytest.mark.slow
 def test_demo_sh_refuses_a_port_in_use(tmp_path):
     """A port another server holds: one line saying so, exit 1, before anything starts (it printed
     "Ready" on that server's /health before)."""
@@ -116,6 +117,7 @@ def test_demo_sh_refuses_a_port_in_use(tmp_path):
                        f"set PORT=N\n", r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("port", ["abc", "70000", "0"])
 def test_demo_sh_refuses_a_port_that_is_no_number(port):
     """PORT=abc: one line naming the setting, exit 1, no traceback, nothing started."""

@@ -306,6 +306,7 @@ def test_logit_bias_offline(llm):
         llm.generate([prompt], GREEDY.clone(logit_bias={49152: 1.0}), use_tqdm=False)
 
 
+@pytest.mark.slow
 def test_chat_passes_tools_and_template_kwargs(llm):
     template = ("{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %} tools: "
                 "{{ tools | map(attribute='function.name') | join(',') }}{% endif %} {{ greeting }}")
@@ -352,6 +353,7 @@ def test_vllm_only_keywords_accepted_or_refused_in_one_line(caplog):
             _vllm_only_keywords(dict(bad))
 
 
+@pytest.mark.slow
 def test_a_large_batch_is_queued_in_chunks_and_answered_in_order(llm):
     """More prompts than zpp.llm.SUBMIT_CHUNK (queued a chunk at a time, the engine scheduling in
     between, their objects frozen out of full collections meanwhile): one output per prompt, in
