@@ -21,6 +21,19 @@ def demo_model() -> str:
     return demo_model_or_skip()
 
 
+@pytest.fixture
+def private_tmpdir(monkeypatch):
+    """A fresh, short temporary directory (ipc socket paths must stay under 108 bytes) that this
+    process's ``tempfile`` uses, for counting what a run leaves there (``helpers.ipc_socket_files``);
+    give it to a subprocess as ``TMPDIR``. Removed after the test."""
+    import shutil
+    import tempfile
+    d = tempfile.mkdtemp(prefix="zpp-t-")
+    monkeypatch.setattr(tempfile, "tempdir", d)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def _offline_llm_on_cpu_unless_gpu_test(request, monkeypatch):
     """``device="auto"`` (the default of ``LLM`` and of ``ParallelConfig``) is CUDA on a GPU machine;

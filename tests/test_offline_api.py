@@ -149,10 +149,14 @@ def test_device_auto_by_default(llm):
 
 
 @pytest.mark.slow
-def test_generate_after_shutdown_raises_at_once(tiny_model):
+def test_generate_after_shutdown_raises_at_once(tiny_model, private_tmpdir):
+    """... and shutdown() leaves no process and no socket file behind."""
+    from helpers import ipc_socket_files
     llm = LLM(tiny_model, kv_cache_memory="16MiB", max_model_len=256)
     pids = [p.pid for p in llm.engine.executor.procs]
+    assert len(ipc_socket_files(private_tmpdir)) == 1  # the control plane to the workers
     llm.shutdown()
+    assert ipc_socket_files(private_tmpdir) == []
     t = time.monotonic()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(["Hi"], SamplingParams(max_tokens=2))
