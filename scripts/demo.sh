@@ -23,8 +23,9 @@ if [ -z "${ZPP_DEMO_SKIP_SETUP:-}" ]; then  # set by tests: use the python and z
   . .venv/bin/activate
 fi
 MODEL_DIR="$(zpp prepare-demo-model --log-level warning | tail -n 1)"
-DEVICE=cpu
-if python -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)" 2>/dev/null; then DEVICE=cuda; fi
+DEVICE=cpu  # (torch is imported to count GPUs only where there is a driver: the import takes seconds)
+if command -v nvidia-smi >/dev/null 2>&1 \
+   && python -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)" 2>/dev/null; then DEVICE=cuda; fi
 echo "Starting zpp serve on $MODEL_DIR with --pipeline-parallel-size 2 on $DEVICE, port $PORT (loading the model)..."
 HINT="Ready. Try:
   curl -s localhost:$PORT/v1/chat/completions -H 'Content-Type: application/json' \\

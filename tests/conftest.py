@@ -13,10 +13,25 @@ from two_hosts import TwoHosts, ensure_openssh, unavailable_reason
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+pytest_plugins = ["process_guard"]  # a test that starts a process and is not marked slow fails
+
 
 @pytest.fixture(scope="session")
 def demo_model() -> str:
     return demo_model_or_skip()
+
+
+@pytest.fixture
+def private_tmpdir(monkeypatch):
+    """A fresh, short temporary directory (ipc socket paths must stay under 108 bytes) that this
+    process's ``tempfile`` uses, for counting what a run leaves there (``helpers.ipc_socket_files``);
+    give it to a subprocess as ``TMPDIR``. Removed after the test."""
+    import shutil
+    import tempfile
+    d = tempfile.mkdtemp(prefix="zpp-t-")
+    monkeypatch.setattr(tempfile, "tempdir", d)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

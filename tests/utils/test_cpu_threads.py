@@ -89,6 +89,7 @@ def test_stage_env_defaults_and_user_settings_win():
     assert stage_env(2, environ={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1"}) == {"OMP_NUM_THREADS": "2"}
 
 
+@pytest.mark.slow
 def test_environ_for_children_reaches_a_child_and_is_restored(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)

@@ -6,10 +6,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 WATCHED_CHILD = ("import sys, time\nfrom zpp.utils.process import watch_parent\nwatch_parent()\n"
                  "print('watching', flush=True)\ntime.sleep(0.2)\n")
 
 
+@pytest.mark.slow
 def test_watch_parent_when_the_parent_died_first():
     """The parent's pid, given by the parent (ZPP_PARENT_PID, or multiprocessing's record), is what
     counts: a child whose recorded parent is not its parent any more exits 1 at once."""

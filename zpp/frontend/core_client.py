@@ -18,7 +18,7 @@ from zpp.engine.core_proc import core_main
 from zpp.errors import ConfigError, WorkerDiedError
 from zpp.transport import core_messages as cm
 from zpp.transport.core_channels import CoreSocket
-from zpp.transport.channels import local_ipc_address
+from zpp.transport.channels import local_ipc_address, remove_ipc_file, remove_ipc_files_of
 from zpp.utils.process import main_module_hidden, sigint_blocked
 
 logger = logging.getLogger("zpp.engine.core_proc")
@@ -192,6 +192,7 @@ class CoreProcessClient:
         loop = asyncio.get_event_loop()
         loop.remove_reader(self.proc.sentinel)
         self.proc.join(0)
+        self._sweep()
         if self._on_exit_during_start is not None and not self._on_exit_during_start.done():
             self._on_exit_during_start.set_result(None)
             return
@@ -213,6 +214,15 @@ class CoreProcessClient:
         if self._reader is not None:
             self._reader.cancel()
         self.sock.close()
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Once the core this front end started has exited: remove the socket files it may have
+        left (its own, bound at our address, and its workers' control plane), as a core that was
+        SIGKILLed or died mid-way does not."""
+        if self.proc is not None and self.proc.exitcode is not None:
+            remove_ipc_file(self.address)
+            remove_ipc_files_of(self.proc.pid)
 
     async def shutdown(self) -> None:
         """Ask the core to stop its workers and exit; wait (then SIGTERM, SIGKILL). Idempotent."""

@@ -7,6 +7,7 @@ admits only the run's client key and logs every refused connection.
 """
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import socket
@@ -27,8 +28,32 @@ logger = logging.getLogger(__name__)
 
 
 def local_ipc_address() -> str:
-    """A fresh ipc:// endpoint in the temp directory (single-host runs)."""
+    """A fresh ipc:// endpoint in the temp directory (single-host runs):
+    ``ipc://$TMPDIR/zpp-<pid>-<8 hex>.sock``, ``<pid>`` the process that chose it. The socket file
+    the binding end creates is not removed by ZeroMQ (libzmq 4.3 leaves it): every binder removes it
+    when it closes (:func:`remove_ipc_file`), and the parent of a process that died without closing
+    sweeps that process's files (:func:`remove_ipc_files_of`)."""
     return f"ipc://{tempfile.gettempdir()}/zpp-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+
+
+def remove_ipc_file(address: str) -> None:
+    """Remove the socket file of an ``ipc://`` address (nothing for other transports, or when it is
+    already gone)."""
+    if address.startswith("ipc://"):
+        try:
+            os.unlink(address[len("ipc://"):])
+        except OSError:
+            pass
+
+
+def remove_ipc_files_of(pid: int) -> None:
+    """Remove the socket files :func:`local_ipc_address` chose in process ``pid`` (called once that
+    process has exited: a SIGKILLed engine core leaves its workers' control-plane socket behind)."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"zpp-{int(pid)}-*.sock")):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def tcp_address(host: str, port: int | str) -> str:
@@ -139,12 +164,7 @@ class EngineSocket:
             self._auth.stop()
         self.sock.close(0)
         self.ctx.term()
-        addr = self.address
-        if addr.startswith("ipc://"):
-            try:
-                os.unlink(addr[len("ipc://"):])
-            except OSError:
-                pass
+        remove_ipc_file(self.address)
 
 
 SHUTDOWN_GRACE_S = 3.0

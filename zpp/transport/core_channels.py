@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from zpp.transport import core_messages as cm
+from zpp.transport.channels import remove_ipc_file
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(cm.ToCore)
@@ -33,6 +34,7 @@ class FrontEndsSocket:
     the sending front end's identity, sends FromCore messages to one front end or to several."""
 
     def __init__(self, address: str):
+        self.address = address
         self.ctx = zmq.asyncio.Context()
         self.sock = _socket(self.ctx, zmq.ROUTER, 2000)
         self.sock.bind(address)
@@ -51,8 +53,10 @@ class FrontEndsSocket:
             self.sock.send_multipart([front, payload])
 
     def close(self, linger_ms: int = 1000) -> None:
+        """Close (pending sends get ``linger_ms``) and remove the ipc socket file."""
         self.sock.close(linger=linger_ms)
         self.ctx.term()
+        remove_ipc_file(self.address)
 
 
 class CoreSocket:
