@@ -85,6 +85,7 @@ class ScheduledBatch:
     sample: Optional[list[bool]] = None  # whether each chunk samples
     num_sampled: int = 0
     predicted_s: float = 0.0  # the cost model's slowest-stage seconds for it (0 without a target)
+    drafts: Optional[list[int]] = None  # speculative decoding: draft tokens of each chunk (None: no drafts)
 
     @property
     def chunks(self) -> list:
@@ -114,7 +115,9 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, depth: int = 1,
                  prefill_attention_budget: Optional[int] = None, async_scheduling: bool = False,
-                 rope_switch_len: Optional[int] = None, target: Optional[StepTarget] = None):
+                 rope_switch_len: Optional[int] = None, target: Optional[StepTarget] = None,
+                 spec=None):
+        self.spec = spec  # speculative decoding: a zpp.engine.spec_decode.SpecDecoder, or None
         self.target = target  # a target inter-token latency; its cost model records every batch
         self.cost = target.cost if target is not None else None
         self.kv = kv
@@ -178,6 +181,8 @@ class Scheduler:
         self.kv.free(req)
         self.requests.pop(req.req_id, None)
         self._free_slot(req)
+        if self.spec is not None:
+            self.spec.forget(req.req_id)
 
     def _take_slot(self) -> int:
         if self._free_slots:
@@ -270,18 +275,28 @@ class Scheduler:
         max_decodes = len(running) if self.async_scheduling else math.ceil(n_decoding / self.depth)
         plan: dict[str, int] = {}
         async_ids: set[str] = set()
+        drafts: dict[str, list[int]] = {}
+        speculate = self.spec is not None and self.spec.enabled_for_step(n_decoding)
         context = 0  # positions the decodes attend
+        used = 0  # tokens of the decodes (with their drafts)
         for r in ready:
-            if len(plan) >= min(max(max_decodes, 1), budget):
+            if len(plan) >= min(max(max_decodes, 1), budget) or used >= budget:
                 break
             if not r.in_flight and r.num_tokens - r.num_computed_tokens == 1:
                 plan[r.req_id] = 1
+                d = self.spec.propose(r, self.max_model_len, self.rope_switch_len) if speculate else None
+                if d:
+                    d = d[:max(0, budget - used - 1)]
+                    if d:
+                        drafts[r.req_id] = d
+                        plan[r.req_id] += len(d)
             elif self._can_async(r):
                 plan[r.req_id] = 1
                 async_ids.add(r.req_id)
             else:
                 continue
-            context += r.num_scheduled_tokens + 1
+            used += plan[r.req_id]
+            context += r.num_scheduled_tokens + plan[r.req_id]
         # Prefills: running requests with a prompt (or recompute) left, then waiting requests.
         room = self.max_num_seqs - len(self.running)
         waiting = list(itertools.islice(self.waiting, max(0, room)))
@@ -291,7 +306,7 @@ class Scheduler:
         time_left = self.target.time_left(len(plan), context, (len(self.waiting) + sum(  # waiting per stream
             r.num_tokens - r.num_computed_tokens > 1 for r in running)) / n_decoding) \
             if self.target and n_decoding and self.chunked else None  # per stage, for the prompt chunks
-        plan.update(self._plan_prefills(cands, budget - len(plan), n_decoding > 0, time_left))
+        plan.update(self._plan_prefills(cands, budget - used, n_decoding > 0, time_left))
 
         reqs: list[Request] = []
         picked: list[tuple[Request, int, list[int]]] = []
@@ -340,21 +355,23 @@ class Scheduler:
 
         if not picked:
             return None  # freed slots (if any) ride on the next real batch
-        picked.sort(key=lambda p: p[1] > 1 or p[0].num_tokens - p[0].num_computed_tokens > 1)  # decodes first
+        picked.sort(key=lambda p: p[0].req_id not in decodes)  # decodes first
         reqs = [p[0] for p in picked]
         builder = m.BatchBuilder()
         samples: list[bool] = []
         num_prefill = 0
         decode_rows = decode_context = prompt_pairs = 0
+        chunk_drafts = [drafts.get(p[0].req_id, ()) for p in picked] if drafts else None
         for req, num_new, new_blocks in picked:
             start = req.num_computed_tokens + req.num_in_flight_tokens
+            d = drafts.get(req.req_id, ()) if drafts else ()
             if req.req_id in decodes:
-                decode_rows += 1
-                decode_context += start + 1
+                decode_rows += num_new  # a verify chunk costs about as many decode rows as its tokens
+                decode_context += (start + 1) * num_new
             else:
                 num_prefill += num_new
                 prompt_pairs += chunk_pairs(start, num_new)
-            samples.append(self._add_chunk(req, num_new, new_blocks, builder, req.req_id in async_ids))
+            samples.append(self._add_chunk(req, num_new, new_blocks, builder, req.req_id in async_ids, d))
             req.in_flight += 1
             req.num_in_flight_tokens += num_new
         batch_id = next(self._batch_ids)
@@ -366,7 +383,7 @@ class Scheduler:
         self._num_prefill_in_flight += num_prefill
         chunk_tokens = builder.num_tokens
         return ScheduledBatch(batch, reqs, sum(chunk_tokens), num_prefill, chunk_tokens, samples, sum(samples),
-                              predicted)
+                              predicted, [len(d) for d in chunk_drafts] if chunk_drafts else None)
 
     def _plan_prefills(self, cands: list[Request], budget: int, streams_waiting: bool = True,
                        time_left: Optional[list[float]] = None) -> dict[str, int]:
@@ -525,12 +542,13 @@ class Scheduler:
         return self.rope_switch_len is not None and req.kv_variant == 0 and num_tokens > self.rope_switch_len
 
     def _add_chunk(self, req: Request, num_new: int, new_blocks: list[int], b: m.BatchBuilder,
-                   from_prev: bool = False) -> bool:
+                   from_prev: bool = False, drafts=()) -> bool:
         """Write ``req``'s chunk of ``num_new`` tokens (and, the first time, the request itself) into
-        the batch. Returns whether the chunk samples."""
+        the batch (``drafts``: speculative decoding, the last ``len(drafts)`` of them). Returns
+        whether the chunk samples."""
         start = req.num_computed_tokens + req.num_in_flight_tokens
         known = len(req.token_ids)
-        sample = from_prev or start + num_new == known
+        sample = from_prev or start + num_new - len(drafts) == known
         flags = (m.SAMPLE if sample else 0) | (m.FROM_PREV if from_prev else 0)
         if req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens:
             flags |= m.PROMPT_LOGPROBS
@@ -539,10 +557,10 @@ class Scheduler:
             b.new_request(req.slot, req.req_id, req.token_ids, req.num_prompt_tokens, self.kv.blocks_of(req),
                           req.sampling)
             req.sent_to_workers = True
-            b.add(req.slot, start, num_new, flags)
+            b.add(req.slot, start, num_new, flags, drafts=drafts)
         else:  # what the workers have not heard of yet: tokens since the last chunk, new blocks
             sent = req.num_sent_tokens
-            b.add(req.slot, start, num_new, flags, req.token_ids[sent:] if sent < known else (), new_blocks)
+            b.add(req.slot, start, num_new, flags, req.token_ids[sent:] if sent < known else (), new_blocks, drafts)
         req.num_sent_tokens = known
         return sample
 
@@ -550,7 +568,8 @@ class Scheduler:
     def update(self, sched: ScheduledBatch, result: m.StepResult,
                now: Optional[float] = None) -> list[tuple[Request, int, int]]:
         """Apply a returned batch. Returns (request, chunk index, sampled token id or -1 when the
-        chunk does not sample) for every request of the batch that is still alive; finished /
+        chunk does not sample) for every request of the batch that is still alive (speculative
+        decoding: one entry per token a verify chunk returned, up to one that ends the request); finished /
         aborted ones are released here. ``now`` (monotonic seconds; with a target inter-token
         latency) times the gaps between the requests' tokens (:meth:`StepTarget.add_gaps`).
 
@@ -560,35 +579,56 @@ class Scheduler:
         self._num_in_flight -= 1
         self._num_prefill_in_flight -= sched.num_prefill_tokens
         tokens = m.int32s(result.tokens).tolist()
-        if len(tokens) != sched.num_sampled:
+        counts = m.int32s(result.token_counts).tolist() if result.token_counts else None
+        if len(counts if counts is not None else tokens) != sched.num_sampled or (
+                counts is not None and sum(counts) != len(tokens)):
             raise RuntimeError(f"micro-batch {sched.batch.batch_id}: {len(tokens)} sampled tokens for "
                                f"{sched.num_sampled} sampling chunks")
-        k = 0
+        k = 0  # next token
+        j = 0  # next sampling chunk
         out = []
         gaps: list[float] = []
         for i, (req, n, sample) in enumerate(zip(sched.reqs, sched.chunk_tokens, sched.sample)):
-            tok = -1
+            toks: list[int] = []
             if sample:
-                tok = tokens[k]
-                k += 1
+                c = counts[j] if counts is not None else 1
+                toks = tokens[k:k + c]
+                k += c
+                j += 1
             req.in_flight -= 1
             req.num_in_flight_tokens -= n
             if req.status.finished:  # aborted while in flight: free once no batch writes its blocks
                 if not req.in_flight:
                     self._release(req)
                 continue
-            req.num_computed_tokens += n
-            self.kv.cache_full_blocks(req)
-            if tok >= 0:
+            nd = sched.drafts[i] if sched.drafts is not None else 0
+            if nd:
+                # Speculative decoding: of the 1 + nd positions computed, the last known token's and
+                # the accepted drafts' hold valid KV; the rejected ones are rolled back.
+                if not 1 <= len(toks) <= nd + 1:
+                    raise RuntimeError(f"micro-batch {sched.batch.batch_id}: {len(toks)} tokens for a chunk "
+                                       f"with {nd} drafts")
+                self.spec.record(req.req_id, nd, len(toks) - 1)
+                req.num_computed_tokens += len(toks)
+            else:
+                req.num_computed_tokens += n
+            if not toks:
+                self.kv.cache_full_blocks(req)
+                out.append((req, i, -1))
+            for tok in toks:
                 req.append_token(tok)
                 req.check_stop(self.max_model_len)
+                out.append((req, i, tok))
+                if req.status.finished:
+                    break  # the tokens after one that ends the request are dropped
+            if toks:
+                self.kv.cache_full_blocks(req)  # after the tokens: a block's hash reads them
                 if now is not None and req.last_token_at is not None:
                     gaps.append(now - req.last_token_at)
                 req.last_token_at = now
             if (not req.status.finished and not req.in_flight and req.status == RequestStatus.RUNNING
                     and self._crosses_rope_switch(req, req.num_tokens)):
                 self._preempt(req, count=False)  # LongRoPE: recomputed with the long factors
-            out.append((req, i, tok))
         if gaps and self.target:
             self.target.add_gaps(gaps, sched.predicted_s)
         return out
