@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from zpp import envs
 from zpp.errors import ConfigError
+from zpp.spec_config import SpeculativeConfig, parse_speculative_config  # noqa: F401
 from zpp.settings import (parse_human_int, parse_layer_partition, parse_names, parse_nodes, parse_size,  # noqa: F401
                           setting, tcp_port)
 
@@ -304,9 +305,8 @@ class ParallelConfig:
             raise ConfigError(f"--pp-layer-partition {self.pp_layer_partition!r}: layers per stage "
                               "(e.g. 10,10,5,5) or auto")
         if isinstance(self.pp_layer_partition, tuple) and len(self.pp_layer_partition) != self.pipeline_parallel_size:
-            raise ConfigError(
-                f"--pp-layer-partition has {len(self.pp_layer_partition)} entries but "
-                f"--pipeline-parallel-size is {self.pipeline_parallel_size}")
+            raise ConfigError(f"--pp-layer-partition has {len(self.pp_layer_partition)} entries but "
+                              f"--pipeline-parallel-size is {self.pipeline_parallel_size}")
 
     @property
     def world_size(self) -> int:
@@ -493,87 +493,6 @@ class StructuredOutputsConfig:
             raise ConfigError(f"--max-structured-outputs-grammar-bytes must be >= 1, got {self.max_grammar_bytes}")
 
 
-SPEC_METHODS = ("ngram",)
-"""``--speculative-config`` methods built (``method``)."""
-
-_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
-              "min_acceptance_rate")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding (``--speculative-config JSON``, vLLM's flag and keys): each decoding
-    request's draft tokens ride in its micro-batch as extra query tokens that every stage computes
-    like a short prefill; the last stage verifies them (``zpp.workers.rejection_sampler``) and the
-    core rolls back the rejected positions (``zpp.engine.spec_decode``)."""
-
-    method: str = "ngram"
-    """``ngram``: prompt lookup (drafts copied from the request's own prompt and output, proposed in
-    the engine core; no model)."""
-    num_speculative_tokens: int = 3
-    """Draft tokens per request and step (k: a verify chunk is k + 1 query tokens)."""
-    prompt_lookup_max: int = 5
-    """Longest suffix n-gram looked up (vLLM's default 5; either of the two alone sets both)."""
-    prompt_lookup_min: int = 5
-    """Shortest suffix n-gram looked up."""
-    disable_by_batch_size: Optional[int] = None
-    """No drafts in a step whose decoding requests are more than this (None: any batch size)."""
-    min_acceptance_rate: float = 0.0
-    """zpp's: a request whose recent drafts were accepted at a lower rate than this proposes none for
-    a while (``zpp.engine.spec_decode.BACKOFF_STEPS`` steps), then tries again; 0: never."""
-
-    def __post_init__(self):
-        if self.method not in SPEC_METHODS:
-            raise ConfigError(f"--speculative-config: method {self.method!r} is not supported (zpp has: "
-                              f"{', '.join(SPEC_METHODS)}; mtp / deepseek_mtp, eagle and draft models are not built)")
-        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"--speculative-config: {key} must be an integer >= 1, got {v!r}")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ConfigError(f"--speculative-config: prompt_lookup_min {self.prompt_lookup_min} is larger than "
-                              f"prompt_lookup_max {self.prompt_lookup_max}")
-        if self.disable_by_batch_size is not None and (not isinstance(self.disable_by_batch_size, int)
-                                                       or self.disable_by_batch_size < 1):
-            raise ConfigError(f"--speculative-config: disable_by_batch_size must be an integer >= 1, got "
-                              f"{self.disable_by_batch_size!r}")
-        if not (isinstance(self.min_acceptance_rate, (int, float)) and 0 <= self.min_acceptance_rate <= 1):
-            raise ConfigError(f"--speculative-config: min_acceptance_rate must be in [0, 1], got "
-                              f"{self.min_acceptance_rate!r}")
-
-
-def parse_speculative_config(value: Any, flag: str) -> Optional[SpeculativeConfig]:
-    """``--speculative-config`` as JSON text, or (``LLM(speculative_config=...)``) a dict or a
-    :class:`SpeculativeConfig`; None passes through.
-
-    Raises:
-        ConfigError: not a JSON object, an unknown key (a draft ``model`` among them: none is
-            built), or a bad value (one line naming the flag).
-    """
-    if value is None or isinstance(value, SpeculativeConfig):
-        return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ConfigError(f"{flag}: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{flag}: expected a JSON object such as "
-                          f'{{"method": "ngram", "num_speculative_tokens": 3}}, got {value!r}')
-    if "model" in value and value["model"] is not None:
-        raise ConfigError(f"{flag}: a draft model ({value['model']!r}) is not supported: only method "
-                          f"'ngram' (no model) is built")
-    value = {k: v for k, v in value.items() if k != "model"}
-    unknown = sorted(set(value) - set(_SPEC_KEYS))
-    if unknown:
-        raise ConfigError(f"{flag}: unknown key(s) {', '.join(unknown)} (zpp reads: {', '.join(_SPEC_KEYS)})")
-    value.setdefault("method", "ngram")
-    lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")  # vLLM's rule for a missing one
-    if lo is None and hi is None:
-        lo = hi = 5
-    value["prompt_lookup_min"], value["prompt_lookup_max"] = (hi if lo is None else lo), (lo if hi is None else hi)
-    return SpeculativeConfig(**{k: v for k, v in value.items() if v is not None or k == "disable_by_batch_size"})
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -587,11 +506,7 @@ class EngineConfig:
     """CUDA: never use CUDA graphs"""
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: Optional[SpeculativeConfig] = setting(None, parse=parse_speculative_config, metavar="JSON")
-    """speculative decoding, vLLM's JSON, e.g. '{"method": "ngram", "num_speculative_tokens": 3,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 2}' (default: off)
-
-    :class:`SpeculativeConfig` (``LLM``: a dict). Turns async scheduling off (a request's next
-    step needs its accepted tokens)."""
+    """speculative decoding, vLLM's JSON, e.g. '{"method": "ngram", "num_speculative_tokens": 3}' (default: off)"""
 
     @property
     def max_model_len(self) -> int:
@@ -645,9 +560,8 @@ class EngineConfig:
         a = self.scheduler.async_scheduling
         if a is None:
             a = envs.ZPP_ASYNC_SCHEDULING  # the default's override (testing both ways)
-        single = self.parallel.pipeline_parallel_size == 1 and self.parallel.tensor_parallel_size == 1
-        if self.speculative_config is not None:
-            return False  # the next step's input is the accepted tokens, known only on the host
+        single = self.parallel.pipeline_parallel_size == 1 and self.parallel.tensor_parallel_size == 1 \
+            and self.speculative_config is None  # speculation: the next step needs the accepted tokens
         if a is None:
             return single and self.parallel.device == "cuda"
         return bool(a) and single
@@ -674,19 +588,13 @@ class EngineConfig:
             if str(dtype) not in ("torch.bfloat16", "torch.float16"):
                 raise ConfigError(f"{flag} needs --dtype bfloat16 or float16, got {self.model.dtype}")
         if self.scheduler.async_scheduling and (self.parallel.pipeline_parallel_size > 1
-                                                or self.parallel.tensor_parallel_size > 1):
-            raise ConfigError("--async-scheduling needs --pipeline-parallel-size 1 and --tensor-parallel-size 1 "
-                              "(the sampled tokens live on the last stage's first rank)")
-        if self.scheduler.async_scheduling and self.speculative_config is not None:
-            raise ConfigError("--async-scheduling and --speculative-config cannot be combined (a request's next "
-                              "step needs the number of its drafts accepted)")
+                                                or self.parallel.tensor_parallel_size > 1 or self.speculative_config):
+            raise ConfigError("--async-scheduling needs --pipeline-parallel-size 1, --tensor-parallel-size 1 and no "
+                              "--speculative-config (the sampled tokens live on the last stage's first rank)")
         cfg = self.model.hf_config
         limit = cfg.get("max_position_embeddings") or cfg.get("n_positions")
         if self.model.max_model_len is not None and limit and self.model.max_model_len > limit:
-            raise ConfigError(
-                f"--max-model-len {self.model.max_model_len} exceeds the model's "
-                f"max_position_embeddings {limit}")
+            raise ConfigError(f"--max-model-len {self.model.max_model_len} exceeds the model's max_position_embeddings {limit}")
         if not self.scheduler.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                f"--max-num-batched-tokens {self.max_num_batched_tokens} is smaller than --max-model-len "
-                f"{self.max_model_len} with chunked prefill off: long prompts could never be scheduled")
+            raise ConfigError(f"--max-num-batched-tokens {self.max_num_batched_tokens} is smaller than --max-model-len "
+                              f"{self.max_model_len} with chunked prefill off: long prompts could never be scheduled")

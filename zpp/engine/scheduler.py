@@ -43,6 +43,9 @@ decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
   (repetition / frequency / presence penalties) are never scheduled this way, nor a token that
   will be the request's last by length. Structured outputs are: the result rank fills the token
   bitmask of such a chunk once its matcher has accepted the previous token (``zpp.workers.grammar``).
+* speculative decoding (``spec``, :mod:`zpp.engine.spec_decode`): a decode may carry draft tokens
+  (a chunk of 1 + k tokens, within the token budget); when it returns, only its accepted positions
+  count as computed, and until then it is not scheduled again.
 * LongRoPE (``rope_switch_len``, Phi-3's ``original_max_position_embeddings``): a sequence of at most
   that many tokens is computed with the short rotary factors, a longer one with the long factors
   for all its positions. A request that grows past the length is recomputed (preempted, not
@@ -61,6 +64,8 @@ from typing import Optional
 
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
+from zpp.engine.schedule_rules import RequestRules
+from zpp.engine.spec_decode import split_tokens
 from zpp.engine.step_cost import MIN_PROMPT_CHUNK, StepFeatures, StepTarget, chunk_pairs, tokens_within_pairs
 from zpp.transport import messages as m
 
@@ -109,7 +114,7 @@ def _priority(req: Request) -> tuple[float, int]:
     return req.arrival, req.order
 
 
-class Scheduler:
+class Scheduler(RequestRules):
     """Owns the waiting / running queues and the KV block manager."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -283,13 +288,11 @@ class Scheduler:
             if len(plan) >= min(max(max_decodes, 1), budget) or used >= budget:
                 break
             if not r.in_flight and r.num_tokens - r.num_computed_tokens == 1:
-                plan[r.req_id] = 1
-                d = self.spec.propose(r, self.max_model_len, self.rope_switch_len) if speculate else None
+                d = self.spec.propose(r, self.max_model_len, self.rope_switch_len, budget - used - 1) \
+                    if speculate else None
                 if d:
-                    d = d[:max(0, budget - used - 1)]
-                    if d:
-                        drafts[r.req_id] = d
-                        plan[r.req_id] += len(d)
+                    drafts[r.req_id] = d
+                plan[r.req_id] = 1 + len(d or ())
             elif self._can_async(r):
                 plan[r.req_id] = 1
                 async_ids.add(r.req_id)
@@ -361,7 +364,6 @@ class Scheduler:
         samples: list[bool] = []
         num_prefill = 0
         decode_rows = decode_context = prompt_pairs = 0
-        chunk_drafts = [drafts.get(p[0].req_id, ()) for p in picked] if drafts else None
         for req, num_new, new_blocks in picked:
             start = req.num_computed_tokens + req.num_in_flight_tokens
             d = drafts.get(req.req_id, ()) if drafts else ()
@@ -383,7 +385,7 @@ class Scheduler:
         self._num_prefill_in_flight += num_prefill
         chunk_tokens = builder.num_tokens
         return ScheduledBatch(batch, reqs, sum(chunk_tokens), num_prefill, chunk_tokens, samples, sum(samples),
-                              predicted, [len(d) for d in chunk_drafts] if chunk_drafts else None)
+                              predicted, [len(drafts.get(r.req_id, ())) for r in reqs] if drafts else None)
 
     def _plan_prefills(self, cands: list[Request], budget: int, streams_waiting: bool = True,
                        time_left: Optional[list[float]] = None) -> dict[str, int]:
@@ -500,47 +502,6 @@ class Scheduler:
                 self._preempt(req)
                 return None, n + 1, False
 
-    def _can_pipeline(self, req: Request) -> bool:
-        """Whether ``req``, in flight, may have its next prefill chunk in this micro-batch too.
-
-        Stages run micro-batches in the order sent, so a chunk finds in the KV cache of every stage
-        the chunks sent before it, whether or not they have come back: a long prompt's chunks can
-        follow each other down the pipeline, keeping every stage busy, instead of one chunk going
-        through the stages alone. Only prompt tokens (or a recompute) qualify, never a decode,
-        which needs the token its previous batch samples."""
-        return self.chunked and req.num_scheduled_tokens < req.num_tokens
-
-    def _can_async(self, req: Request) -> bool:
-        """Whether ``req``, in flight, may decode in this micro-batch too with async scheduling:
-        its newest chunk in flight samples the token at ``num_scheduled_tokens`` (every known
-        token is scheduled), its sampling needs no token history on the host, and that token will
-        not be its last by length (``max_tokens``, ``max_model_len``): such a step would only be
-        dropped. A request finishing on EOS or a stop token still gets one dropped step."""
-        if not self.async_scheduling or not req.in_flight or req.num_scheduled_tokens < req.num_tokens:
-            return False
-        if not req.async_sampling_ok:
-            return False
-        n_after = req.num_scheduled_tokens + 1  # tokens known once the token in flight is back
-        if self._crosses_rope_switch(req, n_after):
-            return False  # the request is recomputed once that token is back
-        return n_after - req.num_prompt_tokens < req.max_tokens and n_after < self.max_model_len
-
-    # --- LongRoPE -------------------------------------------------------------------------------
-    def _set_kv_variant(self, req: Request) -> None:
-        """On admission: the request's KV variant from its length now (1: longer than
-        ``rope_switch_len``, long rotary factors), its block hashes recomputed if it changed."""
-        if self.rope_switch_len is None:
-            return
-        variant = 1 if req.num_tokens > self.rope_switch_len else 0
-        if variant != req.kv_variant:
-            req.kv_variant = variant
-            req.block_hashes = []
-
-    def _crosses_rope_switch(self, req: Request, num_tokens: int) -> bool:
-        """Whether ``req``, computed with the short factors, must be recomputed once it has
-        ``num_tokens`` tokens."""
-        return self.rope_switch_len is not None and req.kv_variant == 0 and num_tokens > self.rope_switch_len
-
     def _add_chunk(self, req: Request, num_new: int, new_blocks: list[int], b: m.BatchBuilder,
                    from_prev: bool = False, drafts=()) -> bool:
         """Write ``req``'s chunk of ``num_new`` tokens (and, the first time, the request itself) into
@@ -578,23 +539,13 @@ class Scheduler:
         """
         self._num_in_flight -= 1
         self._num_prefill_in_flight -= sched.num_prefill_tokens
-        tokens = m.int32s(result.tokens).tolist()
-        counts = m.int32s(result.token_counts).tolist() if result.token_counts else None
-        if len(counts if counts is not None else tokens) != sched.num_sampled or (
-                counts is not None and sum(counts) != len(tokens)):
-            raise RuntimeError(f"micro-batch {sched.batch.batch_id}: {len(tokens)} sampled tokens for "
-                               f"{sched.num_sampled} sampling chunks")
-        k = 0  # next token
+        per_chunk = split_tokens(result, sched.num_sampled)  # each sampling chunk's tokens
         j = 0  # next sampling chunk
         out = []
         gaps: list[float] = []
         for i, (req, n, sample) in enumerate(zip(sched.reqs, sched.chunk_tokens, sched.sample)):
-            toks: list[int] = []
-            if sample:
-                c = counts[j] if counts is not None else 1
-                toks = tokens[k:k + c]
-                k += c
-                j += 1
+            toks = per_chunk[j] if sample else ()
+            j += sample
             req.in_flight -= 1
             req.num_in_flight_tokens -= n
             if req.status.finished:  # aborted while in flight: free once no batch writes its blocks
@@ -602,18 +553,9 @@ class Scheduler:
                     self._release(req)
                 continue
             nd = sched.drafts[i] if sched.drafts is not None else 0
-            if nd:
-                # Speculative decoding: of the 1 + nd positions computed, the last known token's and
-                # the accepted drafts' hold valid KV; the rejected ones are rolled back.
-                if not 1 <= len(toks) <= nd + 1:
-                    raise RuntimeError(f"micro-batch {sched.batch.batch_id}: {len(toks)} tokens for a chunk "
-                                       f"with {nd} drafts")
-                self.spec.record(req.req_id, nd, len(toks) - 1)
-                req.num_computed_tokens += len(toks)
-            else:
-                req.num_computed_tokens += n
+            # Speculative decoding: of a verify chunk's positions, only the accepted ones count as computed.
+            req.num_computed_tokens += self.spec.accepted(req.req_id, nd, len(toks)) if nd else n
             if not toks:
-                self.kv.cache_full_blocks(req)
                 out.append((req, i, -1))
             for tok in toks:
                 req.append_token(tok)
@@ -621,8 +563,8 @@ class Scheduler:
                 out.append((req, i, tok))
                 if req.status.finished:
                     break  # the tokens after one that ends the request are dropped
+            self.kv.cache_full_blocks(req)  # after the tokens: a block's hash reads them
             if toks:
-                self.kv.cache_full_blocks(req)  # after the tokens: a block's hash reads them
                 if now is not None and req.last_token_at is not None:
                     gaps.append(now - req.last_token_at)
                 req.last_token_at = now

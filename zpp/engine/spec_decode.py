@@ -32,11 +32,13 @@ that occurs earlier in it; the tokens that followed its latest earlier occurrenc
 """
 from __future__ import annotations
 
+import itertools
 from typing import Optional, Sequence
 
 import numpy as np
 
 from zpp.config import SpeculativeConfig
+from zpp.transport import messages as m
 
 BACKOFF_STEPS = 16
 """Steps a request proposes nothing after its acceptance rate fell below ``min_acceptance_rate``."""
@@ -67,6 +69,26 @@ def propose_ngram(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list
     return []
 
 
+def split_tokens(result, num_sampled: int) -> list[list[int]]:
+    """A StepResult's tokens per sampling chunk: one each, or ``token_counts`` of them (verify
+    chunks).
+
+    Raises:
+        RuntimeError: more or fewer tokens (or counts) than the batch's ``num_sampled`` sampling chunks."""
+    tokens = m.int32s(result.tokens).tolist()
+    if not result.token_counts:
+        if len(tokens) != num_sampled:
+            raise RuntimeError(f"micro-batch {result.batch_id}: {len(tokens)} sampled tokens for "
+                               f"{num_sampled} sampling chunks")
+        return [[t] for t in tokens]
+    counts = m.int32s(result.token_counts).tolist()
+    if len(counts) != num_sampled or sum(counts) != len(tokens) or min(counts, default=1) < 1:
+        raise RuntimeError(f"micro-batch {result.batch_id}: {len(tokens)} tokens in {counts} for "
+                           f"{num_sampled} sampling chunks")
+    ends = list(itertools.accumulate(counts))
+    return [tokens[e - c:e] for c, e in zip(counts, ends)]
+
+
 class SpecDecoder:
     """The core's half of speculative decoding: drafts for the scheduler and the counters.
 
@@ -90,9 +112,10 @@ class SpecDecoder:
         limit = self.config.disable_by_batch_size
         return limit is None or num_decoding <= limit
 
-    def propose(self, req, max_model_len: int, rope_switch_len: Optional[int] = None) -> list[int]:
-        """Drafts for decoding request ``req`` (:class:`~zpp.engine.request.Request`): ``[]`` when
-        it may not speculate (see the module docstring) or no n-gram matches."""
+    def propose(self, req, max_model_len: int, rope_switch_len: Optional[int] = None,
+                budget: int = 1 << 30) -> list[int]:
+        """Drafts for decoding request ``req`` (:class:`~zpp.engine.request.Request`), at most
+        ``budget``: ``[]`` when it may not speculate (see the module docstring) or no n-gram matches."""
         if req.grammar is not None or not req.async_sampling_ok:
             return []
         left = self._backoff.get(req.req_id)
@@ -100,13 +123,25 @@ class SpecDecoder:
             self._backoff[req.req_id] = left - 1
             return []
         n = req.num_tokens
-        k = min(self.k, req.max_tokens - req.num_output_tokens - 1, max_model_len - n - 1)
+        k = min(self.k, req.max_tokens - req.num_output_tokens - 1, max_model_len - n - 1, budget)
         if rope_switch_len is not None and req.kv_variant == 0:
             k = min(k, rope_switch_len - n - 1)
         if k < 1:
             return []
         c = self.config
         return propose_ngram(req.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+
+    def accepted(self, req_id: str, num_drafts: int, num_tokens: int) -> int:
+        """A verify chunk of ``num_drafts`` drafts returned ``num_tokens`` tokens (its accepted drafts
+        and one more): counts them and returns the positions whose KV is valid (the last known
+        token's and the accepted drafts': ``num_tokens``; the rejected ones are rolled back).
+
+        Raises:
+            RuntimeError: ``num_tokens`` outside ``1 .. num_drafts + 1``."""
+        if not 1 <= num_tokens <= num_drafts + 1:
+            raise RuntimeError(f"sequence {req_id}: {num_tokens} tokens for a chunk with {num_drafts} drafts")
+        self.record(req_id, num_drafts, num_tokens - 1)
+        return num_tokens
 
     def record(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         """A chunk with ``num_drafts`` drafts came back with ``num_accepted`` of them accepted."""

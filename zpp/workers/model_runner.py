@@ -28,9 +28,9 @@ from zpp.transport import messages as m
 from zpp.transport.p2p import StageLink
 from zpp.utils.host_memory import zeroed_tensor
 from zpp.workers.grammar import SlotGrammars, default_fill_threads, import_in_background, sampled_rows
-from zpp.workers.runner_state import Activity, PendingResult, logit_buckets
 from zpp.workers import rejection_sampler
-from zpp.workers.sampler import Sampler, token_logprobs, unpack_bitmask
+from zpp.workers.runner_state import Activity, PendingResult, logit_buckets
+from zpp.workers.sampler import Sampler, prompt_logprobs, unpack_bitmask
 from zpp.workers.slots import SlotTable
 from zpp.workers.staging import PinnedStaging
 
@@ -537,7 +537,6 @@ class ModelRunner:
         q_lens = cols.num_tokens.astype(np.int64)
         ends = np.cumsum(q_lens)  # each chunk's end in the step's flat tokens
         plp_spans: list[tuple[int, int, int]] = []
-        drafts = cols.draft_counts
         if not cols.prompt_logprobs.any() and not len(cols.draft_tokens):
             rows = (ends - 1)[np.flatnonzero(cols.sample)].tolist()
             return rows, list(range(len(rows))), plp_spans
@@ -553,7 +552,7 @@ class ModelRunner:
                     rows.extend(range(end - n_tok, end - n_tok + n))
             if f & m.SAMPLE:  # speculative decoding: every position of a verify chunk
                 sample_rows.append(len(rows))
-                rows.extend(range(end - 1 - int(drafts[ci]), end))
+                rows.extend(range(end - 1 - int(cols.draft_counts[ci]), end))
         return rows, sample_rows, plp_spans
 
     def _sample(self, batch: m.ExecuteBatch, cols: m.BatchColumns, hidden: torch.Tensor, plan,
@@ -571,7 +570,7 @@ class ModelRunner:
         tokens: list[int] = []
         lps: list = []
         if sample_rows and len(cols.draft_tokens):
-            return self._verify(batch, cols, logits, sample_rows, sample_chunks, plp_spans)
+            return rejection_sampler.verify(self, batch, cols, logits, sample_rows, sample_chunks, plp_spans)
         if sample_rows:
             row_slots = cols.slots[sample_chunks]
             allowed = self._allowed(batch, cols, logits.shape[1])
@@ -590,59 +589,5 @@ class ModelRunner:
             if keep:
                 self._keep_sampled(row_slots, keep[0])
 
-        return self._result(batch.batch_id, sample_chunks, tokens, lps, self._prompt_logprobs(cols, logits, plp_spans))
-
-    def _prompt_logprobs(self, cols: m.BatchColumns, logits: torch.Tensor, plp_spans) -> list:
-        plps: list[m.PromptLogprobsOutput] = []
-        for ci, first, n in plp_spans:
-            slot, start = int(cols.slots[ci]), int(cols.starts[ci])
-            sp = self.table.sampling[slot]
-            k = (sp.prompt_logprobs if sp else 0) or 0
-            lp = torch.log_softmax(logits[first:first + n].float(), dim=-1)
-            targets = self.table.tokens[slot, start + 1:start + 1 + n].tolist()
-            entries = [token_logprobs(lp[j], targets[j], k) for j in range(n)]
-            plps.append(m.PromptLogprobsOutput(ci, start + 1, entries))
-        return plps
-
-    def _verify(self, batch: m.ExecuteBatch, cols: m.BatchColumns, logits: torch.Tensor, sample_rows: list[int],
-                sample_chunks: np.ndarray, plp_spans) -> m.StepResult:
-        """Speculative decoding (:mod:`zpp.workers.rejection_sampler`): sample every row of the
-        sampling chunks (``1 + k`` for a chunk with ``k`` drafts), accept each chunk's drafts while
-        they equal the target's tokens, and return the accepted ones and the token after them
-        (``StepResult.token_counts``)."""
-        counts = cols.draft_counts[sample_chunks].astype(np.int64)
-        vrows = rejection_sampler.verify_rows(np.asarray(sample_rows, dtype=np.int64), counts)
-        self.trace.mark("verify", batch.batch_id, args={"drafts": int(counts.sum())})
-        row_slots = cols.slots[sample_chunks]
-        vslots = np.repeat(row_slots, counts + 1)
-        ends = cols.starts[sample_chunks].astype(np.int64) + cols.num_tokens[sample_chunks]
-        allowed = self._allowed(batch, cols, logits.shape[1])
-        if allowed is not None:  # constrained chunks have no drafts: their row is their chunk's first
-            first = np.cumsum(counts + 1) - (counts + 1)
-            idx = torch.as_tensor(first, device=allowed[0].device)[allowed[0]]
-            allowed = (idx, allowed[1])
-        vlogits = logits[torch.as_tensor(vrows, device=logits.device)]
-        if self.table.plain[row_slots].all():
-            targets = Sampler.greedy(vlogits, allowed).tolist()
-            lps = [None] * len(targets)
-        else:
-            seqs = self.table.seq_states(vslots, rejection_sampler.verify_rows(ends - counts, counts))
-            targets, lps = self.sampler(vlogits.float(), seqs, self.eos_token_ids, allowed)
-        acc = rejection_sampler.accepted_lengths(np.asarray(targets), cols.draft_tokens, counts)
-        first = np.cumsum(counts + 1) - (counts + 1)
-        tokens, out_lps, n_out = [], [], []
-        for c, a in enumerate(acc.tolist()):
-            f = int(first[c])
-            tokens.extend(targets[f:f + a + 1])
-            out_lps.extend(lps[f:f + a + 1])
-            n_out.append(a + 1)
-        lp_chunks = [int(ci) for ci, n in zip(sample_chunks.tolist(), n_out) for _ in range(n)]
-        res = m.StepResult(batch.batch_id, m.pack_int32(tokens),
-                           [ci for ci, lp in zip(lp_chunks, out_lps) if lp is not None],
-                           [lp for lp in out_lps if lp is not None],
-                           self._prompt_logprobs(cols, logits, plp_spans), busy_s=self.busy_s, idle_s=self.idle_s,
-                           token_counts=m.pack_int32(n_out))
-        self.trace.mark("verified", batch.batch_id, args={"accepted": int(acc.sum())})
-        if self._grammar_sel is not None:  # constrained chunks return one token each: their first
-            self.accept_sampled(res, sample_chunks, [targets[int(f)] for f in first], self._grammar_sel)
-        return res
+        return self._result(batch.batch_id, sample_chunks, tokens, lps, prompt_logprobs(self.table, cols, logits,
+                                                                                         plp_spans))

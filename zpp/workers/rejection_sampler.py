@@ -26,6 +26,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from zpp.transport import messages as m
+from zpp.workers.sampler import Sampler, prompt_logprobs
+
 
 def accepted_lengths(targets: np.ndarray, drafts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """How many drafts each chunk accepts.
@@ -59,15 +62,6 @@ def verify_rows(row_first: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.asarray(row_first, dtype=np.int64)[owner] + offset
 
 
-def sample_end_of_rows(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``int[R]``: the tokens before the one each virtual row samples (its position + 1), given each
-    sampling chunk's end (``start + num_tokens``) and drafts: chunk ``i``'s rows end at
-    ``ends[i] - counts[i] .. ends[i]``."""
-    counts = np.asarray(counts, dtype=np.int64)
-    rows = verify_rows(np.asarray(ends, dtype=np.int64) - counts, counts)
-    return rows
-
-
 def speculative_sample(target: torch.Tensor, draft: int, q: torch.Tensor, u: float,
                        generator: torch.Generator) -> tuple[int, bool]:
     """One position of the general rejection sampler (Leviathan et al. 2023, Algorithm 1), for a
@@ -88,3 +82,48 @@ def speculative_sample(target: torch.Tensor, draft: int, q: torch.Tensor, u: flo
     if float(residual.sum()) <= 0:  # p == q: any rejection is measure zero; fall back to p
         residual = target
     return int(torch.multinomial(residual / residual.sum(), 1, generator=generator)), False
+
+
+def verify(runner, batch: m.ExecuteBatch, cols: m.BatchColumns, logits: torch.Tensor, sample_rows: list[int],
+           sample_chunks: np.ndarray, plp_spans) -> m.StepResult:
+    """The result of a batch with drafts on ``runner`` (the result rank's ModelRunner; ``logits``
+    and the rest from its ``_sample``): sample every row of the
+    sampling chunks (``1 + k`` for a chunk with ``k`` drafts), accept each chunk's drafts while
+    they equal the target's tokens, and return the accepted ones and the token after them
+    (``StepResult.token_counts``)."""
+    counts = cols.draft_counts[sample_chunks].astype(np.int64)
+    vrows = verify_rows(np.asarray(sample_rows, dtype=np.int64), counts)
+    runner.trace.mark("verify", batch.batch_id, args={"drafts": int(counts.sum())})
+    row_slots = cols.slots[sample_chunks]
+    vslots = np.repeat(row_slots, counts + 1)
+    ends = cols.starts[sample_chunks].astype(np.int64) + cols.num_tokens[sample_chunks]
+    allowed = runner._allowed(batch, cols, logits.shape[1])
+    if allowed is not None:  # constrained chunks have no drafts: their row is their chunk's first
+        first = np.cumsum(counts + 1) - (counts + 1)
+        idx = torch.as_tensor(first, device=allowed[0].device)[allowed[0]]
+        allowed = (idx, allowed[1])
+    vlogits = logits[torch.as_tensor(vrows, device=logits.device)]
+    if runner.table.plain[row_slots].all():
+        targets = Sampler.greedy(vlogits, allowed).tolist()
+        lps = [None] * len(targets)
+    else:
+        seqs = runner.table.seq_states(vslots, verify_rows(ends - counts, counts))
+        targets, lps = runner.sampler(vlogits.float(), seqs, runner.eos_token_ids, allowed)
+    acc = accepted_lengths(np.asarray(targets), cols.draft_tokens, counts)
+    first = np.cumsum(counts + 1) - (counts + 1)
+    tokens, out_lps, n_out = [], [], []
+    for c, a in enumerate(acc.tolist()):
+        f = int(first[c])
+        tokens.extend(targets[f:f + a + 1])
+        out_lps.extend(lps[f:f + a + 1])
+        n_out.append(a + 1)
+    lp_chunks = [int(ci) for ci, n in zip(sample_chunks.tolist(), n_out) for _ in range(n)]
+    res = m.StepResult(batch.batch_id, m.pack_int32(tokens),
+                       [ci for ci, lp in zip(lp_chunks, out_lps) if lp is not None],
+                       [lp for lp in out_lps if lp is not None],
+                       prompt_logprobs(runner.table, cols, logits, plp_spans), busy_s=runner.busy_s, idle_s=runner.idle_s,
+                       token_counts=m.pack_int32(n_out))
+    runner.trace.mark("verified", batch.batch_id, args={"accepted": int(acc.sum())})
+    if runner._grammar_sel is not None:  # constrained chunks return one token each: their first
+        runner.accept_sampled(res, sample_chunks, [targets[int(f)] for f in first], runner._grammar_sel)
+    return res
