@@ -232,6 +232,9 @@ class EngineCore:
             if sched is None:
                 break
             trace.mark("schedule", sched.batch.batch_id, t)
+            if sched.drafts is not None and trace.enabled:  # the drafts proposed for it (their span: seconds)
+                trace.mark("draft", sched.batch.batch_id, t, {"s": self.spec.propose_s, "chunks": sum(
+                    1 for d in sched.drafts if d), "tokens": sum(sched.drafts)})
             sched.batch.after_idle = drained
             drained = False
             self.executor.send(sched.batch, self._grammar_fields(sched))

@@ -33,6 +33,7 @@ that occurs earlier in it; the tokens that followed its latest earlier occurrenc
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Optional, Sequence
 
 import numpy as np
@@ -104,11 +105,15 @@ class SpecDecoder:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k
+        self.propose_s = 0.0
+        """Seconds the proposals of the latest step took (from :meth:`begin_step`; ZPP_TRACE's ``draft``)."""
         self._rate: dict[str, float] = {}  # request id -> recent acceptance rate
         self._backoff: dict[str, int] = {}  # request id -> steps without drafts left
 
     def enabled_for_step(self, num_decoding: int) -> bool:
-        """Whether a step with ``num_decoding`` decoding requests may carry drafts."""
+        """Whether a step with ``num_decoding`` decoding requests may carry drafts (the scheduler
+        asks once per step, before proposing)."""
+        self.propose_s = 0.0
         limit = self.config.disable_by_batch_size
         return limit is None or num_decoding <= limit
 
@@ -129,7 +134,10 @@ class SpecDecoder:
         if k < 1:
             return []
         c = self.config
-        return propose_ngram(req.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+        t = time.perf_counter()
+        out = propose_ngram(req.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+        self.propose_s += time.perf_counter() - t
+        return out
 
     def accepted(self, req_id: str, num_drafts: int, num_tokens: int) -> int:
         """A verify chunk of ``num_drafts`` drafts returned ``num_tokens`` tokens (its accepted drafts
