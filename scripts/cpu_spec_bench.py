@@ -4,7 +4,7 @@
 
 Two offline ``LLM``s of the demo model (SmolLM2-135M-Instruct) at ``--pp`` stages, one without
 speculation and one with ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-"prompt_lookup_min": 2}``, alive together; runs alternate between them (A/B interleaved: the
+"prompt_lookup_min": 2}`` (``--k``, ``--lookup-min``, ``--lookup-max``), alive together; runs alternate between them (A/B interleaved: the
 development VM's 2 cores are shared, so load changes during a run hit both alike).
 
 * Batch 1: copy-heavy chat prompts ("repeat this text", "rename this function and write the code
@@ -55,9 +55,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--streams", type=int, default=32, help="0: skip the concurrent run")
+    ap.add_argument("--lookup-min", type=int, default=2)
+    ap.add_argument("--lookup-max", type=int, default=4)
     args = ap.parse_args()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
+            "prompt_lookup_min": args.lookup_min}
     kw = dict(device="cpu", pipeline_parallel_size=args.pp, max_model_len=1024)
     llms = {"off": LLM(**kw), "ngram": LLM(**kw, speculative_config=spec)}
     tpot: dict[str, list[float]] = {"off": [], "ngram": []}
@@ -77,11 +80,13 @@ def main() -> None:
     st = llms["ngram"].engine.stats()
     mal = 1 + st.spec_num_accepted_tokens / max(st.spec_num_drafts, 1)
     med = {m: statistics.median(v) for m, v in tpot.items()}
-    print(f"batch 1, PP={args.pp}, k={args.k}, {len(tpot['off'])} requests per mode: TPOT off "
+    print(f"batch 1, PP={args.pp}, k={args.k}, lookup {args.lookup_min}-{args.lookup_max}, {len(tpot['off'])} requests per mode: TPOT off "
           f"{1e3 * med['off']:.1f} ms, ngram {1e3 * med['ngram']:.1f} ms, speed-up {med['off'] / med['ngram']:.2f}x; "
           f"mean acceptance length {mal:.2f} ({st.spec_num_accepted_tokens} of {st.spec_num_draft_tokens} drafts "
           f"accepted); outputs equal: {texts['off'] == texts['ngram']}", flush=True)
 
+    if not args.streams:
+        return
     prompts = [(COPY_PROMPTS + OTHER_PROMPTS)[i % 8] for i in range(args.streams)]
     tput: dict[str, list[float]] = {"off": [], "ngram": []}
     same = True
