@@ -1,10 +1,10 @@
 """CPU benchmark of n-gram speculative decoding (``--speculative-config``) on the demo model.
 
-    python scripts/cpu_spec_bench.py [--pp 2] [--repeat 3] [--k 4] [--streams 32]
+    python scripts/cpu_spec_bench.py [--pp 2] [--repeat 3] [--k 3] [--streams 32]
 
 Two offline ``LLM``s of the demo model (SmolLM2-135M-Instruct) at ``--pp`` stages, one without
-speculation and one with ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-"prompt_lookup_min": 1}`` (``--k``, ``--lookup-max``, ``--lookup-min``), alive together; runs
+speculation and one with ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+"prompt_lookup_min": 2}`` (``--k``, ``--lookup-max``, ``--lookup-min``), alive together; runs
 alternate between them (A/B interleaved: the development VM's 2 cores are shared, so load changes
 during a run hit both alike).
 
@@ -54,10 +54,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--streams", type=int, default=32, help="0: skip the concurrent run")
-    ap.add_argument("--lookup-min", type=int, default=1)
+    ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
     args = ap.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
