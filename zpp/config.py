@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from zpp import envs
 from zpp.errors import ConfigError
+from zpp.spec_config import SpeculativeConfig, parse_speculative_config  # noqa: F401
 from zpp.settings import (parse_human_int, parse_layer_partition, parse_names, parse_nodes, parse_size,  # noqa: F401
                           setting, tcp_port)
 from zpp.structured_outputs_config import StructuredOutputsConfig
@@ -305,9 +306,8 @@ class ParallelConfig:
             raise ConfigError(f"--pp-layer-partition {self.pp_layer_partition!r}: layers per stage "
                               "(e.g. 10,10,5,5) or auto")
         if isinstance(self.pp_layer_partition, tuple) and len(self.pp_layer_partition) != self.pipeline_parallel_size:
-            raise ConfigError(
-                f"--pp-layer-partition has {len(self.pp_layer_partition)} entries but "
-                f"--pipeline-parallel-size is {self.pipeline_parallel_size}")
+            raise ConfigError(f"--pp-layer-partition has {len(self.pp_layer_partition)} entries but "
+                              f"--pipeline-parallel-size is {self.pipeline_parallel_size}")
 
     @property
     def world_size(self) -> int:
@@ -474,6 +474,8 @@ class EngineConfig:
     enforce_eager: bool = False
     """CUDA: never use CUDA graphs"""
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative_config: Optional[SpeculativeConfig] = setting(None, parse=parse_speculative_config, metavar="JSON")
+    """speculative decoding, vLLM's JSON, e.g. '{"method": "ngram", "num_speculative_tokens": 3}' (default: off)"""
 
     @property
     def max_model_len(self) -> int:
@@ -527,7 +529,8 @@ class EngineConfig:
         a = self.scheduler.async_scheduling
         if a is None:
             a = envs.ZPP_ASYNC_SCHEDULING  # the default's override (testing both ways)
-        single = self.parallel.pipeline_parallel_size == 1 and self.parallel.tensor_parallel_size == 1
+        single = self.parallel.pipeline_parallel_size == 1 and self.parallel.tensor_parallel_size == 1 \
+            and self.speculative_config is None  # speculation: the next step needs the accepted tokens
         if a is None:
             return single and self.parallel.device == "cuda"
         return bool(a) and single
@@ -554,16 +557,13 @@ class EngineConfig:
             if str(dtype) not in ("torch.bfloat16", "torch.float16"):
                 raise ConfigError(f"{flag} needs --dtype bfloat16 or float16, got {self.model.dtype}")
         if self.scheduler.async_scheduling and (self.parallel.pipeline_parallel_size > 1
-                                                or self.parallel.tensor_parallel_size > 1):
-            raise ConfigError("--async-scheduling needs --pipeline-parallel-size 1 and --tensor-parallel-size 1 "
-                              "(the sampled tokens live on the last stage's first rank)")
+                                                or self.parallel.tensor_parallel_size > 1 or self.speculative_config):
+            raise ConfigError("--async-scheduling needs --pipeline-parallel-size 1, --tensor-parallel-size 1 and no "
+                              "--speculative-config (the sampled tokens live on the last stage's first rank)")
         cfg = self.model.hf_config
         limit = cfg.get("max_position_embeddings") or cfg.get("n_positions")
         if self.model.max_model_len is not None and limit and self.model.max_model_len > limit:
-            raise ConfigError(
-                f"--max-model-len {self.model.max_model_len} exceeds the model's "
-                f"max_position_embeddings {limit}")
+            raise ConfigError(f"--max-model-len {self.model.max_model_len} exceeds the model's max_position_embeddings {limit}")
         if not self.scheduler.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                f"--max-num-batched-tokens {self.max_num_batched_tokens} is smaller than --max-model-len "
-                f"{self.max_model_len} with chunked prefill off: long prompts could never be scheduled")
+            raise ConfigError(f"--max-num-batched-tokens {self.max_num_batched_tokens} is smaller than --max-model-len "
+                              f"{self.max_model_len} with chunked prefill off: long prompts could never be scheduled")

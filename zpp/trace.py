@@ -17,12 +17,14 @@ a device synchronize.
 Events (all per micro-batch ``batch_id``):
   engine: ``schedule`` (the scheduler starts choosing it), ``send`` (chosen; encoding starts),
     ``sent`` (on every worker's socket), ``result`` (its StepResult read), ``apply_start`` /
-    ``applied`` (the scheduler updated with it, outputs emitted).
+    ``applied`` (the scheduler updated with it, outputs emitted), ``draft`` (speculative decoding: at
+    the schedule's start, args ``s``: seconds the n-gram proposals took, ``chunks``, ``tokens``).
   stage: ``msg`` (the worker read the ExecuteBatch), ``acts_wait`` / ``acts_ready`` (blocked on
     the previous stage's activations), ``gpu_start`` / ``gpu_end`` (the stage's forward on the
     device: CUDA events on GPU, ``perf_counter`` on CPU), ``uploaded`` (its index arrays queued
     for the device), ``forward_queued`` (the host returned from launching the forward),
-    ``sample_queued`` (last stage: logits and sampling launched), ``launched`` (the worker's host
+    ``sample_queued`` (last stage: logits and sampling launched), ``verify`` / ``verified``
+    (last stage, speculative decoding: the drafts' verification, ``drafts`` / ``accepted`` counts), ``launched`` (the worker's host
     is done with it), ``result_sent`` (last stage: StepResult sent). On CUDA the worker's file ends
     with ``["cuda_allocator", -1, t, {...}]``: counters of PyTorch's caching allocator
     (``torch.cuda.memory_stats``: device allocations and frees, allocation retries), which

@@ -42,3 +42,14 @@ def test_first_line_counts_stage_busy_from_zero(monkeypatch):
     assert line.endswith("KV cache usage: 0.0%, Stage busy: 0: 20%, 1: 10%"), line
     log = StatsLogger(_Counters([nothing, nothing]), metrics=None, interval_s=10.0)
     assert "Stage busy" not in log.log_once()
+
+
+def test_speculative_decoding_figures_over_the_interval():
+    """With drafts sent in the interval: the mean acceptance length (1 + accepted / verify chunks)
+    and the draft acceptance rate of the interval alone; without any, neither field."""
+    a = EngineStats(num_running=1, spec_num_drafts=10, spec_num_draft_tokens=30, spec_num_accepted_tokens=5)
+    b = EngineStats(num_running=1, spec_num_drafts=30, spec_num_draft_tokens=90, spec_num_accepted_tokens=35,
+                    num_generation_tokens=5)
+    line = StatsLogger(_Counters([a, b]), metrics=None, interval_s=10.0).log_once()
+    assert line.endswith("Mean acceptance length: 2.50, Draft acceptance rate: 50.0%"), line
+    assert "acceptance" not in StatsLogger(_Counters([b, b]), metrics=None, interval_s=10.0).log_once()

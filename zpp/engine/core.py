@@ -28,6 +28,7 @@ from zpp.errors import WorkerDiedError
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
 from zpp.engine.scheduler import ScheduledBatch, Scheduler
+from zpp.engine.spec_decode import SpecDecoder
 from zpp.engine.step_cost import StepCostModel, StepTarget, prior_coefficients
 from zpp.engine.structured_output import GrammarSender
 from zpp.models.partition import partition_layers
@@ -55,6 +56,7 @@ class EngineCore:
         self.max_model_len = config.max_model_len
         self.kv = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.depth = config.pipeline_depth
+        self.spec = SpecDecoder(config.speculative_config) if config.speculative_config is not None else None
         hf = config.model.hf_config
         itl = config.target_inter_token_latency  # a stream's tokens are `depth` micro-batches apart, or 1 (async)
         target = StepTarget(StepCostModel(self._cost_priors()), itl, 1 if config.async_scheduling else self.depth) \
@@ -63,7 +65,7 @@ class EngineCore:
                                    self.max_model_len, config.scheduler.enable_chunked_prefill, self.depth,
                                    config.prefill_attention_budget, config.async_scheduling,
                                    rope_switch_len=resolve_model_class(hf).rope_switch_length(hf),
-                                   target=target)
+                                   target=target, spec=self.spec)
         if target is not None:
             executor.on_step_times = target.cost.observe  # the stages' step times teach the chunk sizes
         self.inflight: deque[ScheduledBatch] = deque()
@@ -163,7 +165,15 @@ class EngineCore:
                            sch.stats.num_preemptions, kv.prefix_queries, kv.prefix_hits,
                            list(ex.stage_busy_s), self.num_prompt_tokens, self.num_generation_tokens,
                            list(ex.stage_idle_s), bool(getattr(ex, "recovering", False)),
-                           list(getattr(ex, "stage_restarts", ())), list(getattr(ex, "recovery_seconds", ())))
+                           list(getattr(ex, "stage_restarts", ())), list(getattr(ex, "recovery_seconds", ())),
+                           *self._spec_stats())
+
+    def _spec_stats(self) -> tuple:
+        """Speculative decoding's counters for EngineStats (zeros when it is off)."""
+        sp = self.spec
+        if sp is None:
+            return ()
+        return sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens, list(sp.accepted_per_pos)
 
     # --- the loop -----------------------------------------------------------------------------
     def _die(self, reason: str) -> None:
@@ -222,6 +232,9 @@ class EngineCore:
             if sched is None:
                 break
             trace.mark("schedule", sched.batch.batch_id, t)
+            if sched.drafts is not None and trace.enabled:  # the drafts proposed for it (their span: seconds)
+                trace.mark("draft", sched.batch.batch_id, t, {"s": self.spec.propose_s, "chunks": sum(
+                    1 for d in sched.drafts if d), "tokens": sum(sched.drafts)})
             sched.batch.after_idle = drained
             drained = False
             self.executor.send(sched.batch, self._grammar_fields(sched))
@@ -310,11 +323,17 @@ class EngineCore:
         sequences whose grammar refused their token, from :meth:`_grammar_ends`)."""
         # Logprobs and prompt logprobs come only for the chunks that asked, named by chunk index.
         plp = {p.chunk: p for p in result.prompt_logprobs} if result.prompt_logprobs else None
-        lps = dict(zip(result.logprob_chunks, result.logprobs)) if result.logprobs else None
+        lps = None
+        if result.logprobs:  # chunk -> its tokens' logprobs, in order (several with speculative decoding)
+            lps = {}
+            for ci, lp in zip(result.logprob_chunks, result.logprobs):
+                lps.setdefault(ci, []).append(lp)
         deltas = []
         finished = []
-        for req, i, token_id in updates:
-            p = plp.get(i) if plp else None
+        last = len(updates) - 1
+        for n, (req, i, token_id) in enumerate(updates):
+            more = n < last and updates[n + 1][1] == i  # more tokens of this chunk follow (drafts)
+            p = plp.pop(i, None) if plp else None
             if token_id < 0:
                 if p is not None:
                     deltas.append(SeqDelta(req.req_id, prompt_logprobs=p))
@@ -322,9 +341,10 @@ class EngineCore:
             if refused and req.req_id in refused:
                 deltas.append(SeqDelta(req.req_id, finish_reason="abort", prompt_logprobs=p))
                 continue
-            d = SeqDelta(req.req_id, token_id, lps.get(i) if lps else None, prompt_logprobs=p)
+            lp = lps.get(i) if lps else None
+            d = SeqDelta(req.req_id, token_id, lp.pop(0) if lp else None, prompt_logprobs=p)
             self.num_generation_tokens += 1
-            if req.status.finished:
+            if req.status.finished and not more:
                 d.finish_reason = req.status.finish_reason
                 d.stop_reason = req.stop_reason
                 finished.append(req)

@@ -43,6 +43,9 @@ decided once, here; no stage ever decides on its own). Policy, after vLLM V1:
   (repetition / frequency / presence penalties) are never scheduled this way, nor a token that
   will be the request's last by length. Structured outputs are: the result rank fills the token
   bitmask of such a chunk once its matcher has accepted the previous token (``zpp.workers.grammar``).
+* speculative decoding (``spec``, :mod:`zpp.engine.spec_decode`): a decode may carry draft tokens
+  (a chunk of 1 + k tokens, within the token budget); when it returns, only its accepted positions
+  count as computed, and until then it is not scheduled again.
 * LongRoPE (``rope_switch_len``, Phi-3's ``original_max_position_embeddings``): a sequence of at most
   that many tokens is computed with the short rotary factors, a longer one with the long factors
   for all its positions. A request that grows past the length is recomputed (preempted, not
@@ -61,6 +64,8 @@ from typing import Optional
 
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request, RequestStatus
+from zpp.engine.schedule_rules import RequestRules
+from zpp.engine.spec_decode import split_tokens
 from zpp.engine.step_cost import MIN_PROMPT_CHUNK, StepFeatures, StepTarget, chunk_pairs, tokens_within_pairs
 from zpp.transport import messages as m
 
@@ -85,6 +90,7 @@ class ScheduledBatch:
     sample: Optional[list[bool]] = None  # whether each chunk samples
     num_sampled: int = 0
     predicted_s: float = 0.0  # the cost model's slowest-stage seconds for it (0 without a target)
+    drafts: Optional[list[int]] = None  # speculative decoding: draft tokens of each chunk (None: no drafts)
 
     @property
     def chunks(self) -> list:
@@ -108,13 +114,15 @@ def _priority(req: Request) -> tuple[float, int]:
     return req.arrival, req.order
 
 
-class Scheduler:
+class Scheduler(RequestRules):
     """Owns the waiting / running queues and the KV block manager."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, depth: int = 1,
                  prefill_attention_budget: Optional[int] = None, async_scheduling: bool = False,
-                 rope_switch_len: Optional[int] = None, target: Optional[StepTarget] = None):
+                 rope_switch_len: Optional[int] = None, target: Optional[StepTarget] = None,
+                 spec=None):
+        self.spec = spec  # speculative decoding: a zpp.engine.spec_decode.SpecDecoder, or None
         self.target = target  # a target inter-token latency; its cost model records every batch
         self.cost = target.cost if target is not None else None
         self.kv = kv
@@ -178,6 +186,8 @@ class Scheduler:
         self.kv.free(req)
         self.requests.pop(req.req_id, None)
         self._free_slot(req)
+        if self.spec is not None:
+            self.spec.forget(req.req_id)
 
     def _take_slot(self) -> int:
         if self._free_slots:
@@ -270,18 +280,26 @@ class Scheduler:
         max_decodes = len(running) if self.async_scheduling else math.ceil(n_decoding / self.depth)
         plan: dict[str, int] = {}
         async_ids: set[str] = set()
+        drafts: dict[str, list[int]] = {}
+        speculate = self.spec is not None and self.spec.enabled_for_step(n_decoding)
         context = 0  # positions the decodes attend
+        used = 0  # tokens of the decodes (with their drafts)
         for r in ready:
-            if len(plan) >= min(max(max_decodes, 1), budget):
+            if len(plan) >= min(max(max_decodes, 1), budget) or used >= budget:
                 break
             if not r.in_flight and r.num_tokens - r.num_computed_tokens == 1:
-                plan[r.req_id] = 1
+                d = self.spec.propose(r, self.max_model_len, self.rope_switch_len, budget - used - 1) \
+                    if speculate else None
+                if d:
+                    drafts[r.req_id] = d
+                plan[r.req_id] = 1 + len(d or ())
             elif self._can_async(r):
                 plan[r.req_id] = 1
                 async_ids.add(r.req_id)
             else:
                 continue
-            context += r.num_scheduled_tokens + 1
+            used += plan[r.req_id]
+            context += r.num_scheduled_tokens + plan[r.req_id]
         # Prefills: running requests with a prompt (or recompute) left, then waiting requests.
         room = self.max_num_seqs - len(self.running)
         waiting = list(itertools.islice(self.waiting, max(0, room)))
@@ -291,7 +309,7 @@ class Scheduler:
         time_left = self.target.time_left(len(plan), context, (len(self.waiting) + sum(  # waiting per stream
             r.num_tokens - r.num_computed_tokens > 1 for r in running)) / n_decoding) \
             if self.target and n_decoding and self.chunked else None  # per stage, for the prompt chunks
-        plan.update(self._plan_prefills(cands, budget - len(plan), n_decoding > 0, time_left))
+        plan.update(self._plan_prefills(cands, budget - used, n_decoding > 0, time_left))
 
         reqs: list[Request] = []
         picked: list[tuple[Request, int, list[int]]] = []
@@ -340,7 +358,7 @@ class Scheduler:
 
         if not picked:
             return None  # freed slots (if any) ride on the next real batch
-        picked.sort(key=lambda p: p[1] > 1 or p[0].num_tokens - p[0].num_computed_tokens > 1)  # decodes first
+        picked.sort(key=lambda p: p[0].req_id not in decodes)  # decodes first
         reqs = [p[0] for p in picked]
         builder = m.BatchBuilder()
         samples: list[bool] = []
@@ -348,13 +366,14 @@ class Scheduler:
         decode_rows = decode_context = prompt_pairs = 0
         for req, num_new, new_blocks in picked:
             start = req.num_computed_tokens + req.num_in_flight_tokens
+            d = drafts.get(req.req_id, ()) if drafts else ()
             if req.req_id in decodes:
-                decode_rows += 1
-                decode_context += start + 1
+                decode_rows += num_new  # a verify chunk costs about as many decode rows as its tokens
+                decode_context += (start + 1) * num_new
             else:
                 num_prefill += num_new
                 prompt_pairs += chunk_pairs(start, num_new)
-            samples.append(self._add_chunk(req, num_new, new_blocks, builder, req.req_id in async_ids))
+            samples.append(self._add_chunk(req, num_new, new_blocks, builder, req.req_id in async_ids, d))
             req.in_flight += 1
             req.num_in_flight_tokens += num_new
         batch_id = next(self._batch_ids)
@@ -366,7 +385,7 @@ class Scheduler:
         self._num_prefill_in_flight += num_prefill
         chunk_tokens = builder.num_tokens
         return ScheduledBatch(batch, reqs, sum(chunk_tokens), num_prefill, chunk_tokens, samples, sum(samples),
-                              predicted)
+                              predicted, [len(drafts.get(r.req_id, ())) for r in reqs] if drafts else None)
 
     def _plan_prefills(self, cands: list[Request], budget: int, streams_waiting: bool = True,
                        time_left: Optional[list[float]] = None) -> dict[str, int]:
@@ -483,54 +502,14 @@ class Scheduler:
                 self._preempt(req)
                 return None, n + 1, False
 
-    def _can_pipeline(self, req: Request) -> bool:
-        """Whether ``req``, in flight, may have its next prefill chunk in this micro-batch too.
-
-        Stages run micro-batches in the order sent, so a chunk finds in the KV cache of every stage
-        the chunks sent before it, whether or not they have come back: a long prompt's chunks can
-        follow each other down the pipeline, keeping every stage busy, instead of one chunk going
-        through the stages alone. Only prompt tokens (or a recompute) qualify, never a decode,
-        which needs the token its previous batch samples."""
-        return self.chunked and req.num_scheduled_tokens < req.num_tokens
-
-    def _can_async(self, req: Request) -> bool:
-        """Whether ``req``, in flight, may decode in this micro-batch too with async scheduling:
-        its newest chunk in flight samples the token at ``num_scheduled_tokens`` (every known
-        token is scheduled), its sampling needs no token history on the host, and that token will
-        not be its last by length (``max_tokens``, ``max_model_len``): such a step would only be
-        dropped. A request finishing on EOS or a stop token still gets one dropped step."""
-        if not self.async_scheduling or not req.in_flight or req.num_scheduled_tokens < req.num_tokens:
-            return False
-        if not req.async_sampling_ok:
-            return False
-        n_after = req.num_scheduled_tokens + 1  # tokens known once the token in flight is back
-        if self._crosses_rope_switch(req, n_after):
-            return False  # the request is recomputed once that token is back
-        return n_after - req.num_prompt_tokens < req.max_tokens and n_after < self.max_model_len
-
-    # --- LongRoPE -------------------------------------------------------------------------------
-    def _set_kv_variant(self, req: Request) -> None:
-        """On admission: the request's KV variant from its length now (1: longer than
-        ``rope_switch_len``, long rotary factors), its block hashes recomputed if it changed."""
-        if self.rope_switch_len is None:
-            return
-        variant = 1 if req.num_tokens > self.rope_switch_len else 0
-        if variant != req.kv_variant:
-            req.kv_variant = variant
-            req.block_hashes = []
-
-    def _crosses_rope_switch(self, req: Request, num_tokens: int) -> bool:
-        """Whether ``req``, computed with the short factors, must be recomputed once it has
-        ``num_tokens`` tokens."""
-        return self.rope_switch_len is not None and req.kv_variant == 0 and num_tokens > self.rope_switch_len
-
     def _add_chunk(self, req: Request, num_new: int, new_blocks: list[int], b: m.BatchBuilder,
-                   from_prev: bool = False) -> bool:
+                   from_prev: bool = False, drafts=()) -> bool:
         """Write ``req``'s chunk of ``num_new`` tokens (and, the first time, the request itself) into
-        the batch. Returns whether the chunk samples."""
+        the batch (``drafts``: speculative decoding, the last ``len(drafts)`` of them). Returns
+        whether the chunk samples."""
         start = req.num_computed_tokens + req.num_in_flight_tokens
         known = len(req.token_ids)
-        sample = from_prev or start + num_new == known
+        sample = from_prev or start + num_new - len(drafts) == known
         flags = (m.SAMPLE if sample else 0) | (m.FROM_PREV if from_prev else 0)
         if req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens:
             flags |= m.PROMPT_LOGPROBS
@@ -539,10 +518,10 @@ class Scheduler:
             b.new_request(req.slot, req.req_id, req.token_ids, req.num_prompt_tokens, self.kv.blocks_of(req),
                           req.sampling)
             req.sent_to_workers = True
-            b.add(req.slot, start, num_new, flags)
+            b.add(req.slot, start, num_new, flags, drafts=drafts)
         else:  # what the workers have not heard of yet: tokens since the last chunk, new blocks
             sent = req.num_sent_tokens
-            b.add(req.slot, start, num_new, flags, req.token_ids[sent:] if sent < known else (), new_blocks)
+            b.add(req.slot, start, num_new, flags, req.token_ids[sent:] if sent < known else (), new_blocks, drafts)
         req.num_sent_tokens = known
         return sample
 
@@ -550,7 +529,8 @@ class Scheduler:
     def update(self, sched: ScheduledBatch, result: m.StepResult,
                now: Optional[float] = None) -> list[tuple[Request, int, int]]:
         """Apply a returned batch. Returns (request, chunk index, sampled token id or -1 when the
-        chunk does not sample) for every request of the batch that is still alive; finished /
+        chunk does not sample) for every request of the batch that is still alive (speculative
+        decoding: one entry per token a verify chunk returned, up to one that ends the request); finished /
         aborted ones are released here. ``now`` (monotonic seconds; with a target inter-token
         latency) times the gaps between the requests' tokens (:meth:`StepTarget.add_gaps`).
 
@@ -559,36 +539,38 @@ class Scheduler:
         """
         self._num_in_flight -= 1
         self._num_prefill_in_flight -= sched.num_prefill_tokens
-        tokens = m.int32s(result.tokens).tolist()
-        if len(tokens) != sched.num_sampled:
-            raise RuntimeError(f"micro-batch {sched.batch.batch_id}: {len(tokens)} sampled tokens for "
-                               f"{sched.num_sampled} sampling chunks")
-        k = 0
+        per_chunk = split_tokens(result, sched.num_sampled)  # each sampling chunk's tokens
+        j = 0  # next sampling chunk
         out = []
         gaps: list[float] = []
         for i, (req, n, sample) in enumerate(zip(sched.reqs, sched.chunk_tokens, sched.sample)):
-            tok = -1
-            if sample:
-                tok = tokens[k]
-                k += 1
+            toks = per_chunk[j] if sample else ()
+            j += sample
             req.in_flight -= 1
             req.num_in_flight_tokens -= n
             if req.status.finished:  # aborted while in flight: free once no batch writes its blocks
                 if not req.in_flight:
                     self._release(req)
                 continue
-            req.num_computed_tokens += n
-            self.kv.cache_full_blocks(req)
-            if tok >= 0:
+            nd = sched.drafts[i] if sched.drafts is not None else 0
+            # Speculative decoding: of a verify chunk's positions, only the accepted ones count as computed.
+            req.num_computed_tokens += self.spec.accepted(req.req_id, nd, len(toks)) if nd else n
+            if not toks:
+                out.append((req, i, -1))
+            for tok in toks:
                 req.append_token(tok)
                 req.check_stop(self.max_model_len)
+                out.append((req, i, tok))
+                if req.status.finished:
+                    break  # the tokens after one that ends the request are dropped
+            self.kv.cache_full_blocks(req)  # after the tokens: a block's hash reads them
+            if toks:
                 if now is not None and req.last_token_at is not None:
                     gaps.append(now - req.last_token_at)
                 req.last_token_at = now
             if (not req.status.finished and not req.in_flight and req.status == RequestStatus.RUNNING
                     and self._crosses_rope_switch(req, req.num_tokens)):
                 self._preempt(req, count=False)  # LongRoPE: recomputed with the long factors
-            out.append((req, i, tok))
         if gaps and self.target:
             self.target.add_gaps(gaps, sched.predicted_s)
         return out

@@ -81,9 +81,26 @@ class _EngineCollector:
         for i, n in enumerate(s.stage_restarts):
             restarts.add_metric([self.model_name, str(i)], n)
         yield restarts
+        yield from self._spec_decode(s)
         yield self._recovery_histogram(s.recovery_seconds)
         yield self._one(GaugeMetricFamily, "zpp:stage_recovering",
                         "1 while a lost stage is being restarted (requests wait), else 0", int(s.recovering))
+
+    def _spec_decode(self, s):
+        """Speculative decoding's counters (vLLM's ``spec_decode_*``), when it is on."""
+        if not s.spec_accepted_per_pos:
+            return
+        yield self._one(CounterMetricFamily, "zpp:spec_decode_num_drafts", "Verify chunks sent with draft tokens",
+                        s.spec_num_drafts)
+        yield self._one(CounterMetricFamily, "zpp:spec_decode_num_draft_tokens", "Draft tokens proposed",
+                        s.spec_num_draft_tokens)
+        yield self._one(CounterMetricFamily, "zpp:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                        s.spec_num_accepted_tokens)
+        per = CounterMetricFamily("zpp:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each "
+                                  "position of their chunk (0-based)", labels=["model_name", "position"])
+        for i, n in enumerate(s.spec_accepted_per_pos):
+            per.add_metric([self.model_name, str(i)], n)
+        yield per
 
     def _recovery_histogram(self, samples: list[float]):
         """``zpp:stage_recovery_seconds``: death to pipeline formed again, one sample per recovery
@@ -210,6 +227,9 @@ class StatsLogger:
         Running: 3 seqs, Waiting: 0 seqs, KV cache usage: 4.2%, Stage busy: 0: 61%, 1: 74%,
         Prefix cache hit rate: 37.5%
 
+    With speculative decoding, ``Mean acceptance length`` (tokens per verify chunk: 1 + accepted
+    drafts) and ``Draft acceptance rate`` over the interval follow, when drafts were sent in it.
+
     Rates and busy fractions are over the interval (busy at most 100%: a stage's busy time arrives
     with its results, so a long micro-batch counts in the interval it ends in); the prefix-cache hit rate (hit tokens /
     looked-up tokens in the interval, ``n/a`` without lookups) only with prefix caching on.
@@ -245,6 +265,12 @@ class StatsLogger:
                 f"Avg generation throughput: {(g1 - g0) / dt:.1f} tokens/s, "
                 f"Running: {s1.num_running} seqs, Waiting: {s1.num_waiting} seqs, "
                 f"KV cache usage: {100.0 * s1.kv_cache_usage:.1f}%" + (f", Stage busy: {busy}" if busy else ""))
+        drafts = s1.spec_num_drafts - s0.spec_num_drafts
+        if drafts > 0:  # speculative decoding: vLLM's figures over the interval
+            acc = s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens
+            proposed = s1.spec_num_draft_tokens - s0.spec_num_draft_tokens
+            line += (f", Mean acceptance length: {1 + acc / drafts:.2f}, "
+                     f"Draft acceptance rate: {100.0 * acc / max(proposed, 1):.1f}%")
         if self.prefix_caching:
             q, h = s1.prefix_cache_queries - s0.prefix_cache_queries, s1.prefix_cache_hits - s0.prefix_cache_hits
             line += f", Prefix cache hit rate: {100.0 * h / q:.1f}%" if q > 0 else ", Prefix cache hit rate: n/a"

@@ -39,6 +39,10 @@ class EngineStats(msgspec.Struct, array_like=True):
         recovering: a lost stage is being restarted (requests wait; ``/health`` says so).
         stage_restarts: per pipeline stage, restarts so far.
         recovery_seconds: how long each finished recovery took (death to pipeline formed again).
+        spec_num_drafts: speculative decoding: verify chunks sent with drafts so far.
+        spec_num_draft_tokens: draft tokens sent so far.
+        spec_num_accepted_tokens: of those, accepted.
+        spec_accepted_per_pos: drafts accepted at each position of their chunk (0-based) so far.
     """
 
     num_running: int = 0
@@ -56,6 +60,10 @@ class EngineStats(msgspec.Struct, array_like=True):
     recovering: bool = False
     stage_restarts: list[int] = []
     recovery_seconds: list[float] = []
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class GrammarSpec(msgspec.Struct, array_like=True, omit_defaults=True):

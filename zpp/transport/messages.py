@@ -239,6 +239,15 @@ class ExecuteBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True
     grammar_evict: list[str] = []
     """Grammar keys the result rank forgets after applying ``grammars`` (the engine decides its
     cache of compiled grammars, so ``GrammarInit.compiled`` is sent once per key)."""
+    draft_counts: bytes = b""
+    """Speculative decoding: ``int32[B]``, or empty when no chunk has any: each chunk's draft tokens
+    ``k`` (0 for most). A chunk with drafts is a decode of its request's last known token followed by
+    the drafts (``start`` = known tokens - 1, ``num_tokens`` = 1 + k, SAMPLE set): the drafts are its
+    input at positions ``start + 1 ..`` but not known tokens (the workers keep them past the known
+    ones until the next batch's ``new_tokens`` overwrite them); the last stage verifies them and
+    returns 1 to k + 1 tokens for the chunk (``StepResult.token_counts``)."""
+    draft_tokens: bytes = b""
+    """``int32[sum(draft_counts)]``: those drafts, chunk after chunk."""
 
 
 class ChunkView(NamedTuple):
@@ -253,6 +262,7 @@ class ChunkView(NamedTuple):
     from_prev: bool
     new_token_ids: list[int]
     new_block_ids: list[int]
+    draft_token_ids: list[int] = []
 
 
 def _counted(counts: bytes, flat: bytes, size: int, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -274,7 +284,7 @@ class BatchColumns:
     negative slot or start, an empty chunk, or an unknown flag bit."""
 
     __slots__ = ("size", "slots", "starts", "num_tokens", "flags", "new_token_counts", "new_tokens",
-                 "new_block_counts", "new_blocks", "freed_slots")
+                 "new_block_counts", "new_blocks", "freed_slots", "draft_counts", "draft_tokens")
 
     def __init__(self, batch: ExecuteBatch):
         self.slots = int32s(batch.slots)
@@ -287,7 +297,11 @@ class BatchColumns:
                              f"{len(self.num_tokens)} token counts, {len(self.flags)} flags")
         self.new_token_counts, self.new_tokens = _counted(batch.new_token_counts, batch.new_tokens, B, "new token")
         self.new_block_counts, self.new_blocks = _counted(batch.new_block_counts, batch.new_blocks, B, "new block")
+        self.draft_counts, self.draft_tokens = _counted(batch.draft_counts, batch.draft_tokens, B, "draft token")
         self.freed_slots = int32s(batch.freed_slots)
+        if len(batch.draft_counts) and ((self.draft_counts > 0) & ((self.num_tokens != self.draft_counts + 1)
+                                                                   | ~self.sample | self.from_prev)).any():
+            raise ValueError("ExecuteBatch: a chunk with drafts that is not one token + its drafts, sampling")
         if B and (int(self.slots.min()) < 0 or int(self.starts.min()) < 0 or int(self.num_tokens.min()) < 1
                   or int(self.flags.max()) & ~_ALL_FLAGS):
             raise ValueError("ExecuteBatch: a negative slot or start, an empty chunk or an unknown flag bit")
@@ -316,13 +330,15 @@ def chunks_of(batch: ExecuteBatch) -> list[ChunkView]:
     c = BatchColumns(batch)
     tok_end, blk_end = np.cumsum(c.new_token_counts).tolist(), np.cumsum(c.new_block_counts).tolist()
     toks, blks = c.new_tokens.tolist(), c.new_blocks.tolist()
+    dr_end, drs = np.cumsum(c.draft_counts).tolist(), c.draft_tokens.tolist()
     out = []
     for i, (slot, start, n, f) in enumerate(zip(c.slots.tolist(), c.starts.tolist(), c.num_tokens.tolist(),
                                                  c.flags.tolist())):
         t0 = tok_end[i - 1] if i else 0
         b0 = blk_end[i - 1] if i else 0
+        d0 = dr_end[i - 1] if i else 0
         out.append(ChunkView(slot, start, n, bool(f & SAMPLE), bool(f & PROMPT_LOGPROBS), bool(f & FROM_PREV),
-                             toks[t0:tok_end[i]], blks[b0:blk_end[i]]))
+                             toks[t0:tok_end[i]], blks[b0:blk_end[i]], drs[d0:dr_end[i]]))
     return out
 
 
@@ -332,7 +348,7 @@ class BatchBuilder:
     or after its chunk), then ``build``."""
 
     __slots__ = ("slots", "starts", "num_tokens", "flags", "token_counts", "tokens", "block_counts", "blocks",
-                 "new_reqs")
+                 "new_reqs", "draft_counts", "drafts")
 
     def __init__(self):
         self.slots: list[int] = []
@@ -344,11 +360,17 @@ class BatchBuilder:
         self.block_counts: list[int] = []
         self.blocks: list[int] = []
         self.new_reqs: list[NewRequest] = []
+        self.draft_counts: list[int] = []
+        self.drafts: list[int] = []
 
     def add(self, slot: int, start: int, num_tokens: int, flags: int = 0, new_tokens: Sequence[int] = (),
-            new_blocks: Sequence[int] = ()) -> None:
+            new_blocks: Sequence[int] = (), drafts: Sequence[int] = ()) -> None:
         """One chunk: tokens ``[start, start + num_tokens)`` of the request in ``slot``, with the
-        tokens and blocks it gained since the workers last heard of it."""
+        tokens and blocks it gained since the workers last heard of it (and, speculative decoding,
+        its draft tokens: then ``num_tokens`` is ``1 + len(drafts)``)."""
+        self.draft_counts.append(len(drafts))
+        if drafts:
+            self.drafts.extend(drafts)
         self.slots.append(slot)
         self.starts.append(start)
         self.num_tokens.append(num_tokens)
@@ -375,7 +397,9 @@ class BatchBuilder:
                             bytes(self.flags),
                             pack_int32(self.token_counts) if self.tokens else b"", pack_int32(self.tokens),
                             pack_int32(self.block_counts) if self.blocks else b"", pack_int32(self.blocks),
-                            self.new_reqs, pack_int32(freed_slots), after_idle)
+                            self.new_reqs, pack_int32(freed_slots), after_idle,
+                            draft_counts=pack_int32(self.draft_counts) if self.drafts else b"",
+                            draft_tokens=pack_int32(self.drafts))
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
@@ -425,6 +449,11 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, 
     grammar_refused: list[int] = []
     """The sampling chunks whose token their grammar refused (a dead end: the token is dropped
     and the sequence ends), increasing; also a grammar the result rank could not read."""
+    token_counts: bytes = b""
+    """Speculative decoding: ``int32[S]``, or empty when the batch had no drafts (one token per
+    sampling chunk): how many tokens each sampling chunk returns in ``tokens`` (its accepted drafts,
+    then the token the target sampled after them: 1 to k + 1). ``logprob_chunks`` then names a chunk
+    once per token that comes with logprobs (non-decreasing), ``logprobs`` following it."""
 
 
 class StageStats(msgspec.Struct, tag=True, array_like=True):

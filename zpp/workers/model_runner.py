@@ -28,8 +28,9 @@ from zpp.transport import messages as m
 from zpp.transport.p2p import StageLink
 from zpp.utils.host_memory import zeroed_tensor
 from zpp.workers.grammar import SlotGrammars, default_fill_threads, import_in_background, sampled_rows
+from zpp.workers import rejection_sampler
 from zpp.workers.runner_state import Activity, PendingResult, logit_buckets
-from zpp.workers.sampler import Sampler, token_logprobs, unpack_bitmask
+from zpp.workers.sampler import Sampler, prompt_logprobs, unpack_bitmask
 from zpp.workers.slots import SlotTable
 from zpp.workers.staging import PinnedStaging
 
@@ -536,7 +537,7 @@ class ModelRunner:
         q_lens = cols.num_tokens.astype(np.int64)
         ends = np.cumsum(q_lens)  # each chunk's end in the step's flat tokens
         plp_spans: list[tuple[int, int, int]] = []
-        if not cols.prompt_logprobs.any():
+        if not cols.prompt_logprobs.any() and not len(cols.draft_tokens):
             rows = (ends - 1)[np.flatnonzero(cols.sample)].tolist()
             return rows, list(range(len(rows))), plp_spans
         rows, sample_rows = [], []
@@ -549,9 +550,9 @@ class ModelRunner:
                 if n:
                     plp_spans.append((ci, len(rows), n))
                     rows.extend(range(end - n_tok, end - n_tok + n))
-            if f & m.SAMPLE:
+            if f & m.SAMPLE:  # speculative decoding: every position of a verify chunk
                 sample_rows.append(len(rows))
-                rows.append(end - 1)
+                rows.extend(range(end - 1 - int(cols.draft_counts[ci]), end))
         return rows, sample_rows, plp_spans
 
     def _sample(self, batch: m.ExecuteBatch, cols: m.BatchColumns, hidden: torch.Tensor, plan,
@@ -568,6 +569,8 @@ class ModelRunner:
 
         tokens: list[int] = []
         lps: list = []
+        if sample_rows and len(cols.draft_tokens):
+            return rejection_sampler.verify(self, batch, cols, logits, sample_rows, sample_chunks, plp_spans)
         if sample_rows:
             row_slots = cols.slots[sample_chunks]
             allowed = self._allowed(batch, cols, logits.shape[1])
@@ -586,13 +589,5 @@ class ModelRunner:
             if keep:
                 self._keep_sampled(row_slots, keep[0])
 
-        plps: list[m.PromptLogprobsOutput] = []
-        for ci, first, n in plp_spans:
-            slot, start = int(cols.slots[ci]), int(cols.starts[ci])
-            sp = self.table.sampling[slot]
-            k = (sp.prompt_logprobs if sp else 0) or 0
-            lp = torch.log_softmax(logits[first:first + n].float(), dim=-1)
-            targets = self.table.tokens[slot, start + 1:start + 1 + n].tolist()
-            entries = [token_logprobs(lp[j], targets[j], k) for j in range(n)]
-            plps.append(m.PromptLogprobsOutput(ci, start + 1, entries))
-        return self._result(batch.batch_id, sample_chunks, tokens, lps, plps)
+        return self._result(batch.batch_id, sample_chunks, tokens, lps, prompt_logprobs(self.table, cols, logits,
+                                                                                         plp_spans))

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from zpp.sampling_params import SamplingParams
-from zpp.transport.messages import TokenLogprobs
+from zpp.transport.messages import PromptLogprobsOutput, TokenLogprobs
 
 _MASK64 = (1 << 63) - 1
 
@@ -237,6 +237,23 @@ class Sampler:
                 g = _seeded_generator(p.seed, s.num_output_tokens, dev)
                 noise[i] = torch.empty(V, device=dev).exponential_(generator=g)
         return (probs / noise).argmax(dim=-1)
+
+
+def prompt_logprobs(table, cols, logits: torch.Tensor, spans) -> list:
+    """The prompt logprobs of a batch's chunks (the model runner's): ``spans`` are ``(chunk index,
+    first row of logits, count)`` (``ModelRunner._logit_plan``), ``logits [N, V]``, ``table`` the
+    worker's :class:`~zpp.workers.slots.SlotTable`, ``cols`` the batch's columns. Returns one
+    :class:`PromptLogprobsOutput` per span."""
+    plps: list[PromptLogprobsOutput] = []
+    for ci, first, n in spans:
+        slot, start = int(cols.slots[ci]), int(cols.starts[ci])
+        sp = table.sampling[slot]
+        k = (sp.prompt_logprobs if sp else 0) or 0
+        lp = torch.log_softmax(logits[first:first + n].float(), dim=-1)
+        targets = table.tokens[slot, start + 1:start + 1 + n].tolist()
+        entries = [token_logprobs(lp[j], targets[j], k) for j in range(n)]
+        plps.append(PromptLogprobsOutput(ci, start + 1, entries))
+    return plps
 
 
 def is_plain_greedy(p: Optional[SamplingParams]) -> bool:

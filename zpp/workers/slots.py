@@ -81,7 +81,20 @@ class SlotTable:
             self._append(cols.slots, cols.new_block_counts, cols.new_blocks, self.blocks, self.num_blocks, "blocks",
                          self.max_blocks)
             self._check_chunks(cols)
+            if len(cols.draft_tokens):
+                self._put_drafts(cols)
         return cols
+
+    def _put_drafts(self, cols: m.BatchColumns) -> None:
+        """Speculative decoding: each chunk's draft tokens go right after its request's known
+        tokens (inputs of the chunk's positions ``start + 1 ..``), not counted among them: the next
+        batch's new tokens (the accepted ones and what follows) overwrite them."""
+        has = cols.draft_counts > 0
+        slots, counts = cols.slots[has], cols.draft_counts[has]
+        ends = np.cumsum(counts, dtype=np.int64)
+        owner = np.repeat(np.arange(len(slots)), counts)
+        cols_at = np.arange(len(cols.draft_tokens)) - (ends - counts)[owner] + self.num_tokens[slots][owner]
+        self.tokens[slots[owner], cols_at] = cols.draft_tokens
 
     def _check_range(self, slots: np.ndarray, what: str) -> None:
         if int(slots.max()) >= self.num_slots:
@@ -147,7 +160,9 @@ class SlotTable:
         end = starts + cols.num_tokens
         known = self.num_tokens[slots]
         fp = cols.from_prev
-        ok = np.where(fp, (starts >= known) & (cols.num_tokens == 1) & cols.sample, end <= known)
+        drafts = cols.draft_counts
+        ok = np.where(fp, (starts >= known) & (cols.num_tokens == 1) & cols.sample,
+                      (end <= known + drafts) & ((drafts == 0) | (starts + 1 == known)))
         ok &= end <= self.max_model_len
         if not ok.all():
             i = int(np.argmax(~ok))

@@ -1,0 +1,111 @@
+"""CPU benchmark of n-gram speculative decoding (``--speculative-config``) on the demo model.
+
+    python scripts/cpu_spec_bench.py [--pp 2] [--repeat 3] [--k 3] [--streams 32]
+
+Two offline ``LLM``s of the demo model (SmolLM2-135M-Instruct) at ``--pp`` stages, one without
+speculation and one with ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+"prompt_lookup_min": 2}`` (``--k``, ``--lookup-max``, ``--lookup-min``), alive together; runs
+alternate between them (A/B interleaved: the development VM's 2 cores are shared, so load changes
+during a run hit both alike).
+
+* Batch 1: copy-heavy chat prompts ("repeat this text", "rename this function and write the code
+  again"), greedy, one request at a time. TPOT = (time of the whole request - time of the same
+  request with max_tokens 1) / (tokens - 1). Prints each mode's median TPOT, the speed-up and the
+  mean acceptance length (1 + accepted drafts per verify chunk).
+* ``--streams`` concurrent requests (the same prompts and ordinary questions, greedy, 64 tokens):
+  output tokens per second of the whole batch, each mode, and the ratio.
+
+The outputs of the two modes are checked equal (greedy).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from zpp import LLM, SamplingParams  # noqa: E402
+
+TEXT = ("Pipeline parallelism splits a model's layers into stages. Each stage runs in its own process and "
+        "sends its activations to the next one, so that several micro-batches are in flight at once and "
+        "every stage stays busy.")
+CODE = ("def moving_average(values, window):\n    out = []\n    total = 0.0\n    for i, v in enumerate(values):\n"
+        "        total += v\n        if i >= window:\n            total -= values[i - window]\n"
+        "        out.append(total / min(i + 1, window))\n    return out\n")
+COPY_PROMPTS = [
+    "Repeat this text exactly, word for word:\n\n" + TEXT,
+    "Rename the function moving_average to rolling_mean and write the code again:\n\n" + CODE,
+    "Repeat this code exactly:\n\n" + CODE,
+    "Rewrite this text with 'stages' replaced by 'parts', changing nothing else:\n\n" + TEXT,
+]
+OTHER_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three prime numbers.",
+                 "Explain what a CPU cache is in two sentences."]
+
+
+def chat(llm, prompts, max_tokens):
+    msgs = [[{"role": "user", "content": p}] for p in prompts]
+    return llm.chat(msgs, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--streams", type=int, default=32, help="0: skip the concurrent run")
+    ap.add_argument("--lookup-min", type=int, default=2)
+    ap.add_argument("--lookup-max", type=int, default=4)
+    args = ap.parse_args()
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
+            "prompt_lookup_min": args.lookup_min}
+    kw = dict(device="cpu", pipeline_parallel_size=args.pp, max_model_len=1024)
+    llms = {"off": LLM(**kw), "ngram": LLM(**kw, speculative_config=spec)}
+    tpot: dict[str, list[float]] = {"off": [], "ngram": []}
+    texts: dict[str, list] = {"off": [], "ngram": []}
+    for _ in range(args.repeat):
+        for p in COPY_PROMPTS:
+            for mode, llm in llms.items():
+                t = time.perf_counter()
+                chat(llm, [p], 1)
+                t1 = time.perf_counter() - t
+                t = time.perf_counter()
+                out = chat(llm, [p], args.max_tokens)[0].outputs[0]
+                tn = time.perf_counter() - t
+                if len(out.token_ids) > 1:
+                    tpot[mode].append((tn - t1) / (len(out.token_ids) - 1))
+                texts[mode].append(out.token_ids)
+    st = llms["ngram"].engine.stats()
+    mal = 1 + st.spec_num_accepted_tokens / max(st.spec_num_drafts, 1)
+    med = {m: statistics.median(v) for m, v in tpot.items()}
+    print(f"batch 1, PP={args.pp}, k={args.k}, lookup {args.lookup_min}-{args.lookup_max}, {len(tpot['off'])} requests per mode: TPOT off "
+          f"{1e3 * med['off']:.1f} ms, ngram {1e3 * med['ngram']:.1f} ms, speed-up {med['off'] / med['ngram']:.2f}x; "
+          f"mean acceptance length {mal:.2f} ({st.spec_num_accepted_tokens} of {st.spec_num_draft_tokens} drafts "
+          f"accepted); outputs equal: {texts['off'] == texts['ngram']}", flush=True)
+
+    if not args.streams:
+        return
+    prompts = [(COPY_PROMPTS + OTHER_PROMPTS)[i % 8] for i in range(args.streams)]
+    tput: dict[str, list[float]] = {"off": [], "ngram": []}
+    same = True
+    for _ in range(max(1, args.repeat - 1)):
+        outs = {}
+        for mode, llm in llms.items():
+            t = time.perf_counter()
+            outs[mode] = chat(llm, prompts, 64)
+            dt = time.perf_counter() - t
+            tput[mode].append(sum(len(o.outputs[0].token_ids) for o in outs[mode]) / dt)
+        same &= [o.outputs[0].token_ids for o in outs["off"]] == [o.outputs[0].token_ids for o in outs["ngram"]]
+    m = {k: statistics.median(v) for k, v in tput.items()}
+    print(f"{args.streams} streams, PP={args.pp}: throughput off {m['off']:.1f} tok/s, ngram {m['ngram']:.1f} tok/s, "
+          f"ratio {m['ngram'] / m['off']:.3f} (runs: off {[round(x, 1) for x in tput['off']]}, ngram "
+          f"{[round(x, 1) for x in tput['ngram']]}); outputs equal: {same}", flush=True)
+    for llm in llms.values():
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""``--speculative-config``: speculative decoding's settings (a field of
+:class:`zpp.config.EngineConfig`, kept in its own module)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from zpp.errors import ConfigError
+
+SPEC_METHODS = ("ngram",)
+"""``--speculative-config`` methods built (``method``)."""
+
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
+              "min_acceptance_rate")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config JSON``, vLLM's flag and keys): each decoding
+    request's draft tokens ride in its micro-batch as extra query tokens that every stage computes
+    like a short prefill; the last stage verifies them (``zpp.workers.rejection_sampler``) and the
+    core rolls back the rejected positions (``zpp.engine.spec_decode``)."""
+
+    method: str = "ngram"
+    """``ngram``: prompt lookup (drafts copied from the request's own prompt and output, proposed in
+    the engine core; no model)."""
+    num_speculative_tokens: int = 3
+    """Draft tokens per request and step (k: a verify chunk is k + 1 query tokens)."""
+    prompt_lookup_max: int = 5
+    """Longest suffix n-gram looked up (vLLM's default 5; either of the two alone sets both)."""
+    prompt_lookup_min: int = 5
+    """Shortest suffix n-gram looked up."""
+    disable_by_batch_size: Optional[int] = None
+    """No drafts in a step whose decoding requests are more than this (None: any batch size)."""
+    min_acceptance_rate: float = 0.0
+    """zpp's: a request whose recent drafts were accepted at a lower rate than this proposes none for
+    a while (``zpp.engine.spec_decode.BACKOFF_STEPS`` steps), then tries again; 0: never."""
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"--speculative-config: method {self.method!r} is not supported (zpp has: "
+                              f"{', '.join(SPEC_METHODS)}; mtp / deepseek_mtp, eagle and draft models are not built)")
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"--speculative-config: {key} must be an integer >= 1, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"--speculative-config: prompt_lookup_min {self.prompt_lookup_min} is larger than "
+                              f"prompt_lookup_max {self.prompt_lookup_max}")
+        if self.disable_by_batch_size is not None and (not isinstance(self.disable_by_batch_size, int)
+                                                       or self.disable_by_batch_size < 1):
+            raise ConfigError(f"--speculative-config: disable_by_batch_size must be an integer >= 1, got "
+                              f"{self.disable_by_batch_size!r}")
+        if not (isinstance(self.min_acceptance_rate, (int, float)) and 0 <= self.min_acceptance_rate <= 1):
+            raise ConfigError(f"--speculative-config: min_acceptance_rate must be in [0, 1], got "
+                              f"{self.min_acceptance_rate!r}")
+
+
+def parse_speculative_config(value: Any, flag: str) -> Optional[SpeculativeConfig]:
+    """``--speculative-config`` as JSON text, or (``LLM(speculative_config=...)``) a dict or a
+    :class:`SpeculativeConfig`; None passes through.
+
+    Raises:
+        ConfigError: not a JSON object, an unknown key (a draft ``model`` among them: none is
+            built), or a bad value (one line naming the flag).
+    """
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(f"{flag}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag}: expected a JSON object such as "
+                          f'{{"method": "ngram", "num_speculative_tokens": 3}}, got {value!r}')
+    if "model" in value and value["model"] is not None:
+        raise ConfigError(f"{flag}: a draft model ({value['model']!r}) is not supported: only method "
+                          f"'ngram' (no model) is built")
+    value = {k: v for k, v in value.items() if k != "model"}
+    unknown = sorted(set(value) - set(_SPEC_KEYS))
+    if unknown:
+        raise ConfigError(f"{flag}: unknown key(s) {', '.join(unknown)} (zpp reads: {', '.join(_SPEC_KEYS)})")
+    value.setdefault("method", "ngram")
+    lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")  # vLLM's rule for a missing one
+    if lo is None and hi is None:
+        lo = hi = 5
+    value["prompt_lookup_min"], value["prompt_lookup_max"] = (hi if lo is None else lo), (lo if hi is None else hi)
+    return SpeculativeConfig(**{k: v for k, v in value.items() if v is not None or k == "disable_by_batch_size"})
+
