@@ -214,11 +214,19 @@ def _settings(config: "EngineConfig", target: Target) -> _Settings:
 def build_meta_stage(s: _Settings, stage, capability: Optional[tuple[int, int]]):
     """The stage's model as the worker builds it (:func:`zpp.models.loader.load_stage_model`), on
     the ``meta`` device: shapes and dtypes, no storage."""
+    import logging
+
     import torch
 
     from zpp.models.loader import load_stage_model
-    return load_stage_model(s.model_dir, s.cfg, stage, s.dtype, torch.device("meta"), s.max_model_len,
-                            s.load_format, quantization=s.quantization, capability=capability or (0, 0))
+    log = logging.getLogger("zpp.models")
+    level = log.level
+    log.setLevel(logging.WARNING)  # the loader's per-stage FP8 lines are about loading, not planning
+    try:
+        return load_stage_model(s.model_dir, s.cfg, stage, s.dtype, torch.device("meta"), s.max_model_len,
+                                s.load_format, quantization=s.quantization, capability=capability or (0, 0))
+    finally:
+        log.setLevel(level)
 
 
 def bytes_by_dtype(model, split_layers: bool = False):
@@ -510,24 +518,25 @@ def make_plan(config: "EngineConfig", target: Target, search: bool = True) -> Pl
 
 
 def _min_tp_pp(s: _Settings, config: "EngineConfig", target: Target, min_pp: Optional[int]) -> Optional[tuple[int, int]]:
-    """Fewest GPUs ``tp x pp`` that fit, tensor parallelism of 2, 4, 8 where the family has it and
-    divides the model (ties: less TP)."""
+    """The fewest GPUs ``tp x pp`` with tensor parallelism (2, 4 or 8, where the family has it and it
+    divides the model) that fit (ties: less TP); None when none does within ``min_pp``'s GPU count
+    (or 64 GPUs without one)."""
     from zpp.models.registry import resolve_model_class
     if target.shared:
         return None
-    best = (1, min_pp) if min_pp is not None else None
+    best: Optional[tuple[int, int]] = None
+    budget = min_pp if min_pp is not None else 64
     for tp in (2, 4, 8):
         try:
             resolve_model_class(s.cfg, tp)
         except ConfigError:
             continue
         mm = memory_model(s, target, tp)
-        limit = (best[0] * best[1]) // tp if best else mm.num_layers
-        for pp in range(1, max(0, limit) + 1):
-            if tp * pp >= (best[0] * best[1] if best else 1 << 30):
-                break
+        cap = (best[0] * best[1] if best else max(budget, tp)) // tp
+        for pp in range(1, min(cap, mm.num_layers) + 1):
             if _search_fits(s, mm, target, pp):
-                best = (tp, pp)
+                if best is None or tp * pp < best[0] * best[1]:
+                    best = (tp, pp)
                 break
     return best
 
@@ -610,10 +619,10 @@ def check_fits_at_start(config: "EngineConfig") -> Optional[Plan]:
     if over:
         plan = make_plan(config, target, search=True)
         p = max(over, key=lambda q: q.need_bytes - q.memory_bytes)
-        where = "this host's available RAM, shared by every stage" if target.shared else "of its GPU's memory x --gpu-memory-utilization"
+        where = "this host's available RAM, shared by every stage" if target.shared else "its GPU's memory x --gpu-memory-utilization"
         raise ConfigError(
             f"stage {p.stage} (layers [{p.layers[0]}, {p.layers[1]})) needs {fmt_bytes(p.need_bytes)} "
-            f"({fmt_bytes(p.weight_bytes)} of weights) but has {fmt_bytes(p.memory_bytes)} {where}; "
+            f"({fmt_bytes(p.weight_bytes)} of weights) but has {fmt_bytes(p.memory_bytes)} ({where}); "
             f"smallest split that fits: {describe_min(plan)} (`zpp plan` shows the whole plan)")
     short = [p for p in plan.stages if not p.fits]
     if short and target.device == "cuda":
