@@ -57,7 +57,7 @@ def hf_stage_bytes(model_dir: str, ranges, fp8_block=None) -> list[int]:
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     linear = {f"{n}.weight" for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear)}
     out = [0] * len(ranges)
     for name, p in hf.named_parameters(remove_duplicate=False):
@@ -246,14 +246,16 @@ def test_plan_matches_what_a_cpu_start_up_allocates(tmp_path):
     worker's loader builds and fills that stage (random weights saved with transformers, read back
     from safetensors on the CPU), and the KV cache the model runner allocates against the plan's
     bytes per token."""
-    d = write_config(tmp_path, "m", **{**LLAMA, "num_hidden_layers": 8, "hidden_size": 1536, "intermediate_size": 4096,
-                                       "num_attention_heads": 12, "num_key_value_heads": 4})
+    d = write_config(tmp_path, "m", **{**LLAMA, "num_hidden_layers": 6, "hidden_size": 1024, "intermediate_size": 2816,
+                                       "num_attention_heads": 16, "num_key_value_heads": 4})
+    save = f"""
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(AutoConfig.from_pretrained({d!r}), dtype=torch.float32).save_pretrained({d!r})
+"""
     script = f"""
 import json, os, sys, torch
-from transformers import AutoConfig, AutoModelForCausalLM
-cfg = AutoConfig.from_pretrained({d!r})
-torch.manual_seed(0)
-AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).save_pretrained({d!r})
 from zpp.plan import Target, make_plan, plan_config
 from zpp.models.base import StageInfo
 from zpp.models.loader import load_stage_model
@@ -264,7 +266,7 @@ plan = make_plan(plan_config({d!r}, pipeline_parallel_size=2, max_model_len=1024
 hf = normalize_config(json.load(open(os.path.join({d!r}, "config.json"))))
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-out = []
+out, keep = [], []
 for p in plan.stages:
     a, b = p.layers
     before = rss()
@@ -274,13 +276,17 @@ for p in plan.stages:
     runner.init_kv_cache(64)
     kv = sum(t.numel() * t.element_size() for t in runner.kv_caches) // (65 * 16)
     out.append((p.weight_bytes, grew, p.kv_bytes_per_token, kv))
-    del runner, model
-print(json.dumps(out))
+    keep.append((runner, model))  # alive, so the next stage cannot reuse its pages
+print(json.dumps(out), flush=True)
+os._exit(0)  # the last stage's runner started a background import thread
 """
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", save], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     for planned, grew, kv_plan, kv_real in rows:
         assert abs(grew - planned) <= 0.03 * planned, rows
         assert kv_plan == kv_real, rows
+    print("planned bytes, resident growth, KV bytes per token planned, allocated:", rows)
