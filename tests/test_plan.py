@@ -165,6 +165,28 @@ def test_mixed_80_and_24_gib_auto_gives_the_small_card_fewer_layers():
     assert even.stages[0].fits and not even.stages[1].fits
 
 
+def test_start_up_auto_split_weighs_the_stages_gpu_memory():
+    """The engine's ``--pp-layer-partition auto`` with the memory each GPU worker reports (StageCost):
+    equally fast stages, 80 GiB and 24 GiB cards."""
+    from zpp.engine.executor import Executor
+    from zpp.transport import messages as m
+    cfg = plan_config(os.path.join(CONFIGS, "llama3-8b"), pipeline_parallel_size=2, pp_layer_partition="auto")
+    ex = Executor(cfg, set())
+    usable = [int(80 * GiB * 0.9) - GiB, int(24 * GiB * 0.9) - GiB]
+    big, small = ex._memory_aware_sizes(usable, [1e-3, 1e-3], [0.0, 0.0])
+    assert small < big and big + small == 32
+    assert ex._memory_aware_sizes([GiB, GiB], [1e-3, 1e-3], [0.0, 0.0]) is None  # nothing fits: time alone
+    old = m.StageCost(rank=0, layer_s=[1.0], extra_s=0.0, num_tokens=4)  # CPU workers report no memory
+    assert msgspec_roundtrip(old).memory_bytes == 0
+
+
+def msgspec_roundtrip(msg):
+    import msgspec
+
+    from zpp.transport import messages as m
+    return msgspec.msgpack.Decoder(m.StageCost).decode(msgspec.msgpack.encode(msg))
+
+
 def test_json_has_exactly_the_issue_keys(capsys):
     from zpp.cli import main
     rc = main(["plan", os.path.join(CONFIGS, "llama3-8b"), "-pp", "2", "--gpu-memory", "80GiB", "--json"])

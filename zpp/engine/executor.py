@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -297,6 +298,11 @@ class Executor(StallWatchdog, StageRestarts):
             layer_s = [[ks[j] for j in index] for ks in kind_s]
         even = [b - a for a, b in self.layer_ranges]
         sizes = balanced_partition(len(kinds), layer_s, extra_s)
+        memory = [min(costs[r].memory_bytes for r in range(s * self.tp, (s + 1) * self.tp)) for s in range(self.pp)]
+        if all(memory):  # GPUs: a stage must hold its share and a KV cache; a smaller card gets fewer layers
+            weighed = self._memory_aware_sizes(memory, layer_s, extra_s)
+            if weighed is not None:
+                sizes = weighed
         self.layer_ranges = partition_layers(len(kinds), self.pp, sizes)
 
         def ms(xs) -> str:
@@ -311,6 +317,37 @@ class Executor(StallWatchdog, StageRestarts):
         for rank in range(self.world):
             a, b = self.layer_ranges[rank // self.tp]
             self.socket.send(rank, m.AssignLayers(layer_start=a, layer_end=b))
+
+    def _memory_aware_sizes(self, memory: list[int], layer_s, extra_s) -> Optional[tuple[int, ...]]:
+        """The split of :func:`zpp.plan.memory_aware_partition` for the stages' usable GPU memory
+        (bytes, from their StageCost) and measured costs; None (the time-only split stands) when no
+        split holds one ``--max-model-len`` sequence's KV cache on every stage."""
+        import torch
+
+        from zpp import plan as zplan
+        from zpp.workers.worker import CUDA_CONTEXT_MARGIN
+        cap = torch.cuda.get_device_capability(0) if torch.cuda.is_available() else zplan.DEFAULT_CAPABILITY
+        target = zplan.Target("cuda", tuple(memory), cap)
+        s = zplan._settings(self.config, target)
+        mm = zplan.memory_model(s, target, self.tp)
+        prefixes = []
+        for c in layer_s:
+            per = [c] * mm.num_layers if isinstance(c, (int, float)) else list(c)
+            prefixes.append([0.0] + list(itertools.accumulate(per)))
+
+        def stage_time(st: int, a: int, b: int) -> float:
+            return prefixes[st][b] - prefixes[st][a] + extra_s[st]
+        # the workers' figures already leave out the CUDA context the plan's margins count
+        usable = [m + CUDA_CONTEXT_MARGIN for m in memory]
+        sizes = zplan.memory_aware_partition(mm, usable, self.config.max_model_len, stage_time)
+        if sizes is None:
+            logger.warning("pp layer partition auto: no split holds the KV cache of one %d-token sequence on every "
+                           "stage (GPU memory %s); splitting on time alone", self.config.max_model_len,
+                           ", ".join(zplan.fmt_bytes(m) for m in memory))
+        else:
+            logger.info("pp layer partition auto: weighing each stage's memory (%s usable)",
+                        ", ".join(zplan.fmt_bytes(m) for m in memory))
+        return sizes
 
     def _device_index(self, rank: int) -> int:
         if self.config.parallel.device != "cuda" or self.config.parallel.share_gpu:
