@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -319,34 +318,19 @@ class Executor(StallWatchdog, StageRestarts):
             self.socket.send(rank, m.AssignLayers(layer_start=a, layer_end=b))
 
     def _memory_aware_sizes(self, memory: list[int], layer_s, extra_s) -> Optional[tuple[int, ...]]:
-        """The split of :func:`zpp.plan.memory_aware_partition` for the stages' usable GPU memory
-        (bytes, from their StageCost) and measured costs; None (the time-only split stands) when no
-        split holds one ``--max-model-len`` sequence's KV cache on every stage."""
+        """:func:`zpp.plan.memory_aware_sizes` for the stages' usable GPU memory (bytes, from their
+        StageCost), logged; None: the time-only split stands."""
         import torch
 
         from zpp import plan as zplan
-        from zpp.workers.worker import CUDA_CONTEXT_MARGIN
-        cap = torch.cuda.get_device_capability(0) if torch.cuda.is_available() else zplan.DEFAULT_CAPABILITY
-        target = zplan.Target("cuda", tuple(memory), cap)
-        s = zplan._settings(self.config, target)
-        mm = zplan.memory_model(s, target, self.tp)
-        prefixes = []
-        for c in layer_s:
-            per = [c] * mm.num_layers if isinstance(c, (int, float)) else list(c)
-            prefixes.append([0.0] + list(itertools.accumulate(per)))
-
-        def stage_time(st: int, a: int, b: int) -> float:
-            return prefixes[st][b] - prefixes[st][a] + extra_s[st]
-        # the workers' figures already leave out the CUDA context the plan's margins count
-        usable = [m + CUDA_CONTEXT_MARGIN for m in memory]
-        sizes = zplan.memory_aware_partition(mm, usable, self.config.max_model_len, stage_time)
+        cap = torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
+        sizes = zplan.memory_aware_sizes(self.config, memory, layer_s, extra_s, cap)
+        shown = ", ".join(zplan.fmt_bytes(m) for m in memory)
         if sizes is None:
             logger.warning("pp layer partition auto: no split holds the KV cache of one %d-token sequence on every "
-                           "stage (GPU memory %s); splitting on time alone", self.config.max_model_len,
-                           ", ".join(zplan.fmt_bytes(m) for m in memory))
+                           "stage (GPU memory %s usable); splitting on time alone", self.config.max_model_len, shown)
         else:
-            logger.info("pp layer partition auto: weighing each stage's memory (%s usable)",
-                        ", ".join(zplan.fmt_bytes(m) for m in memory))
+            logger.info("pp layer partition auto: weighing each stage's memory (%s usable)", shown)
         return sizes
 
     def _device_index(self, rank: int) -> int:

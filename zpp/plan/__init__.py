@@ -19,23 +19,23 @@ A stage *fits* when its weights and margins leave room in its memory (``--gpu-me
 sequence. On the CPU the stages of one host share its available RAM, and the KV cache
 (``--kv-cache-memory``, 1 GiB a stage by default) takes its pages as blocks fill, so a CPU stage
 fits when the weights and activations of all stages fit in that RAM.
+
+The splits that weigh memory are :mod:`zpp.plan.split`; reading sizes and printing,
+:mod:`zpp.plan.report`.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from zpp.errors import ConfigError
+from zpp.plan.report import describe_min, fmt_bytes, format_plan, parse_capability, parse_memory_list  # noqa: F401
+from zpp.plan.split import AUTO_TIME_SLACK, memory_aware_partition, minmax_partition  # noqa: F401
 
 if TYPE_CHECKING:
     from zpp.config import EngineConfig
-
-AUTO_TIME_SLACK = 0.10
-"""``--pp-layer-partition auto`` with memory known: the split may make the slowest stage up to this
-much slower than the fastest split that fits, to give the KV cache (whose block count is the
-smallest stage's) more room; a smaller card then gets fewer layers."""
 
 DEFAULT_CAPABILITY = (9, 0)
 
@@ -101,54 +101,11 @@ class Plan:
     family has no tensor parallelism."""
     max_model_len: int = 0
     dtype: str = ""
-    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """Exactly the keys of ``zpp plan --json``."""
         return {"fits": self.fits, "min_pipeline_parallel_size": self.min_pipeline_parallel_size,
                 "stages": [s.to_json() for s in self.stages]}
-
-
-# --- sizes -------------------------------------------------------------------------------------
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_memory_list(text: str, flag: str = "--gpu-memory") -> tuple[int, ...]:
-    """``80GiB,24GiB`` -> bytes per entry. A bare number is GiB (``80`` = 80 GiB; GPUs are sold so);
-    units: B, KB/MB/GB/TB (powers of 10), KiB/MiB/GiB/TiB (powers of 2).
-
-    Raises:
-        ConfigError: one line naming ``flag`` and the entry it cannot read.
-    """
-    import re
-    out = []
-    for part in str(text).split(","):
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", part)
-        unit = m.group(2).lower() if m else ""
-        if not m or unit not in _UNITS or float(m.group(1)) <= 0:
-            raise ConfigError(f"{flag} {text!r}: cannot read {part.strip()!r} as a size (e.g. 80GiB, 24GiB, 80)")
-        out.append(int(float(m.group(1)) * (_UNITS[unit] if unit else 2**30)))
-    return tuple(out)
-
-
-def parse_capability(text: str) -> tuple[int, int]:
-    """``9.0`` -> ``(9, 0)``. Raises ConfigError (one line) on anything else."""
-    try:
-        major, minor = str(text).strip().split(".")
-        return int(major), int(minor)
-    except ValueError:
-        raise ConfigError(f"--gpu-capability {text!r}: expected MAJOR.MINOR, e.g. 9.0 (H100), 8.9 (L40S), 8.0 (A100)") \
-            from None
-
-
-def fmt_bytes(n: float) -> str:
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 # --- what the devices are --------------------------------------------------------------------------
@@ -343,82 +300,6 @@ def memory_model(s: _Settings, target: Target, tp: int = 1) -> MemoryModel:
     return MemoryModel(L, [per_layer.get(i, {}) for i in range(L)], fixed, kv_block, s.block_size, act, logits, graphs)
 
 
-# --- splits ------------------------------------------------------------------------------------
-def minmax_partition(num_layers: int, pp: int, cost: Callable[[int, int, int], float]) -> Optional[tuple[int, ...]]:
-    """Layers per stage (contiguous, each >= 1) minimizing the largest ``cost(stage, a, b)`` of a stage
-    holding layers ``[a, b)``; among the optimal splits, the one closest to the even split (sum of
-    absolute differences). None when every split costs infinity. Dynamic programming,
-    O(pp x layers^2) calls of ``cost``."""
-    from zpp.models.partition import even_sizes
-    inf = float("inf")
-    if pp > num_layers:
-        return None
-    best = [[inf] * (num_layers + 1) for _ in range(pp)]
-    for k in range(1, num_layers - pp + 2):
-        best[0][k] = cost(0, 0, k)
-    for s in range(1, pp):
-        for k in range(s + 1, num_layers - (pp - 1 - s) + 1):
-            best[s][k] = min(max(best[s - 1][k - n], cost(s, k - n, k)) for n in range(1, k - s + 1))
-    limit = best[pp - 1][num_layers]
-    if limit == inf:
-        return None
-    limit += 1e-9 * abs(limit)
-    even = even_sizes(num_layers, pp)
-    dev = [[inf] * (num_layers + 1) for _ in range(pp)]
-    choice = [[0] * (num_layers + 1) for _ in range(pp)]
-    for k in range(1, num_layers - pp + 2):
-        if cost(0, 0, k) <= limit:
-            dev[0][k], choice[0][k] = abs(k - even[0]), k
-    for s in range(1, pp):
-        for k in range(s + 1, num_layers - (pp - 1 - s) + 1):
-            for n in range(1, k - s + 1):
-                d = dev[s - 1][k - n] + abs(n - even[s])
-                if d < dev[s][k] and cost(s, k - n, k) <= limit:
-                    dev[s][k], choice[s][k] = d, n
-    sizes, k = [], num_layers
-    for s in range(pp - 1, -1, -1):
-        sizes.append(choice[s][k])
-        k -= choice[s][k]
-    return tuple(reversed(sizes))
-
-
-def memory_aware_partition(mm: MemoryModel, usable: Sequence[int], max_model_len: int,
-                           stage_time: Optional[Callable[[int, int, int], float]] = None) -> Optional[tuple[int, ...]]:
-    """``--pp-layer-partition auto`` with each stage's usable memory known (bytes; GPUs): among the
-    splits where every stage holds its weights, margins and the KV cache of one ``max_model_len``
-    sequence, take the fastest (``stage_time(stage, a, b)``: measured seconds; default: layers held,
-    all devices alike) and, within :data:`AUTO_TIME_SLACK` of it, the one whose smallest stage KV
-    cache (the engine's block count) is largest. None when no split fits."""
-    pp, L = len(usable), mm.num_layers
-    if stage_time is None:
-        def stage_time(s, a, b):
-            return float(b - a)
-
-    def kv_tokens(s: int, a: int, b: int) -> float:
-        pos = MemoryModel.position(s, pp)
-        left = usable[s] - mm.need(pos, a, b)
-        return left / max(1, mm.kv_per_token(a, b))
-
-    def fits(s, a, b) -> bool:
-        return kv_tokens(s, a, b) >= max_model_len
-
-    fastest = minmax_partition(L, pp, lambda s, a, b: stage_time(s, a, b) if fits(s, a, b) else float("inf"))
-    if fastest is None:
-        return None
-    t_best = max(stage_time(s, a, b) for s, (a, b) in enumerate(_ranges(fastest)))
-    limit = t_best * (1 + AUTO_TIME_SLACK) + 1e-12
-    return minmax_partition(L, pp, lambda s, a, b: -kv_tokens(s, a, b)
-                            if fits(s, a, b) and stage_time(s, a, b) <= limit else float("inf"))
-
-
-def _ranges(sizes: Sequence[int]) -> list[tuple[int, int]]:
-    out, a = [], 0
-    for n in sizes:
-        out.append((a, a + n))
-        a += n
-    return out
-
-
 # --- the plan ------------------------------------------------------------------------------------
 def _stage_plans(s: _Settings, mm: MemoryModel, target: Target, ranges: list[tuple[int, int]], tp: int,
                  exact: bool) -> list[StagePlan]:
@@ -541,50 +422,6 @@ def _min_tp_pp(s: _Settings, config: "EngineConfig", target: Target, min_pp: Opt
     return best
 
 
-# --- printing ----------------------------------------------------------------------------------
-def format_plan(plan: Plan, model: str) -> str:
-    """The plan as ``zpp plan`` prints it: a line of context, a table (one row per stage), the verdict."""
-    t = plan.target
-    dev = (f"GPU (compute capability {t.capability[0]}.{t.capability[1]}), memory "
-           f"{','.join(fmt_bytes(m) for m in t.memory)} ({t.source})" if t.device == "cuda"
-           else f"CPU, {fmt_bytes(t.memory[0])} RAM available for every stage ({t.source})")
-    lines = [f"{model}: {len(plan.stages)} stage(s) x TP {plan.tensor_parallel_size}, dtype {plan.dtype}, "
-             f"max-model-len {plan.max_model_len}; {dev}", ""]
-    head = ("stage", "layers", "weights", "by dtype", "act+graphs", "KV/token", "KV tokens", "memory", "fits")
-    rows = []
-    for p in plan.stages:
-        rows.append((str(p.stage), f"[{p.layers[0]}, {p.layers[1]})", fmt_bytes(p.weight_bytes),
-                     " ".join(f"{k} {fmt_bytes(v)}" for k, v in p.weight_bytes_by_dtype.items()),
-                     fmt_bytes(p.activation_bytes + p.graph_bytes), fmt_bytes(p.kv_bytes_per_token),
-                     f"{p.kv_tokens:,}", fmt_bytes(p.memory_bytes), "yes" if p.fits else "NO"))
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
-    for r in rows:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    lines.append("")
-    total = sum(p.weight_bytes for p in plan.stages)
-    if plan.fits:
-        lines.append(f"fits: yes ({fmt_bytes(total)} of weights; KV cache for "
-                     f"{min(p.kv_tokens for p in plan.stages):,} tokens, the smallest stage's)")
-    else:
-        bad = ", ".join(str(p.stage) for p in plan.stages if not p.fits)
-        lines.append(f"fits: NO (stage {bad}; {fmt_bytes(total)} of weights)")
-        lines.append(f"smallest split that fits: {describe_min(plan)}")
-    return "\n".join(lines)
-
-
-def describe_min(plan: Plan) -> str:
-    parts = []
-    if plan.min_pipeline_parallel_size is not None:
-        parts.append(f"-pp {plan.min_pipeline_parallel_size}")
-    if plan.min_tp_pp is not None and plan.min_tp_pp[0] > 1:
-        parts.append(f"-tp {plan.min_tp_pp[0]} -pp {plan.min_tp_pp[1]}")
-    if not parts:
-        return ("none on this host's RAM (add hosts, or a smaller dtype)" if plan.target.shared
-                else "none on devices of this size")
-    return " or ".join(parts) + " (each stage on its own device of this size)"
-
-
 # --- the fit check at start ------------------------------------------------------------------------
 def check_fits_at_start(config: "EngineConfig") -> Optional[Plan]:
     """``zpp serve`` / ``LLM(...)``: before any worker starts, refuse a stage whose weights and
@@ -629,6 +466,29 @@ def check_fits_at_start(config: "EngineConfig") -> Optional[Plan]:
         log.warning("plan: stage %s may not hold the KV cache of one %d-token sequence (`zpp plan` shows why)",
                     ",".join(str(p.stage) for p in short), plan.max_model_len)
     return plan
+
+
+def memory_aware_sizes(config: "EngineConfig", memory: Sequence[int], layer_s, extra_s,
+                       capability: Optional[tuple[int, int]] = None) -> Optional[tuple[int, ...]]:
+    """The engine's ``--pp-layer-partition auto`` on GPUs: :func:`memory_aware_partition` for the
+    stages' usable memory (``memory``: bytes each GPU worker reported, CUDA context already left
+    out) and their measured seconds (``layer_s[s]``: one layer, or a per-layer list; ``extra_s[s]``:
+    the stage's other work). None when no split holds one ``--max-model-len`` sequence's KV cache on
+    every stage."""
+    import itertools
+
+    from zpp.workers.worker import CUDA_CONTEXT_MARGIN
+    target = Target("cuda", tuple(memory), capability or DEFAULT_CAPABILITY)
+    s = _settings(config, target)
+    mm = memory_model(s, target, config.parallel.tensor_parallel_size)
+    prefixes = []
+    for c in layer_s:
+        per = [c] * mm.num_layers if isinstance(c, (int, float)) else list(c)
+        prefixes.append([0.0] + list(itertools.accumulate(per)))
+
+    def stage_time(st: int, a: int, b: int) -> float:
+        return prefixes[st][b] - prefixes[st][a] + extra_s[st]
+    return memory_aware_partition(mm, [m + CUDA_CONTEXT_MARGIN for m in memory], s.max_model_len, stage_time)
 
 
 def _cpu_target() -> Target:
