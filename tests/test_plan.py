@@ -193,7 +193,7 @@ def test_json_has_exactly_the_issue_keys(capsys):
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert set(out) == {"fits", "min_pipeline_parallel_size", "stages"}
-    assert out["fits"] is True and out["min_pipeline_parallel_size"] == 2
+    assert out["fits"] is True and out["min_pipeline_parallel_size"] == 1  # 16 GB also fits one card
     for i, s in enumerate(out["stages"]):
         assert set(s) == {"stage", "layers", "weight_bytes", "weight_bytes_by_dtype", "kv_bytes_per_token",
                           "kv_tokens", "fits"}

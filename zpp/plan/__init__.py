@@ -93,6 +93,8 @@ class StagePlan:
 class Plan:
     fits: bool
     min_pipeline_parallel_size: Optional[int]
+    """The smallest ``-pp`` that fits at this ``-tp`` (each stage on a device of the smallest size
+    given), or None when none does (or, on one host's RAM, when even one stage does not)."""
     stages: list[StagePlan]
     target: Target
     tensor_parallel_size: int = 1
@@ -388,13 +390,16 @@ def make_plan(config: "EngineConfig", target: Target, search: bool = True) -> Pl
     fits = all(p.fits for p in stages)
     plan = Plan(fits, pp if fits else None, stages, target, tp, (tp, pp) if fits else None, s.max_model_len,
                 str(s.dtype).removeprefix("torch."))
-    if fits or not search:
+    if not search:
         return plan
-    mm1 = mm if tp == 1 else memory_model(s, target, 1)
-    if not target.shared:  # more stages on one host's RAM do not help
+    if target.shared:  # more stages on one host's RAM do not help
+        plan.min_pipeline_parallel_size = 1 if _search_fits(s, mm, target, 1) else None
+    else:  # at this -tp; with it fitting, a smaller -pp may too
         plan.min_pipeline_parallel_size = next(
-            (n for n in range(1, mm1.num_layers + 1) if _search_fits(s, mm1, target, n)), None)
-    plan.min_tp_pp = _min_tp_pp(s, config, target, plan.min_pipeline_parallel_size)
+            (n for n in range(1, (pp if fits else mm.num_layers) + 1) if n == pp and fits or _search_fits(s, mm, target, n)),
+            None)
+    if not fits:
+        plan.min_tp_pp = _min_tp_pp(s, config, target, plan.min_pipeline_parallel_size if tp == 1 else None)
     return plan
 
 

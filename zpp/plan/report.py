@@ -83,7 +83,8 @@ def format_plan(plan: Any, model: str) -> str:
 def describe_min(plan: Any) -> str:
     parts = []
     if plan.min_pipeline_parallel_size is not None:
-        parts.append(f"-pp {plan.min_pipeline_parallel_size}")
+        tp = plan.tensor_parallel_size
+        parts.append(f"-tp {tp} -pp {plan.min_pipeline_parallel_size}" if tp > 1 else f"-pp {plan.min_pipeline_parallel_size}")
     if plan.min_tp_pp is not None and plan.min_tp_pp[0] > 1:
         parts.append(f"-tp {plan.min_tp_pp[0]} -pp {plan.min_tp_pp[1]}")
     if not parts:
