@@ -228,6 +228,7 @@ class MemoryModel:
     """Activation peak of a middle stage (bytes), from :func:`activation_bytes`."""
     act_logits_bytes: int
     graph_bytes: dict[str, int]
+    _prefix: list[int] = dataclasses.field(default_factory=list, repr=False)
 
     @staticmethod
     def position(pp_rank: int, pp: int) -> str:
@@ -241,7 +242,12 @@ class MemoryModel:
 
     def need(self, pos: str, a: int, b: int) -> int:
         """Weights + activations + graph margin of the stage (bytes)."""
-        return sum(self.weights(pos, a, b).values()) + self.activations(pos) + self.graph_bytes[pos]
+        if not self._prefix:  # running sums of the layers' bytes: the splits' searches call this O(pp x L^2) times
+            for d in self.layer_bytes:
+                self._prefix.append((self._prefix[-1] if self._prefix else 0) + sum(d.values()))
+            self._prefix.insert(0, 0)
+        return (sum(self.fixed[pos].values()) + self._prefix[b] - self._prefix[a] + self.activations(pos)
+                + self.graph_bytes[pos])
 
     def activations(self, pos: str) -> int:
         return self.act_layer_bytes + (self.act_logits_bytes if pos in ("last", "only") else 0)
