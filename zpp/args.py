@@ -280,7 +280,8 @@ def flags_markdown() -> str:
     out = ["# `zpp serve` flags", "",
            ("Generated from `zpp serve`'s own argument parser and the config fields behind it (`python -m zpp.args > "
             "docs/flags.md`; a test checks that every flag the parser accepts is here). `LLM(...)` takes every "
-            "engine flag as a keyword of the same name with underscores."), ""]
+            "engine flag as a keyword of the same name with underscores. `zpp plan` takes the engine flags too and "
+            "prints what fits on which GPUs before anything loads: [How many GPUs?](how-many-gpus.md)."), ""]
     for group in parser._action_groups:
         actions = [a for a in group._group_actions]
         if not actions:

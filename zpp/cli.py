@@ -1,4 +1,4 @@
-"""Command line: ``zpp serve``, ``zpp node-keys``, ``zpp prepare-demo-model``, ``zpp bench {throughput,latency,serve}``."""
+"""Command line: ``zpp serve``, ``zpp plan``, ``zpp node-keys``, ``zpp prepare-demo-model``, ``zpp bench {throughput,latency,serve}``."""
 from __future__ import annotations
 
 import argparse
@@ -239,6 +239,25 @@ def cmd_node_keys(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """``zpp plan``: print (or ``--json``) what fits where, from config.json; exit 0 when it fits, 3
+    when it does not."""
+    import json
+
+    from zpp import plan as zplan
+    gpu_memory = zplan.parse_memory_list(args.gpu_memory) if args.gpu_memory else None
+    capability = zplan.parse_capability(args.gpu_capability) if args.gpu_capability else None
+    args.device = "cpu"  # a plan never touches this machine's devices; its target is --gpu-memory / detected
+    config = engine_config_from_args(args, streaming=True)
+    target = zplan.detect_target(gpu_memory, capability)
+    plan = zplan.make_plan(config, target)
+    if args.json:
+        print(json.dumps(plan.to_json()))
+    else:
+        print(zplan.format_plan(plan, config.model.model))
+    return 0 if plan.fits else 3
+
+
 def cmd_prepare(args) -> int:
     from zpp.demo import prepare_demo_model
     path = prepare_demo_model(args.output)
@@ -253,6 +272,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("plan", help="what fits on which GPUs, per pipeline stage, from config.json alone "
+                                    "(no weights load, no GPU needed)")
+    add_engine_args(p)
+    g = p.add_argument_group("plan")
+    g.add_argument("--gpu-memory", default=None, metavar="SIZE[,SIZE...]",
+                   help="memory of every stage's GPU (one size) or of each stage's (one per stage: mixed cards), "
+                        "e.g. 80GiB or 80GiB,24GiB (a bare number is GiB); default: the GPUs present, else this "
+                        "host's available RAM (CPU)")
+    g.add_argument("--gpu-capability", default=None, metavar="X.Y",
+                   help="the GPUs' compute capability, which decides what stays FP8 (>= 8.9); default: the GPUs "
+                        "present, else 9.0")
+    g.add_argument("--json", action="store_true",
+                   help="print {fits, min_pipeline_parallel_size, stages: [{stage, layers, weight_bytes, "
+                        "weight_bytes_by_dtype, kv_bytes_per_token, kv_tokens, fits}]}")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("node-keys",
                        help="write fresh control-plane keys (CURVE) for a per-node launch to FILE, mode 0400")

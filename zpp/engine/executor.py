@@ -297,6 +297,11 @@ class Executor(StallWatchdog, StageRestarts):
             layer_s = [[ks[j] for j in index] for ks in kind_s]
         even = [b - a for a, b in self.layer_ranges]
         sizes = balanced_partition(len(kinds), layer_s, extra_s)
+        memory = [min(costs[r].memory_bytes for r in range(s * self.tp, (s + 1) * self.tp)) for s in range(self.pp)]
+        if all(memory):  # GPUs: a stage must hold its share and a KV cache; a smaller card gets fewer layers
+            weighed = self._memory_aware_sizes(memory, layer_s, extra_s)
+            if weighed is not None:
+                sizes = weighed
         self.layer_ranges = partition_layers(len(kinds), self.pp, sizes)
 
         def ms(xs) -> str:
@@ -311,6 +316,22 @@ class Executor(StallWatchdog, StageRestarts):
         for rank in range(self.world):
             a, b = self.layer_ranges[rank // self.tp]
             self.socket.send(rank, m.AssignLayers(layer_start=a, layer_end=b))
+
+    def _memory_aware_sizes(self, memory: list[int], layer_s, extra_s) -> Optional[tuple[int, ...]]:
+        """:func:`zpp.plan.memory_aware_sizes` for the stages' usable GPU memory (bytes, from their
+        StageCost), logged; None: the time-only split stands."""
+        import torch
+
+        from zpp import plan as zplan
+        cap = torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
+        sizes = zplan.memory_aware_sizes(self.config, memory, layer_s, extra_s, cap)
+        shown = ", ".join(zplan.fmt_bytes(m) for m in memory)
+        if sizes is None:
+            logger.warning("pp layer partition auto: no split holds the KV cache of one %d-token sequence on every "
+                           "stage (GPU memory %s usable); splitting on time alone", self.config.max_model_len, shown)
+        else:
+            logger.info("pp layer partition auto: weighing each stage's memory (%s usable)", shown)
+        return sizes
 
     def _device_index(self, rank: int) -> int:
         if self.config.parallel.device != "cuda" or self.config.parallel.share_gpu:

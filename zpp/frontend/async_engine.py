@@ -334,6 +334,8 @@ def validate_startup(config: EngineConfig) -> None:
         elif not par.nodes and par.world_size > n and not par.share_gpu:
             raise ConfigError(f"--pipeline-parallel-size x --tensor-parallel-size = {par.world_size} "
                               f"GPUs needed, but this host has {n}")
+    from zpp.plan import check_fits_at_start
+    check_fits_at_start(config)  # weights + margins against each stage's memory, before any worker starts
 
 
 def load_tokenizer(config: EngineConfig):

@@ -1,6 +1,7 @@
 """What every pipeline-stage model shares: stage bookkeeping, weight-name ownership, loading."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
@@ -98,6 +99,13 @@ class StageModel(nn.Module):
         another layout overrides this together with its attention (DeepSeek's latent cache:
         ``[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``)."""
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def kv_cache_bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int:
+        """Bytes one KV block of ``block_size`` tokens takes across this stage's layers on this worker,
+        elements of ``kv_dtype``: the per-layer layout of :meth:`kv_cache_shape` at one block, times the
+        stage's layers. The one count the model runner sizes its cache with and ``zpp plan`` reports."""
+        elem = torch.empty(0, dtype=kv_dtype, device="meta").element_size()
+        return math.prod(self.kv_cache_shape(1, block_size)) * elem * self.num_local_layers
 
     @classmethod
     def normalize_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -58,7 +58,8 @@ def init_dummy_weights(model: StageModel, seed: int) -> None:
 
 def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtype: torch.dtype,
                      device: torch.device, max_positions: int, load_format: str = "safetensors",
-                     seed: int = 0, quantization: Optional[str] = None) -> StageModel:
+                     seed: int = 0, quantization: Optional[str] = None,
+                     capability: Optional[tuple[int, int]] = None) -> StageModel:
     """Construct the stage's modules directly on ``device`` in ``dtype`` and fill them; with
     ``stage.tp_size > 1`` only this TP rank's slices of the split weights are allocated and copied.
 
@@ -72,6 +73,10 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
     checkpoint, as planned) are checked against its parameters before any tensor is read
     (``StageModel.check_weight_names``): a tensor missing or misnamed is refused before any weight
     loads.
+
+    ``device`` ``meta`` (``zpp plan``, :mod:`zpp.plan`): the same construction and the same FP8
+    decisions for a GPU of compute ``capability`` (e.g. ``(9, 0)``), from the safetensors headers when
+    ``load_format`` is ``safetensors``; nothing is allocated and no tensor is read.
 
     Raises:
         ConfigError: unsupported architecture / option (checked again here, before any allocation).
@@ -89,19 +94,25 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
             model = cls(cfg, stage, max_positions)
     finally:
         torch.set_default_dtype(old)
-    keep_fp8 = q.fp8_supported(device) and dtype in (torch.bfloat16, torch.float16)
+    meta = torch.device(device).type == "meta"
+    fp8_gpu = capability >= (8, 9) if capability is not None else q.fp8_supported(device)
+    keep_fp8 = fp8_gpu and dtype in (torch.bfloat16, torch.float16)
     if load_format == "dummy":
-        init_dummy_weights(model, seed)
+        if not meta:
+            init_dummy_weights(model, seed)
         if quant is not None and keep_fp8:
             q.quantize_model_like_checkpoint(model, quant)
     elif quant is None:
         model.check_weight_names(ck.read_index(safetensors_files(model_dir)))  # headers only
-        model.load_weights(iter_safetensors(model_dir, model))
+        if not meta:
+            model.load_weights(iter_safetensors(model_dir, model))
     else:
         index = ck.read_index(safetensors_files(model_dir))
         n = ck.prepare_model_for_checkpoint(model, index, quant, keep_fp8)
         plan = ck.plan_checkpoint(model, index, quant, dtype)
         model.check_weight_names(t.name for t in plan.tensors)
+        if meta:
+            return model.eval()
         model.load_weights(ck.iter_planned(plan, index, quant, device))
         q.finish_fp8_loading(model)
         kv = ck.load_kv_scales(model, plan, index)

@@ -102,6 +102,10 @@ class StageCost(msgspec.Struct, tag=True, array_like=True):
     sampling (last stage); 0 in between."""
     num_tokens: int
     """Tokens of the micro-batch measured (decode tokens, one per sequence)."""
+    memory_bytes: int = 0
+    """CUDA: bytes this stage may use on its GPU (total x ``--gpu-memory-utilization``, less what
+    other processes and the CUDA context hold), for a split that weighs memory
+    (``zpp.plan.memory_aware_partition``); 0: not known (CPU)."""
 
 
 class AssignLayers(msgspec.Struct, tag=True, array_like=True):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import math
 import time
 from collections import deque
 from typing import Callable, Optional
@@ -134,8 +133,7 @@ class ModelRunner:
         per-layer cache layout (:meth:`StageModel.kv_cache_shape`): K and V of this rank's
         ``num_kv_heads / tp_size`` KV heads by default, the latent rows for DeepSeek's MLA; 1 byte
         per element with an FP8 KV cache (``--kv-cache-dtype fp8``), so twice the blocks fit."""
-        elem = torch.empty(0, dtype=self.kv_dtype).element_size()
-        return math.prod(self.model.kv_cache_shape(1, self.block_size)) * elem * self.model.num_local_layers
+        return self.model.kv_cache_bytes_per_block(self.block_size, self.kv_dtype)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer, plus one scratch block (id ``num_blocks``) that

@@ -290,13 +290,28 @@ def _measure_and_assign(init, sock, cfg: dict, device, dtype) -> tuple[int, int]
     logger.info("stage %d: a layer takes %s ms, the stage's other work %.3f ms (%d decode tokens at context "
                 "%d; measured in %.1fs)", init.pp_rank, " / ".join(f"{x * 1e3:.3f}" for x in layer_s), extra_s * 1e3,
                 num_seqs, ctx, time.perf_counter() - t)
-    sock.send(m.StageCost(rank=init.rank, layer_s=layer_s, extra_s=extra_s, num_tokens=num_seqs))
+    sock.send(m.StageCost(rank=init.rank, layer_s=layer_s, extra_s=extra_s, num_tokens=num_seqs,
+                          memory_bytes=_usable_gpu_memory(c, device)))
     msg = sock.recv(timeout_s=600)
     if isinstance(msg, m.Shutdown):
         raise _ShutdownDuringSetup("before AssignLayers")
     if not isinstance(msg, m.AssignLayers):
         raise RuntimeError(f"expected AssignLayers, got {type(msg).__name__}")
     return msg.layer_start, msg.layer_end
+
+
+def _usable_gpu_memory(config, device) -> int:
+    """Bytes this stage may use on its GPU before loading: ``total x --gpu-memory-utilization`` less
+    what other processes and the CUDA context hold (:func:`cuda_kv_budget`'s terms with no peak yet);
+    ``1 / stages`` of it where stages share the GPU. 0 on the CPU."""
+    if device.type != "cuda":
+        return 0
+    import torch
+    par = config.parallel
+    sharing = par.pipeline_parallel_size * par.tensor_parallel_size if par.share_gpu else 1
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, cuda_kv_budget(total, free, torch.cuda.memory_reserved(device), 0,
+                                 config.cache.gpu_memory_utilization, 0, sharing))
 
 
 def _cpu_kv_blocks(kv_cache_memory, per_block: int) -> tuple[int, str]:
