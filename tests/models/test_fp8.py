@@ -173,7 +173,8 @@ def test_fp8_weights_kept_and_scaled(ckpt, family, layout, tp, kept, reverted):
     """The GPU's loading path, on the CPU: layers whose layout suits the kernels keep e4m3 weights whose
     canonical scales (per-tensor q/k/v scales as per-channel rows of one qkv, block grids, this TP
     rank's slice) dequantize to exactly the checkpoint's weights; the others are dequantized on load.
-    MoE experts are always dequantized (the fused MoE kernel takes no FP8 yet)."""
+    Qwen3-MoE at TP=2: every expert's 64-row slice is not a whole 128-block, so its experts are
+    dequantized (at TP=1 they stay FP8: test_fp8_moe.py)."""
     from zpp.models.quantization.fp8_utils import dequantize
     d, deq = ckpt(family, layout)
     full = _full_weights(deq)

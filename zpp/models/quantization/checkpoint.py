@@ -44,26 +44,37 @@ class CheckpointPlan:
     """layer index -> {"k": name, "v": name} of the checkpoint's KV-cache scales."""
 
 
-def _feeds(model: nn.Module, index: TensorIndex) -> dict[str, list[str]]:
-    """parameter name -> the checkpoint weights that load into it."""
+def _feeds(model: nn.Module, index: TensorIndex, quant: QuantizationConfig) -> dict[str, list[str]]:
+    """parameter name -> the checkpoint weights that load into it (``X.weight`` tensors, and fused
+    expert tensors: any non-auxiliary tensor of three dimensions)."""
     feeds: dict[str, list[str]] = {}
-    for name in index:
-        if name.endswith(".weight"):
+    for name, info in index.items():
+        if name.endswith(".weight") or (len(info.shape) == 3 and not quant.is_auxiliary(name)):
             for pname, _ in model.map_weight_name(name) or ():
                 feeds.setdefault(pname, []).append(name)
     return feeds
 
 
 def prepare_model_for_checkpoint(model: nn.Module, index: TensorIndex, quant: QuantizationConfig,
-                                 keep: bool) -> int:
-    """Decide, per linear layer, whether its weight stays quantized (``keep`` -- a GPU that runs
-    the format -- and ``quant.linear_method`` returning a method for the checkpoint tensors feeding
-    it; never for :func:`~zpp.models.quantization.base.keeps_dtype` layers), and make those layers
-    so (:meth:`~zpp.models.quantization.base.LinearMethod.create_weights`). Returns the number of
-    layers kept quantized."""
+                                 keep: bool) -> tuple[int, int]:
+    """Decide, per linear layer and per :class:`~zpp.models.layers.moe.FusedExperts`, whether its
+    weights stay quantized (``keep`` -- a GPU that runs the format -- and ``quant.linear_method`` /
+    ``quant.moe_method`` returning a method for the checkpoint tensors feeding it; never for
+    :func:`~zpp.models.quantization.base.keeps_dtype` layers), and make those layers so
+    (``create_weights``). Returns ``(linear layers, expert layers)`` kept quantized."""
+    from zpp.models.layers.moe import FusedExperts
     if not keep:
-        return 0
-    feeds = _feeds(model, index)
+        return 0, 0
+    feeds = _feeds(model, index, quant)
+    ne = 0
+    for mname, mod in model.named_modules():
+        if not isinstance(mod, FusedExperts) or getattr(mod, "quant_method", None) is not None:
+            continue
+        sources = feeds.get(f"{mname}.gate_up_proj", []) + feeds.get(f"{mname}.down_proj", [])
+        method = quant.moe_method(mod, sources, index) if sources else None
+        if method is not None:
+            method.create_weights(mod)
+            ne += 1
     n = 0
     for mname, mod in linear_modules(model):
         sources = feeds.get(f"{mname}.weight" if mname else "weight")
@@ -74,7 +85,7 @@ def prepare_model_for_checkpoint(model: nn.Module, index: TensorIndex, quant: Qu
             continue
         method.create_weights(mod)
         n += 1
-    return n
+    return n, ne
 
 
 def plan_checkpoint(model: nn.Module, index: TensorIndex, quant: Optional[QuantizationConfig],

@@ -49,11 +49,12 @@ import torch
 from torch import nn
 
 from zpp.errors import ConfigError
-from zpp.models.quantization.base import (Getter, LinearMethod, PlannedTensor, QuantizationConfig, TensorIndex,
+from zpp.models.quantization.base import (FusedMoEMethod, Getter, LinearMethod, PlannedTensor, QuantizationConfig, TensorIndex,
                                           TensorInfo, keeps_dtype, linear_modules)
 from zpp.models.quantization.fp8_utils import FP8_DTYPE, dequantize, quantize_block, quantize_per_channel
 
-SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale", ".activation_scale")
+SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale", ".activation_scale", "_proj_scale_inv",
+                  "_proj_scale")
 """Checkpoint tensors that travel with an FP8 weight."""
 KV_SCALE_RE = re.compile(r"^(.*\.layers\.(\d+)\.self_attn)\.(?:(k|v)_scale|(k|v)_proj\.output_scale)$")
 """A KV-cache scale: ``self_attn.k_scale`` / ``v_scale`` (older: ``self_attn.k_proj.output_scale``)."""
@@ -61,11 +62,17 @@ KV_SCALE_RE = re.compile(r"^(.*\.layers\.(\d+)\.self_attn)\.(?:(k|v)_scale|(k|v)
 
 def scale_name(base: str, index: TensorIndex) -> Optional[str]:
     """The checkpoint name of the weight scale of ``base.weight`` (``weight_scale_inv`` or
-    ``weight_scale``), None if the checkpoint has none."""
-    for suffix in (".weight_scale_inv", ".weight_scale"):
+    ``weight_scale``), or, for a fused expert tensor ``base`` without ``.weight`` (HF's
+    ``experts.gate_up_proj``), of ``base_scale_inv`` / ``base_scale``; None if the checkpoint has none."""
+    for suffix in (".weight_scale_inv", ".weight_scale", "_scale_inv", "_scale"):
         if base + suffix in index:
             return base + suffix
     return None
+
+
+def _base(name: str) -> str:
+    """``X`` of a weight ``X.weight``; a fused expert tensor is its own base."""
+    return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
 def input_scale_name(base: str, index: TensorIndex) -> Optional[str]:
@@ -111,7 +118,7 @@ class Fp8Config(QuantizationConfig):
         info = index[name]
         if info.dtype != "F8_E4M3" or len(info.shape) not in (2, 3):
             return None
-        s = scale_name(name[: -len(".weight")] if name.endswith(".weight") else name, index)
+        s = scale_name(_base(name), index)
         if s is None:
             return None
         shape = index[s].shape
@@ -131,7 +138,7 @@ class Fp8Config(QuantizationConfig):
 
     # --- the CPU's rule ------------------------------------------------------------------------
     def plan_dequantize(self, index: TensorIndex, name: str, dtype: torch.dtype) -> PlannedTensor:
-        base = name[: -len(".weight")] if name.endswith(".weight") else name
+        base = _base(name)
         scale = scale_name(base, index)
         if scale is None:
             raise ValueError(f"checkpoint tensor {name!r} is FP8 but the checkpoint has no {base}.weight_scale "
@@ -176,25 +183,44 @@ class Fp8Config(QuantizationConfig):
             input_scale_name(s[: -len(".weight")], index) for s in sources)
         return Fp8LinearMethod(block, static, strict_scales=True)
 
+    def moe_method(self, experts: nn.Module, sources: list[str], index: TensorIndex) -> Optional[FusedMoEMethod]:
+        """:class:`~zpp.models.quantization.fp8_moe.Fp8MoEMethod` where every expert tensor is FP8
+        with a usable scale of one kind, a fused checkpoint is in HF's layout and the shapes suit
+        the kernels (:func:`~zpp.models.quantization.fp8_moe.moe_layout_ok`); else None."""
+        from zpp.models.quantization.fp8_moe import MOE_CHECKPOINT_LAYOUTS, Fp8MoEMethod, moe_layout_ok
+        kinds = {self.weight_kind(index, s) for s in sources}
+        if len(kinds) != 1 or None in kinds:
+            return None
+        if experts.layout not in MOE_CHECKPOINT_LAYOUTS and any(not s.endswith(".weight") for s in sources):
+            return None
+        block = self.block if kinds == {"block"} else None
+        return Fp8MoEMethod(block) if moe_layout_ok(experts, block) else None
+
     def kept(self, param: nn.Parameter) -> bool:
         return param.dtype == FP8_DTYPE
 
     def plan_kept(self, index: TensorIndex, name: str, module: nn.Module) -> list[PlannedTensor]:
-        """The canonical ``X.weight_scale`` (and a static ``X.input_scale`` where ``module`` takes one)."""
-        base = name[: -len(".weight")] if name.endswith(".weight") else name
+        """The canonical ``X.weight_scale`` (a fused expert tensor's: ``X_scale``; and a static
+        ``X.input_scale`` where ``module`` takes one)."""
+        base = _base(name)
         out = []
         scale = scale_name(base, index)
         if scale is not None:
             op = "block_scale" if self.weight_kind(index, name) == "block" else "scale"
-            out.append(PlannedTensor(f"{base}.weight_scale", op, scale, rows=index[name].shape[-2]))
+            canonical = f"{base}.weight_scale" if name.endswith(".weight") else f"{base}_scale"
+            out.append(PlannedTensor(canonical, op, scale, rows=index[name].shape[-2]))
         inp = input_scale_name(base, index)
         if inp is not None and getattr(module, "input_scale", None) is not None:
             out.append(PlannedTensor(f"{base}.input_scale", "input_scale", inp))
         return out
 
     def quantize_like_checkpoint(self, model: nn.Module) -> int:
-        """``--load-format dummy`` with this config on a GPU with FP8 (:func:`quantize_model_like_checkpoint`)."""
-        return quantize_model_like_checkpoint(model, self)
+        """``--load-format dummy`` with this config on a GPU with FP8: linear layers
+        (:func:`quantize_model_like_checkpoint`) and experts
+        (:func:`~zpp.models.quantization.fp8_moe.quantize_experts`) as the checkpoint's. Returns
+        the number of layers quantized."""
+        from zpp.models.quantization.fp8_moe import quantize_experts
+        return quantize_model_like_checkpoint(model, self) + quantize_experts(model, self.block)
 
 
 def _ct_refuse(what: str) -> ConfigError:

@@ -77,7 +77,7 @@ def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple
 def dequantize(w: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
     """``w_fp8.float() * scale`` in ``dtype``; ``scale``: a scalar / ``[1]`` (per tensor), ``[N]`` or
     ``[N, 1]`` (per channel), or with ``block`` the grid ``[ceil(N/bn), ceil(K/bk)]``. Works for 2-D
-    weights and for stacked experts ``[E, N, K]`` with ``[E, ...]`` scales.
+    weights and for stacked experts ``[E, N, K]`` with ``[E, ...]`` scales (``[E]`` / ``[E, 1]``: one per expert).
 
     Raises:
         ValueError: the scale's shape fits none of these.
@@ -90,6 +90,8 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, 
     lead = tuple(w.shape[:-2])
     if s.shape in (lead + (N,), lead + (N, 1)):
         return (wf * s.reshape(lead + (N, 1))).to(dtype)
+    if lead and s.shape in (lead, lead + (1,), lead + (1, 1)):          # one scale per expert
+        return (wf * s.reshape(lead + (1, 1))).to(dtype)
     if block is not None:
         grid = lead + (-(-N // block[0]), -(-K // block[1]))
         if tuple(s.shape) == grid:
