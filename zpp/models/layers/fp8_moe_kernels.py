@@ -238,11 +238,89 @@ def moe_fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: t
 FP8_MOE_GEMV_MAX_ASSIGNMENTS = 64
 """Default: batches of at most this many token-assignments (``T * k``) take the W8A16 GEMV."""
 
-FP8_MOE_CONFIGS: dict[str, dict] = {}
+FP8_MOE_CONFIGS: dict[str, dict] = {
+    "E=128,N=1536,K=2048,channel": dict(
+        gemv_max=64, gemv=dict(block_n=4, block_k=1024, num_warps=4),
+        gemm={
+            8: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            64: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+            512: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            4096: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            32768: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+        }),
+    "E=128,N=2048,K=768,channel": dict(
+        gemv_max=64, gemv=dict(block_n=16, block_k=512, num_warps=8),
+        gemm={
+            8: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            64: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            512: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            4096: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            32768: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+        }),
+    "E=128,N=1536,K=2048,block=128x128": dict(
+        gemv_max=64, gemv=dict(block_n=8, block_k=1024, num_warps=4),
+        gemm={
+            8: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            64: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            512: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            4096: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            32768: dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
+        }),
+    "E=128,N=2048,K=768,block=128x128": dict(
+        gemv_max=64, gemv=dict(block_n=8, block_k=1024, num_warps=4),
+        gemm={
+            8: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            64: dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+            512: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            4096: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+            32768: dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
+        }),
+    "E=256,N=4096,K=7168,channel": dict(
+        gemv_max=64, gemv=dict(block_n=8, block_k=1024, num_warps=4),
+        gemm={
+            8: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            64: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            512: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            4096: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+            32768: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+        }),
+    "E=256,N=7168,K=2048,channel": dict(
+        gemv_max=64, gemv=dict(block_n=4, block_k=2048, num_warps=4),
+        gemm={
+            8: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            64: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            512: dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
+            4096: dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
+            32768: dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
+        }),
+    "E=256,N=4096,K=7168,block=128x128": dict(
+        gemv_max=64, gemv=dict(block_n=8, block_k=1024, num_warps=4),
+        gemm={
+            8: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+            64: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+            512: dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+            4096: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+            32768: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+        }),
+    "E=256,N=7168,K=2048,block=128x128": dict(
+        gemv_max=64, gemv=dict(block_n=8, block_k=1024, num_warps=4),
+        gemm={
+            8: dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+            64: dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+            512: dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+            4096: dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
+            32768: dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
+        }),
+}
 """Measured tile sizes per expert-GEMM shape, keyed ``"E=..,N=..,K=..,block=..|channel"`` (``N`` /
 ``K`` the GEMM's output / input width, so gate_up and down of one model are two keys): ``gemv_max``
 (the largest ``M`` the GEMV path takes), ``gemv`` (its launch), ``gemm`` (``{max M: tiles}``, the
-first bucket ``>= M`` wins). Filled from ``scripts/kernel_bench.py fp8-moe`` on one H100."""
+first bucket ``>= M`` wins; past the last, the defaults). Measured on one H100 80GB HBM3 with
+``python scripts/kernel_bench.py fp8-moe`` (each GEMM's fastest of 9 tiles, alone, at T = 1, 8, 64,
+512, 4096 tokens, top-8; the GEMV launch fastest at T = 1; ``gemv_max`` the largest measured ``M``
+where the whole GEMV feed-forward beat the GEMM one; raw output in
+benchmarks/results/h100_issue47_kernels/). Inside :func:`fused_moe_fp8` the down GEMM runs with the
+gate_up GEMM's ``BLOCK_M`` (one sorted layout for both)."""
 
 
 def _key(E: int, N: int, K: int, block: Optional[tuple[int, int]]) -> str:
