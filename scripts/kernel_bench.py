@@ -167,8 +167,8 @@ if len(sys.argv) > 1 and sys.argv[1] == "mixed":
 
 # --- FP8 (python scripts/kernel_bench.py fp8): the kernels of --quantization fp8 / FP8 checkpoints ----
 if len(sys.argv) > 1 and sys.argv[1] == "fp8":
-    from zpp.models.layers import fp8_kernels as K8
-    from zpp.models.layers.fp8 import quantize_block, quantize_per_channel
+    from zpp.models.quantization import fp8_kernels as K8
+    from zpp.models.quantization.fp8_utils import quantize_block, quantize_per_channel
 
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000

@@ -78,8 +78,9 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
         ValueError: missing or unexpected tensors (an FP8 weight's scale included; named, before any
             copy), or shape mismatches (names given).
     """
-    from zpp.models import fp8_checkpoint as ck
     from zpp.models import quantization as q
+    from zpp.models.quantization import checkpoint as ck
+    from zpp.models.quantization.fp8 import quantize_model_fp8
     cls = resolve_model_class(cfg, stage.tp_size)
     quant = q.parse_quantization_config(cfg)
     old = torch.get_default_dtype()
@@ -93,7 +94,7 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
     if load_format == "dummy":
         init_dummy_weights(model, seed)
         if quant is not None and keep_fp8:
-            q.quantize_model_like_checkpoint(model, quant)
+            quant.quantize_like_checkpoint(model)
     elif quant is None:
         model.check_weight_names(ck.read_index(safetensors_files(model_dir)))  # headers only
         model.load_weights(iter_safetensors(model_dir, model))
@@ -103,12 +104,12 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
         plan = ck.plan_checkpoint(model, index, quant, dtype)
         model.check_weight_names(t.name for t in plan.tensors)
         model.load_weights(ck.iter_planned(plan, index, quant, device))
-        q.finish_fp8_loading(model)
+        ck.finish_loading(model)
         kv = ck.load_kv_scales(model, plan, index)
         logger.info("FP8 checkpoint (%s%s): %d linear layers kept in FP8, the other FP8 weights dequantized to %s%s",
                     quant.method, f", block {quant.block[0]}x{quant.block[1]}" if quant.block else "", n,
                     str(dtype).removeprefix("torch."), f"; KV-cache scales for {kv} layers" if kv else "")
     if quantization == "fp8" and quant is None:
-        n = q.quantize_model_fp8(model)
+        n = quantize_model_fp8(model)
         logger.info("--quantization fp8: %d linear layers quantized to FP8 (e4m3, per output channel)", n)
     return model.eval()

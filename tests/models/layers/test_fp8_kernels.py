@@ -34,9 +34,9 @@ if not ON_GPU:
 
     _ti._convert_float = _convert_float
 
-from zpp.models.layers import fp8_kernels as K  # noqa: E402
+from zpp.models.quantization import fp8_kernels as K  # noqa: E402
 from zpp.models.layers import triton_ops as ops  # noqa: E402
-from zpp.models.layers.fp8 import FP8_DTYPE, dequantize, quantize_block, quantize_per_channel  # noqa: E402
+from zpp.models.quantization.fp8_utils import FP8_DTYPE, dequantize, quantize_block, quantize_per_channel  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the kernels under the Triton interpreter on the CPU: minutes
 
