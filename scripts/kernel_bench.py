@@ -4,7 +4,18 @@ Prints microseconds and effective bandwidth. ``attn`` / ``mixed``: throughput-sh
 ``fp8``: the FP8 GEMV (per channel / 128x128 blocks) vs the bf16 one with a launch sweep, batched
 FP8 GEMMs (per channel through torch._scaled_mm row-wise, block through the Triton block GEMM and
 torch._scaled_mm's block recipe where available) vs bf16 cuBLAS with a tile sweep, and decode
-attention over an FP8 KV cache vs bf16."""
+attention over an FP8 KV cache vs bf16. ``fp8-moe``: the grouped FP8 MoE kernels against bf16 fused_moe
+and torch._scaled_mm looped over experts, with the tile sweep that fills FP8_MOE_CONFIGS (runs
+scripts/fp8_moe_bench.py alone; see its docstring)."""
+import os
+import sys
+
+if len(sys.argv) > 1 and sys.argv[1] == "fp8-moe":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from fp8_moe_bench import main
+    main(sys.argv[2:])
+    sys.exit(0)
+
 import torch
 import torch.nn.functional as F
 import triton.testing

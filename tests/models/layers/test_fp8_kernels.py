@@ -139,7 +139,8 @@ def _fp8_weight(n, k, block, seed):
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k,block,bn,bk", [(301, 700, None, 4, 256), (64, 512, None, 4, 512),
-                                             (300, 700, (128, 128), 4, 256), (96, 200, (16, 32), 8, 64)])
+                                             (300, 700, (128, 128), 4, 256), (96, 200, (16, 32), 8, 64),
+                                             (96, 200, (12, 32), 8, 64)])  # block_n not dividing bn: per-weight scales
 def test_fp8_gemv(m, n, k, block, bn, bk):
     w, ws = _fp8_weight(n, k, block, seed=m)
     x = torch.randn(m, k, device=DEV, dtype=DT)
