@@ -163,7 +163,8 @@ class EngineCore:
                            sch.stats.num_preemptions, kv.prefix_queries, kv.prefix_hits,
                            list(ex.stage_busy_s), self.num_prompt_tokens, self.num_generation_tokens,
                            list(ex.stage_idle_s), bool(getattr(ex, "recovering", False)),
-                           list(getattr(ex, "stage_restarts", ())), list(getattr(ex, "recovery_seconds", ())))
+                           list(getattr(ex, "stage_restarts", ())), list(getattr(ex, "recovery_seconds", ())),
+                           list(getattr(ex, "stage_weight_bytes", ())), kv.num_blocks * kv.block_size)
 
     # --- the loop -----------------------------------------------------------------------------
     def _die(self, reason: str) -> None:

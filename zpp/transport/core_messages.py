@@ -39,6 +39,9 @@ class EngineStats(msgspec.Struct, array_like=True):
         recovering: a lost stage is being restarted (requests wait; ``/health`` says so).
         stage_restarts: per pipeline stage, restarts so far.
         recovery_seconds: how long each finished recovery took (death to pipeline formed again).
+        stage_weight_bytes: per pipeline stage, the bytes of its weights by dtype name (``fp8``,
+            ``bf16``, ...), summed over its tensor-parallel ranks.
+        kv_cache_tokens: tokens the KV cache holds (every stage holds the same blocks).
     """
 
     num_running: int = 0
@@ -56,6 +59,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     recovering: bool = False
     stage_restarts: list[int] = []
     recovery_seconds: list[float] = []
+    stage_weight_bytes: list[dict[str, int]] = []
+    kv_cache_tokens: int = 0
 
 
 class GrammarSpec(msgspec.Struct, array_like=True, omit_defaults=True):
