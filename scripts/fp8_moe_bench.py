@@ -1,5 +1,5 @@
 """``python scripts/kernel_bench.py fp8-moe`` (or this file): the grouped FP8 MoE kernels of
-zpp.models.layers.fp8_moe_kernels on one GPU, Qwen3-30B-A3B (128 experts, top-8, hidden 2048,
+zpp.models.quantization.fp8_moe_kernels on one GPU, Qwen3-30B-A3B (128 experts, top-8, hidden 2048,
 moe_intermediate 768) and DeepSeek-V3 (256 experts, top-8, hidden 7168, moe_intermediate 2048)
 expert shapes, T = 1, 8, 64, 512, 4096 tokens.
 
@@ -26,8 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from zpp.models.layers import fp8_kernels as K8
-from zpp.models.layers import fp8_moe_kernels as M8
+from zpp.models.quantization import fp8_kernels as K8
+from zpp.models.quantization import fp8_moe_kernels as M8
 from zpp.models.layers import fused_moe as FM
 from zpp.models.layers.moe import GatedActivation
 
@@ -275,7 +275,7 @@ def main(argv=()):
     # 4) dense block-FP8 GEMV (DeepSeek-V3 linears), old vs new block-scale placement
     if not smoke:
         from zpp.models.layers import triton_ops as ops
-        from zpp.models.layers.fp8 import quantize_block, quantize_per_channel
+        from zpp.models.quantization.fp8_utils import quantize_block, quantize_per_channel
         print(f"\n{'DS-V3 GEMV':10} {'M':>2} {'bf16':>7} {'blk old':>8} {'blk new':>8} {'fp8 ch':>7}  us")
         dense = results["dense_gemv_us"] = {}
         for dn, (n, kd) in DS_DENSE.items():

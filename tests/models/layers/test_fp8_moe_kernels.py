@@ -1,4 +1,4 @@
-"""Grouped FP8 MoE kernels (zpp.models.layers.fp8_moe_kernels) against float32 references that
+"""Grouped FP8 MoE kernels (zpp.models.quantization.fp8_moe_kernels) against float32 references that
 dequantize the e4m3 experts: the W8A8 GEMM on moe_align's sorted layout and the W8A16 decode GEMV,
 each with per-channel, per-expert, per-tensor and 128 x 128 block scales, biases and routing
 weights; fused_moe_fp8 on both paths. On the CPU under TRITON_INTERPRET=1 (test_fp8_kernels' float8
@@ -12,10 +12,10 @@ from test_fp8_kernels import DEV, DT, EXACT, ON_GPU, rel_err  # noqa: F401  (int
 
 triton = pytest.importorskip("triton")
 
-from zpp.models.layers import fp8_kernels as K  # noqa: E402
-from zpp.models.layers import fp8_moe_kernels as M8  # noqa: E402
-from zpp.models.layers.fp8 import FP8_DTYPE, dequantize, quantize_block, quantize_per_channel  # noqa: E402
-from zpp.models.layers.fp8 import quantize_per_tensor  # noqa: E402
+from zpp.models.quantization import fp8_kernels as K  # noqa: E402
+from zpp.models.quantization import fp8_moe_kernels as M8  # noqa: E402
+from zpp.models.quantization.fp8_utils import FP8_DTYPE, dequantize, quantize_block, quantize_per_channel  # noqa: E402
+from zpp.models.quantization.fp8_utils import quantize_per_tensor  # noqa: E402
 from zpp.models.layers.fused_moe import moe_align  # noqa: E402
 from zpp.models.layers.moe import GatedActivation  # noqa: E402
 

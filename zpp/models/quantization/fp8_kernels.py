@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from zpp import envs
+
 from zpp.models.layers.pdl import pdl, pdl_enter
 
 FP8_MAX = 448.0
@@ -279,7 +281,7 @@ def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stri
 
 
 FP8_GEMV_MAX_M = 4
-_GEMV_SCALE_X = True  # block scales on the activation vector (False: per weight element; for A/B timing)
+_GEMV_SCALE_X = envs.ZPP_FP8_GEMV_BLOCK_SCALE_X  # block scales on the activation vector (0: per weight element)
 
 
 def fp8_gemv_config(n: int, k: int) -> dict:

@@ -7,7 +7,7 @@ token-assignments ``M = T * k`` (:func:`use_fp8_moe_gemv`):
 * **decode (W8A16 GEMV)**, ``M <= gemv_max_assignments``: no sort, no activation quantization. One
   program per (assignment, ``BLOCK_N`` output rows) reads its expert's e4m3 rows, upcasts them in
   registers and multiplies by the bf16 activations in float32 (as the dense
-  :func:`zpp.models.layers.fp8_kernels.fp8_gemv`). Per-channel scales multiply the sums at the end;
+  :func:`zpp.models.quantization.fp8_kernels.fp8_gemv`). Per-channel scales multiply the sums at the end;
   128 x 128 block scales multiply the activation vector (one ``[BLOCK_K]`` load per step, the
   program's ``BLOCK_N`` rows lie in one scale row).
 * **GEMM (W8A8)**: :func:`zpp.models.layers.fused_moe.moe_align`'s sorted-by-expert layout, the
@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zpp.models.layers.fp8_kernels import SILU_MUL_QUANT_MAX_N, per_token_group_quant, per_token_quant, silu_mul_quant
+from zpp.models.quantization.fp8_kernels import SILU_MUL_QUANT_MAX_N, per_token_group_quant, per_token_quant, silu_mul_quant
 from zpp.models.layers.fused_moe import gated_act, moe_align
 
 
@@ -462,7 +462,7 @@ def fused_moe_fp8_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: to
     """What :func:`fused_moe_fp8` computes, in PyTorch float32 on any device (weights dequantized,
     experts looped): with ``quantize_activations`` the GEMM path's per-token (group) activation
     quantization, without it the GEMV path's W8A16 products. For tests and CPU checks."""
-    from zpp.models.layers.fp8 import dequantize, quantize_activations_reference
+    from zpp.models.quantization.fp8_utils import dequantize, quantize_activations_reference
     E = w_gate_up.shape[0]
 
     def deq(w, s):
