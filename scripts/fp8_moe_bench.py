@@ -66,7 +66,8 @@ def _experts(E, N, K, dev, seed):
     g = torch.Generator(device=dev).manual_seed(seed)
     w = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=dev)
     for e in range(E):
-        w[e] = (torch.randn(N, K, device=dev, generator=g, dtype=torch.bfloat16) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        r = torch.randn(N, K, device=dev, generator=g, dtype=torch.bfloat16) * 64
+        w[e] = r.clamp(-448, 448).to(torch.float8_e4m3fn)
     sc = torch.rand(E, N, device=dev, generator=g) * 2e-3 + 1e-3
     sb = torch.rand(E, -(-N // 128), -(-K // 128), device=dev, generator=g) * 2e-3 + 1e-3
     return w, sc, sb
@@ -296,13 +297,15 @@ def main(argv=()):
                 K8._GEMV_SCALE_X = True
                 r["block new"] = bench(lambda: K8.fp8_gemv(x, *wk[nx()], B128, **cfg))
                 r["channel"] = bench(lambda: K8.fp8_gemv(x, *wc[nx()], None, **cfg))
-                ref = x.float() @ (wk[0][0].float() * wk[0][1].repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :kd]).t()
+                full = wk[0][1].repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :kd]
+                ref = x.float() @ (wk[0][0].float() * full).t()
                 r["rel_err_new"] = _rel(K8.fp8_gemv(x, *wk[0], B128, **cfg), ref)
                 dense[f"{dn} M={mm}"] = r
                 print(f"{dn:10} {mm:2d} {r['bf16']:7.1f} {r['block old']:8.1f} {r['block new']:8.1f} "
                       f"{r['channel']:7.1f}  err {r['rel_err_new']:.1e}", flush=True)
             del wb, wk, wc
-    results["configs"] = {kk: {**v, "gemm": {str(b): c for b, c in v.get("gemm", {}).items()}} for kk, v in configs.items()}
+    results["configs"] = {kk: {**v, "gemm": {str(b): c for b, c in v.get("gemm", {}).items()}}
+                          for kk, v in configs.items()}
     with open(os.path.join(out_dir, "fp8_moe_bench.json"), "w") as fh:
         json.dump(results, fh, indent=1, default=str)
     print("\nCONFIGS =", json.dumps(results["configs"]))

@@ -49,7 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from zpp.models.quantization.fp8_kernels import SILU_MUL_QUANT_MAX_N, per_token_group_quant, per_token_quant, silu_mul_quant
+from zpp.models.quantization.fp8_kernels import (SILU_MUL_QUANT_MAX_N, per_token_group_quant, per_token_quant,
+                                                 silu_mul_quant)
 from zpp.models.layers.fused_moe import gated_act, moe_align
 
 
