@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from zpp.models.layers import fp8_kernels as K8
-from zpp.models.layers.fp8 import quantize_per_channel
+from zpp.models.quantization import fp8_kernels as K8
+from zpp.models.quantization.fp8_utils import quantize_per_channel
 
 sys.path.insert(0, "scripts")
 from gemv_sweep import graph_us  # noqa: E402

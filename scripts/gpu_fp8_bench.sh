@@ -57,7 +57,7 @@ for r in $RUNS; do
       for kv in auto fp8; do
         echo "### KV cache blocks, --kv-cache-dtype $kv"
         python -m zpp.cli bench latency $COMMON $FP8 --kv-cache-dtype $kv --batch-size 1 --input-len 16 \
-            --output-len 4 --num-iters-warmup 0 --num-iters 1 2>&1 | grep -E "KV cache: |memory profile" | tee -a "$OUT/blocks.txt"
+            --output-len 4 --num-iters-warmup 0 --num-iters 1 2>&1 | grep -E "KV cache|memory profile" | tee -a "$OUT/blocks.txt"
       done ;;
     *) echo "unknown run $r"; exit 2 ;;
   esac

@@ -4,7 +4,18 @@ Prints microseconds and effective bandwidth. ``attn`` / ``mixed``: throughput-sh
 ``fp8``: the FP8 GEMV (per channel / 128x128 blocks) vs the bf16 one with a launch sweep, batched
 FP8 GEMMs (per channel through torch._scaled_mm row-wise, block through the Triton block GEMM and
 torch._scaled_mm's block recipe where available) vs bf16 cuBLAS with a tile sweep, and decode
-attention over an FP8 KV cache vs bf16."""
+attention over an FP8 KV cache vs bf16. ``fp8-moe``: the grouped FP8 MoE kernels against bf16 fused_moe
+and torch._scaled_mm looped over experts, with the tile sweep that fills FP8_MOE_CONFIGS (runs
+scripts/fp8_moe_bench.py alone; see its docstring)."""
+import os
+import sys
+
+if len(sys.argv) > 1 and sys.argv[1] == "fp8-moe":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from fp8_moe_bench import main
+    main(sys.argv[2:])
+    sys.exit(0)
+
 import torch
 import torch.nn.functional as F
 import triton.testing
@@ -156,8 +167,8 @@ if len(sys.argv) > 1 and sys.argv[1] == "mixed":
 
 # --- FP8 (python scripts/kernel_bench.py fp8): the kernels of --quantization fp8 / FP8 checkpoints ----
 if len(sys.argv) > 1 and sys.argv[1] == "fp8":
-    from zpp.models.layers import fp8_kernels as K8
-    from zpp.models.layers.fp8 import quantize_block, quantize_per_channel
+    from zpp.models.quantization import fp8_kernels as K8
+    from zpp.models.quantization.fp8_utils import quantize_block, quantize_per_channel
 
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000

@@ -108,8 +108,8 @@ class ModelConfig:
     seed: int = 0
     """seed for dummy weights and unseeded sampling"""
     quantization: Optional[str] = setting(None, aliases=("-q",), choices=("fp8",))
-    """fp8: quantize bf16/fp16 linear weights to FP8 e4m3 at load (per output channel, activations per
-    token); CUDA, compute capability >= 8.9. FP8 checkpoints load without it
+    """fp8: quantize bf16/fp16 linear and MoE expert weights to FP8 e4m3 at load (per output channel,
+    activations per token); CUDA, compute capability >= 8.9. FP8 checkpoints load without it
 
     vLLM's ``--quantization fp8``. None: weights as stored (an FP8 checkpoint is loaded as FP8 where
     the GPU has FP8, else dequantized, with or without this flag)."""

@@ -91,6 +91,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("ZPP_FP8_GEMV", "bool", _on_unless_0,
            "``0``: FP8 linear layers never use the W8A16 GEMV kernel for small batches (every batch "
            "through the W8A8 GEMMs), for A/B runs. Read once, at import."),
+    EnvVar("ZPP_FP8_GEMV_BLOCK_SCALE_X", "bool", _on_unless_0,
+           "``0``: the W8A16 GEMV multiplies each block-scaled weight element by its 128x128 block scale "
+           "(the slower layout before issue 47) instead of the activation vector, for A/B runs. Read once, "
+           "at import."),
     EnvVar("ZPP_FP8_FUSED_QUANT", "bool", _on_unless_0,
            "``0``: the activation quantization of an FP8 layer is not fused into the kernel before it: "
            "a gated MLP runs SiLU-and-mul and the down projection's quantization as two kernels "

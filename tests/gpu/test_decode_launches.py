@@ -10,8 +10,9 @@ import torch
 if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
     pytest.skip("needs a GPU of compute capability >= 9.0", allow_module_level=True)
 
-from zpp.models.layers import fp8 as F8  # noqa: E402
-from zpp.models.layers import fp8_kernels as FK  # noqa: E402
+from zpp.models.quantization import fp8_linear as F8  # noqa: E402
+from zpp.models.quantization.fp8_utils import quantize_per_channel  # noqa: E402
+from zpp.models.quantization import fp8_kernels as FK  # noqa: E402
 from zpp.models.layers import pdl as P  # noqa: E402
 from zpp.models.layers import triton_ops as T  # noqa: E402
 
@@ -31,8 +32,8 @@ def test_pdl_chain_bit_equal_eager_and_in_graph(monkeypatch):
     torch.manual_seed(0)
     H, I = 2048, 5632
     dev = "cuda"
-    w1, s1 = F8.quantize_per_channel(torch.randn(2 * I, H, device=dev) * 0.05)
-    w2, s2 = F8.quantize_per_channel(torch.randn(H, I, device=dev) * 0.05)
+    w1, s1 = quantize_per_channel(torch.randn(2 * I, H, device=dev) * 0.05)
+    w2, s2 = quantize_per_channel(torch.randn(H, I, device=dev) * 0.05)
     w_bf16 = (torch.randn(4096, H, device=dev) * 0.05).to(torch.bfloat16)
     norm_w = (1 + 0.3 * torch.randn(H, device=dev)).to(torch.bfloat16)
     args = (norm_w, w1, s1, w2, s2, w_bf16)
@@ -71,7 +72,7 @@ def test_pdl_kernels_carry_the_wait(monkeypatch):
         for caches in kernel.device_caches.values():
             caches[0].clear()
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
-    w, s = F8.quantize_per_channel(torch.randn(256, 1024, device="cuda"))
+    w, s = quantize_per_channel(torch.randn(256, 1024, device="cuda"))
     FK.fp8_gemv(x, w, s)
     T.rms_norm(x, torch.ones(1024, device="cuda", dtype=torch.bfloat16), 1e-5)
     for kernel in (FK._fp8_gemv_kernel, T._rms_norm_kernel):

@@ -812,9 +812,9 @@ def test_fp8_kv_doubles_blocks_and_graphs_equal_eager(demo_model):
 def test_fp8_linear_gpu_kernels_match_reference(block, m):
     """fp8_linear on the GPU (W8A16 GEMV for M <= 4; per-token quant + torch._scaled_mm row-wise, or
     group quant + the Triton block GEMM) against its PyTorch reference; static input scales too."""
-    from zpp.models.layers.fp8 import fp8_linear, fp8_linear_reference
-    from zpp.models.layers.fp8 import quantize_block, quantize_per_channel
-    from zpp.models.quantization import Fp8Params
+    from zpp.models.quantization.fp8_linear import fp8_linear, fp8_linear_reference
+    from zpp.models.quantization.fp8_utils import quantize_block, quantize_per_channel
+    from zpp.models.quantization.fp8 import Fp8Params
     torch.manual_seed(m)
     n, k = 576, 1536
     w = torch.randn(n, k, device="cuda") * 0.05
@@ -834,13 +834,14 @@ def test_fp8_linear_gpu_kernels_match_reference(block, m):
 def test_fp8_mlp_fused_silu_quant_matches_two_kernels(m, monkeypatch):
     """GatedMLP with FP8 weights: SiLU-and-mul fused with the down projection's input quantization
     (fp8_kernels.silu_mul_quant) against the two kernels (ZPP_FP8_FUSED_QUANT=0's path)."""
-    from zpp.models.layers import fp8 as F8
+    from zpp.models.quantization import fp8_linear as F8
+    from zpp.models.quantization.fp8_utils import quantize_per_channel
     from zpp.models.layers.activation import GatedMLP
-    from zpp.models.quantization import Fp8Params
+    from zpp.models.quantization.fp8 import Fp8Params
     torch.manual_seed(m)
     mlp = GatedMLP(512, 1408).cuda().to(torch.bfloat16)
     for lin in (mlp.gate_up_proj, mlp.down_proj):
-        wq, ws = F8.quantize_per_channel(torch.randn_like(lin.weight, dtype=torch.float32) * 0.05)
+        wq, ws = quantize_per_channel(torch.randn_like(lin.weight, dtype=torch.float32) * 0.05)
         lin.weight = torch.nn.Parameter(wq, requires_grad=False)
         lin.fp8 = Fp8Params(ws)
     x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)

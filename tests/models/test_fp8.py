@@ -173,8 +173,9 @@ def test_fp8_weights_kept_and_scaled(ckpt, family, layout, tp, kept, reverted):
     """The GPU's loading path, on the CPU: layers whose layout suits the kernels keep e4m3 weights whose
     canonical scales (per-tensor q/k/v scales as per-channel rows of one qkv, block grids, this TP
     rank's slice) dequantize to exactly the checkpoint's weights; the others are dequantized on load.
-    MoE experts are always dequantized (the fused MoE kernel takes no FP8 yet)."""
-    from zpp.models.layers.fp8 import dequantize
+    Qwen3-MoE at TP=2: every expert's 64-row slice is not a whole 128-block, so its experts are
+    dequantized (at TP=1 they stay FP8: test_fp8_moe.py)."""
+    from zpp.models.quantization.fp8_utils import dequantize
     d, deq = ckpt(family, layout)
     full = _full_weights(deq)
     for rank in range(tp):
@@ -348,8 +349,8 @@ def test_online_quantization_and_kv_bytes(ckpt):
     """``--quantization fp8``'s quantizer on a bf16 model (run here on the CPU): every linear layer e4m3
     per output channel, within e4m3's rounding of the weights; an FP8 KV cache takes half the bytes
     per block."""
-    from zpp.models.layers.fp8 import FP8_DTYPE, dequantize
-    from zpp.models.quantization import quantize_model_fp8
+    from zpp.models.quantization.fp8_utils import FP8_DTYPE, dequantize
+    from zpp.models.quantization.fp8 import quantize_model_fp8
     from zpp.workers.model_runner import ModelRunner
     _, deq = ckpt("llama", "ct-channel")
     model = _stage_model(deq)

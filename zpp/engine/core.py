@@ -166,6 +166,7 @@ class EngineCore:
                            list(ex.stage_busy_s), self.num_prompt_tokens, self.num_generation_tokens,
                            list(ex.stage_idle_s), bool(getattr(ex, "recovering", False)),
                            list(getattr(ex, "stage_restarts", ())), list(getattr(ex, "recovery_seconds", ())),
+                           list(getattr(ex, "stage_weight_bytes", ())), kv.num_blocks * kv.block_size,
                            *self._spec_stats())
 
     def _spec_stats(self) -> tuple:

@@ -109,6 +109,8 @@ class Executor(StallWatchdog, StageRestarts):
         self.stage_busy_s = [0.0] * self.pp
         self.stage_batches = [0] * self.pp
         self.stage_idle_s = [0.0] * self.pp
+        self.stage_weight_bytes: list[dict[str, int]] = [{} for _ in range(self.pp)]
+        """Per stage, its weights' bytes by dtype (the WorkerReady of its TP ranks, summed)."""
         self.dead: Optional[str] = None
         self.on_stage_stats: Optional[Callable[[], None]] = None
         """Called (on the engine's loop) after a stage's StageStats updated the busy / idle figures."""
@@ -242,6 +244,10 @@ class Executor(StallWatchdog, StageRestarts):
         if refused:
             raise ConfigError(refused[0])
         fit = min(r.num_kv_blocks_fit for r in ready.values())
+        for rank, r in ready.items():
+            per = self.stage_weight_bytes[rank // self.tp]
+            for k, v in r.weight_bytes_by_dtype.items():
+                per[k] = per.get(k, 0) + v
         num_blocks = cfg.cache.num_kv_blocks if cfg.cache.num_kv_blocks is not None else fit
         if num_blocks > fit:
             raise ConfigError(f"--num-kv-blocks {num_blocks} does not fit: a stage can hold only {fit} blocks")

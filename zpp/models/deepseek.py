@@ -67,7 +67,8 @@ from zpp.models.layers.norm import RMSNorm
 from zpp.models.layers.rotary import get_rope, rope_params, yarn_softmax_scale
 from zpp.transport.tensor_parallel import tp_all_reduce
 
-_EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
+_SUFFIX = {"weight": "", "weight_scale": "_scale"}  # an FP8 expert's canonical scale -> experts.*_proj_scale
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -373,8 +374,8 @@ class DeepseekV2ForCausalLM(PreNormDecoder):
             return None
         prefix, e, w = name[:match.start()], int(match.group(1)), match.group(2)
         if w == "down_proj":
-            return [(f"{prefix}.mlp.experts.down_proj", e)]
-        return [(f"{prefix}.mlp.experts.gate_up_proj", 2 * e + (0 if w == "gate_proj" else 1))]
+            return [(f"{prefix}.mlp.experts.down_proj{_SUFFIX[match.group(3)]}", e)]
+        return [(f"{prefix}.mlp.experts.gate_up_proj{_SUFFIX[match.group(3)]}", 2 * e + (0 if w == "gate_proj" else 1))]
 
 
 

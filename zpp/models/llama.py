@@ -17,7 +17,7 @@ from zpp.errors import ConfigError
 from zpp.models.base import PreNormDecoder, StageInfo
 from zpp.models.layers.activation import GatedMLP, check_activation
 from zpp.models.layers.attention import Attention, AttentionMetadata
-from zpp.models.layers.fp8 import fuses_norm, rms_norm_fp8_linear
+from zpp.models.quantization.fp8_linear import fuses_norm, rms_norm_fp8_linear
 from zpp.models.layers.linear import MergedLinear, RowParallelLinear
 from zpp.models.layers.norm import RMSNorm
 from zpp.models.layers.rotary import get_rope, rope_params
@@ -128,7 +128,7 @@ class LlamaDecoderLayer(nn.Module):
         """Whether the RMSNorm before ``which`` (``"attn"``: ``input_layernorm`` then ``qkv_proj``;
         ``"mlp"``: ``post_attention_layernorm`` then ``gate_up_proj``) runs fused with that FP8
         projection for the input ``x [T, hidden]``: the module's type in :data:`FUSED_NORM_MODULES`,
-        and :func:`zpp.models.layers.fp8.fuses_norm` (CUDA, a LLaMA RMSNorm, per-channel FP8 weights
+        and :func:`zpp.models.quantization.fp8_linear.fuses_norm` (CUDA, a LLaMA RMSNorm, per-channel FP8 weights
         with dynamic activation scales, a batch past the W8A16 GEMV's: the norm with the activation
         quantization)."""
         if which == "attn":

@@ -83,8 +83,10 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
         ValueError: missing or unexpected tensors (an FP8 weight's scale included; named, before any
             copy), or shape mismatches (names given).
     """
-    from zpp.models import fp8_checkpoint as ck
     from zpp.models import quantization as q
+    from zpp.models.quantization import checkpoint as ck
+    from zpp.models.quantization.fp8 import quantize_model_fp8
+    from zpp.models.quantization.fp8_moe import quantize_experts
     cls = resolve_model_class(cfg, stage.tp_size)
     quant = q.parse_quantization_config(cfg)
     old = torch.get_default_dtype()
@@ -101,25 +103,27 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
         if not meta:
             init_dummy_weights(model, seed)
         if quant is not None and keep_fp8:
-            q.quantize_model_like_checkpoint(model, quant)
+            quant.quantize_like_checkpoint(model)
     elif quant is None:
         model.check_weight_names(ck.read_index(safetensors_files(model_dir)))  # headers only
         if not meta:
             model.load_weights(iter_safetensors(model_dir, model))
     else:
         index = ck.read_index(safetensors_files(model_dir))
-        n = ck.prepare_model_for_checkpoint(model, index, quant, keep_fp8)
+        n, ne = ck.prepare_model_for_checkpoint(model, index, quant, keep_fp8)
         plan = ck.plan_checkpoint(model, index, quant, dtype)
         model.check_weight_names(t.name for t in plan.tensors)
         if meta:
             return model.eval()
         model.load_weights(ck.iter_planned(plan, index, quant, device))
-        q.finish_fp8_loading(model)
+        ck.finish_loading(model)
         kv = ck.load_kv_scales(model, plan, index)
-        logger.info("FP8 checkpoint (%s%s): %d linear layers kept in FP8, the other FP8 weights dequantized to %s%s",
-                    quant.method, f", block {quant.block[0]}x{quant.block[1]}" if quant.block else "", n,
+        logger.info("FP8 checkpoint (%s%s): %d linear layers and %d expert layers kept in FP8, the other FP8 "
+                    "weights dequantized to %s%s",
+                    quant.method, f", block {quant.block[0]}x{quant.block[1]}" if quant.block else "", n, ne,
                     str(dtype).removeprefix("torch."), f"; KV-cache scales for {kv} layers" if kv else "")
     if quantization == "fp8" and quant is None:
-        n = q.quantize_model_fp8(model)
-        logger.info("--quantization fp8: %d linear layers quantized to FP8 (e4m3, per output channel)", n)
+        n, ne = quantize_model_fp8(model), quantize_experts(model)
+        logger.info("--quantization fp8: %d linear layers and %d expert layers quantized to FP8 (e4m3, per output "
+                    "channel)", n, ne)
     return model.eval()

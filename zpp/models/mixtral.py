@@ -24,7 +24,8 @@ from zpp.errors import ConfigError
 from zpp.models.layers.moe import SparseMoeBlock
 from zpp.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
-_EXPERT_RE = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+_EXPERT_RE = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight|weight_scale)$")
+_SUFFIX = {"weight": "", "weight_scale": "_scale"}  # an FP8 expert's canonical scale -> experts.*_proj_scale
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -58,8 +59,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
             return None
         prefix, e, w = name[:match.start()], int(match.group(1)), match.group(2)
         if w == "w2":
-            return [(f"{prefix}.mlp.experts.down_proj", e)]
-        return [(f"{prefix}.mlp.experts.gate_up_proj", 2 * e + (0 if w == "w1" else 1))]
+            return [(f"{prefix}.mlp.experts.down_proj{_SUFFIX[match.group(3)]}", e)]
+        return [(f"{prefix}.mlp.experts.gate_up_proj{_SUFFIX[match.group(3)]}", 2 * e + (0 if w == "w1" else 1))]
 
 
 def _num_experts(cfg: dict[str, Any]) -> tuple[int, int]:

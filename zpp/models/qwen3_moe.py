@@ -31,7 +31,8 @@ from zpp.models.layers.moe import SparseMoeBlock
 from zpp.models.llama import LlamaDecoderLayer
 from zpp.models.qwen3 import Qwen3ForCausalLM
 
-_EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
+_SUFFIX = {"weight": "", "weight_scale": "_scale"}  # an FP8 expert's canonical scale -> experts.*_proj_scale
 
 
 def num_experts(cfg: dict[str, Any]) -> int:
@@ -105,5 +106,5 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             return None
         prefix, e, w = name[:match.start()], int(match.group(1)), match.group(2)
         if w == "down_proj":
-            return [(f"{prefix}.mlp.experts.down_proj", e)]
-        return [(f"{prefix}.mlp.experts.gate_up_proj", 2 * e + (0 if w == "gate_proj" else 1))]
+            return [(f"{prefix}.mlp.experts.down_proj{_SUFFIX[match.group(3)]}", e)]
+        return [(f"{prefix}.mlp.experts.gate_up_proj{_SUFFIX[match.group(3)]}", 2 * e + (0 if w == "gate_proj" else 1))]

@@ -83,6 +83,15 @@ class _EngineCollector:
         yield restarts
         yield from self._spec_decode(s)
         yield self._recovery_histogram(s.recovery_seconds)
+        wb = GaugeMetricFamily("zpp:stage_weight_bytes", "Bytes of each pipeline stage's weights by dtype (fp8, "
+                               "bf16, ...; summed over the stage's tensor-parallel ranks)",
+                               labels=["model_name", "stage", "dtype"])
+        for i, per in enumerate(s.stage_weight_bytes):
+            for dt, b in per.items():
+                wb.add_metric([self.model_name, str(i), dt], b)
+        yield wb
+        yield self._one(GaugeMetricFamily, "zpp:kv_cache_capacity_tokens",
+                        "Tokens the KV cache holds (every pipeline stage holds the same blocks)", s.kv_cache_tokens)
         yield self._one(GaugeMetricFamily, "zpp:stage_recovering",
                         "1 while a lost stage is being restarted (requests wait), else 0", int(s.recovering))
 

@@ -39,6 +39,9 @@ class EngineStats(msgspec.Struct, array_like=True):
         recovering: a lost stage is being restarted (requests wait; ``/health`` says so).
         stage_restarts: per pipeline stage, restarts so far.
         recovery_seconds: how long each finished recovery took (death to pipeline formed again).
+        stage_weight_bytes: per pipeline stage, the bytes of its weights by dtype name (``fp8``,
+            ``bf16``, ...), summed over its tensor-parallel ranks.
+        kv_cache_tokens: tokens the KV cache holds (every stage holds the same blocks).
         spec_num_drafts: speculative decoding: verify chunks sent with drafts so far.
         spec_num_draft_tokens: draft tokens sent so far.
         spec_num_accepted_tokens: of those, accepted.
@@ -60,6 +63,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     recovering: bool = False
     stage_restarts: list[int] = []
     recovery_seconds: list[float] = []
+    stage_weight_bytes: list[dict[str, int]] = []
+    kv_cache_tokens: int = 0
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0

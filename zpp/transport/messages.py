@@ -124,6 +124,8 @@ class WorkerReady(msgspec.Struct, tag=True, array_like=True):
     kv_error: str = ""
     """Why this stage's KV cache cannot be allocated as configured (a one-line message naming the
     setting; the engine stops with it), or empty."""
+    weight_bytes_by_dtype: dict[str, int] = {}
+    """``weight_bytes`` by dtype name (``fp8``, ``bf16``, ...; :func:`zpp.models.weight_bytes.weight_bytes_by_dtype`)."""
 
 
 class InitKVCache(msgspec.Struct, tag=True, array_like=True):

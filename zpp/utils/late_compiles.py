@@ -1,7 +1,8 @@
 """Tell when a Triton kernel is compiled while serving.
 
 Start-up builds the kernel variants a run needs (the memory profile's forward pass, the decode CUDA
-graphs, the LM head warm-up). Triton compiles a new variant for every new class of its arguments
+graphs, the LM head warm-up, the MoE warm-up of :mod:`zpp.models.layers.moe_warmup`). Triton
+compiles a new variant for every new class of its arguments
 (an integer that is 1, a multiple of 16 or neither, a pointer that is 16-byte aligned or not, the
 constexprs and launch options); one that start-up did not build is compiled when a batch first
 needs it, and that batch and every one queued behind it wait, 1-2 s on the H200 for the attention

@@ -144,6 +144,7 @@ def _setup(init, sock):
     from zpp.config import parse_dtype
     from zpp.models.base import StageInfo
     from zpp.models.loader import load_stage_model
+    from zpp.models.weight_bytes import format_gib_by_dtype, weight_bytes_by_dtype
     from zpp.models.registry import normalize_config
     from zpp.transport import messages as m
     from zpp.transport.p2p import RESTART_RENDEZVOUS
@@ -178,7 +179,8 @@ def _setup(init, sock):
                              cfg_all.model.load_format, seed, quantization=cfg_all.model.quantization)
     if cfg_all.kv_cache_fp8:
         _warn_kv_scales(model)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    by_dtype = weight_bytes_by_dtype(model)
+    weight_bytes = sum(by_dtype.values())
     logger.info("stage %d/%d%s: layers [%d, %d) loaded in %.1fs (%.1f MiB)", init.pp_rank, pp_size,
                 f" TP rank {init.tp_rank}/{tp_size}" if tp_size > 1 else "",
                 layer_start, layer_end, time.perf_counter() - t, weight_bytes / 2**20)
@@ -200,14 +202,16 @@ def _setup(init, sock):
     else:
         fit, kv_error = _cpu_kv_blocks(cfg_all.cache.kv_cache_memory, per_block)
     sock.send(m.WorkerReady(rank=init.rank, num_kv_blocks_fit=max(0, fit), weight_bytes=weight_bytes,
-                            kv_error=kv_error))
+                            kv_error=kv_error, weight_bytes_by_dtype=by_dtype))
     msg = sock.recv(timeout_s=600)
     if isinstance(msg, m.Shutdown):
         raise _ShutdownDuringSetup("before InitKVCache")
     if not isinstance(msg, m.InitKVCache):
         raise RuntimeError(f"expected InitKVCache, got {type(msg).__name__}")
     runner.init_kv_cache(msg.num_blocks)
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", msg.num_blocks, block_size,
+    logger.info("stage %d/%d%s: weights %s GiB; KV cache %d tokens (%d blocks of %d tokens, %.1f MiB)",
+                init.pp_rank, pp_size, f" TP rank {init.tp_rank}/{tp_size}" if tp_size > 1 else "",
+                format_gib_by_dtype(by_dtype), msg.num_blocks * block_size, msg.num_blocks, block_size,
                 msg.num_blocks * per_block / 2**20)
     if device_kind == "cuda" and not enforce_eager:
         if model.supports_cuda_graphs:
@@ -220,12 +224,22 @@ def _setup(init, sock):
         flag = envs.ZPP_EAGER_GRAPHS
         runner.graphs = EagerDecodeGraphs(model, runner.kv_caches, block_size, cfg_all.scheduler.max_num_seqs,
                                           runner.device, runner.group, None if flag == "1" else flag)
-    if device_kind == "cuda":  # the rows the memory profile covered (_cuda_kv_blocks)
-        runner.warm_up_logits(min(cfg_all.scheduler.max_num_seqs, cfg_all.max_num_batched_tokens))
-        from zpp.utils.late_compiles import watch_late_compiles
-        watch_late_compiles()
+    if device_kind == "cuda":
+        warm_up_and_watch(runner, cfg_all)
     sock.send(m.CacheReady(rank=init.rank))
     return runner
+
+
+def warm_up_and_watch(runner, cfg_all) -> None:
+    """Start-up's last step on a GPU: build the kernel variants serving can launch that the memory
+    profile and the decode graphs did not -- the LM head at every logit bucket up to the rows the
+    profile covered, the MoE experts at every tile configuration and argument class up to
+    ``--max-num-batched-tokens`` tokens (:func:`zpp.models.layers.moe_warmup.warm_up_moe`) -- then
+    report every later compile (:func:`zpp.utils.late_compiles.watch_late_compiles`)."""
+    runner.warm_up_logits(min(cfg_all.scheduler.max_num_seqs, cfg_all.max_num_batched_tokens))
+    runner.warm_up_experts(cfg_all.max_num_batched_tokens)
+    from zpp.utils.late_compiles import watch_late_compiles
+    watch_late_compiles()
 
 
 def _warn_kv_scales(model) -> None:

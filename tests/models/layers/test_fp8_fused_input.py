@@ -6,15 +6,16 @@ import types
 
 import torch
 
-from zpp.models.layers import fp8 as F8
+from zpp.models.quantization import fp8_linear as F8
+from zpp.models.quantization.fp8_utils import FP8_DTYPE, FP8_MAX, quantize_per_channel
 from zpp.models.layers.linear import RowParallelLinear
-from zpp.models.quantization import Fp8Params
+from zpp.models.quantization.fp8 import Fp8Params
 
 
 def _fp8_layer(n, k, seed=0):
     torch.manual_seed(seed)
     layer = RowParallelLinear(k, n, bias=True)
-    w, ws = F8.quantize_per_channel(torch.randn(n, k) * 0.05)
+    w, ws = quantize_per_channel(torch.randn(n, k) * 0.05)
     layer.weight = torch.nn.Parameter(w, requires_grad=False)
     layer.bias.data.normal_()
     layer.fp8 = Fp8Params(ws)
@@ -25,8 +26,8 @@ def test_prequantized_input_gives_the_layers_own_product():
     layer = _fp8_layer(48, 160)
     x = torch.randn(7, 160, dtype=torch.bfloat16) * 2
     xf = x.float()
-    xs = xf.abs().amax(1, keepdim=True) / F8.FP8_MAX
-    xq = (xf / xs).clamp(-F8.FP8_MAX, F8.FP8_MAX).to(F8.FP8_DTYPE)
+    xs = xf.abs().amax(1, keepdim=True) / FP8_MAX
+    xq = (xf / xs).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     got = layer.forward_fp8_input(xq, xs, torch.bfloat16)
     want = F8.fp8_linear_reference(x, layer.weight, layer.fp8, layer.bias)  # quantizes x the same way
     assert got.dtype == torch.bfloat16 and got.shape == (7, 48)

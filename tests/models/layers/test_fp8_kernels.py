@@ -34,9 +34,9 @@ if not ON_GPU:
 
     _ti._convert_float = _convert_float
 
-from zpp.models.layers import fp8_kernels as K  # noqa: E402
+from zpp.models.quantization import fp8_kernels as K  # noqa: E402
 from zpp.models.layers import triton_ops as ops  # noqa: E402
-from zpp.models.layers.fp8 import FP8_DTYPE, dequantize, quantize_block, quantize_per_channel  # noqa: E402
+from zpp.models.quantization.fp8_utils import FP8_DTYPE, dequantize, quantize_block, quantize_per_channel  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the kernels under the Triton interpreter on the CPU: minutes
 
@@ -139,7 +139,8 @@ def _fp8_weight(n, k, block, seed):
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k,block,bn,bk", [(301, 700, None, 4, 256), (64, 512, None, 4, 512),
-                                             (300, 700, (128, 128), 4, 256), (96, 200, (16, 32), 8, 64)])
+                                             (300, 700, (128, 128), 4, 256), (96, 200, (16, 32), 8, 64),
+                                             (96, 200, (12, 32), 8, 64)])  # block_n not dividing bn: per-weight scales
 def test_fp8_gemv(m, n, k, block, bn, bk):
     w, ws = _fp8_weight(n, k, block, seed=m)
     x = torch.randn(m, k, device=DEV, dtype=DT)

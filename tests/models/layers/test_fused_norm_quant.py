@@ -15,9 +15,10 @@ from test_triton_ops import DEV, ON_GPU  # noqa: F401  (sets TRITON_INTERPRET on
 import test_fp8_kernels  # noqa: F401  (on the CPU: the interpreter's float32 -> e4m3 rounding mended)
 
 from zpp.models import llama
-from zpp.models.layers import fp8 as F8
+from zpp.models.quantization import fp8_linear as F8
+from zpp.models.quantization.fp8_utils import FP8_DTYPE, FP8_MAX, quantize_per_channel
 from zpp.models.layers.norm import GemmaRMSNorm
-from zpp.models.quantization import Fp8Params
+from zpp.models.quantization.fp8 import Fp8Params
 from zpp.models.qwen3 import Qwen3Attention
 
 CFG = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, rms_norm_eps=1e-5,
@@ -26,7 +27,7 @@ CFG = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, interme
 
 def _fp8(layer, seed, **kw):
     torch.manual_seed(seed)
-    w, ws = F8.quantize_per_channel(torch.randn(layer.weight.shape) * 0.1)
+    w, ws = quantize_per_channel(torch.randn(layer.weight.shape) * 0.1)
     layer.weight = torch.nn.Parameter(w, requires_grad=False)
     layer.fp8 = Fp8Params(ws, **kw)
 
@@ -126,8 +127,8 @@ def test_decoder_layer_fused_equals_unfused(monkeypatch, attn_cls, m):
     # the unfused W8A8 layers as on the GPU: per-token quantization, then _scaled_mm (bf16 out)
     def gpu_like(x, w, p, bias=None):
         xf = x.float()
-        xs = xf.abs().amax(1, keepdim=True).clamp_min(1e-10) / F8.FP8_MAX
-        xq = (xf * (1.0 / xs)).clamp(-F8.FP8_MAX, F8.FP8_MAX).to(F8.FP8_DTYPE)  # as the kernels round
+        xs = xf.abs().amax(1, keepdim=True).clamp_min(1e-10) / FP8_MAX
+        xq = (xf * (1.0 / xs)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # as the kernels round
         return F8.fp8_linear_quantized(xq, xs, w, p, bias, x.dtype)
     monkeypatch.setattr(F8, "fp8_linear_reference", gpu_like)
     taken = []

@@ -59,11 +59,11 @@ class GatedMLP(nn.Module):
     def forward_gate_up(self, gate_up: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """:meth:`forward` from ``gate_up_proj``'s output ``[T, 2 * intermediate]`` (this rank's gate |
         up), for a caller that computed that product itself (the decoder layer's RMSNorm fused into
-        it, :func:`zpp.models.layers.fp8.rms_norm_fp8_linear`)."""
+        it, :func:`zpp.models.quantization.fp8_linear.rms_norm_fp8_linear`)."""
         if gate_up.is_cuda and self.act is F.silu:
-            from zpp.models.layers.fp8 import fuses_input_quant
+            from zpp.models.quantization.fp8_linear import fuses_input_quant
             if fuses_input_quant(self.down_proj.fp8, gate_up.shape[0], gate_up):
-                from zpp.models.layers import fp8_kernels as K
+                from zpp.models.quantization import fp8_kernels as K
                 if self.intermediate_size <= K.SILU_MUL_QUANT_MAX_N:  # SiLU, mul and FP8 quantization at once
                     xq, xs = K.silu_mul_quant(gate_up)
                     return self.down_proj.forward_fp8_input(xq, xs, gate_up.dtype, reduce)

@@ -36,10 +36,10 @@ _TRITON_GEMV = envs.ZPP_TRITON_GEMV
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, fp8=None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: ``x [T, in]``, ``weight [out, in]`` -> ``[T, out]``. A single
     CUDA token in bf16/fp16 (decode at batch 1) goes to :func:`~zpp.models.layers.triton_ops.gemv`.
-    ``fp8`` (a :class:`zpp.models.quantization.Fp8Params`): ``weight`` is float8_e4m3fn with those
-    scales, computed by :func:`zpp.models.layers.fp8.fp8_linear`."""
+    ``fp8`` (a :class:`zpp.models.quantization.fp8.Fp8Params`): ``weight`` is float8_e4m3fn with those
+    scales, computed by :func:`zpp.models.quantization.fp8_linear.fp8_linear`."""
     if fp8 is not None:
-        from zpp.models.layers.fp8 import fp8_linear
+        from zpp.models.quantization.fp8_linear import fp8_linear
         return fp8_linear(x, weight, fp8, bias)
     if (_TRITON_GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
             and x.stride(1) == 1 and weight.stride(1) == 1 and weight.dtype == x.dtype):
@@ -67,6 +67,8 @@ class Linear(nn.Module):
 
     fp8 = None
     fp8_allowed = True
+    quant_method = None
+    """The :class:`zpp.models.quantization.base.LinearMethod` that made the weight quantized, else None."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, transposed: bool = False):
         super().__init__()
@@ -186,9 +188,9 @@ class RowParallelLinear(Linear):
     def forward_fp8_input(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype,
                           reduce: bool = True) -> torch.Tensor:
         """:meth:`forward` of an input its producer already quantized per token (``xq [T, k]``
-        float8_e4m3fn, ``xs [T, 1]`` float32; only where :func:`~zpp.models.layers.fp8.fuses_input_quant`
+        float8_e4m3fn, ``xs [T, 1]`` float32; only where :func:`~zpp.models.quantization.fp8_linear.fuses_input_quant`
         allows it), output in ``dtype``."""
-        from zpp.models.layers.fp8 import fp8_linear_quantized
+        from zpp.models.quantization.fp8_linear import fp8_linear_quantized
         return self._reduced(lambda bias: fp8_linear_quantized(xq, xs, self.weight, self.fp8, bias, dtype), reduce)
 
     def _reduced(self, mm, reduce: bool) -> torch.Tensor:

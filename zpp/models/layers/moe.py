@@ -174,6 +174,10 @@ class FusedExperts(nn.Module):
             mismatch or an expert out of range (loading, called directly).
     """
 
+    quant_method = None
+    """The :class:`zpp.models.quantization.base.FusedMoEMethod` holding quantized expert weights
+    (FP8: :class:`zpp.models.quantization.fp8_moe.Fp8MoEMethod`), else None."""
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  act: Union[str, GatedActivation] = "silu", bias: bool = False, tp_rank: int = 0, tp_size: int = 1,
                  checkpoint_layout: str = "hf"):
@@ -257,7 +261,9 @@ class FusedExperts(nn.Module):
         return self.down_proj_bias if self.tp_rank == 0 else None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        if x.is_cuda:
+        if self.quant_method is not None:
+            out = self.quant_method.apply(self, x, weights, ids)
+        elif x.is_cuda:
             from zpp.models.layers.fused_moe import fused_moe
             out = fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.act,
                             self.gate_up_proj_bias, self._down_bias)
@@ -267,9 +273,12 @@ class FusedExperts(nn.Module):
             out = tp_all_reduce(out)
         return out
 
-    def forward_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     expert_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """The PyTorch path (any device; reads the per-expert counts on the host): this rank's
-        partial output ``[T, H]``, no all-reduce."""
+        partial output ``[T, H]``, no all-reduce. ``expert_weights``: ``(gate_up, down)`` in place of
+        the parameters (a quantized method's dequantized weights)."""
+        w_gu, w_down = expert_weights if expert_weights is not None else (self.gate_up_proj, self.down_proj)
         k = ids.shape[1]
         flat = ids.reshape(-1)                                                # [T*k]
         order = torch.argsort(flat, stable=True)
@@ -283,8 +292,8 @@ class FusedExperts(nn.Module):
             if n == 0:
                 continue
             tok = token_of[start:start + n]
-            gate_up = F.linear(x[tok], self.gate_up_proj[e], None if b_gu is None else b_gu[e])  # [n, 2I]
-            h = F.linear(self.act(gate_up), self.down_proj[e], None if b_down is None else b_down[e])  # [n, H]
+            gate_up = F.linear(x[tok], w_gu[e], None if b_gu is None else b_gu[e])  # [n, 2I]
+            h = F.linear(self.act(gate_up), w_down[e], None if b_down is None else b_down[e])  # [n, H]
             out.index_add_(0, tok, (h * weight_of[start:start + n, None]).to(x.dtype))
             start += n
         return out

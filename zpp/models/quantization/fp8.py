@@ -1,4 +1,5 @@
-"""FP8 weights: checkpoint formats, on-the-fly quantization, and how they reach the strict loader.
+"""FP8 (e4m3) weights, both checkpoint layouts: what the checkpoint holds, how the CPU dequantizes it,
+and the method that keeps linear layers in FP8 on a GPU (:class:`Fp8Config`, :class:`Fp8LinearMethod`).
 
 Two FP8 checkpoint layouts load on every family, the families unaware of them:
 
@@ -16,23 +17,21 @@ Two FP8 checkpoint layouts load on every family, the families unaware of them:
   ``X.weight_scale`` and, with ``activation_scheme: static``, ``X.input_scale``.
 
 In every layout the weight is dequantized as ``w = w_fp8.float() * scale`` (the scale broadcast
-over its block). What is quantized is read from the checkpoint itself (a float8 tensor with a
-scale next to it), not from ``ignore`` / ``targets`` patterns: ``ignore`` only says which layers
-were left in high precision, and those are stored so.
+over its block; :func:`~zpp.models.quantization.fp8_utils.dequantize`). What is quantized is read
+from the checkpoint itself (a float8 tensor with a scale next to it), not from ``ignore`` /
+``targets`` patterns: ``ignore`` only says which layers were left in high precision, and those are
+stored so.
 
-How a checkpoint loads (:func:`plan_checkpoint`, :func:`iter_planned`):
-
-* Where FP8 cannot run (CPU; a GPU of compute capability < 8.9) every FP8 weight is dequantized
-  on load to the model's dtype and handed to the family's strict loader under its own name, so a
-  missing tensor is named as for any checkpoint (a missing scale: ``ValueError`` naming it).
-* On a GPU with FP8, a linear layer (:class:`zpp.models.layers.linear.Linear` and its merged /
-  row-parallel forms) keeps its weight in FP8 when every checkpoint tensor feeding it is FP8 with a
-  supported scale and the shapes suit the kernels; its scales load, through the same strict loader,
-  into a ``weight_scale`` parameter (``[N_local]`` fp32 per output channel -- a per-tensor scale is
-  broadcast to its rows, so q/k/v with three scales merge into one qkv -- or the block grid
-  ``[ceil(N_local/bn), ceil(K_local/bk)]``), and a static ``input_scale`` into ``input_scale``
-  ``[shards]`` (the largest is used, as vLLM does for merged layers). Any other weight (MoE experts,
-  embeddings, layers that fail a check) is dequantized as on the CPU.
+Where FP8 cannot run (CPU; a GPU of compute capability < 8.9) every FP8 weight is dequantized on
+load to the model's dtype. On a GPU with FP8, a linear layer (:class:`zpp.models.layers.linear.Linear`
+and its merged / row-parallel forms) keeps its weight in FP8 (:class:`Fp8LinearMethod`) when every
+checkpoint tensor feeding it is FP8 with a supported scale and the shapes suit the kernels
+(:func:`fp8_layout_ok`); its scales load, through the same strict loader, into a ``weight_scale``
+parameter (``[N_local]`` fp32 per output channel -- a per-tensor scale is broadcast to its rows, so
+q/k/v with three scales merge into one qkv -- or the block grid ``[ceil(N_local/bn),
+ceil(K_local/bk)]``), and a static ``input_scale`` into ``input_scale`` ``[shards]`` (the largest is
+used, as vLLM does for merged layers). Any other weight (MoE experts, embeddings, layers that fail a
+check) is dequantized as on the CPU.
 
 ``--quantization fp8`` (vLLM's flag; :func:`quantize_model_fp8`): after a bf16/fp16 checkpoint (or
 dummy weights) loaded, every linear layer's weight is quantized to e4m3 per output channel
@@ -41,34 +40,54 @@ without a checkpoint scale). Refused on CPU and on GPUs below compute capability
 """
 from __future__ import annotations
 
-import logging
+import math
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
 from zpp.errors import ConfigError
-from zpp.models.layers.fp8 import FP8_DTYPE, quantize_block, quantize_per_channel
+from zpp.models.quantization.base import (FusedMoEMethod, Getter, LinearMethod, PlannedTensor, QuantizationConfig, TensorIndex,
+                                          TensorInfo, keeps_dtype, linear_modules)
+from zpp.models.quantization.fp8_utils import FP8_DTYPE, dequantize, quantize_block, quantize_per_channel
 
-logger = logging.getLogger(__name__)
+SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale", ".activation_scale", "_proj_scale_inv",
+                  "_proj_scale")
+"""Checkpoint tensors that travel with an FP8 weight."""
+KV_SCALE_RE = re.compile(r"^(.*\.layers\.(\d+)\.self_attn)\.(?:(k|v)_scale|(k|v)_proj\.output_scale)$")
+"""A KV-cache scale: ``self_attn.k_scale`` / ``v_scale`` (older: ``self_attn.k_proj.output_scale``)."""
 
 
-SUPPORTED_QUANTIZATION = ("compressed-tensors", "fp8")
-"""``quantization_config.quant_method`` values zpp loads (FP8 only)."""
+def scale_name(base: str, index: TensorIndex) -> Optional[str]:
+    """The checkpoint name of the weight scale of ``base.weight`` (``weight_scale_inv`` or
+    ``weight_scale``), or, for a fused expert tensor ``base`` without ``.weight`` (HF's
+    ``experts.gate_up_proj``), of ``base_scale_inv`` / ``base_scale``; None if the checkpoint has none."""
+    for suffix in (".weight_scale_inv", ".weight_scale", "_scale_inv", "_scale"):
+        if base + suffix in index:
+            return base + suffix
+    return None
 
-_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale", ".activation_scale")
-_KV_SCALE_RE = re.compile(r"^(.*\.layers\.(\d+)\.self_attn)\.(?:(k|v)_scale|(k|v)_proj\.output_scale)$")
-# Linear layers whose weight a family reads outside the layer's forward (so it must stay in the model
-# dtype): DeepSeek's MLA folds kv_b_proj's key and value parts into the attention (weight absorption).
-_KEEP_DTYPE_MODULES = ("kv_b_proj",)
+
+def _base(name: str) -> str:
+    """``X`` of a weight ``X.weight``; a fused expert tensor is its own base."""
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def input_scale_name(base: str, index: TensorIndex) -> Optional[str]:
+    """The checkpoint name of ``base``'s static activation scale, None if there is none."""
+    for suffix in (".input_scale", ".activation_scale"):
+        if base + suffix in index:
+            return base + suffix
+    return None
 
 
 # --- the checkpoint's quantization_config --------------------------------------------------------
 @dataclass(frozen=True)
-class CheckpointQuant:
-    """An FP8 checkpoint's scheme, from ``config.json``'s ``quantization_config``.
+class Fp8Config(QuantizationConfig):
+    """An FP8 checkpoint's scheme, from ``config.json``'s ``quantization_config``
+    (:func:`parse_compressed_tensors`, :func:`parse_fp8`).
 
     method: ``compressed-tensors`` or ``fp8``.
     block: ``(bn, bk)`` for block-scaled weights (output rows x input columns per scale), else None.
@@ -85,38 +104,123 @@ class CheckpointQuant:
     kv_cache_scales: bool = False
     ignore: tuple[str, ...] = ()
 
+    # --- what the checkpoint holds -------------------------------------------------------------
+    def is_auxiliary(self, name: str) -> bool:
+        return name.endswith(SCALE_SUFFIXES)
 
-def _method(q: dict) -> str:
-    method = q.get("quant_method")
-    if not method and (q.get("load_in_4bit") or q.get("load_in_8bit")):
-        method = "bitsandbytes"
-    return str(method).lower() if method else "unknown"
+    def is_quantized(self, info: TensorInfo) -> bool:
+        return info.dtype in ("F8_E4M3", "F8_E5M2")
 
-
-def parse_quantization_config(cfg: dict[str, Any]) -> Optional[CheckpointQuant]:
-    """The checkpoint's FP8 scheme, None for an unquantized checkpoint.
-
-    Parsed here rather than with the ``compressed-tensors`` package: importing it pulls in
-    transformers and accelerate (about 7 s on the 2-core development VM) in every worker, for a few
-    JSON fields; the tests check that the configs this module accepts validate with it.
-
-    Raises:
-        ConfigError: one line naming the method or the field zpp does not support (gptq, awq,
-            bitsandbytes, mxfp4, ... ; integer or 4-bit schemes; asymmetric or group-wise FP8;
-            output activations; e5m2; static activations with block scales).
-    """
-    q = cfg.get("quantization_config")
-    if not q:
+    def weight_kind(self, index: TensorIndex, name: str) -> Optional[str]:
+        """``channel`` (per-tensor or per-channel scale), ``block``, or None (not a usable FP8
+        weight: not e4m3, no scale, a scale of another shape). 2-D weights ``[N, K]`` and stacked
+        experts ``[E, N, K]`` (with ``[E, ...]`` scales)."""
+        info = index[name]
+        if info.dtype != "F8_E4M3" or len(info.shape) not in (2, 3):
+            return None
+        s = scale_name(_base(name), index)
+        if s is None:
+            return None
+        shape = index[s].shape
+        lead, (n, k) = info.shape[:-2], info.shape[-2:]
+        if lead and shape[:len(lead)] != lead:
+            return None
+        shape = shape[len(lead):]
+        if self.block is not None and shape == (-(-n // self.block[0]), -(-k // self.block[1])):
+            return "block"                      # (a weight within one block has a [1, 1] grid: block too)
+        if math.prod(shape) == 1 or shape in ((n,), (n, 1)):
+            return "channel"
         return None
-    if not isinstance(q, dict):
-        raise ConfigError("quantization_config is not a JSON object")
-    method = _method(q)
-    if method == "compressed-tensors":
-        return _parse_compressed_tensors(q)
-    if method == "fp8":
-        return _parse_fp8(q)
-    raise ConfigError(f"quantized checkpoint (quantization_config.quant_method {method!r}) is not supported: "
-                      f"zpp loads FP8 checkpoints ({', '.join(SUPPORTED_QUANTIZATION)}) and unquantized safetensors")
+
+    def kv_scale(self, name: str) -> Optional[tuple[int, str]]:
+        m = KV_SCALE_RE.match(name)
+        return (int(m.group(2)), m.group(3) or m.group(4)) if m else None
+
+    # --- the CPU's rule ------------------------------------------------------------------------
+    def plan_dequantize(self, index: TensorIndex, name: str, dtype: torch.dtype) -> PlannedTensor:
+        base = _base(name)
+        scale = scale_name(base, index)
+        if scale is None:
+            raise ValueError(f"checkpoint tensor {name!r} is FP8 but the checkpoint has no {base}.weight_scale "
+                             f"or {base}.weight_scale_inv")
+        return PlannedTensor(name, "dequantize", name, scale=scale, dtype=dtype)
+
+    def materialize(self, t: PlannedTensor, get: Getter, device: torch.device) -> torch.Tensor:
+        """Ops: ``dequantize`` (``w_fp8 * scale`` in ``t.dtype``, on ``device``), ``block_scale``
+        (a block grid, float32), ``scale`` (per tensor / ``[N, 1]`` -> per channel ``[..., N]``),
+        ``input_scale`` (float32)."""
+        x = get(t.source)
+        if t.op == "dequantize":
+            s = get(t.scale)
+            if s.dtype == torch.uint8:
+                raise ValueError(f"checkpoint tensor {t.scale!r}: uint8 (ue8m0) scales are not supported")
+            try:
+                return dequantize(x.to(device), s, self.block, t.dtype)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {t.scale!r}: {e}") from None
+        if t.op == "scale":
+            s = x.float()
+            if s.numel() == 1:
+                return s.reshape(()).expand(t.rows).contiguous()           # per tensor -> per channel
+            if s.shape[-1] == 1 and s.dim() >= 2:
+                return s.reshape(s.shape[:-1])                              # [..., N, 1] -> [..., N]
+            return s
+        if t.op in ("block_scale", "input_scale"):
+            return x.float()
+        raise ValueError(f"unknown planned op {t.op!r}")
+
+    # --- the GPU's methods ---------------------------------------------------------------------
+    def linear_method(self, layer: nn.Module, sources: list[str], index: TensorIndex) -> Optional["Fp8LinearMethod"]:
+        """:class:`Fp8LinearMethod` where every source is an FP8 weight with a usable scale of one
+        kind and the layer's shapes suit the kernels (:func:`fp8_layout_ok`); else None."""
+        kinds = {self.weight_kind(index, s) for s in sources}
+        if len(kinds) != 1 or None in kinds:
+            return None
+        block = self.block if kinds == {"block"} else None
+        if not fp8_layout_ok(layer, block):
+            return None
+        static = block is None and self.static_activations and all(
+            input_scale_name(s[: -len(".weight")], index) for s in sources)
+        return Fp8LinearMethod(block, static, strict_scales=True)
+
+    def moe_method(self, experts: nn.Module, sources: list[str], index: TensorIndex) -> Optional[FusedMoEMethod]:
+        """:class:`~zpp.models.quantization.fp8_moe.Fp8MoEMethod` where every expert tensor is FP8
+        with a usable scale of one kind, a fused checkpoint is in HF's layout and the shapes suit
+        the kernels (:func:`~zpp.models.quantization.fp8_moe.moe_layout_ok`); else None."""
+        from zpp.models.quantization.fp8_moe import MOE_CHECKPOINT_LAYOUTS, Fp8MoEMethod, moe_layout_ok
+        kinds = {self.weight_kind(index, s) for s in sources}
+        if len(kinds) != 1 or None in kinds:
+            return None
+        if experts.layout not in MOE_CHECKPOINT_LAYOUTS and any(not s.endswith(".weight") for s in sources):
+            return None
+        block = self.block if kinds == {"block"} else None
+        return Fp8MoEMethod(block) if moe_layout_ok(experts, block) else None
+
+    def kept(self, param: nn.Parameter) -> bool:
+        return param.dtype == FP8_DTYPE
+
+    def plan_kept(self, index: TensorIndex, name: str, module: nn.Module) -> list[PlannedTensor]:
+        """The canonical ``X.weight_scale`` (a fused expert tensor's: ``X_scale``; and a static
+        ``X.input_scale`` where ``module`` takes one)."""
+        base = _base(name)
+        out = []
+        scale = scale_name(base, index)
+        if scale is not None:
+            op = "block_scale" if self.weight_kind(index, name) == "block" else "scale"
+            canonical = f"{base}.weight_scale" if name.endswith(".weight") else f"{base}_scale"
+            out.append(PlannedTensor(canonical, op, scale, rows=index[name].shape[-2]))
+        inp = input_scale_name(base, index)
+        if inp is not None and getattr(module, "input_scale", None) is not None:
+            out.append(PlannedTensor(f"{base}.input_scale", "input_scale", inp))
+        return out
+
+    def quantize_like_checkpoint(self, model: nn.Module) -> int:
+        """``--load-format dummy`` with this config on a GPU with FP8: linear layers
+        (:func:`quantize_model_like_checkpoint`) and experts
+        (:func:`~zpp.models.quantization.fp8_moe.quantize_experts`) as the checkpoint's. Returns
+        the number of layers quantized."""
+        from zpp.models.quantization.fp8_moe import quantize_experts
+        return quantize_model_like_checkpoint(model, self) + quantize_experts(model, self.block)
 
 
 def _ct_refuse(what: str) -> ConfigError:
@@ -124,7 +228,8 @@ def _ct_refuse(what: str) -> ConfigError:
                        "format float-quantized, symmetric per-tensor / per-channel / block weight scales)")
 
 
-def _parse_compressed_tensors(q: dict) -> CheckpointQuant:
+def parse_compressed_tensors(q: dict) -> "Fp8Config":
+    """compressed-tensors ``float-quantized`` -> :class:`Fp8Config` (ConfigError for any other scheme)."""
     fmt = q.get("format")
     groups = q.get("config_groups") or {}
     if not isinstance(groups, dict) or not groups:
@@ -178,10 +283,11 @@ def _parse_compressed_tensors(q: dict) -> CheckpointQuant:
     if kv:
         if kv.get("type") != "float" or int(kv.get("num_bits", 0)) != 8 or kv.get("strategy") not in ("tensor", None):
             raise _ct_refuse(f"kv_cache_scheme {kv!r}")
-    return CheckpointQuant("compressed-tensors", block, static, bool(kv), tuple(q.get("ignore") or ()))
+    return Fp8Config("compressed-tensors", block, static, bool(kv), tuple(q.get("ignore") or ()))
 
 
-def _parse_fp8(q: dict) -> CheckpointQuant:
+def parse_fp8(q: dict) -> "Fp8Config":
+    """``quant_method: fp8`` (HF ``FineGrainedFP8Config`` / AutoFP8) -> :class:`Fp8Config`."""
     fmt = q.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ConfigError(f"FP8 checkpoint (quant_method 'fp8'): fmt {fmt!r} is not supported (e4m3 only)")
@@ -198,19 +304,7 @@ def _parse_fp8(q: dict) -> CheckpointQuant:
             raise ConfigError("FP8 checkpoint (quant_method 'fp8'): activation_scheme 'static' with "
                               "weight_block_size is not supported")
     ignore = tuple(q.get("modules_to_not_convert") or q.get("ignored_layers") or ())
-    return CheckpointQuant("fp8", block, scheme == "static", False, ignore)
-
-
-def check_quantization(cfg: dict[str, Any]) -> None:
-    """Refuse, before any weight loads, a quantized checkpoint zpp cannot load (one-line ConfigError
-    naming the method or field; see :func:`parse_quantization_config`)."""
-    parse_quantization_config(cfg)
-
-
-def fp8_supported(device: torch.device) -> bool:
-    """Whether FP8 GEMMs run on ``device``: a CUDA GPU of compute capability >= 8.9 (Ada, Hopper)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
+    return Fp8Config("fp8", block, scheme == "static", False, ignore)
 
 # --- FP8 linear layers ---------------------------------------------------------------------------
 @dataclass
@@ -228,11 +322,28 @@ class Fp8Params:
     input_scale: Optional[torch.Tensor] = None
 
 
-def _linear_modules(model: nn.Module):
-    from zpp.models.layers.linear import Linear
-    for name, mod in model.named_modules():
-        if isinstance(mod, Linear):
-            yield name, mod
+class Fp8LinearMethod(LinearMethod):
+    """A linear layer with an e4m3 weight (vLLM's ``Fp8LinearMethod``): ``block`` ``(bn, bk)`` or None
+    (per output channel); ``static_input``: the checkpoint's per-tensor ``input_scale``;
+    ``strict_scales``: the scales are parameters the strict loader must fill (a checkpoint), else
+    buffers (online quantization). The product: :func:`zpp.models.quantization.fp8_linear.fp8_linear`."""
+
+    def __init__(self, block: Optional[tuple[int, int]] = None, static_input: bool = False,
+                 strict_scales: bool = True):
+        self.block, self.static_input, self.strict_scales = block, static_input, strict_scales
+
+    def create_weights(self, layer: nn.Module) -> None:
+        make_fp8_linear(layer, self.block, self.static_input, self.strict_scales)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """A merged layer with static input scales uses their largest."""
+        p = layer.fp8
+        if p is not None and p.input_scale is not None and p.input_scale.numel() > 1:
+            p.input_scale = p.input_scale.max().reshape(1)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        from zpp.models.quantization.fp8_linear import fp8_linear
+        return fp8_linear(x, layer.weight, layer.fp8, bias)
 
 
 def _shard_sizes(mod) -> tuple[list[int], list[int]]:
@@ -298,6 +409,7 @@ def make_fp8_linear(mod, block: Optional[tuple[int, int]], static_input: bool, s
         inp.weight_loader = _input_scale_loader
         mod.input_scale = inp
     mod.fp8 = Fp8Params(mod.weight_scale, block, inp)
+    mod.quant_method = Fp8LinearMethod(block, static_input, strict_scales)
     del old
 
 
@@ -347,18 +459,6 @@ def _input_scale_loader(param: nn.Parameter, loaded: torch.Tensor, shard: Option
     param.data[0 if shard is None else shard] = loaded.reshape(()).float()
 
 
-def finish_fp8_loading(model: nn.Module) -> None:
-    """After the checkpoint loaded: merged layers with static input scales use their largest."""
-    for _, mod in _linear_modules(model):
-        p = mod.fp8
-        if p is not None and p.input_scale is not None and p.input_scale.numel() > 1:
-            p.input_scale = p.input_scale.max().reshape(1)
-
-
-def _keep_dtype(name: str, mod) -> bool:
-    return not getattr(mod, "fp8_allowed", True) or name.rsplit(".", 1)[-1] in _KEEP_DTYPE_MODULES
-
-
 @torch.no_grad()
 def quantize_model_fp8(model: nn.Module) -> int:
     """``--quantization fp8``: quantize every linear layer's (loaded) weight to e4m3 per output channel,
@@ -366,10 +466,10 @@ def quantize_model_fp8(model: nn.Module) -> int:
     not multiples of 16), transposed (GPT-2 Conv1D) ones and weights a family reads outside the
     layer (DeepSeek's ``kv_b_proj``) keep their dtype. Returns the number of layers quantized."""
     n = 0
-    for name, mod in _linear_modules(model):
+    for name, mod in linear_modules(model):
         if mod.fp8 is not None or mod.weight.dtype not in (torch.bfloat16, torch.float16):
             continue
-        if _keep_dtype(name, mod) or not fp8_layout_ok(mod, None):
+        if keeps_dtype(name, mod) or not fp8_layout_ok(mod, None):
             continue
         q, s = quantize_per_channel(mod.weight.data)
         make_fp8_linear(mod, None, False, strict_scales=False)
@@ -380,14 +480,14 @@ def quantize_model_fp8(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def quantize_model_like_checkpoint(model: nn.Module, quant: CheckpointQuant) -> int:
+def quantize_model_like_checkpoint(model: nn.Module, quant: "Fp8Config") -> int:
     """``--load-format dummy`` with an FP8 checkpoint's config on a GPU with FP8: the random weights
     quantized as the checkpoint's are (``quant.block`` tiles, else per output channel)."""
     if quant.block is None:
         return quantize_model_fp8(model)
     n = 0
-    for name, mod in _linear_modules(model):
-        if mod.fp8 is not None or _keep_dtype(name, mod) or not fp8_layout_ok(mod, quant.block):
+    for name, mod in linear_modules(model):
+        if mod.fp8 is not None or keeps_dtype(name, mod) or not fp8_layout_ok(mod, quant.block):
             continue
         q, s = quantize_block(mod.weight.data, quant.block)
         make_fp8_linear(mod, quant.block, False, strict_scales=False)

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from zpp import envs
+
 from zpp.models.layers.pdl import pdl, pdl_enter
 
 FP8_MAX = 448.0
@@ -210,13 +212,15 @@ def per_token_group_quant(x: torch.Tensor, group_size: int) -> tuple[torch.Tenso
 def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stride_ws,
                      M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCKWISE: tl.constexpr, BN_S: tl.constexpr,
                      BK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
+                     SCALE_X: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     # One program: BLOCK_N output rows for all M (<= 4) inputs, the whole K. Each step's
     # [BLOCK_N, BLOCK_K] products are reduced to [BLOCK_N] at once: a [BLOCK_N, BLOCK_K] fp32
     # accumulator (triton_ops._gemv_kernel's layout) costs registers that, with float8 weights, left
     # too few loads in flight (H200, Llama-3-8B shapes at M = 1: 83.9 -> 61.5 us per layer,
-    # scripts/fp8_gemv_sweep.py). Per-channel scales multiply the sums once at the end; block scales
-    # (BN_S x BK_S tiles) multiply each weight element as it is read.
+    # scripts/fp8_gemv_sweep.py). Per-channel scales multiply the sums once at the end. Block scales
+    # (BN_S x BK_S tiles): with SCALE_X (BLOCK_N divides BN_S, so a program's rows lie in one scale
+    # row) one [BLOCK_K] scale vector multiplies the activations; else each weight element as it is
+    # read, a [BLOCK_N, BLOCK_K] float32 gather per step (4x the weight's bytes through L1).
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -234,20 +238,32 @@ def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stri
         else:
             w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                         other=0.0).to(tl.float32)
+        xs = tl.full([BLOCK_K], 1.0, tl.float32)
         if BLOCKWISE:
-            ws = tl.load(WS + (n // BN_S)[:, None] * stride_ws + (k // BK_S)[None, :],
-                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            w = w * ws
+            if SCALE_X:  # the program's rows share one scale row: scale the K vector, not each weight
+                xs = tl.load(WS + ((pid * BLOCK_N) // BN_S) * stride_ws + k // BK_S, mask=k_ok, other=0.0)
+            else:
+                ws = tl.load(WS + (n // BN_S)[:, None] * stride_ws + (k // BK_S)[None, :],
+                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                w = w * ws
         x0 = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
+        if SCALE_X:
+            x0 = x0 * xs
         acc0 += tl.sum(w * x0[None, :], 1)
         if M > 1:
             x1 = tl.load(X + stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
+            if SCALE_X:
+                x1 = x1 * xs
             acc1 += tl.sum(w * x1[None, :], 1)
         if M > 2:
             x2 = tl.load(X + 2 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
+            if SCALE_X:
+                x2 = x2 * xs
             acc2 += tl.sum(w * x2[None, :], 1)
         if M > 3:
             x3 = tl.load(X + 3 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
+            if SCALE_X:
+                x3 = x3 * xs
             acc3 += tl.sum(w * x3[None, :], 1)
     scale = tl.full([BLOCK_N], 1.0, tl.float32)
     if not BLOCKWISE:
@@ -265,6 +281,7 @@ def _fp8_gemv_kernel(X, W, WS, B, Y, N, K, stride_xm, stride_wn, stride_ym, stri
 
 
 FP8_GEMV_MAX_M = 4
+_GEMV_SCALE_X = envs.ZPP_FP8_GEMV_BLOCK_SCALE_X  # block scales on the activation vector (0: per weight element)
 
 
 def fp8_gemv_config(n: int, k: int) -> dict:
@@ -298,7 +315,8 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, block
     _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](
         x, w, weight_scale, bias if bias is not None else x, y, N, K, x.stride(0), w.stride(0), y.stride(0),
         weight_scale.stride(0), M=M, HAS_BIAS=bias is not None, BLOCKWISE=block is not None, BN_S=bn, BK_S=bk,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, num_warps=num_warps, num_stages=num_stages, **pdl(w))
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, SCALE_X=block is not None and bn % block_n == 0 and _GEMV_SCALE_X,
+        num_warps=num_warps, num_stages=num_stages, **pdl(w))
     return y
 
 

@@ -1,17 +1,18 @@
-"""The forward of a linear layer whose weight is FP8 (e4m3): which kernel runs it.
+"""The forward of a linear layer whose weight is FP8 (e4m3): which kernel runs it (the ``apply`` of
+:class:`zpp.models.quantization.fp8.Fp8LinearMethod`; called by :func:`zpp.models.layers.linear.linear`).
 
 On CUDA (a GPU of compute capability >= 8.9; elsewhere no weight stays FP8,
-see :mod:`zpp.models.quantization`):
+see :mod:`zpp.models.quantization.fp8`):
 
-* decode batches of M <= 4 tokens: :func:`~zpp.models.layers.fp8_kernels.fp8_gemv` (W8A16: the
+* decode batches of M <= 4 tokens: :func:`~zpp.models.quantization.fp8_kernels.fp8_gemv` (W8A16: the
   float8 weight read once, scaled in float32; the activations stay in the model dtype, so nothing is
   quantized on the hot batch-1 path);
 * per-channel weights: activations quantized per token (or with the static ``input_scale``) by
-  :func:`~zpp.models.layers.fp8_kernels.per_token_quant`, then ``torch._scaled_mm`` with row-wise
+  :func:`~zpp.models.quantization.fp8_kernels.per_token_quant`, then ``torch._scaled_mm`` with row-wise
   scales (``scale_a [M, 1]``, ``scale_b [1, N]`` float32, bf16 out; cuBLASLt / CUTLASS row-wise
   FP8 on Hopper);
 * block-scaled weights: activations quantized per token and ``bk``-wide group, then the Triton
-  :func:`~zpp.models.layers.fp8_kernels.block_gemm`.
+  :func:`~zpp.models.quantization.fp8_kernels.block_gemm`.
 
 On the CPU (unit tests only) the same numerics in PyTorch: activations quantized as above (the
 GEMV's W8A16 included), weights dequantized.
@@ -19,12 +20,12 @@ GEMV's W8A16 included), weights dequantized.
 ``ZPP_FP8_GEMV=0``: no W8A16 GEMV (every batch through the W8A8 GEMMs), for A/B runs.
 
 A gated MLP quantizes its down projection's input inside the SiLU-and-mul kernel
-(:func:`~zpp.models.layers.fp8_kernels.silu_mul_quant`, where :func:`fuses_input_quant` allows it)
+(:func:`~zpp.models.quantization.fp8_kernels.silu_mul_quant`, where :func:`fuses_input_quant` allows it)
 and calls :func:`fp8_linear_quantized`; ``ZPP_FP8_FUSED_QUANT=0`` keeps the two kernels apart.
 
 A LLaMA-family decoder layer hands its RMSNorm to the projection after it (:func:`rms_norm_fp8_linear`,
 where :func:`fuses_norm` allows it): past the GEMV's rows the norm quantizes its output per token in
-the same kernel (:func:`~zpp.models.layers.fp8_kernels.rms_norm_quant`; ``ZPP_FP8_FUSED_QUANT=0``
+the same kernel (:func:`~zpp.models.quantization.fp8_kernels.rms_norm_quant`; ``ZPP_FP8_FUSED_QUANT=0``
 keeps norm and quantization apart). A batch the W8A16 GEMV takes runs the norm on its own (the norm
 inside the GEMV measured slower on an H100, 3.65 vs 3.58 ms batch-1 TPOT, and was removed).
 """
@@ -36,21 +37,19 @@ import torch
 import torch.nn.functional as F
 
 from zpp import envs
+from zpp.models.quantization.fp8_utils import dequantize, quantize_activations_reference
 
 _FP8_GEMV = envs.ZPP_FP8_GEMV
 _FUSED_QUANT = envs.ZPP_FP8_FUSED_QUANT
 _FAST_ACCUM = envs.ZPP_FP8_FAST_ACCUM
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-"""Largest finite float8_e4m3fn value."""
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, p, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [M, K]`` (bf16/fp16) times the FP8 weight ``w [N, K]`` with scales ``p``
-    (:class:`zpp.models.quantization.Fp8Params`) -> ``[M, N]`` in ``x``'s dtype (+ ``bias``)."""
+    (:class:`zpp.models.quantization.fp8.Fp8Params`) -> ``[M, N]`` in ``x``'s dtype (+ ``bias``)."""
     if not x.is_cuda:
         return fp8_linear_reference(x, w, p, bias)
-    from zpp.models.layers import fp8_kernels as K
+    from zpp.models.quantization import fp8_kernels as K
     if _gemv_rows(x.shape[0]) and x.stride(-1) == 1:
         return K.fp8_gemv(x, w, p.weight_scale, p.block, bias, **K.fp8_gemv_config(w.shape[0], w.shape[1]))
     if x.stride(-1) != 1:
@@ -65,7 +64,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, p, bias: Optional[torch.Tensor]
 def _gemv_rows(m: int) -> bool:
     """Whether a CUDA batch of ``m`` rows goes to the W8A16 GEMV (given unit stride in a row):
     ``0 < m <= FP8_GEMV_MAX_M`` with ``ZPP_FP8_GEMV`` on. The fusions below apply past it."""
-    from zpp.models.layers.fp8_kernels import FP8_GEMV_MAX_M
+    from zpp.models.quantization.fp8_kernels import FP8_GEMV_MAX_M
     return 0 < m <= FP8_GEMV_MAX_M and _FP8_GEMV
 
 
@@ -112,7 +111,7 @@ def fuses_norm(norm, layer, x: torch.Tensor) -> bool:
         return False
     if type(norm) is not RMSNorm or norm.weight_in_float32:
         return False
-    from zpp.models.layers.fp8_kernels import RMS_NORM_QUANT_MAX_K
+    from zpp.models.quantization.fp8_kernels import RMS_NORM_QUANT_MAX_K
     return not _gemv_rows(x.shape[0]) and _FUSED_QUANT and x.shape[1] <= RMS_NORM_QUANT_MAX_K
 
 
@@ -120,32 +119,11 @@ def rms_norm_fp8_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm,
                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``layer(norm(x, residual))`` with the norm fused, where :func:`fuses_norm` allows it: ``x [M, K]``,
     ``residual [M, K]`` or None -> ``(layer's output [M, N]`` in ``x``'s dtype, ``x + residual)``
-    (None without ``residual``): :func:`~zpp.models.layers.fp8_kernels.rms_norm_quant` (the norm and
+    (None without ``residual``): :func:`~zpp.models.quantization.fp8_kernels.rms_norm_quant` (the norm and
     the per-token quantization in one pass) then :func:`fp8_linear_quantized`."""
-    from zpp.models.layers import fp8_kernels as K
+    from zpp.models.quantization import fp8_kernels as K
     xq, xs, summed = K.rms_norm_quant(x, residual, norm.weight, norm.eps)
     return fp8_linear_quantized(xq, xs, layer.weight, layer.fp8, layer.bias, x.dtype), summed
-
-
-def quantize_activations_reference(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None,
-                                   group: Optional[int] = None) -> torch.Tensor:
-    """The GPU kernels' activation quantization in PyTorch, returned dequantized (float32 ``[M, K]``):
-    per token (``amax / 448``), static (``input_scale``), or per token and ``group`` columns."""
-    xf = x.float()
-    M, K = xf.shape
-    if group is not None:
-        G = -(-K // group)
-        pad = torch.zeros(M, G * group, dtype=torch.float32, device=x.device)
-        pad[:, :K] = xf
-        t = pad.view(M, G, group)
-        s = (t.abs().amax(-1, keepdim=True).clamp_min(1e-10) / FP8_MAX)
-        q = (t / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
-        return q.view(M, G * group)[:, :K]
-    if input_scale is not None:
-        s = input_scale.float().reshape(1, 1)
-    else:
-        s = xf.abs().amax(-1, keepdim=True).clamp_min(1e-10) / FP8_MAX
-    return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
 
 
 def fp8_linear_reference(x: torch.Tensor, w: torch.Tensor, p, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -160,70 +138,3 @@ def fp8_linear_reference(x: torch.Tensor, w: torch.Tensor, p, bias: Optional[tor
     y = F.linear(xf, wf, None if bias is None else bias.float())
     return y.to(x.dtype)
 
-
-# --- quantize / dequantize -----------------------------------------------------------------------
-def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` -> (float8_e4m3fn ``[N, K]``, float32 scale ``[N]``), ``w ~= q * scale[:, None]``,
-    ``scale = amax(|w_row|) / 448`` (all-zero rows get scale 1). Computed in float32 on ``w``'s device."""
-    wf = w.float()
-    scale = wf.abs().amax(dim=1) / FP8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
-
-
-def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` -> (float8_e4m3fn, float32 scalar scale ``[]``), ``scale = amax(|w|) / 448``."""
-    wf = w.float()
-    scale = wf.abs().amax() / FP8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
-
-
-def quantize_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` -> (float8_e4m3fn ``[N, K]``, float32 scale ``[ceil(N/bn), ceil(K/bk)]``): one
-    scale per ``bn x bk`` tile (the last row / column of tiles may be partial), ``amax / 448``,
-    as DeepSeek-V3's ``weight_block_size`` checkpoints."""
-    N, K = w.shape
-    bn, bk = block
-    nb, kb = -(-N // bn), -(-K // bk)
-    wf = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=w.device)
-    wf[:N, :K] = w.float()
-    tiles = wf.view(nb, bn, kb, bk)
-    scale = tiles.abs().amax(dim=(1, 3)) / FP8_MAX                                 # [nb, kb]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nb * bn, kb * bk)[:N, :K]
-    return q.to(FP8_DTYPE).contiguous(), scale
-
-
-def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
-    """A block grid ``[ceil(N/bn), ceil(K/bk)]`` -> the per-element scale ``[N, K]`` (float32)."""
-    N, K = shape
-    return scale.float().repeat_interleave(block[0], 0)[:N].repeat_interleave(block[1], 1)[:, :K]
-
-
-def dequantize(w: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
-    """``w_fp8.float() * scale`` in ``dtype``; ``scale``: a scalar / ``[1]`` (per tensor), ``[N]`` or
-    ``[N, 1]`` (per channel), or with ``block`` the grid ``[ceil(N/bn), ceil(K/bk)]``. Works for 2-D
-    weights and for stacked experts ``[E, N, K]`` with ``[E, ...]`` scales.
-
-    Raises:
-        ValueError: the scale's shape fits none of these.
-    """
-    wf = w.float()
-    s = scale.float().to(w.device)
-    if s.numel() == 1:
-        return (wf * s.reshape(())).to(dtype)
-    N, K = w.shape[-2:]
-    lead = tuple(w.shape[:-2])
-    if s.shape in (lead + (N,), lead + (N, 1)):
-        return (wf * s.reshape(lead + (N, 1))).to(dtype)
-    if block is not None:
-        grid = lead + (-(-N // block[0]), -(-K // block[1]))
-        if tuple(s.shape) == grid:
-            if lead:
-                full = torch.stack([expand_block_scale(si, (N, K), block) for si in s.reshape(-1, *grid[-2:])])
-                return (wf * full.reshape(wf.shape)).to(dtype)
-            return (wf * expand_block_scale(s, (N, K), block)).to(dtype)
-    raise ValueError(f"scale of shape {tuple(s.shape)} fits neither per-tensor, per-channel nor "
-                     f"{'block ' + str(block) if block else 'block'} scaling of a weight {tuple(w.shape)}")
