@@ -6,7 +6,7 @@
 * The MoE warm-up: its token counts build every kernel variant (tile configuration and integer
   class of ``M = T * k``) that a batch of up to ``--max-num-batched-tokens`` tokens launches, for
   the FP8 experts of the measured Qwen3-30B-A3B / DeepSeek-V3 shapes and for bf16; and the GPU's
-  last start-up step (``worker.warm_up_and_watch``) runs the experts at each of those counts.
+  last start-up step (``start_up_passes.warm_up_and_watch``) runs the experts at each of those counts.
 """
 from __future__ import annotations
 
@@ -89,11 +89,11 @@ def test_warmup_counts_cover_every_variant(E, H, I, fp8, block):
 
 
 def test_gpu_start_up_warms_the_experts(tmp_path, monkeypatch):
-    """``worker.warm_up_and_watch`` (the GPU's last start-up step) runs every expert shape at each
+    """``start_up_passes.warm_up_and_watch`` (the GPU's last start-up step) runs every expert shape at each
     of its warm-up token counts, routed to ``num_experts_per_tok`` experts."""
     from triton import knobs
 
-    from zpp.workers import worker
+    from zpp.workers import start_up_passes
     runner = _runner(tmp_path, _DSV3, max_model_len=256)
     seen = []
     real = FusedExperts.forward
@@ -109,6 +109,6 @@ def test_gpu_start_up_warms_the_experts(tmp_path, monkeypatch):
 
         class scheduler:
             max_num_seqs = 1
-    worker.warm_up_and_watch(runner, Cfg)
+    start_up_passes.warm_up_and_watch(runner, Cfg)
     ex = next(m for m in runner.model.modules() if isinstance(m, FusedExperts))
     assert seen == [(t, 2) for t in warmup_token_counts(ex, 2, 300)] and len(seen) >= 3

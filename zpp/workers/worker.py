@@ -225,21 +225,10 @@ def _setup(init, sock):
         runner.graphs = EagerDecodeGraphs(model, runner.kv_caches, block_size, cfg_all.scheduler.max_num_seqs,
                                           runner.device, runner.group, None if flag == "1" else flag)
     if device_kind == "cuda":
+        from zpp.workers.start_up_passes import warm_up_and_watch
         warm_up_and_watch(runner, cfg_all)
     sock.send(m.CacheReady(rank=init.rank))
     return runner
-
-
-def warm_up_and_watch(runner, cfg_all) -> None:
-    """Start-up's last step on a GPU: build the kernel variants serving can launch that the memory
-    profile and the decode graphs did not -- the LM head at every logit bucket up to the rows the
-    profile covered, the MoE experts at every tile configuration and argument class up to
-    ``--max-num-batched-tokens`` tokens (:func:`zpp.models.layers.moe_warmup.warm_up_moe`) -- then
-    report every later compile (:func:`zpp.utils.late_compiles.watch_late_compiles`)."""
-    runner.warm_up_logits(min(cfg_all.scheduler.max_num_seqs, cfg_all.max_num_batched_tokens))
-    runner.warm_up_experts(cfg_all.max_num_batched_tokens)
-    from zpp.utils.late_compiles import watch_late_compiles
-    watch_late_compiles()
 
 
 def _warn_kv_scales(model) -> None:
