@@ -65,6 +65,9 @@ def hf_stage_bytes(model_dir: str, ranges, fp8_block=None) -> list[int]:
         if fp8_block and name in linear and ".layers." in name and ".mlp.gate." not in name:
             bn, bk = fp8_block
             n = p.numel() + -(-p.shape[0] // bn) * -(-p.shape[1] // bk) * 4
+        elif fp8_block and ".experts." in name and p.dim() == 3:  # fused routed experts [E, N, K]
+            bn, bk = fp8_block
+            n = p.numel() + p.shape[0] * -(-p.shape[1] // bn) * -(-p.shape[2] // bk) * 4
         if ".layers." in name:
             i = int(name.split(".layers.")[1].split(".")[0])
             out[next(s for s, (a, b) in enumerate(ranges) if a <= i < b)] += n
@@ -113,6 +116,22 @@ def test_fp8_block_config_fp8_on_9_0_bf16_on_8_0(tmp_path):
     ampere = make_plan(cfg, Target("cuda", (80 * GiB,), (8, 0)))
     assert_close([p.weight_bytes for p in ampere.stages], hf_stage_bytes(d, ranges), 0.03)
     assert all("float8_e4m3fn" not in p.weight_bytes_by_dtype for p in ampere.stages)
+
+
+def test_fp8_block_moe_config_counts_experts_as_fp8_on_9_0(tmp_path):
+    """DeepSeek-V3 (MLA, shared and routed experts) with its block FP8 config: on capability 9.0 the
+    routed experts are held in e4m3 with their block scales, as the loader keeps them."""
+    d = write_config(tmp_path, "dsv3fp8", **{**DEEPSEEK_V3, "quantization_config": FP8_BLOCK})
+    cfg = plan_config(d, pipeline_parallel_size=2, max_model_len=1024)
+    hopper = make_plan(cfg, Target("cuda", (80 * GiB,), (9, 0)))
+    ranges = [p.layers for p in hopper.stages]
+    assert_close([p.weight_bytes for p in hopper.stages], hf_stage_bytes(d, ranges, fp8_block=(128, 128)), 0.03)
+    ampere = make_plan(cfg, Target("cuda", (80 * GiB,), (8, 0)))
+    assert_close([p.weight_bytes for p in ampere.stages], hf_stage_bytes(d, ranges), 0.03)
+    c = DEEPSEEK_V3  # the routed experts alone (3 MoE layers x 8 experts x gate, up, down) are e4m3
+    routed = (c["num_hidden_layers"] - c["first_k_dense_replace"]) * c["n_routed_experts"] * 3 \
+        * c["moe_intermediate_size"] * c["hidden_size"]
+    assert sum(p.weight_bytes_by_dtype.get("float8_e4m3fn", 0) for p in hopper.stages) > routed
 
 
 def test_quantization_fp8_flag_halves_linear_bytes(tmp_path):
