@@ -268,12 +268,17 @@ def test_oversized_model_refused_in_one_line_under_an_address_space_limit(tmp_pa
     limit: one line, in seconds, a small peak."""
     env = {**os.environ, "PYTHONPATH": ROOT}
     t = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "zpp.cli", "serve", os.path.join(CONFIGS, "llama3-70b"),
-                           "--load-format", "dummy", "--device", "cpu", "--port", "0"],
+    # A fresh wrapper process runs the command and prints its child's peak RSS: this process's own
+    # RUSAGE_CHILDREN holds the largest child any earlier test of the session waited for.
+    wrap = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+    proc = subprocess.run([sys.executable, "-c", wrap, sys.executable, "-m", "zpp.cli", "serve",
+                           os.path.join(CONFIGS, "llama3-70b"), "--load-format", "dummy", "--device", "cpu",
+                           "--port", "0"],
                           capture_output=True, text=True, env=env, timeout=120, preexec_fn=_limited(6 * GiB),
                           cwd=str(tmp_path))
     took = time.monotonic() - t
-    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    peak_kib = int(proc.stdout.split()[-1])
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr
     assert len(err) == 1 and err[0].startswith("zpp: error: stage 0 ") and "smallest split" in err[0], proc.stderr
