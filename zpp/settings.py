@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import json
 import re
 import textwrap
 import typing
@@ -262,3 +263,20 @@ def parse_size(value: str | int | float | None, flag: str = "--kv-cache-memory")
         return int(float(s))
     except ValueError:
         raise ConfigError(f"{flag} {value!r} is not a size (examples: 512MiB, 2GiB)") from None
+
+
+def parse_json_object(value, flag: str, example: str) -> dict:
+    """A flag's JSON-object value (``--speculative-config``, ``--structured-outputs-config``): JSON
+    text is parsed, a dict passes through.
+
+    Raises:
+        ConfigError: not valid JSON, or not an object (one line naming ``flag``, with ``example``)."""
+    from zpp.errors import ConfigError
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(f"{flag}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag}: expected a JSON object such as {example}, got {value!r}")
+    return value

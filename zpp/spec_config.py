@@ -2,11 +2,11 @@
 :class:`zpp.config.EngineConfig`, kept in its own module)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from zpp.errors import ConfigError
+from zpp.settings import parse_json_object
 
 SPEC_METHODS = ("ngram",)
 """``--speculative-config`` methods built (``method``)."""
@@ -67,14 +67,7 @@ def parse_speculative_config(value: Any, flag: str) -> Optional[SpeculativeConfi
     """
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ConfigError(f"{flag}: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{flag}: expected a JSON object such as "
-                          f'{{"method": "ngram", "num_speculative_tokens": 3}}, got {value!r}')
+    value = parse_json_object(value, flag, '{"method": "ngram", "num_speculative_tokens": 3}')
     if "model" in value and value["model"] is not None:
         raise ConfigError(f"{flag}: a draft model ({value['model']!r}) is not supported: only method "
                           f"'ngram' (no model) is built")

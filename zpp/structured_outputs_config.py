@@ -3,12 +3,11 @@ the JSON whitespace rule of ``--structured-outputs-config``), one flag per field
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from zpp.errors import ConfigError
-from zpp.settings import parse_size, setting
+from zpp.settings import parse_json_object, parse_size, setting
 
 
 DEFAULT_MAX_WHITESPACE_CNT = 16
@@ -47,13 +46,7 @@ def parse_structured_outputs_config(value: Any, flag: str) -> Optional[JsonWhite
             naming ``flag`` and the key)."""
     if value is None or isinstance(value, JsonWhitespace):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ConfigError(f"{flag} {value[:60]!r}: not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{flag}: must be a JSON object such as '{{\"disable_any_whitespace\": true}}'")
+    value = parse_json_object(value, flag, '{"disable_any_whitespace": true}')
     out = {}
     for key, v in value.items():
         if key == "disable_any_whitespace" or key in _SO_CONFIG_NO_EFFECT:

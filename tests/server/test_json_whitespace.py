@@ -85,7 +85,7 @@ def test_structured_outputs_config_takes_vllms_keys(demo_model):
     assert parse_structured_outputs_config(None, flag) is None
     for bad, words in [('{"disable_any_whitespace": 1}', "true or false"), ('{"max_whitespace_cnt": 0}', ">= 1"),
                        ('{"backend": "guidance"}', "xgrammar"), ('{"whitespace": 1}', "unknown key 'whitespace'"),
-                       ("[1]", "JSON object"), ("{", "not JSON")]:
+                       ("[1]", "JSON object"), ("{", "not valid JSON")]:
         with pytest.raises(ConfigError, match=words) as e:
             parse_structured_outputs_config(bad, flag)
         assert flag in str(e.value) and "\n" not in str(e.value)
