@@ -69,19 +69,10 @@ def pytest_configure(config):
     _install()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item):
-    item._started_processes = seen = []
-    _recorders.append(seen)
-    try:
-        yield
-    finally:
-        _unwatch(seen)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    seen = getattr(item, "_started_processes", None)
+def _recording(item, fresh: bool):
+    """Record the processes started while the hook's phase runs into the item's list (a new one
+    when ``fresh``, at setup)."""
+    seen = None if fresh else getattr(item, "_started_processes", None)
     if seen is None:
         item._started_processes = seen = []
     _recorders.append(seen)
@@ -89,6 +80,16 @@ def pytest_runtest_call(item):
         yield
     finally:
         _unwatch(seen)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _recording(item, fresh=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _recording(item, fresh=False)
 
 
 @pytest.hookimpl(hookwrapper=True)
