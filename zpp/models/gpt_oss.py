@@ -16,8 +16,9 @@ Follows HF transformers' ``modeling_gpt_oss.py`` (5.24):
 
 Checkpoints as ``save_pretrained`` writes them: fused experts ``mlp.experts.gate_up_proj``
 ``[E, H, 2I]`` (+ ``_bias`` ``[E, 2I]``), ``mlp.experts.down_proj`` ``[E, I, H]`` (+ ``_bias``
-``[E, H]``), ``mlp.router.weight`` / ``.bias``. An MXFP4 checkpoint (``quantization_config``, the
-openai/gpt-oss-* originals) is refused in one line: dequantize it to bf16 first.
+``[E, H]``), ``mlp.router.weight`` / ``.bias``. The openai/gpt-oss-* originals (MXFP4 experts,
+``*_blocks`` / ``*_scales``) load through :mod:`zpp.models.quantization.mxfp4`: dequantized on the
+CPU to exactly these tensors.
 
 The MoE block is the shared one (:mod:`zpp.models.layers.moe`): :class:`TopKRouter` (``topk_softmax``
 scoring, biased) and :class:`FusedExperts` (biases, :class:`ClampedSwiGLU`, the gpt-oss checkpoint
@@ -188,11 +189,6 @@ class GptOssForCausalLM(PreNormDecoder):
     @classmethod
     def check_config(cls, cfg: dict[str, Any]) -> None:
         cfg = cls.normalize_config(cfg)
-        q = cfg.get("quantization_config")
-        if q:
-            method = q.get("quant_method", "?") if isinstance(q, dict) else q
-            raise ConfigError(f"quantized checkpoints (quantization_config.quant_method={method!r}) are not "
-                              "supported; use a bf16 checkpoint")
         types = layer_types(cfg)
         if len(types) != int(cfg["num_hidden_layers"]) or set(types) - {SLIDING, FULL}:
             raise ConfigError(f"layer_types must list {cfg['num_hidden_layers']} entries of {SLIDING} / {FULL}, "

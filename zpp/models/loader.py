@@ -99,6 +99,8 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
     meta = torch.device(device).type == "meta"
     fp8_gpu = capability >= (8, 9) if capability is not None else q.fp8_supported(device)
     keep_fp8 = fp8_gpu and dtype in (torch.bfloat16, torch.float16)
+    if quant is not None and quant.min_capability != (8, 9):  # a format of its own GPU floor (4-bit: sm80)
+        keep_fp8 = q.format_supported(quant, device, capability) and dtype in (torch.bfloat16, torch.float16)
     if load_format == "dummy":
         if not meta:
             init_dummy_weights(model, seed)
@@ -118,10 +120,15 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
         model.load_weights(ck.iter_planned(plan, index, quant, device))
         ck.finish_loading(model)
         kv = ck.load_kv_scales(model, plan, index)
-        logger.info("FP8 checkpoint (%s%s): %d linear layers and %d expert layers kept in FP8, the other FP8 "
-                    "weights dequantized to %s%s",
-                    quant.method, f", block {quant.block[0]}x{quant.block[1]}" if quant.block else "", n, ne,
-                    str(dtype).removeprefix("torch."), f"; KV-cache scales for {kv} layers" if kv else "")
+        if getattr(quant, "fmt", None) is not None:       # the 4-bit formats
+            logger.info("%s checkpoint (%s, group %d): %d linear layers and %d expert layers kept in 4 bits, the "
+                        "other 4-bit weights dequantized to %s", quant.method, quant.fmt, quant.group_size, n, ne,
+                        str(dtype).removeprefix("torch."))
+        else:
+            logger.info("FP8 checkpoint (%s%s): %d linear layers and %d expert layers kept in FP8, the other FP8 "
+                        "weights dequantized to %s%s",
+                        quant.method, f", block {quant.block[0]}x{quant.block[1]}" if quant.block else "", n, ne,
+                        str(dtype).removeprefix("torch."), f"; KV-cache scales for {kv} layers" if kv else "")
     if quantization == "fp8" and quant is None:
         n, ne = quantize_model_fp8(model), quantize_experts(model)
         logger.info("--quantization fp8: %d linear layers and %d expert layers quantized to FP8 (e4m3, per output "

@@ -6,6 +6,11 @@
   :class:`~zpp.models.quantization.base.FusedMoEMethod` runs it on a GPU (vLLM's split).
 * :mod:`~zpp.models.quantization.checkpoint` -- reading any quantized checkpoint (header index,
   per-stage plan, planned loading, KV-cache scales).
+* the 4-bit formats, repacked at load into :mod:`~zpp.models.quantization.w4_layout` (what they
+  share: :mod:`~zpp.models.quantization.w4_base`): :mod:`~zpp.models.quantization.mxfp4` (gpt-oss),
+  :mod:`~zpp.models.quantization.int4_compressed` (compressed-tensors ``pack-quantized``, dispatched
+  from :func:`~zpp.models.quantization.fp8.parse_compressed_tensors`),
+  :mod:`~zpp.models.quantization.gptq`, :mod:`~zpp.models.quantization.awq`.
 * :mod:`~zpp.models.quantization.fp8` -- FP8 e4m3, both layouts (compressed-tensors
   ``float-quantized``; ``quant_method: fp8`` block 128 x 128 / per tensor), its linear method and
   ``--quantization fp8``; :mod:`~zpp.models.quantization.fp8_linear` its linear product,
@@ -23,11 +28,17 @@ import torch
 
 from zpp.errors import ConfigError
 from zpp.models.quantization.base import QuantizationConfig
+from zpp.models.quantization.awq import parse_awq
 from zpp.models.quantization.fp8 import parse_compressed_tensors, parse_fp8
+from zpp.models.quantization.gptq import parse_gptq
+from zpp.models.quantization.mxfp4 import parse_mxfp4
 
 QUANTIZATION_METHODS: dict[str, Callable[[dict], QuantizationConfig]] = {
     "compressed-tensors": parse_compressed_tensors,
     "fp8": parse_fp8,
+    "mxfp4": parse_mxfp4,
+    "gptq": parse_gptq,
+    "awq": parse_awq,
 }
 """``quantization_config.quant_method`` -> the parser of its scheme (ConfigError for what it refuses)."""
 
@@ -50,9 +61,10 @@ def parse_quantization_config(cfg: dict[str, Any]) -> Optional[QuantizationConfi
     JSON fields; the tests check that the configs this module accepts validate with it.
 
     Raises:
-        ConfigError: one line naming the method or the field zpp does not support (gptq, awq,
-            bitsandbytes, mxfp4, ... ; integer or 4-bit schemes; asymmetric or group-wise FP8;
-            output activations; e5m2; static activations with block scales).
+        ConfigError: one line naming the method or the field zpp does not support (bitsandbytes,
+            hqq, ... ; GPTQ act-order or bits != 4; AWQ versions other than gemm; int schemes other
+            than 4-bit pack-quantized; asymmetric or group-wise FP8; output activations; e5m2; static
+            activations with block scales).
     """
     q = cfg.get("quantization_config")
     if not q:
@@ -63,8 +75,7 @@ def parse_quantization_config(cfg: dict[str, Any]) -> Optional[QuantizationConfi
     parse = QUANTIZATION_METHODS.get(method)
     if parse is None:
         raise ConfigError(f"quantized checkpoint (quantization_config.quant_method {method!r}) is not supported: "
-                          f"zpp loads FP8 checkpoints ({', '.join(SUPPORTED_QUANTIZATION)}) and unquantized "
-                          "safetensors")
+                          f"zpp loads {', '.join(SUPPORTED_QUANTIZATION)} checkpoints and unquantized safetensors")
     return parse(q)
 
 
@@ -72,6 +83,15 @@ def check_quantization(cfg: dict[str, Any]) -> None:
     """Refuse, before any weight loads, a quantized checkpoint zpp cannot load (one-line ConfigError
     naming the method or field; see :func:`parse_quantization_config`)."""
     parse_quantization_config(cfg)
+
+
+def format_supported(quant: QuantizationConfig, device: torch.device,
+                     capability: Optional[tuple[int, int]] = None) -> bool:
+    """Whether ``quant``'s GPU methods may run: a CUDA ``device`` (or the planned ``capability``) of
+    compute capability >= ``quant.min_capability``."""
+    if capability is not None:
+        return capability >= quant.min_capability
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= quant.min_capability
 
 
 def fp8_supported(device: torch.device) -> bool:

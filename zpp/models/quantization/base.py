@@ -113,6 +113,12 @@ class QuantizationConfig(ABC):
     method: str
     kv_cache_scales: bool = False
     ignore: tuple[str, ...] = ()
+    min_capability: tuple[int, int] = (8, 9)
+    """The CUDA compute capability from which a GPU runs the format's methods (below it, and on the
+    CPU, every quantized weight is dequantized on load). FP8: 8.9; the 4-bit formats: 8.0."""
+    copies_kept_weight: bool = True
+    """A kept weight loads as stored (``copy``) besides what :meth:`plan_kept` adds; False for a
+    format whose :meth:`plan_kept` plans the weight itself too (the 4-bit formats repack it)."""
 
     # --- what the checkpoint holds -------------------------------------------------------------
     @abstractmethod
@@ -133,6 +139,13 @@ class QuantizationConfig(ABC):
     def kv_scale(self, name: str) -> Optional[tuple[int, str]]:
         """``(layer, "k" | "v")`` when ``name`` is a KV-cache scale, else None."""
         return None
+
+    def loaded_name(self, name: str) -> str:
+        """The name under which the (non-auxiliary) checkpoint tensor ``name`` reaches the model
+        once dequantized: the weight's own name where the format stores it under another one
+        (``X.weight_packed`` / ``X.qweight`` -> ``X.weight``, ``X_blocks`` -> ``X``). Default:
+        ``name``."""
+        return name
 
     # --- the CPU's rule ------------------------------------------------------------------------
     @abstractmethod
@@ -162,6 +175,11 @@ class QuantizationConfig(ABC):
     def kept(self, param: nn.Parameter) -> bool:
         """Whether a parameter holds the format's weights (so the checkpoint tensor is copied as
         stored and its scales planned with :meth:`plan_kept`)."""
+
+    def kept_by(self, module: Optional[nn.Module], param: Optional[nn.Parameter]) -> bool:
+        """Whether the weight loading into ``param`` of ``module`` (either may be None: the
+        parameter a method replaced) stays in the format. Default: :meth:`kept` of ``param``."""
+        return param is not None and self.kept(param)
 
     @abstractmethod
     def plan_kept(self, index: TensorIndex, name: str, module: nn.Module) -> list[PlannedTensor]:

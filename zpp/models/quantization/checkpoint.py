@@ -49,8 +49,11 @@ def _feeds(model: nn.Module, index: TensorIndex, quant: QuantizationConfig) -> d
     expert tensors: any non-auxiliary tensor of three dimensions)."""
     feeds: dict[str, list[str]] = {}
     for name, info in index.items():
-        if name.endswith(".weight") or (len(info.shape) == 3 and not quant.is_auxiliary(name)):
-            for pname, _ in model.map_weight_name(name) or ():
+        if quant.is_auxiliary(name):
+            continue
+        loaded = quant.loaded_name(name) if quant.is_quantized(info) else name
+        if loaded.endswith(".weight") or len(info.shape) >= 3:
+            for pname, _ in model.map_weight_name(loaded) or ():
                 feeds.setdefault(pname, []).append(name)
     return feeds
 
@@ -108,22 +111,32 @@ def plan_checkpoint(model: nn.Module, index: TensorIndex, quant: Optional[Quanti
             continue
         if quant is not None and quant.is_auxiliary(name):
             continue
-        targets = model.map_weight_name(name)
+        quantized = quant is not None and quant.is_quantized(info)
+        targets = model.map_weight_name(quant.loaded_name(name) if quantized else name)
         if targets is None:
             continue
-        if quant is None or not quant.is_quantized(info):
+        if not quantized:
             plan.tensors.append(PlannedTensor(name, "copy", name))
             continue
         target = params.get(targets[0][0]) if targets else None
-        if target is not None and quant.kept(target):
-            plan.tensors.append(PlannedTensor(name, "copy", name))
-            mod = model.get_submodule(targets[0][0].rsplit(".", 1)[0])
+        mod = _parent(model, targets[0][0]) if targets else None
+        if quant.kept_by(mod, target):
+            if quant.copies_kept_weight:
+                plan.tensors.append(PlannedTensor(name, "copy", name))
             plan.tensors.extend(quant.plan_kept(index, name, mod))
             continue
         out = target.dtype if target is not None and target.dtype.is_floating_point and target.element_size() > 1 \
             else dtype
         plan.tensors.append(quant.plan_dequantize(index, name, out))
     return plan
+
+
+def _parent(model: nn.Module, pname: str) -> Optional[nn.Module]:
+    """The module holding parameter ``pname`` (also where a method replaced the parameter), or None."""
+    try:
+        return model.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else model
+    except AttributeError:
+        return None
 
 
 class _Reader:

@@ -225,11 +225,16 @@ class Fp8Config(QuantizationConfig):
 
 def _ct_refuse(what: str) -> ConfigError:
     return ConfigError(f"compressed-tensors checkpoint: {what} is not supported (zpp loads FP8 e4m3, "
-                       "format float-quantized, symmetric per-tensor / per-channel / block weight scales)")
+                       "format float-quantized, symmetric per-tensor / per-channel / block weight scales; "
+                       "int4 pack-quantized)")
 
 
 def parse_compressed_tensors(q: dict) -> "Fp8Config":
-    """compressed-tensors ``float-quantized`` -> :class:`Fp8Config` (ConfigError for any other scheme)."""
+    """compressed-tensors ``float-quantized`` -> :class:`Fp8Config`; ``pack-quantized`` (int4) ->
+    :func:`zpp.models.quantization.int4_compressed.parse_pack_quantized`; ConfigError for any other scheme."""
+    from zpp.models.quantization.int4_compressed import is_pack_quantized, parse_pack_quantized
+    if is_pack_quantized(q):
+        return parse_pack_quantized(q)
     fmt = q.get("format")
     groups = q.get("config_groups") or {}
     if not isinstance(groups, dict) or not groups:

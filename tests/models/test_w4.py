@@ -1,0 +1,247 @@
+"""The 4-bit formats (MXFP4, compressed-tensors pack-quantized, GPTQ, AWQ): each repacked into
+zpp's one 4-bit layout and dequantized on the CPU exactly by the format's own rule --
+
+* MXFP4 bit for bit equal to HF transformers' ``convert_moe_packed_tensors`` (bf16 and fp32, every
+  E8M0 exponent);
+* pack-quantized equal to ``compressed_tensors``' own unpacking and dequantization (symmetric and
+  asymmetric, groups 32 and 128, rows not a multiple of 8), its configs validate with the package;
+* GPTQ (v1 zeros + 1, sym and asym) and AWQ (interleaved nibble order) against a hand-computed
+  example and against AutoGPTQ's / AutoAWQ's unpacking written out in tests/w4_checkpoint.py;
+* refusals (act-order, bits != 4, other AWQ versions, ...) in one line naming the field;
+
+and end to end, tiny random checkpoints in each release's exact layout (gpt-oss MXFP4 as released;
+DeepSeek-V3 with only the routed experts in pack-quantized int4 group 32 and Kimi K2-Thinking's
+``ignore``; Llama in GPTQ and in AWQ): on the CPU zpp's greedy ids equal HF transformers' on the
+dequantized twin, one engine per model across PP = 1, 2, 3 and an uneven split, and every stage's
+weights equal the twin's as zpp loads it (the stage's weight report counts them dequantized).
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+from helpers import hf_greedy
+from w4_checkpoint import (AWQ_ORDER, KIMI_K2_THINKING_IGNORE, awq_reference, gptq_reference, pack_along,
+                          quantize_int4, quantize_mxfp4, write_w4_checkpoint)
+
+VOCAB = 49152
+MAX_NEW = 8
+
+
+def _get(d: dict):
+    return lambda name: d[name]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+# --- MXFP4 ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_dequantization_is_transformers_bit_for_bit(dtype):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from zpp.models.quantization.base import PlannedTensor
+    from zpp.models.quantization.mxfp4 import Mxfp4Config
+    g = torch.Generator().manual_seed(0)
+    E, N, K = 3, 10, 96
+    blocks = torch.randint(0, 256, (E, N, K // 32, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(0, 256, (E, N, K // 32), dtype=torch.uint8, generator=g)   # every exponent
+    scales[0, :, 0] = torch.arange(117, 127)                                             # and the usual ones
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=dtype)                        # [E, K, N]
+    t = {"x_blocks": blocks, "x_scales": scales}
+    got = Mxfp4Config().materialize(PlannedTensor("x", "dequantize", "x_blocks", "x_scales", dtype), _get(t),
+                                    torch.device("cpu"))
+    assert got.shape == ref.shape == (E, K, N) and got.dtype == dtype
+    assert torch.equal(_bits(got), _bits(ref))
+
+
+def test_mxfp4_quantizer_round_trips():
+    """The tests' quantizer: a weight made of e2m1 values times powers of two comes back exactly."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    g = torch.Generator().manual_seed(1)
+    vals = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    w = vals[torch.randint(0, 15, (2, 4, 64), generator=g)]
+    w[..., 0] = 6.0                                      # every block's amax 6: exponent 0
+    w[:, :, 32] = -6.0
+    w = w * 2.0 ** torch.randint(-3, 4, (2, 4, 1), generator=g)
+    blocks, scales = quantize_mxfp4(w)
+    assert torch.equal(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2), w)
+
+
+# --- compressed-tensors pack-quantized -----------------------------------------------------------
+@pytest.mark.parametrize("group, symmetric, n", [(32, True, 16), (128, True, 8), (32, False, 12), (128, False, 24)])
+def test_pack_quantized_equals_compressed_tensors(group, symmetric, n):
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from zpp.models.quantization.base import PlannedTensor
+    from zpp.models.quantization.int4_compressed import PackQuantizedConfig
+    torch.manual_seed(2)
+    K = 256
+    w = torch.randn(n, K)
+    q, s, z = quantize_int4(w, group, symmetric)
+    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group, symmetric=symmetric)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    sd = {"weight": w.to(torch.bfloat16), "weight_scale": s.to(torch.bfloat16)}
+    if not symmetric:
+        sd["weight_zero_point"] = (z - 8).to(torch.int8)
+    packed = PackedQuantizationCompressor.compress(sd, scheme)           # the library's own packing
+    assert set(packed) == {"weight_packed", "weight_scale", "weight_shape"} | (set() if symmetric else
+                                                                               {"weight_zero_point"})
+    ref = PackedQuantizationCompressor.decompress(dict(packed), scheme)["weight"]
+    t = {f"x.{k}": v for k, v in packed.items()}
+    cfg = PackQuantizedConfig(group_size=group, symmetric=symmetric)
+    got = cfg.materialize(PlannedTensor("x.weight", "dequantize", "x.weight_packed", "x.weight_scale", torch.bfloat16),
+                          _get(t), torch.device("cpu"))
+    assert ref.dtype == torch.bfloat16 and torch.equal(_bits(got), _bits(ref))
+    qweight, scales, zeros = cfg.repack("x", _get(t))
+    assert qweight.shape == (n, K // 2) and qweight.dtype == torch.uint8 and torch.equal(scales, t["x.weight_scale"])
+    assert (zeros is None) == symmetric
+    if not symmetric:
+        assert torch.equal(zeros.long(), z)
+
+
+def test_pack_quantized_configs_validate_with_compressed_tensors():
+    """Kimi K2-Thinking's quantization_config (and its asymmetric / group-128 variants) parse with
+    compressed-tensors' own model, and zpp reads the same scheme from it."""
+    from compressed_tensors.quantization import QuantizationConfig as CtConfig
+
+    from zpp.models.quantization import parse_quantization_config
+    from zpp.models.quantization.int4_compressed import PackQuantizedConfig, ignored
+    for group, sym in ((32, True), (128, False)):
+        q = {"config_groups": {"group_0": {"input_activations": None, "output_activations": None,
+                                           "targets": ["Linear"],
+                                           "weights": {"actorder": None, "block_structure": None, "dynamic": False,
+                                                       "group_size": group, "num_bits": 4, "observer": "minmax",
+                                                       "observer_kwargs": {}, "strategy": "group",
+                                                       "symmetric": sym, "type": "int"}}},
+             "format": "pack-quantized", "ignore": KIMI_K2_THINKING_IGNORE, "kv_cache_scheme": None,
+             "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+        ct = CtConfig.model_validate(q)
+        w = ct.config_groups["group_0"].weights
+        got = parse_quantization_config({"quantization_config": q})
+        assert isinstance(got, PackQuantizedConfig)
+        assert (got.group_size, got.symmetric, got.ignore) == (w.group_size, w.symmetric, tuple(ct.ignore))
+    assert ignored("model.layers.3.self_attn.q_a_proj", KIMI_K2_THINKING_IGNORE)
+    assert ignored("model.layers.3.mlp.shared_experts.up_proj", KIMI_K2_THINKING_IGNORE)
+    assert ignored("model.layers.0.mlp.down_proj", KIMI_K2_THINKING_IGNORE)
+    assert ignored("lm_head", KIMI_K2_THINKING_IGNORE)
+    assert not ignored("model.layers.3.mlp.experts.7.down_proj", KIMI_K2_THINKING_IGNORE)
+
+
+# --- GPTQ / AWQ ----------------------------------------------------------------------------------
+def test_gptq_hand_computed_example():
+    """K = 8 rows, N = 8 columns, one group: qweight word [0, n] holds rows 0..7 of column n at bits
+    4i; qzeros word [0, 0] the eight columns' zeros - 1 (v1); w = s * (q - (stored + 1))."""
+    from zpp.models.quantization.gptq import GptqConfig
+    from zpp.models.quantization.w4_layout import dequantize_w4
+    # column n: rows k hold q = (k + n) % 16; column zeros stored 3 + n % 4 (zero 4 + n % 4); scale 0.5 + n
+    words = []
+    for n in range(8):
+        v = 0
+        for k in range(8):
+            v |= ((k + n) % 16) << (4 * k)
+        words.append(v - 2 ** 32 if v >= 2 ** 31 else v)
+    z = 0
+    for n in range(8):
+        z |= (3 + n % 4) << (4 * n)
+    t = {"x.qweight": torch.tensor([words], dtype=torch.int32), "x.qzeros": torch.tensor([[z]], dtype=torch.int32),
+         "x.scales": torch.tensor([[0.5 + n for n in range(8)]], dtype=torch.float16)}
+    want = torch.tensor([[(0.5 + n) * ((k + n) % 16 - (4 + n % 4)) for k in range(8)] for n in range(8)])
+    cfg = GptqConfig(group_size=8, sym=False)
+    qweight, scales, zeros = cfg.repack("x", _get(t))
+    assert torch.equal(dequantize_w4(qweight, scales, zeros, 8, "int4", torch.float32), want)
+    t["x.g_idx"] = torch.zeros(8, dtype=torch.int32)
+    assert torch.equal(gptq_reference(t["x.qweight"], t["x.qzeros"], t["x.scales"], t["x.g_idx"]), want)
+
+
+def test_awq_hand_computed_example():
+    """One row k, eight columns: nibble i of the word holds column AWQ_ORDER[i]."""
+    from zpp.models.quantization.awq import AwqConfig
+    from zpp.models.quantization.w4_layout import dequantize_w4
+    cols = [3, 9, 1, 14, 0, 7, 12, 5]                       # q of columns 0..7
+    zc = [8, 2, 3, 4, 5, 6, 7, 1]
+    word = sum(cols[AWQ_ORDER[i]] << (4 * i) for i in range(8))
+    zword = sum(zc[AWQ_ORDER[i]] << (4 * i) for i in range(8))
+    assert [(word >> (4 * i)) & 15 for i in range(8)] == [3, 1, 0, 12, 9, 14, 7, 5]
+    t = {"x.qweight": torch.tensor([[word - 2 ** 32 if word >= 2 ** 31 else word]] * 2, dtype=torch.int32),
+         "x.qzeros": torch.tensor([[zword]], dtype=torch.int32),
+         "x.scales": torch.tensor([[0.25 * (n + 1) for n in range(8)]], dtype=torch.float16)}
+    want = torch.tensor([[0.25 * (n + 1) * (cols[n] - zc[n])] * 2 for n in range(8)])       # [N, K = 2]
+    qweight, scales, zeros = AwqConfig(group_size=2).repack("x", _get(t))
+    assert torch.equal(dequantize_w4(qweight, scales, zeros, 2, "int4", torch.float32), want)
+    assert torch.equal(awq_reference(t["x.qweight"], t["x.qzeros"], t["x.scales"], 2), want)
+
+
+@pytest.mark.parametrize("fmt, group, symmetric", [("gptq", 32, True), ("gptq", 128, False), ("awq", 32, False),
+                                                   ("awq", 128, False)])
+def test_gptq_awq_equal_their_reference(fmt, group, symmetric):
+    from zpp.models.quantization.awq import AwqConfig
+    from zpp.models.quantization.base import PlannedTensor
+    from zpp.models.quantization.gptq import GptqConfig
+    torch.manual_seed(3)
+    N, K = 40, 256
+    q, s, z = quantize_int4(torch.randn(N, K), group, symmetric)
+    if fmt == "gptq":
+        t = {"x.qweight": pack_along(q.t(), 0), "x.qzeros": pack_along((z - 1).t(), 1),
+             "x.scales": s.t().to(torch.float16), "x.g_idx": (torch.arange(K) // group).to(torch.int32)}
+        ref = gptq_reference(t["x.qweight"], t["x.qzeros"], t["x.scales"], t["x.g_idx"])
+        cfg = GptqConfig(group_size=group, sym=symmetric)
+    else:
+        t = {"x.qweight": pack_along(q.t(), 1, AWQ_ORDER), "x.qzeros": pack_along(z.t(), 1, AWQ_ORDER),
+             "x.scales": s.t().to(torch.float16)}
+        ref = awq_reference(t["x.qweight"], t["x.qzeros"], t["x.scales"], group)
+        cfg = AwqConfig(group_size=group)
+    want = (q - z.repeat_interleave(group, 1)).float() * s.to(torch.float16).float().repeat_interleave(group, 1)
+    assert torch.equal(ref, want)                                          # the reference is the quantizer's inverse
+    got = cfg.materialize(PlannedTensor("x.weight", "dequantize", "x.qweight", "x.scales", torch.float32), _get(t),
+                          torch.device("cpu"))
+    assert torch.equal(got, ref)
+    _, _, zeros = cfg.repack("x", _get(t))
+    assert (zeros is None) == (fmt == "gptq" and symmetric)                 # symmetric GPTQ: the implicit 8
+
+
+def test_gptq_act_order_g_idx_refused():
+    from zpp.models.quantization.gptq import GptqConfig
+    t = {"x.qweight": torch.zeros(4, 8, dtype=torch.int32), "x.qzeros": torch.zeros(1, 1, dtype=torch.int32),
+         "x.scales": torch.ones(1, 8, dtype=torch.float16), "x.g_idx": torch.zeros(32, dtype=torch.int32)}
+    t["x.g_idx"][5] = 1
+    with pytest.raises(ValueError, match="x.g_idx .*act-order"):
+        GptqConfig(group_size=32).repack("x", _get(t))
+
+
+@pytest.mark.parametrize("qc, match", [
+    ({"quant_method": "gptq", "bits": 4, "desc_act": True}, "desc_act True"),
+    ({"quant_method": "gptq", "bits": 8}, "bits 8"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version 'gemv'"),
+    ({"quant_method": "awq", "bits": 3}, "bits 3"),
+    ({"quant_method": "awq", "zero_point": False}, "zero_point False"),
+    ({"quant_method": "mxfp4", "block_size": 16}, "block size 16"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8, "strategy": "group", "group_size": 128}}}},
+     "with 8 bits"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4, "strategy": "channel"}}}},
+     "weight strategy 'channel'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128,
+                                          "actorder": "group"}}}}, "actorder 'group'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128},
+                              "input_activations": {"type": "int", "num_bits": 8}}}}, "quantized activations"),
+    ({"quant_method": "hqq"}, "quant_method 'hqq'"),
+])
+def test_refused_in_one_line(qc, match):
+    from zpp.errors import ConfigError
+    from zpp.models.registry import resolve_model_class
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+           "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100, "quantization_config": qc}
+    with pytest.raises(ConfigError, match=match) as e:
+        resolve_model_class(cfg)
+    assert "\n" not in str(e.value) and str(e.value).startswith("LlamaForCausalLM: ")

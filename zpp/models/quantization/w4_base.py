@@ -1,0 +1,219 @@
+"""What the 4-bit formats share (:class:`W4Config`): each checkpoint layout -- MXFP4
+(:mod:`~zpp.models.quantization.mxfp4`), compressed-tensors ``pack-quantized``
+(:mod:`~zpp.models.quantization.int4_compressed`), GPTQ (:mod:`~zpp.models.quantization.gptq`),
+AWQ (:mod:`~zpp.models.quantization.awq`) -- only says which tensors hold a weight and how to
+repack them into the one in-memory layout of :mod:`~zpp.models.quantization.w4_layout`
+(``qweight`` uint8 ``[..., N, K // 2]``, ``scales`` ``[..., N, K // G]``, optional ``zeros``).
+
+* **CPU** (and GPUs below compute capability 8.0, or without the W4A16 methods): every 4-bit
+  weight is repacked and dequantized on load by
+  :func:`~zpp.models.quantization.w4_layout.dequantize_w4`, which is the format's own rule once
+  repacked (each format's tests check it against the format's reference: HF transformers for MXFP4,
+  ``compressed-tensors`` for pack-quantized, AutoGPTQ's / AutoAWQ's unpacking for GPTQ / AWQ).
+* **GPU** (sm80+): where :mod:`zpp.models.quantization.w4a16` (the W4A16 Triton kernels' methods)
+  imports, a linear layer / expert layer whose checkpoint weights are all of the format is made by
+  ``W4A16LinearMethod(group_size=G, fmt=F)`` / ``W4A16MoEMethod(group_size=G, fmt=F)``, and
+  receives the canonical tensors (:meth:`W4Config.plan_kept`): a linear weight ``X.weight``'s as
+  ``X.qweight``, ``X.scales`` and (asymmetric only) ``X.zeros``; a fused expert tensor ``X``'s (gpt-oss
+  ``mlp.experts.gate_up_proj``) as ``X_qweight``, ``X_scales``, ``X_zeros``; every one in the
+  w4_layout form, with the weight's rows ``N`` and columns ``K`` as the checkpoint's (gpt-oss's
+  ``gate_up`` rows stay interleaved: gate even, up odd).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from zpp.models.quantization.base import Getter, PlannedTensor, QuantizationConfig, TensorIndex, TensorInfo
+from zpp.models.quantization.w4_layout import dequantize_w4
+
+W4A16_MODULE = "zpp.models.quantization.w4a16"
+"""The module of the W4A16 GPU methods (``W4A16LinearMethod``, ``W4A16MoEMethod``)."""
+
+Repacked = tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
+"""``(qweight uint8 [..., N, K // 2], scales [..., N, K // G], zeros uint8 [..., N, K // G] | None)``."""
+
+
+def w4a16_method(name: str, layer: nn.Module, group_size: int, fmt: str):
+    """``zpp.models.quantization.w4a16.<name>(group_size=, fmt=)`` for a layer on a CUDA device
+    (or ``meta``: ``zpp plan`` for a GPU), None where that module does not import or the layer is
+    elsewhere."""
+    p = next(layer.parameters(), None)
+    if p is None or p.device.type not in ("cuda", "meta"):
+        return None
+    try:
+        import importlib
+        mod = importlib.import_module(W4A16_MODULE)
+    except ImportError:
+        return None
+    cls = getattr(mod, name, None)
+    return cls(group_size=group_size, fmt=fmt) if cls is not None else None
+
+
+class W4Config(QuantizationConfig):
+    """A 4-bit checkpoint's scheme. A format sets ``method``, ``fmt`` (``int4`` / ``mxfp4``),
+    ``group_size``, ``ignore``, and implements :meth:`weight_base` (which tensors are its weights),
+    :meth:`aux_names` (what travels with one) and :meth:`repack` (to the w4_layout form).
+
+    ``min_capability`` 8.0: the W4A16 kernels run on any GPU Triton supports from Ampere on.
+    """
+
+    method: str
+    fmt: str
+    group_size: int
+    min_capability = (8, 0)
+    copies_kept_weight = False
+    WEIGHT_SUFFIX: str = ""
+    """The suffix of a quantized weight's checkpoint name (``.weight_packed``, ``.qweight``, ``_blocks``)."""
+    LOADED_SUFFIX: str = ".weight"
+    """What replaces it in the name the dequantized weight loads under."""
+    AUX_SUFFIXES: tuple[str, ...] = ()
+    """Suffixes of the tensors that only travel with a weight."""
+    STORED_DTYPES: tuple[str, ...] = ("I32",)
+
+    # --- format-specific ------------------------------------------------------------------------
+    def aux_names(self, base: str) -> dict[str, str]:
+        """role (``scales``, ``zeros``, ...) -> checkpoint name of the tensors the weight ``base``
+        (its name without :attr:`WEIGHT_SUFFIX`) needs; optional ones are included only when the
+        format's config says they exist."""
+        raise NotImplementedError
+
+    def repack(self, base: str, get: Getter) -> Repacked:
+        """The weight ``base``'s tensors read with ``get`` and repacked into the w4_layout form.
+
+        Raises:
+            ValueError: shapes that do not agree with the config (named).
+        """
+        raise NotImplementedError
+
+    def to_loaded_layout(self, w: torch.Tensor) -> torch.Tensor:
+        """The dequantized ``[..., N, K]`` in the layout of the model's unquantized checkpoint
+        (default: as is)."""
+        return w
+
+    # --- what the checkpoint holds -------------------------------------------------------------
+    def weight_base(self, name: str) -> Optional[str]:
+        return name[: -len(self.WEIGHT_SUFFIX)] if name.endswith(self.WEIGHT_SUFFIX) else None
+
+    def is_auxiliary(self, name: str) -> bool:
+        return name.endswith(self.AUX_SUFFIXES)
+
+    def is_quantized(self, info: TensorInfo) -> bool:
+        return info.dtype in self.STORED_DTYPES
+
+    def loaded_name(self, name: str) -> str:
+        base = self.weight_base(name)
+        return name if base is None else base + self.LOADED_SUFFIX
+
+    def weight_kind(self, index: TensorIndex, name: str) -> Optional[str]:
+        """:attr:`fmt` when ``name`` is one of the format's weights with every tensor it needs."""
+        base = self.weight_base(name)
+        if base is None or name not in index or not self.is_quantized(index[name]):
+            return None
+        return self.fmt if all(n in index for n in self.aux_names(base).values()) else None
+
+    # --- the CPU's rule ------------------------------------------------------------------------
+    def plan_dequantize(self, index: TensorIndex, name: str, dtype: torch.dtype) -> PlannedTensor:
+        base = self.weight_base(name)
+        if base is None:
+            raise ValueError(f"checkpoint tensor {name!r} ({index[name].dtype}) is not a {self.method} weight "
+                             f"(no {self.WEIGHT_SUFFIX} suffix)")
+        aux = self.aux_names(base)
+        missing = [n for n in aux.values() if n not in index]
+        if missing:
+            raise ValueError(f"checkpoint tensor {name!r} is a {self.method} weight but the checkpoint has no "
+                             f"{', '.join(missing)}")
+        return PlannedTensor(self.loaded_name(name), "dequantize", name, scale=aux.get("scales"), dtype=dtype)
+
+    _cache: Optional[tuple[str, Repacked]] = None
+
+    def _repacked(self, source: str, get: Getter) -> Repacked:
+        """:meth:`repack` of the weight ``source``, the last one remembered (a kept weight's three
+        canonical tensors come from one repack)."""
+        base = self.weight_base(source)
+        if self._cache is None or self._cache[0] != source:
+            object.__setattr__(self, "_cache", (source, self.repack(base, get)))
+        return self._cache[1]
+
+    def materialize(self, t: PlannedTensor, get: Getter, device: torch.device) -> torch.Tensor:
+        """Ops: ``dequantize`` (repacked, then :func:`~zpp.models.quantization.w4_layout.dequantize_w4`
+        on ``device`` to ``t.dtype``, in the unquantized checkpoint's layout), ``w4_qweight`` /
+        ``w4_scales`` / ``w4_zeros`` (the kept weight's canonical tensors)."""
+        qweight, scales, zeros = self._repacked(t.source, get)
+        if t.op == "dequantize":
+            z = zeros.to(device) if zeros is not None else None
+            group = qweight.shape[-1] * 2 // max(scales.shape[-1], 1)        # (GPTQ group_size -1: K)
+            w = dequantize_w4(qweight.to(device), scales.to(device), z, group, self.fmt, t.dtype)
+            object.__setattr__(self, "_cache", None)
+            return self.to_loaded_layout(w)
+        if t.op == "w4_qweight":
+            return qweight
+        if t.op == "w4_scales":
+            return scales
+        if t.op == "w4_zeros":
+            if zeros is None:
+                raise ValueError(f"checkpoint tensor {t.source!r}: no zero points to load into {t.name!r}")
+            return zeros
+        raise ValueError(f"unknown planned op {t.op!r}")
+
+    # --- the GPU's methods ---------------------------------------------------------------------
+    def _all_of_format(self, sources: list[str], index: TensorIndex) -> bool:
+        return bool(sources) and all(self.weight_kind(index, s) == self.fmt for s in sources)
+
+    def linear_method(self, layer: nn.Module, sources: list[str], index: TensorIndex):
+        """``W4A16LinearMethod(group_size, fmt)`` where every source is one of the format's weights
+        and the W4A16 methods import (:func:`w4a16_method`); else None (dequantized)."""
+        if getattr(layer, "transposed", False) or not self._all_of_format(sources, index):
+            return None
+        return w4a16_method("W4A16LinearMethod", layer, self.group_size, self.fmt)
+
+    def moe_method(self, experts: nn.Module, sources: list[str], index: TensorIndex):
+        """``W4A16MoEMethod(group_size, fmt)`` where every expert tensor is one of the format's
+        weights and the W4A16 methods import; else None (dequantized)."""
+        if not self._all_of_format(sources, index):
+            return None
+        return w4a16_method("W4A16MoEMethod", experts, self.group_size, self.fmt)
+
+    def kept(self, param: nn.Parameter) -> bool:
+        return param.dtype == torch.uint8
+
+    def kept_by(self, module: Optional[nn.Module], param: Optional[nn.Parameter]) -> bool:
+        """A layer whose ``quant_method`` is one of the W4A16 methods (it replaced the weight by
+        ``qweight`` / ``scales`` / ``zeros``)."""
+        method = getattr(module, "quant_method", None) if module is not None else None
+        return method is not None and type(method).__module__ == W4A16_MODULE
+
+    def canonical_names(self, loaded: str) -> dict[str, str]:
+        """role -> the canonical name of a kept weight loading as ``loaded`` (``X.weight`` ->
+        ``X.qweight`` ...; a fused expert tensor ``X`` -> ``X_qweight`` ...)."""
+        if loaded.endswith(".weight"):
+            stem = loaded[: -len("weight")]
+            return {r: stem + r for r in ("qweight", "scales", "zeros")}
+        return {r: f"{loaded}_{r}" for r in ("qweight", "scales", "zeros")}
+
+    def has_zeros(self, base: str, index: TensorIndex) -> bool:
+        """Whether the weight ``base`` carries zero points after repacking (default: its
+        ``zeros`` tensor is in the checkpoint)."""
+        z = self.aux_names(base).get("zeros")
+        return z is not None and z in index
+
+    def plan_kept(self, index: TensorIndex, name: str, module: nn.Module) -> list[PlannedTensor]:
+        """The kept weight's canonical ``qweight``, ``scales`` and (asymmetric) ``zeros``, repacked."""
+        names = self.canonical_names(self.loaded_name(name))
+        roles = ["qweight", "scales"] + (["zeros"] if self.has_zeros(self.weight_base(name), index) else [])
+        rows = index[name].shape[-2] if len(index[name].shape) >= 2 else 0
+        return [PlannedTensor(names[r], f"w4_{r}", name, rows=rows) for r in roles]
+
+    def quantize_like_checkpoint(self, model: nn.Module) -> int:
+        """``--load-format dummy`` with a 4-bit config: the random weights stay in the model's dtype
+        (returns 0)."""
+        return 0
+
+
+def check_group(method: str, field: str, group_size: int, k: int, name: str) -> None:
+    """Raise ValueError when ``k`` input columns do not split into groups of ``group_size``."""
+    if group_size <= 0 or k % group_size or k % 2:
+        raise ValueError(f"checkpoint tensor {name!r}: {k} input columns do not split into {method} groups of "
+                         f"{group_size} ({field})")
