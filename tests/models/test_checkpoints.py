@@ -116,9 +116,9 @@ def test_missing_tensor_of_another_stage_is_not_this_stages_business(sharded_lla
 
 # --- quantized checkpoints ------------------------------------------------------------------------
 QUANT_METHODS = {  # quantization_config as HF writes it -> the method named in the refusal
-    "mxfp4": {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]},
-    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128},
-    "awq": {"quant_method": "awq", "bits": 4, "version": "gemm"},
+    "hqq": {"quant_method": "hqq", "nbits": 4},
+    "gptq": {"quant_method": "gptq", "bits": 8, "group_size": 128},    # 4-bit GPTQ / AWQ / MXFP4 load: test_w4.py
+    "awq": {"quant_method": "awq", "bits": 4, "version": "gemv"},
     "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True},
 }
 
@@ -147,9 +147,9 @@ def test_quantized_checkpoint_refused_before_any_worker(tmp_path):
     from zpp.errors import ConfigError
     cfg = {**Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4).to_dict(),
-           "architectures": ["Phi3ForCausalLM"], "quantization_config": QUANT_METHODS["mxfp4"]}
+           "architectures": ["Phi3ForCausalLM"], "quantization_config": QUANT_METHODS["hqq"]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     before = {p for p in descendants(os.getpid()) if alive(p)}
-    with pytest.raises(ConfigError, match="Phi3ForCausalLM: quantized checkpoint .*'mxfp4'"):
+    with pytest.raises(ConfigError, match="Phi3ForCausalLM: quantized checkpoint .*'hqq'"):
         LLM(str(tmp_path), pipeline_parallel_size=2)
     assert {p for p in descendants(os.getpid()) if alive(p)} <= before

@@ -300,12 +300,13 @@ def test_configs_validate_with_compressed_tensors(ckpt):
 
 
 @pytest.mark.parametrize("qc, match", [
-    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
-    ({"quant_method": "awq"}, "quant_method 'awq'"),
+    ({"quant_method": "gptq", "bits": 4, "desc_act": True}, "quant_method 'gptq'"),  # 4-bit formats: test_w4.py
+    ({"quant_method": "awq", "version": "gemv"}, "quant_method 'awq'"),
     ({"load_in_4bit": True}, "quant_method 'bitsandbytes'"),
-    ({"quant_method": "mxfp4"}, "quant_method 'mxfp4'"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized",
-      "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4}}}}, "format 'pack-quantized'"),
+      "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8}}}}, "with 8 bits"),
+    ({"quant_method": "compressed-tensors", "format": "naive-quantized",
+      "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8}}}}, "format 'naive-quantized'"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized",
       "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8, "strategy": "channel",
                                           "symmetric": False}}}}, "asymmetric weights"),

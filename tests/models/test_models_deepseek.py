@@ -440,7 +440,7 @@ def test_tensor_parallel_slices_rebuild_the_weights(v3_dir):
 
 # --- refusals -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("edit,word", [
-    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "gptq"),  # FP8 loads (tests/models/test_fp8.py)
+    ({"quantization_config": {"quant_method": "hqq"}}, "hqq"),  # FP8 / 4-bit load (test_fp8.py, test_w4.py)
     ({"topk_method": "noaux_tc", "architectures": ["DeepseekV2ForCausalLM"]}, "topk_method"),
     ({"moe_layer_freq": 2}, "moe_layer_freq"),
     ({"scoring_func": "softmax"}, "scoring_func"),

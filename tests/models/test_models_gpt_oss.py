@@ -4,8 +4,8 @@ alternating with full ones, YaRN RoPE and the biased, clamped-SwiGLU experts, pr
 tokens and 20 generated, at PP = 1, 2, 3 (uneven split), TP = 2 and TP = 2 x PP = 2, batched and
 alone, with chunked prefill (chunks of 6, smaller than the window, of 10 and of 16, crossing it), KV
 blocks of 4 tokens and prefix caching, and through the model runner's decode-graph path on the CPU
-(``ZPP_EAGER_GRAPHS``). Refused in one line: MXFP4 checkpoints, a tensor-parallel size that does not
-divide the heads."""
+(``ZPP_EAGER_GRAPHS``). Refused in one line: an MXFP4 block size other than the release's (MXFP4
+as released loads: test_w4.py), a tensor-parallel size that does not divide the heads."""
 from __future__ import annotations
 
 import json
@@ -159,7 +159,8 @@ def test_refused_in_one_line(oss_dir, tmp_path, case):
     kw = {}
     if case == "mxfp4":
         cfg = json.load(open(os.path.join(oss_dir, "config.json")))
-        cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+        cfg["quantization_config"] = {"quant_method": "mxfp4", "block_size": 16,  # as released it loads: test_w4.py
+                                      "modules_to_not_convert": ["model.layers.*.self_attn"]}
         (tmp_path / "config.json").write_text(json.dumps(cfg))
         model, word = str(tmp_path), "mxfp4"
     else:

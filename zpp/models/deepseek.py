@@ -67,8 +67,9 @@ from zpp.models.layers.norm import RMSNorm
 from zpp.models.layers.rotary import get_rope, rope_params, yarn_softmax_scale
 from zpp.transport.tensor_parallel import tp_all_reduce
 
-_EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
-_SUFFIX = {"weight": "", "weight_scale": "_scale"}  # an FP8 expert's canonical scale -> experts.*_proj_scale
+_EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|qweight|scales|zeros)$")
+_SUFFIX = {"weight": "", "weight_scale": "_scale",  # an FP8 expert's canonical scale -> experts.*_proj_scale
+           "qweight": "_qweight", "scales": "_scales", "zeros": "_zeros"}  # a 4-bit one's (w4_base.py)
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,9 @@ from zpp.errors import ConfigError
 from zpp.models.layers.moe import SparseMoeBlock
 from zpp.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
-_EXPERT_RE = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight|weight_scale)$")
-_SUFFIX = {"weight": "", "weight_scale": "_scale"}  # an FP8 expert's canonical scale -> experts.*_proj_scale
+_EXPERT_RE = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight|weight_scale|qweight|scales|zeros)$")
+_SUFFIX = {"weight": "", "weight_scale": "_scale",  # an FP8 expert's canonical scale -> experts.*_proj_scale
+           "qweight": "_qweight", "scales": "_scales", "zeros": "_zeros"}  # a 4-bit one's (w4_base.py)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

@@ -31,8 +31,9 @@ from zpp.models.layers.moe import SparseMoeBlock
 from zpp.models.llama import LlamaDecoderLayer
 from zpp.models.qwen3 import Qwen3ForCausalLM
 
-_EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
-_SUFFIX = {"weight": "", "weight_scale": "_scale"}  # an FP8 expert's canonical scale -> experts.*_proj_scale
+_EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|qweight|scales|zeros)$")
+_SUFFIX = {"weight": "", "weight_scale": "_scale",  # an FP8 expert's canonical scale -> experts.*_proj_scale
+           "qweight": "_qweight", "scales": "_scales", "zeros": "_zeros"}  # a 4-bit one's (w4_base.py)
 
 
 def num_experts(cfg: dict[str, Any]) -> int:
