@@ -17,6 +17,7 @@ weights equal the twin's as zpp loads it (the stage's weight report counts them 
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import shutil
@@ -365,3 +366,84 @@ def test_greedy_matches_hf_on_the_dequantized_weights(ckpt, model):
         got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
     for i, ref in enumerate(reference):
         assert got[i] == ref, f"{model}: prompt {i}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt-oss-mxfp4", "deepseek-v3-kimi-int4"])
+def test_plan_counts_4bit_bytes_as_held(ckpt, model):
+    """``zpp plan``'s meta-device build (the loader's own decisions, headers only): for an sm90 GPU
+    the 4-bit weights count as the packed bytes + scales where the W4A16 methods exist
+    (``zpp.models.quantization.w4a16``), else -- and on the CPU -- dequantized to bf16, exactly the
+    twin's bytes."""
+    import importlib
+    import json
+
+    from zpp.models.base import StageInfo
+    from zpp.models.loader import load_stage_model
+    from zpp.models.quantization.checkpoint import read_index
+    from zpp.models.weight_bytes import weight_bytes_by_dtype
+    d, deq, names = ckpt(model)
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    n = cfg["num_hidden_layers"]
+    info = StageInfo(0, 1, 0, n)
+
+    def held(path, capability):
+        c = json.load(open(os.path.join(path, "config.json")))
+        m = load_stage_model(path, c, info, torch.bfloat16, torch.device("meta"), 256, capability=capability)
+        return weight_bytes_by_dtype(m)
+    deq_bytes = held(deq, None)
+    assert held(d, None) == deq_bytes                                    # CPU: dequantized
+    try:
+        importlib.import_module("zpp.models.quantization.w4a16")
+        methods = True
+    except ImportError:
+        methods = False
+    gpu = held(d, (9, 0))
+    if not methods:
+        assert gpu == deq_bytes
+        return
+    index = read_index([os.path.join(d, "model.safetensors")])
+    packed = sum(math.prod(i.shape) * 4 for k, i in index.items() if i.dtype == "I32" and not k.endswith("g_idx")) \
+        + sum(math.prod(i.shape) for k, i in index.items() if i.dtype == "U8" and k.endswith("_blocks"))
+    assert gpu.get("uint8", 0) >= packed                                  # the codes, kept packed
+    saved = sum(deq_bytes.values()) - sum(gpu.values())
+    as_bf16 = sum(math.prod(i.shape) * (4 if k.endswith("_blocks") else 16)    # 2 / 8 codes an element, 2 bytes
+                  for k, i in index.items() if k.endswith(("_blocks", ".weight_packed")))
+    assert saved >= as_bf16 * 0.6                                        # ~4x smaller than bf16 where 4-bit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, weight", [("gpt-oss-mxfp4", "model.layers.1.mlp.experts.gate_up_proj_blocks"),
+                                           ("llama-awq", "model.layers.2.self_attn.k_proj.qweight"),
+                                           ("llama-gptq", "model.layers.0.mlp.down_proj.qweight"),
+                                           ("deepseek-v3-kimi-int4", "model.layers.2.mlp.experts.5.up_proj.weight_packed")])
+def test_kept_weights_hand_over_the_w4_layout(ckpt, model, weight):
+    """What a GPU's W4A16 method receives for a kept weight (:meth:`W4Config.plan_kept`): canonical
+    ``qweight`` uint8 ``[..., N, K/2]``, ``scales``, ``zeros`` (asymmetric only), which
+    ``dequantize_w4`` turns into exactly the twin's weight (rows as the checkpoint's: gpt-oss's
+    gate_up stays interleaved)."""
+    import json
+
+    from safetensors import safe_open
+
+    from zpp.models.quantization import parse_quantization_config
+    from zpp.models.quantization.checkpoint import read_index
+    from zpp.models.quantization.w4_layout import dequantize_w4
+    d, deq, _ = ckpt(model)
+    quant = parse_quantization_config(json.load(open(os.path.join(d, "config.json"))))
+    index = read_index([os.path.join(d, "model.safetensors")])
+    planned = quant.plan_kept(index, weight, None)
+    loaded = quant.loaded_name(weight)
+    stem = loaded[: -len("weight")] if loaded.endswith(".weight") else loaded + "_"
+    roles = ["qweight", "scales"] + (["zeros"] if model == "llama-awq" else [])
+    assert [t.name for t in planned] == [stem + r for r in roles]
+    with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+        got = {t.name.rsplit(".", 1)[-1].rsplit("_", 1)[-1]: quant.materialize(t, f.get_tensor, torch.device("cpu"))
+               for t in planned}
+    with safe_open(os.path.join(deq, "model.safetensors"), "pt") as f:
+        ref = f.get_tensor(loaded)
+    if model == "gpt-oss-mxfp4":
+        ref = ref.transpose(1, 2)                                          # [E, 2I (interleaved), H]
+    assert got["qweight"].dtype == torch.uint8 and got["qweight"].shape == (*ref.shape[:-1], ref.shape[-1] // 2)
+    w = dequantize_w4(got["qweight"], got["scales"], got.get("zeros"), quant.group_size, quant.fmt, torch.float32)
+    assert torch.equal(w, ref)
