@@ -413,10 +413,11 @@ def test_plan_counts_4bit_bytes_as_held(ckpt, model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, weight", [("gpt-oss-mxfp4", "model.layers.1.mlp.experts.gate_up_proj_blocks"),
-                                           ("llama-awq", "model.layers.2.self_attn.k_proj.qweight"),
-                                           ("llama-gptq", "model.layers.0.mlp.down_proj.qweight"),
-                                           ("deepseek-v3-kimi-int4", "model.layers.2.mlp.experts.5.up_proj.weight_packed")])
+@pytest.mark.parametrize("model, weight", [
+    ("gpt-oss-mxfp4", "model.layers.1.mlp.experts.gate_up_proj_blocks"),
+    ("llama-awq", "model.layers.2.self_attn.k_proj.qweight"),
+    ("llama-gptq", "model.layers.0.mlp.down_proj.qweight"),
+    ("deepseek-v3-kimi-int4", "model.layers.2.mlp.experts.5.up_proj.weight_packed")])
 def test_kept_weights_hand_over_the_w4_layout(ckpt, model, weight):
     """What a GPU's W4A16 method receives for a kept weight (:meth:`W4Config.plan_kept`): canonical
     ``qweight`` uint8 ``[..., N, K/2]``, ``scales``, ``zeros`` (asymmetric only), which

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from zpp.errors import ConfigError
-from zpp.models.quantization.base import Getter, TensorIndex
+from zpp.models.quantization.base import Getter
 from zpp.models.quantization.gptq import unpack_along_n
 from zpp.models.quantization.w4_base import Repacked, W4Config, check_group
 from zpp.models.quantization.w4_layout import pack_codes
@@ -52,7 +52,8 @@ class AwqConfig(W4Config):
     def aux_names(self, base: str) -> dict[str, str]:
         return {"scales": f"{base}.scales", "zeros": f"{base}.qzeros"}
 
-    def has_zeros(self, base: str, index: TensorIndex) -> bool:
+    @property
+    def zero_points(self) -> bool:
         return True
 
     def repack(self, base: str, get: Getter) -> Repacked:

@@ -15,7 +15,8 @@ The rule (AutoGPTQ's ``QuantLinear`` dequantization, which vLLM's GPTQ / Marlin 
 ``gptq_v2`` stores ``zero`` itself). Symmetric checkpoints store ``zero - 1 = 7`` (8 after the
 rule). Repacked: ``qweight`` is ``X.qweight`` transposed and read as bytes, ``zeros`` the unpacked
 zero points (+1 for v1; a v1 stored 15 gives 16, kept as is: uint8) transposed, ``scales``
-transposed; a symmetric checkpoint's zeros (all 8) are dropped (``zeros`` None).
+transposed; a symmetric checkpoint's zeros (all 8) are dropped (``zeros`` None; another value is
+refused).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from zpp.errors import ConfigError
-from zpp.models.quantization.base import Getter, TensorIndex
+from zpp.models.quantization.base import Getter
 from zpp.models.quantization.int4_compressed import _as_bytes
 from zpp.models.quantization.w4_base import Repacked, W4Config, check_group
 from zpp.models.quantization.w4_layout import unpack_codes
@@ -54,7 +55,8 @@ class GptqConfig(W4Config):
     def aux_names(self, base: str) -> dict[str, str]:
         return {"scales": f"{base}.scales", "zeros": f"{base}.qzeros"}
 
-    def has_zeros(self, base: str, index: TensorIndex) -> bool:
+    @property
+    def zero_points(self) -> bool:
         return not self.sym
 
     def group_of(self, k: int) -> int:
@@ -79,7 +81,10 @@ class GptqConfig(W4Config):
         qweight = _as_bytes(qw.t())                                            # [N, K/2]
         zeros = unpack_along_n(qz, n) + (1 if self.v1 else 0)                  # [K/G, N]
         zeros = zeros.t().contiguous()
-        if self.sym and bool((zeros == 8).all()):
+        if self.sym:                                                           # the implicit 8
+            if not bool((zeros == 8).all()):
+                raise ValueError(f"checkpoint tensor {base}.qzeros: zero points other than 8 in a checkpoint whose "
+                                 "config says sym: true")
             zeros = None
         return qweight.contiguous(), s.t().contiguous(), zeros
 

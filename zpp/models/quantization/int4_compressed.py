@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from zpp.errors import ConfigError
-from zpp.models.quantization.base import Getter, TensorIndex
+from zpp.models.quantization.base import Getter
 from zpp.models.quantization.w4_base import Repacked, W4Config, check_group
 from zpp.models.quantization.w4_layout import unpack_codes
 
@@ -60,7 +60,8 @@ class PackQuantizedConfig(W4Config):
             out["zeros"] = f"{base}.weight_zero_point"
         return out
 
-    def has_zeros(self, base: str, index: TensorIndex) -> bool:
+    @property
+    def zero_points(self) -> bool:
         return not self.symmetric
 
     def repack(self, base: str, get: Getter) -> Repacked:

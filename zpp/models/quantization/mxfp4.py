@@ -46,7 +46,8 @@ class Mxfp4Config(W4Config):
     def aux_names(self, base: str) -> dict[str, str]:
         return {"scales": base + "_scales"}
 
-    def has_zeros(self, base, index) -> bool:
+    @property
+    def zero_points(self) -> bool:
         return False
 
     def repack(self, base: str, get: Getter) -> Repacked:

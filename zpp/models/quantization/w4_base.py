@@ -12,7 +12,8 @@ repack them into the one in-memory layout of :mod:`~zpp.models.quantization.w4_l
   ``compressed-tensors`` for pack-quantized, AutoGPTQ's / AutoAWQ's unpacking for GPTQ / AWQ).
 * **GPU** (sm80+): where :mod:`zpp.models.quantization.w4a16` (the W4A16 Triton kernels' methods)
   imports, a linear layer / expert layer whose checkpoint weights are all of the format is made by
-  ``W4A16LinearMethod(group_size=G, fmt=F)`` / ``W4A16MoEMethod(group_size=G, fmt=F)``, and
+  ``W4A16LinearMethod(fmt=F, group_size=G, zeros=Z)`` / ``W4A16MoEMethod(...)`` (``Z``: the format
+  carries zero points), where the method takes the layer's shapes and group size, and
   receives the canonical tensors (:meth:`W4Config.plan_kept`): a linear weight ``X.weight``'s as
   ``X.qweight``, ``X.scales`` and (asymmetric only) ``X.zeros``; a fused expert tensor ``X``'s (gpt-oss
   ``mlp.experts.gate_up_proj``) as ``X_qweight``, ``X_scales``, ``X_zeros``; every one in the
@@ -36,10 +37,12 @@ Repacked = tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 """``(qweight uint8 [..., N, K // 2], scales [..., N, K // G], zeros uint8 [..., N, K // G] | None)``."""
 
 
-def w4a16_method(name: str, layer: nn.Module, group_size: int, fmt: str):
-    """``zpp.models.quantization.w4a16.<name>(group_size=, fmt=)`` for a layer on a CUDA device
-    (or ``meta``: ``zpp plan`` for a GPU), None where that module does not import or the layer is
-    elsewhere."""
+def w4a16_method(name: str, layer: nn.Module, group_size: int, fmt: str, zeros: bool):
+    """``zpp.models.quantization.w4a16.<name>(fmt=, group_size=, zeros=)`` for a layer on a CUDA
+    device (or ``meta``: ``zpp plan`` for a GPU) whose shapes the method takes (the module's
+    ``w4_linear_layout_ok`` / ``w4_moe_layout_ok``); None -- the layer is dequantized -- where that
+    module does not import, the layer is elsewhere, or the method refuses the arguments (a group size
+    its kernels do not take, e.g. GPTQ's ``-1``)."""
     p = next(layer.parameters(), None)
     if p is None or p.device.type not in ("cuda", "meta"):
         return None
@@ -49,7 +52,13 @@ def w4a16_method(name: str, layer: nn.Module, group_size: int, fmt: str):
     except ImportError:
         return None
     cls = getattr(mod, name, None)
-    return cls(group_size=group_size, fmt=fmt) if cls is not None else None
+    ok = getattr(mod, "w4_moe_layout_ok" if "MoE" in name else "w4_linear_layout_ok", None)
+    if cls is None or group_size <= 0 or (ok is not None and not ok(layer, group_size)):
+        return None
+    try:
+        return cls(fmt=fmt, group_size=group_size, zeros=zeros)
+    except ValueError:
+        return None
 
 
 class W4Config(QuantizationConfig):
@@ -167,14 +176,14 @@ class W4Config(QuantizationConfig):
         and the W4A16 methods import (:func:`w4a16_method`); else None (dequantized)."""
         if getattr(layer, "transposed", False) or not self._all_of_format(sources, index):
             return None
-        return w4a16_method("W4A16LinearMethod", layer, self.group_size, self.fmt)
+        return w4a16_method("W4A16LinearMethod", layer, self.group_size, self.fmt, self.zero_points)
 
     def moe_method(self, experts: nn.Module, sources: list[str], index: TensorIndex):
         """``W4A16MoEMethod(group_size, fmt)`` where every expert tensor is one of the format's
         weights and the W4A16 methods import; else None (dequantized)."""
         if not self._all_of_format(sources, index):
             return None
-        return w4a16_method("W4A16MoEMethod", experts, self.group_size, self.fmt)
+        return w4a16_method("W4A16MoEMethod", experts, self.group_size, self.fmt, self.zero_points)
 
     def kept(self, param: nn.Parameter) -> bool:
         return param.dtype == torch.uint8
@@ -193,11 +202,14 @@ class W4Config(QuantizationConfig):
             return {r: stem + r for r in ("qweight", "scales", "zeros")}
         return {r: f"{loaded}_{r}" for r in ("qweight", "scales", "zeros")}
 
+    @property
+    def zero_points(self) -> bool:
+        """Whether the format's weights carry zero points once repacked (else the symmetric 8)."""
+        raise NotImplementedError
+
     def has_zeros(self, base: str, index: TensorIndex) -> bool:
-        """Whether the weight ``base`` carries zero points after repacking (default: its
-        ``zeros`` tensor is in the checkpoint)."""
-        z = self.aux_names(base).get("zeros")
-        return z is not None and z in index
+        """Whether the weight ``base`` carries zero points after repacking (:attr:`zero_points`)."""
+        return self.zero_points
 
     def plan_kept(self, index: TensorIndex, name: str, module: nn.Module) -> list[PlannedTensor]:
         """The kept weight's canonical ``qweight``, ``scales`` and (asymmetric) ``zeros``, repacked."""
