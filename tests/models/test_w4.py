@@ -448,3 +448,23 @@ def test_kept_weights_hand_over_the_w4_layout(ckpt, model, weight):
     assert got["qweight"].dtype == torch.uint8 and got["qweight"].shape == (*ref.shape[:-1], ref.shape[-1] // 2)
     w = dequantize_w4(got["qweight"], got["scales"], got.get("zeros"), quant.group_size, quant.fmt, torch.float32)
     assert torch.equal(w, ref)
+
+
+@pytest.mark.parametrize("fmt, group, zeros", [("mxfp4", 32, False), ("int4", 32, False), ("int4", 128, True)])
+def test_dummy_quantizer_is_the_formats_rounding(fmt, group, zeros):
+    """``quantize_w4`` (``--load-format dummy`` with a 4-bit config): MXFP4 codes equal the tests'
+    independent quantizer's; int4 within half a step of every weight (nothing clips)."""
+    from zpp.models.quantization.w4_base import quantize_w4
+    from zpp.models.quantization.w4_layout import dequantize_w4
+    torch.manual_seed(5)
+    w = torch.randn(2, 24, 256, dtype=torch.bfloat16)
+    qweight, scales, z = quantize_w4(w, group, fmt, zeros)
+    assert qweight.shape == (2, 24, 128) and scales.shape == (2, 24, 256 // group) and (z is not None) == zeros
+    if fmt == "mxfp4":
+        blocks, ref_scales = quantize_mxfp4(w)
+        assert torch.equal(qweight, blocks.reshape(2, 24, 128)) and torch.equal(scales, ref_scales)
+        return
+    deq = dequantize_w4(qweight, scales, z, group, fmt, torch.float32)
+    step = scales.float().repeat_interleave(group, -1)
+    assert ((deq - w.float()).abs() <= step / 2 + 1e-6).all()
+    assert int(torch.stack([qweight & 15, qweight >> 4]).max()) == 15     # the whole code range is used

@@ -50,6 +50,10 @@ class Mxfp4Config(W4Config):
     def zero_points(self) -> bool:
         return False
 
+    def dummy_target(self, name: str, experts: bool) -> bool:
+        """gpt-oss's release quantizes the experts only."""
+        return experts
+
     def repack(self, base: str, get: Getter) -> Repacked:
         blocks, scales = get(base + "_blocks"), get(base + "_scales")
         if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:

@@ -218,10 +218,98 @@ class W4Config(QuantizationConfig):
         rows = index[name].shape[-2] if len(index[name].shape) >= 2 else 0
         return [PlannedTensor(names[r], f"w4_{r}", name, rows=rows) for r in roles]
 
+    def dummy_target(self, name: str, experts: bool) -> bool:
+        """Whether the release quantizes the layer ``name`` (zpp's module name; ``experts``: a
+        :class:`~zpp.models.layers.moe.FusedExperts`), for ``--load-format dummy`` where there are
+        no tensors to read it from. Default: every decoder layer's linear layers and experts not
+        matched by :attr:`ignore`."""
+        from zpp.models.quantization.int4_compressed import ignored
+        return ".layers." in f".{name}" and not ignored(f"{name}.0.gate_proj" if experts else name, self.ignore)
+
+    @torch.no_grad()
     def quantize_like_checkpoint(self, model: nn.Module) -> int:
-        """``--load-format dummy`` with a 4-bit config: the random weights stay in the model's dtype
-        (returns 0)."""
-        return 0
+        """``--load-format dummy`` with a 4-bit config where the W4A16 methods run (a GPU of
+        compute capability >= 8.0; ``zpp plan``'s meta build for one): the layers the release
+        quantizes (:meth:`dummy_target`) made 4-bit by the methods, their random weights quantized
+        as the format would (:func:`quantize_w4`; on ``meta`` shapes only). Returns the number of
+        layers made 4-bit (0 without the methods: the random weights stay in the model dtype)."""
+        from zpp.models.layers.moe import FusedExperts
+        from zpp.models.quantization.base import keeps_dtype, linear_modules
+        n = 0
+        for name, mod in model.named_modules():
+            if not isinstance(mod, FusedExperts) or getattr(mod, "quant_method", None) is not None \
+                    or not self.dummy_target(name, True):
+                continue
+            method = w4a16_method("W4A16MoEMethod", mod, self.group_size, self.fmt, self.zero_points)
+            if method is None:
+                continue
+            ws = {p: getattr(mod, p).data for p in ("gate_up_proj", "down_proj")}
+            method.create_weights(mod)
+            for p, w in ws.items():
+                if w.device.type != "meta":
+                    _fill(mod, f"{p}_", quantize_w4(w, self.group_size, self.fmt, self.zero_points))
+            n += 1
+        for name, mod in linear_modules(model):
+            if getattr(mod, "quant_method", None) is not None or keeps_dtype(name, mod) \
+                    or not self.dummy_target(name, False):
+                continue
+            method = w4a16_method("W4A16LinearMethod", mod, self.group_size, self.fmt, self.zero_points)
+            if method is None:
+                continue
+            w = mod.weight.data
+            method.create_weights(mod)
+            if w.device.type != "meta":
+                _fill(mod, "", quantize_w4(w, self.group_size, self.fmt, self.zero_points))
+            n += 1
+        return n
+
+
+def _fill(mod: nn.Module, prefix: str, packed: Repacked) -> None:
+    for role, t in zip(("qweight", "scales", "zeros"), packed):
+        p = getattr(mod, prefix + role, None)
+        if p is not None and t is not None:
+            p.data.copy_(t)
+
+
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+"""Between consecutive e2m1 magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6): where rounding to nearest turns."""
+
+
+@torch.no_grad()
+def quantize_w4(w: torch.Tensor, group_size: int, fmt: str, zeros: bool = False) -> Repacked:
+    """A float weight ``[..., N, K]`` quantized into the w4_layout form (the random weights of
+    ``--load-format dummy``, quantized like a release): ``int4`` symmetric -- ``scale = amax / 7``
+    per group, codes ``round(w / scale) + 8`` -- or with ``zeros`` asymmetric -- ``scale = (max -
+    min) / 15`` (rounded up to ``w``'s dtype, so nothing clips), ``zero = round(-min / scale)``;
+    scales in ``w``'s dtype. ``mxfp4``: per block of 32
+    the E8M0 exponent ``ceil(log2(amax / 6))`` (OCP MX v1.0's shared scale), codes the nearest
+    e2m1 of ``w / 2^e``.
+
+    Raises:
+        ValueError: ``K`` not a multiple of ``group_size``.
+    """
+    from zpp.models.quantization.w4_layout import pack_codes
+    *lead, n, k = w.shape
+    if k % group_size or k % 2:
+        raise ValueError(f"{k} input columns do not split into groups of {group_size}")
+    g = w.float().reshape(*lead, n, k // group_size, group_size)
+    if fmt == "mxfp4":
+        amax = g.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -126)
+        e = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+        x = g / torch.exp2(e)
+        mag = torch.bucketize(x.abs(), torch.tensor(E2M1_MIDPOINTS, device=w.device))
+        codes = (mag | ((x < 0).to(mag.dtype) << 3)).reshape(*lead, n, k)
+        return pack_codes(codes), (e.squeeze(-1) + 127).to(torch.uint8), None
+    if zeros:
+        lo, hi = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
+        s = ((hi - lo) / 15.0 * (1 + 2.0 ** -7)).clamp_min(1e-10).to(w.dtype).float()  # rounded: never < the span
+        z = torch.round(-lo / s).clamp(0, 15)
+    else:
+        s = (g.abs().amax(-1, keepdim=True) / 7.0).clamp_min(1e-10).to(w.dtype).float()
+        z = torch.full_like(s, 8)
+    codes = torch.round(g / s + z).clamp(0, 15).reshape(*lead, n, k)
+    return (pack_codes(codes), s.squeeze(-1).to(w.dtype),
+            z.squeeze(-1).to(torch.uint8) if zeros else None)
 
 
 def check_group(method: str, field: str, group_size: int, k: int, name: str) -> None:
