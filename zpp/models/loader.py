@@ -69,6 +69,13 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
     ``quantization="fp8"`` (``--quantization fp8``): the loaded bf16/fp16 linear weights are
     quantized to FP8 per output channel (the caller has checked the GPU).
 
+    4-bit checkpoints (MXFP4, compressed-tensors pack-quantized, GPTQ, AWQ;
+    :mod:`zpp.models.quantization.w4_base`): on a GPU of compute capability >= 8.0 (``dtype``
+    bf16/fp16) with the W4A16 methods the layers whose checkpoint weights are 4-bit keep them,
+    repacked into :mod:`~zpp.models.quantization.w4_layout`; everywhere else (the CPU) they are
+    dequantized on load by the format's rule. ``--load-format dummy`` with a 4-bit config quantizes
+    the random weights of the layers the release quantizes, where the methods run.
+
     The names of the tensors the stage receives (from the safetensors headers; for an FP8
     checkpoint, as planned) are checked against its parameters before any tensor is read
     (``StageModel.check_weight_names``): a tensor missing or misnamed is refused before any weight
