@@ -468,3 +468,23 @@ def test_dummy_quantizer_is_the_formats_rounding(fmt, group, zeros):
     step = scales.float().repeat_interleave(group, -1)
     assert ((deq - w.float()).abs() <= step / 2 + 1e-6).all()
     assert int(torch.stack([qweight & 15, qweight >> 4]).max()) == 15     # the whole code range is used
+
+
+@pytest.mark.parametrize("fmt, weight, present, missing", [
+    ("mxfp4", "m.experts.down_proj_blocks", [], "m.experts.down_proj_scales"),
+    ("ct", "m.down_proj.weight_packed", ["m.down_proj.weight_shape"], "m.down_proj.weight_scale"),
+    ("gptq", "m.down_proj.qweight", ["m.down_proj.scales"], "m.down_proj.qzeros"),
+    ("awq", "m.down_proj.qweight", ["m.down_proj.qzeros"], "m.down_proj.scales")])
+def test_missing_companion_tensor_is_named(fmt, weight, present, missing):
+    """A 4-bit weight without its scales / zeros / shape is refused from the headers, the tensor named."""
+    from zpp.models.quantization.awq import AwqConfig
+    from zpp.models.quantization.base import TensorInfo
+    from zpp.models.quantization.gptq import GptqConfig
+    from zpp.models.quantization.int4_compressed import PackQuantizedConfig
+    from zpp.models.quantization.mxfp4 import Mxfp4Config
+    cfg = {"mxfp4": Mxfp4Config(), "ct": PackQuantizedConfig(), "gptq": GptqConfig(), "awq": AwqConfig()}[fmt]
+    index = {n: TensorInfo("f", "U8" if fmt == "mxfp4" else "I32", (4, 4)) for n in [weight] + present}
+    assert cfg.is_quantized(index[weight])
+    assert cfg.weight_kind(index, weight) is None and all(cfg.is_auxiliary(n) for n in present)
+    with pytest.raises(ValueError, match=f"{weight}.* has no {missing}"):
+        cfg.plan_dequantize(index, weight, torch.float32)
