@@ -309,22 +309,23 @@ def ckpt(tmp_path_factory, demo_model):
     return get
 
 
-def _stage(d: str, stage: int, layers: tuple[int, int], pp: int):
+def _stage(d: str, stage: int, layers: tuple[int, int], pp: int, tp_rank: int = 0, tp_size: int = 1):
     import json
 
     from zpp.models.base import StageInfo
     from zpp.models.loader import load_stage_model
     cfg = json.load(open(os.path.join(d, "config.json")))
-    info = StageInfo(stage, pp, layers[0], layers[1])
+    info = StageInfo(stage, pp, layers[0], layers[1], tp_rank, tp_size)
     return load_stage_model(d, cfg, info, torch.float32, torch.device("cpu"), 256)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", list(MODELS))
 def test_stage_weights_equal_the_dequantized_twin(ckpt, model):
-    """Each stage of a 3-way uneven split loads exactly the twin's weights (the format's rule, as
-    the library dequantizes it), and the weight report counts them dequantized (no 4-bit bytes on
-    the CPU). The 4-bit checkpoint really is quantized where the release is, and only there."""
+    """Each stage of a 3-way uneven split (and the TP = 2 rank 1 slice of the middle one) loads
+    exactly the twin's weights (the format's rule, as the library dequantizes it), and the weight
+    report counts them dequantized (no 4-bit bytes on the CPU). The 4-bit checkpoint really is
+    quantized where the release is, and only there."""
     import json
 
     from zpp.models.weight_bytes import weight_bytes_by_dtype
@@ -340,9 +341,10 @@ def test_stage_weights_equal_the_dequantized_twin(ckpt, model):
         assert not any(".shared_experts." in x or ".self_attn." in x for x in names)
     else:
         assert len(names) == 7 * n
-    cuts = [(0, 1), (1, n - 1), (n - 1, n)]
-    for s, layers in enumerate(cuts):
-        got, ref = _stage(d, s, layers, 3), _stage(deq, s, layers, 3)
+    cuts = [(0, 1, 0, 1), (1, n - 1, 0, 1), (n - 1, n, 0, 1), (1, n - 1, 1, 2)]
+    for a, b, rank, tp in cuts:
+        s = 0 if a == 0 else (2 if b == n else 1)
+        got, ref = _stage(d, s, (a, b), 3, rank, tp), _stage(deq, s, (a, b), 3, rank, tp)
         gp, rp = dict(got.named_parameters()), dict(ref.named_parameters())
         assert gp.keys() == rp.keys()
         for k in gp:

@@ -46,7 +46,8 @@ class CheckpointPlan:
 
 def _feeds(model: nn.Module, index: TensorIndex, quant: QuantizationConfig) -> dict[str, list[str]]:
     """parameter name -> the checkpoint weights that load into it (``X.weight`` tensors, and fused
-    expert tensors: any non-auxiliary tensor of three dimensions)."""
+    expert tensors: any non-auxiliary tensor of three or more dimensions; a quantized tensor by the
+    name it loads under, :meth:`~zpp.models.quantization.base.QuantizationConfig.loaded_name`)."""
     feeds: dict[str, list[str]] = {}
     for name, info in index.items():
         if quant.is_auxiliary(name):
