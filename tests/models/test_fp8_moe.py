@@ -14,13 +14,14 @@ experts, ``first_k_dense_replace`` dense layers first):
 On the CPU (every FP8 weight dequantized on load) zpp's greedy tokens equal HF transformers' on the
 same checkpoint dequantized (HF's reference once per checkpoint, three prompts):
 
-* every (family, layout) at PP = 1, 2, 3 and uneven splits, the stages built and chained in this
-  process (each stage loads only its layers' tensors, as a worker does; the activations go from
-  one stage's forward to the next's) -- cheap, so every split of every layout is covered;
-* the engine itself (worker processes, gloo between stages, chunked prefill) at PP = 3 with an
-  uneven ``--pp-layer-partition`` for DeepSeek-V3 block and Mixtral per channel (test_fp8.py runs
-  Qwen3-MoE and DeepSeek-V3 block at PP = 2); each stage reports its weight bytes by dtype and
-  its KV capacity in tokens.
+* every (family, layout) at PP = 1, 2 (2/2), 3 (2/1/1) and an uneven PP = 2 (1/3) (the fused
+  names at 1/3 only: their loading is the block layout's but for the names), the stages built and chained in this process (each stage loads only its
+  layers' tensors, as a worker does; the activations go from one stage's forward to the next's):
+  PP = 1 decodes token by token, the other splits take HF's tokens as inputs (two forwards each)
+  -- cheap, so every split of every layout is covered;
+* the engine itself (worker processes, gloo between stages, chunked prefill, decoding) once: DeepSeek-V3
+  block at PP = 3 with ``--pp-layer-partition 1,2,1`` (test_fp8.py runs Qwen3-MoE and DeepSeek-V3
+  block at PP = 2); each stage reports its weight bytes by dtype and its KV capacity in tokens.
 
 Also the GPU's loading path, run on the CPU: expert weights stay e4m3 with canonical scales that
 dequantize exactly to the checkpoint's, routers keep their dtype, the expert layer's output equals
@@ -343,6 +344,14 @@ def test_experts_kept_fp8(ckpt, family, layout):
     with torch.inference_mode():
         w, ids = rgate(x)
         torch.testing.assert_close(ex(x, w, ids), rex(x, w, ids), rtol=0, atol=0)
+    if family == "deepseek-v3":   # as vLLM: shared experts and MLA projections FP8, kv_b_proj not
+        moe, attn = model.model.layers[MOE_LAYER[family]].mlp, model.model.layers[0].self_attn
+        for lin in (moe.shared_experts.gate_up_proj, moe.shared_experts.down_proj, attn.q_a_proj, attn.q_b_proj,
+                    attn.kv_a_proj_with_mqa, attn.o_proj):
+            assert lin.weight.dtype == torch.float8_e4m3fn and lin.fp8 is not None
+        assert attn.kv_b_proj.weight.dtype == torch.bfloat16 and attn.kv_b_proj.fp8 is None
+        torch.testing.assert_close(attn.kv_b_proj.weight, full["model.layers.0.self_attn.kv_b_proj.weight"].to(
+            torch.bfloat16), rtol=0, atol=0)
     # the stage's fp8 bytes: every e4m3 tensor of the file the layout keeps (experts, shared experts
     # and MLA projections; not DeepSeek's kv_b_proj, which MLA reads outside the layer)
     index = _index(d)
