@@ -15,8 +15,9 @@ On the CPU (every FP8 weight dequantized on load) zpp's greedy tokens equal HF t
 same checkpoint dequantized (HF's reference once per checkpoint, three prompts):
 
 * every (family, layout) at PP = 1, 2 (2/2), 3 (2/1/1) and an uneven PP = 2 (1/3) (the fused
-  names at 1/3 only: their loading is the block layout's but for the names), the stages built and chained in this process (each stage loads only its
-  layers' tensors, as a worker does; the activations go from one stage's forward to the next's):
+  names at 1/3 only: their loading is the block layout's but for the names), the stages built and
+  chained in this process (each stage loads only its layers' tensors, as a worker does; the
+  activations go from one stage's forward to the next's):
   PP = 1 decodes token by token, the other splits take HF's tokens as inputs (two forwards each)
   -- cheap, so every split of every layout is covered;
 * the engine itself (worker processes, gloo between stages, chunked prefill, decoding) once: DeepSeek-V3
@@ -200,7 +201,8 @@ def _greedy_in_process(d: str, sizes: tuple[int, ...], prompts: list[list[int]],
     return out
 
 
-def _forced_in_process(d: str, sizes: tuple[int, ...], prompts: list[list[int]], ref: list[list[int]]) -> list[list[int]]:
+def _forced_in_process(d: str, sizes: tuple[int, ...], prompts: list[list[int]],
+                       ref: list[list[int]]) -> list[list[int]]:
     """The greedy tokens of a :class:`_Chain` given HF's as the inputs (teacher forcing: greedy
     decoding yields ``ref`` exactly when the argmax after each prefix is ``ref``'s next token), in two
     chunks -- the prompts, then every sequence's ``ref[:-1]`` at once over the first chunk's KV cache."""
@@ -231,9 +233,9 @@ def test_engine_at_pp3_uneven_matches_hf(ckpt, prompts):
     """The engine (three worker processes, gloo between them) on DeepSeek-V3's block layout at PP = 3
     with ``--pp-layer-partition 1,2,1`` (a stage with a dense and an MoE layer; prompts prefilled in
     chunks of 16 tokens): HF's greedy tokens on the twin; each stage reports its weight bytes by
-    dtype (together the twin's bytes) and the KV capacity is the blocks' tokens. (One start: the module's other splits and
-    layouts are the same loading, run in-process above; test_fp8.py runs the engine on Qwen3-MoE
-    and DeepSeek-V3 block FP8 at PP = 2.)"""
+    dtype (together the twin's bytes) and the KV capacity is the blocks' tokens. (One start: the
+    module's other splits and layouts are the same loading, run in-process above; test_fp8.py runs
+    the engine on Qwen3-MoE and DeepSeek-V3 block FP8 at PP = 2.)"""
     from zpp import LLM, SamplingParams
     family, layout, partition = "deepseek-v3", "block", (1, 2, 1)
     d, deq = ckpt(family, layout)
@@ -261,9 +263,10 @@ def test_checkpoints_in_the_release_layouts(ckpt):
         assert index[ROUTER[family]].dtype == "BF16" and index["model.embed_tokens.weight"].dtype == "BF16"
         assert index["model.norm.weight"].dtype == "BF16"
         if layout == "block-fused":
-            gu, s = index["model.layers.0.mlp.experts.gate_up_proj"], index["model.layers.0.mlp.experts.gate_up_proj_scale_inv"]
+            p = "model.layers.0.mlp.experts."
+            gu, s = index[p + "gate_up_proj"], index[p + "gate_up_proj_scale_inv"]
             assert (gu.dtype, gu.shape, s.shape) == ("F8_E4M3", (4, 256, 128), (4, 2, 1))
-            assert index["model.layers.0.mlp.experts.down_proj_scale_inv"].shape == (4, 1, 1)
+            assert index[p + "down_proj_scale_inv"].shape == (4, 1, 1)
             continue
         w = EXPERT[family].format(PROJ[family][0])
         assert index[w].dtype == "F8_E4M3"
