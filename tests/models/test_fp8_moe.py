@@ -10,16 +10,17 @@ experts, ``first_k_dense_replace`` dense layers first):
   activations, ``ignore: ["lm_head", "re:.*mlp.gate$"]`` (``-FP8-dynamic``), bf16 elsewhere;
 * ``block-fused`` (Qwen3-MoE): the block layout with each layer's experts under HF transformers 5's
   fused names (``experts.gate_up_proj`` + ``gate_up_proj_scale_inv``).
+* ``ct-tensor`` (Mixtral): compressed-tensors per tensor with static per-tensor ``input_scale``
+  (llm-compressor's FP8 scheme: the ``-FP8`` releases with static activation scales).
 
 On the CPU (every FP8 weight dequantized on load) zpp's greedy tokens equal HF transformers' on the
 same checkpoint dequantized (HF's reference once per checkpoint, three prompts):
 
-* every (family, layout) at PP = 1, 2 (2/2), 3 (2/1/1) and an uneven PP = 2 (1/3) (the fused
-  names at 1/3 only: their loading is the block layout's but for the names), the stages built and
-  chained in this process (each stage loads only its layers' tensors, as a worker does; the
-  activations go from one stage's forward to the next's):
-  PP = 1 decodes token by token, the other splits take HF's tokens as inputs (two forwards each)
-  -- cheap, so every split of every layout is covered;
+* every family in ``block`` and ``ct-channel`` at PP = 1, 2 (2/2), 3 (2/1/1) and an uneven PP = 2
+  (1/3), ``block-fused`` and ``ct-tensor`` at one split each: the stages built and chained in this
+  process (each stage loads only its layers' tensors, as a worker does; the activations go from one
+  stage's forward to the next's). PP = 1 decodes token by token, the other splits take HF's tokens
+  as inputs (two forwards each) -- cheap enough to cover every split;
 * the engine itself (worker processes, gloo between stages, chunked prefill, decoding) once: DeepSeek-V3
   block at PP = 3 with ``--pp-layer-partition 1,2,1`` (test_fp8.py runs Qwen3-MoE and DeepSeek-V3
   block at PP = 2); each stage reports its weight bytes by dtype and its KV capacity in tokens.
@@ -78,10 +79,11 @@ ROUTER = {"qwen3-moe": "model.layers.0.mlp.gate.weight", "mixtral": "model.layer
 IGNORE = {"qwen3-moe": ("lm_head", "re:.*mlp.gate$"), "deepseek-v3": ("lm_head", "re:.*mlp.gate$"),
           "mixtral": ("lm_head", "re:.*block_sparse_moe.gate")}
 LAYOUTS = [(f, lay) for f in ("qwen3-moe", "deepseek-v3", "mixtral") for lay in ("block", "ct-channel")] + \
-    [("qwen3-moe", "block-fused")]
+    [("qwen3-moe", "block-fused"), ("mixtral", "ct-tensor")]
 # In-process splits of the 4 layers: PP = 1, 2 (even), 3 (2/1/1, the engine's default split) and an
-# uneven PP = 2; the fused names (their loading is the block layout's but for the names) at one split.
-SPLITS = {"block-fused": [(1, 3)]}
+# uneven PP = 2; the fused names (their loading is the block layout's but for the names) and Mixtral's
+# per-tensor layout with static input scales (llm-compressor's FP8 scheme; loaded as per channel) at one.
+SPLITS = {"block-fused": [(1, 3)], "ct-tensor": [(2, 2)]}
 DEFAULT_SPLITS = [(4,), (2, 2), (2, 1, 1), (1, 3)]
 
 
@@ -271,10 +273,11 @@ def test_checkpoints_in_the_release_layouts(ckpt):
         w = EXPERT[family].format(PROJ[family][0])
         assert index[w].dtype == "F8_E4M3"
         scale = index[w[: -len("weight")] + ("weight_scale_inv" if layout == "block" else "weight_scale")]
-        assert scale.shape == ((1, 1) if layout == "block" else (128, 1)) and scale.dtype == "F32"
+        assert scale.shape == {"block": (1, 1), "ct-channel": (128, 1), "ct-tensor": (1,)}[layout]
+        assert scale.dtype == "F32"
         with open(os.path.join(d, "config.json")) as f:
             q = json.load(f)["quantization_config"]
-        if layout == "ct-channel":
+        if layout.startswith("ct"):
             assert q["ignore"] == list(IGNORE[family])
         else:
             assert q["weight_block_size"] == [128, 128]
