@@ -11,7 +11,12 @@ Layouts:
     ``block``: ``quant_method: fp8``, ``weight_block_size: [bn, bk]``, ``weight_scale_inv
         [ceil(N/bn), ceil(K/bk)]``, dynamic activations (DeepSeek-V3 / Qwen3-FP8).
 Optional ``kv_scales``: per-layer ``self_attn.k_scale`` / ``v_scale`` (compressed-tensors'
-``kv_cache_scheme``).
+``kv_cache_scheme``); ``high_precision``: the dtype of every tensor left unquantized (the releases:
+bf16 embeddings, norms, routers, lm_head; DeepSeek's ``e_score_correction_bias`` stays float32);
+``ignore``: compressed-tensors' list of layers left unquantized (the MoE releases add their routers,
+``re:.*mlp.gate$``); ``fused_experts``: each layer's experts stacked into HF transformers 5's fused
+names (``mlp.experts.gate_up_proj [E, 2I, H]`` + ``gate_up_proj_scale_inv``, ``down_proj`` +
+``down_proj_scale_inv``; block layout, ``gate_proj`` / ``up_proj`` / ``down_proj`` experts).
 """
 from __future__ import annotations
 
@@ -61,7 +66,30 @@ def quantize(w: torch.Tensor, layout: str, block=(128, 128)) -> tuple[torch.Tens
     return q, s, deq
 
 
-def _ct_config(layout: str, kv_scales: bool) -> dict:
+_KEEP_FP32 = re.compile(r"e_score_correction_bias$")
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
+
+
+def _fuse_experts(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert FP8 weights and block scales -> HF 5's fused names (gate rows, then up rows, per expert)."""
+    found: dict[str, dict[tuple[int, str, str], torch.Tensor]] = {}
+    rest = {}
+    for name, t in out.items():
+        m = _EXPERT.match(name)
+        if m:
+            found.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3), m.group(4))] = t
+        else:
+            rest[name] = t
+    for prefix, parts in found.items():
+        n = 1 + max(e for e, _, _ in parts)
+        for kind, suffix in (("weight", ""), ("weight_scale_inv", "_scale_inv")):
+            rest[f"{prefix}.gate_up_proj{suffix}"] = torch.stack(
+                [torch.cat([parts[(e, "gate_proj", kind)], parts[(e, "up_proj", kind)]]) for e in range(n)])
+            rest[f"{prefix}.down_proj{suffix}"] = torch.stack([parts[(e, "down_proj", kind)] for e in range(n)])
+    return rest
+
+
+def _ct_config(layout: str, kv_scales: bool, ignore=("lm_head",)) -> dict:
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
                "strategy": "channel" if layout == "ct-channel" else "tensor", "group_size": None,
                "block_structure": None, "observer": "minmax"}
@@ -74,7 +102,7 @@ def _ct_config(layout: str, kv_scales: bool) -> dict:
     cfg = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
                                          "output_activations": None}},
-           "ignore": ["lm_head"], "kv_cache_scheme": None}
+           "ignore": list(ignore), "kv_cache_scheme": None}
     if kv_scales:
         cfg["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
                                   "strategy": "tensor", "group_size": None, "block_structure": None,
@@ -83,11 +111,14 @@ def _ct_config(layout: str, kv_scales: bool) -> dict:
 
 
 def write_fp8_checkpoint(src: str, dst: str, layout: str, block=(128, 128), dequantized_dst: str | None = None,
-                         kv_scales: bool = False, drop: tuple[str, ...] = ()) -> list[str]:
+                         kv_scales: bool = False, drop: tuple[str, ...] = (),
+                         high_precision: torch.dtype | None = None, ignore: tuple[str, ...] = ("lm_head",),
+                         fused_experts: bool = False) -> list[str]:
     """Write ``src`` (an HF checkpoint dir) to ``dst`` with its decoder linear weights in FP8
     (``layout``); with ``dequantized_dst`` also the same model, every FP8 weight dequantized to
-    float32, unquantized config. ``drop``: tensor names left out of ``dst`` (tests of missing
-    tensors). Returns the names of the FP8 weights."""
+    float32 (the others: their values in ``dst``, as float32), unquantized config. ``drop``: tensor
+    names left out of ``dst`` (tests of missing tensors). Returns the names of the FP8 weights
+    (per-expert names, also with ``fused_experts``)."""
     from safetensors.torch import load_file, save_file
     os.makedirs(dst, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -105,6 +136,8 @@ def write_fp8_checkpoint(src: str, dst: str, layout: str, block=(128, 128), dequ
             deq[name] = d
             names.append(name)
         else:
+            if high_precision is not None and t.is_floating_point() and not _KEEP_FP32.search(name):
+                t = t.to(high_precision)
             out[name] = t
             deq[name] = t.float() if t.is_floating_point() else t
     if kv_scales:
@@ -112,6 +145,10 @@ def write_fp8_checkpoint(src: str, dst: str, layout: str, block=(128, 128), dequ
         for i in layers:
             out[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.05 + 0.01 * i)
             out[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.03 + 0.01 * i)
+    if fused_experts:
+        if layout != "block":
+            raise ValueError("fused_experts: block layout only")
+        out = _fuse_experts(out)
     for n in drop:
         out.pop(n)
     # Two shards, the scales of the first few weights in the second one (a scale need not sit next to its weight).
@@ -145,7 +182,7 @@ def write_fp8_checkpoint(src: str, dst: str, layout: str, block=(128, 128), dequ
         cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                                       "weight_block_size": list(block), "modules_to_not_convert": ["lm_head"]}
     else:
-        cfg["quantization_config"] = _ct_config(layout, kv_scales)
+        cfg["quantization_config"] = _ct_config(layout, kv_scales, ignore)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     return names

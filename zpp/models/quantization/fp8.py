@@ -30,8 +30,10 @@ checkpoint tensor feeding it is FP8 with a supported scale and the shapes suit t
 parameter (``[N_local]`` fp32 per output channel -- a per-tensor scale is broadcast to its rows, so
 q/k/v with three scales merge into one qkv -- or the block grid ``[ceil(N_local/bn),
 ceil(K_local/bk)]``), and a static ``input_scale`` into ``input_scale`` ``[shards]`` (the largest is
-used, as vLLM does for merged layers). Any other weight (MoE experts, embeddings, layers that fail a
-check) is dequantized as on the CPU.
+used, as vLLM does for merged layers). MoE experts keep theirs likewise
+(:class:`~zpp.models.quantization.fp8_moe.Fp8MoEMethod`, chosen by :meth:`Fp8Config.moe_method`).
+Any other FP8 weight (embeddings, DeepSeek's ``kv_b_proj``, layers or experts that fail a check) is
+dequantized as on the CPU.
 
 ``--quantization fp8`` (vLLM's flag; :func:`quantize_model_fp8`): after a bf16/fp16 checkpoint (or
 dummy weights) loaded, every linear layer's weight is quantized to e4m3 per output channel
