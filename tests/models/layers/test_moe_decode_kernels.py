@@ -28,8 +28,9 @@ def test_topk_route_equals_pytorch(E, k, scoring, renorm):
     top-k-then-softmax and an E that is no power of two (masked lanes)."""
     torch.manual_seed(E + k)
     T = 5
-    logits = (torch.randn(T, E, device=DEV) * 3).to(torch.bfloat16)
-    logits = logits + torch.arange(E, device=DEV).to(torch.bfloat16) * 1e-3   # no exact ties in bf16
+    # distinct values in bf16 (multiples of 0.05 up to 3.2, where bf16's spacing is 1/64): no ties,
+    # whose order torch.topk leaves unspecified
+    logits = torch.stack([(torch.randperm(E) - E // 2).float() * 0.05 for _ in range(T)]).to(DEV, torch.bfloat16)
     w, ids = topk_route(logits, k, scoring, renorm)
     if scoring == "softmax":
         p = torch.softmax(logits.float(), -1)
