@@ -15,7 +15,7 @@ set -u
 R=${1:?OUTDIR}; O=$(mktemp -d); mkdir -p "$O/q" "$O/l" "$O/off"; L="$R/call.txt"
 pack() { tar -czf "$R/all.tgz" -C "$O" . ; }
 F="it/s\]|s/it\]"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$L"; git -C . log -1 --format=%h 2>/dev/null | tee -a "$L"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$L"; cat COMMIT47 2>/dev/null | tee -a "$L"
 echo "### 1 Qwen3-30B-A3B batch 1 (SECONDS=$SECONDS)" | tee -a "$L"
 timeout 150 bash scripts/gpu_moe_bench.sh "$O/q" q-lat-bf16 q-lat-fp8 2>&1 | tee -a "$O/q/out.txt" | grep -E "TPOT|LATE|###|Error|error" | cut -c1-200 | tee -a "$L"; pack
 echo "### 2 GPU tests (SECONDS=$SECONDS)" | tee -a "$L"
