@@ -123,6 +123,7 @@ def test_quantization_fp8_quantizes_experts(moe_src):
     assert _check_layers(model, "--quantization fp8") == 3
 
 
+@pytest.mark.slow  # starts engines (tests/process_guard.py)
 def test_deepseek_v3_fp8_block(tmp_path, tok_dir):
     """MLA and shared experts FP8 too (kv_b_proj kept in bf16), routed experts through the kernels;
     the engine starts and serves it (``max_model_len`` 256 under 2048 batched tokens: the memory
@@ -137,6 +138,7 @@ def test_deepseek_v3_fp8_block(tmp_path, tok_dir):
     assert [len(t) for t, _ in out] == [N] * len(_prompts())
 
 
+@pytest.mark.slow  # starts engines (tests/process_guard.py)
 def test_cuda_graphs_equal_eager(moe_src, tmp_path):
     d = str(tmp_path / "fp8")
     write_fp8_checkpoint(moe_src, d, "block")
@@ -147,6 +149,7 @@ def test_cuda_graphs_equal_eager(moe_src, tmp_path):
 FIT_LAYOUT = {"qwen3-moe": "block", "deepseek-v3": "block", "mixtral": "ct-channel"}  # as the releases
 
 
+@pytest.mark.slow  # two engines per family
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp8_experts_top5_equal_dequantized_bf16(family, tmp_path):
     """A fitted tiny ``family`` model as an FP8 checkpoint (experts e4m3 through the grouped FP8

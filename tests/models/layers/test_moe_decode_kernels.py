@@ -121,3 +121,17 @@ def test_fused_moe_fp8_gemv_fused_down_equals_unfused(layout, monkeypatch):
     unfused = M8.fused_moe_fp8(x, wg, wd, sg, sd, rw, ids, act, block, config=dict(gemv=True))
     ref = M8.fused_moe_fp8_reference(x, wg, wd, sg, sd, rw, ids, act, block, quantize_activations=False)
     assert rel_err(fused, ref) < EXACT and rel_err(fused, unfused) < EXACT
+
+
+def test_fused_down_only_where_measured(monkeypatch):
+    """Unset ZPP_FP8_MOE_FUSED_DOWN: the fused down GEMV for shapes with a measured ``gemv_down``
+    launch only (DeepSeek-V3's block experts; not Qwen3-30B-A3B's, where it measured slower);
+    ``1`` every shape, ``0`` none."""
+    ds, qw = (256, 7168, 2048, B128), (128, 2048, 768, None)
+    monkeypatch.setattr(M8, "_FUSED_DOWN", None)
+    assert M8.fp8_moe_gemv_down_config(*ds) == dict(block_n=8, block_k=512, num_warps=4)
+    assert M8.fp8_moe_gemv_down_config(*qw) is None
+    monkeypatch.setattr(M8, "_FUSED_DOWN", True)
+    assert M8.fp8_moe_gemv_down_config(*qw)["block_n"] == 8
+    monkeypatch.setattr(M8, "_FUSED_DOWN", False)
+    assert M8.fp8_moe_gemv_down_config(*ds) is None

@@ -9,7 +9,10 @@ token-assignments ``M = T * k`` (:func:`use_fp8_moe_gemv`):
   registers and multiplies by the bf16 activations in float32 (as the dense
   :func:`zpp.models.quantization.fp8_kernels.fp8_gemv`). Per-channel scales multiply the sums at the end;
   128 x 128 block scales multiply the activation vector (one ``[BLOCK_K]`` load per step, the
-  program's ``BLOCK_N`` rows lie in one scale row).
+  program's ``BLOCK_N`` rows lie in one scale row). Where measured faster (``gemv_down`` in
+  :data:`FP8_MOE_CONFIGS`), the down GEMV also applies the activation to the gate | up rows, the
+  routing weight and the sum over each token's ``k`` experts (:func:`moe_fp8_gemv_down`: one launch
+  in place of three and a reduction).
 * **GEMM (W8A8)**: :func:`zpp.models.layers.fused_moe.moe_align`'s sorted-by-expert layout, the
   activations quantized per token (per token and 128-wide group for block weights), FP8 tensor-core
   dots. Per-channel: ``acc * a_scale[row] * w_scale[e, n]`` once at the end; block: each
@@ -29,6 +32,7 @@ Public functions (called by the FP8 ``FusedExperts`` method)::
         [E, ceil(N/bn), ceil(K/bk)] (weight_scale_inv); weights [T, k] float32, ids [T, k] int64;
         act as fused_moe's (GatedActivation / ClampedSwiGLU or any callable [R, 2I] -> [R, I]).
     moe_fp8_gemv(x, w, w_scale, ids, out, block=None, bias=None, routing_w=None, x_row_div=1, cfg=None)
+    moe_fp8_gemv_down(gate_up, w, w_scale, ids, routing_w, out, act_kind, block=None, bias=None, cfg=None)
     moe_fp8_gemm(xq, xs, w, w_scale, out, sorted_ids, block_expert, block=None, bias=None,
                  routing_w=None, a_row_div=1, cfg=None)
     fp8_moe_config(M, E, N, K, block) -> dict (tile sizes, from FP8_MOE_CONFIGS or defaults)
@@ -404,6 +408,7 @@ FP8_MOE_CONFIGS: dict[str, dict] = {
         }),
     "E=256,N=7168,K=2048,block=128x128": dict(
         gemv_max=64, gemv=dict(block_n=8, block_k=1024, num_warps=4),
+        gemv_down=dict(block_n=8, block_k=512, num_warps=4),
         gemm={
             8: dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
             64: dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
@@ -414,7 +419,12 @@ FP8_MOE_CONFIGS: dict[str, dict] = {
 }
 """Measured tile sizes per expert-GEMM shape, keyed ``"E=..,N=..,K=..,block=..|channel"`` (``N`` /
 ``K`` the GEMM's output / input width, so gate_up and down of one model are two keys): ``gemv_max``
-(the largest ``M`` the GEMV path takes), ``gemv`` (its launch), ``gemm`` (``{max M: tiles}``, the
+(the largest ``M`` the GEMV path takes), ``gemv`` (its launch), ``gemv_down`` (where present: the
+decode path's down projection runs fused with the activation and the sum over k,
+:func:`moe_fp8_gemv_down`, with this launch; measured in CUDA graphs at T = 1 on one H100 by
+``python scripts/moe_decode_bench.py``, benchmarks/results/h100_issue47_decode/: at the
+DeepSeek-V3 block shape 126.7 us against 128.3 unfused; at both Qwen3-30B-A3B shapes the best
+fused launch lost, 26.3 / 27.4 against 25.5 / 24.8 us, so they have none), ``gemm`` (``{max M: tiles}``, the
 first bucket ``>= M`` wins; past the last, the defaults). Measured on one H100 80GB HBM3 with
 ``python scripts/kernel_bench.py fp8-moe`` (each GEMM's fastest of 9 tiles, alone, at T = 1, 8, 64,
 512, 4096 tokens, top-8; the GEMV launch fastest at T = 1; ``gemv_max`` the largest measured ``M``
@@ -469,11 +479,18 @@ def fp8_moe_gemv_config(E: int, N: int, K: int, block: Optional[tuple[int, int]]
     return dict(entry["gemv"]) if entry and "gemv" in entry else _gemv_default(N, K, block)
 
 
-def fp8_moe_gemv_down_config(E: int, H: int, I: int, block: Optional[tuple[int, int]]) -> dict:
-    """Launch of :func:`moe_fp8_gemv_down` for an ``[E, H, I]`` down weight: the ``gemv_down`` entry
-    of its :data:`FP8_MOE_CONFIGS` key if measured, else 8 rows x 256 columns, 4 warps."""
+def fp8_moe_gemv_down_config(E: int, H: int, I: int, block: Optional[tuple[int, int]]) -> Optional[dict]:
+    """Launch of :func:`moe_fp8_gemv_down` for an ``[E, H, I]`` down weight, or None where the decode
+    path keeps the activation, down GEMV and sum over k apart: the ``gemv_down`` entry of its
+    :data:`FP8_MOE_CONFIGS` key (a shape where the fused kernel was measured faster); with
+    ``ZPP_FP8_MOE_FUSED_DOWN=1`` every shape (unmeasured ones: 8 rows x 256 columns, 4 warps),
+    with ``=0`` none."""
+    if _FUSED_DOWN is False:
+        return None
     entry = FP8_MOE_CONFIGS.get(_key(E, H, I, block))
-    return dict(entry["gemv_down"]) if entry and "gemv_down" in entry else dict(block_n=8, block_k=256, num_warps=4)
+    if entry and "gemv_down" in entry:
+        return dict(entry["gemv_down"])
+    return dict(block_n=8, block_k=256, num_warps=4) if _FUSED_DOWN else None
 
 
 # --- the MoE feed-forward --------------------------------------------------------------------------
@@ -536,7 +553,7 @@ def fused_moe_fp8(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         gate_up = torch.empty((M, I2), dtype=x.dtype, device=x.device)
         moe_fp8_gemv(x, w_gate_up, gate_up_scale, flat, gate_up, block, b_gate_up, None, k,
                      fp8_moe_gemv_config(E, I2, H, block))
-        down_cfg = fp8_moe_gemv_down_config(E, H, I, block) if kind is not None and _FUSED_DOWN else None
+        down_cfg = fp8_moe_gemv_down_config(E, H, I, block) if kind is not None else None
         if down_cfg is not None and (block is None or block[0] % down_cfg["block_n"] == 0):
             y = torch.empty((T, H), dtype=x.dtype, device=x.device)
             moe_fp8_gemv_down(gate_up, w_down, down_scale, ids, rw, y, kind, block, b_down, down_cfg)

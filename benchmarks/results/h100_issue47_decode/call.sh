@@ -9,7 +9,7 @@
 #  4. the MoE decode kernels in CUDA graphs (router, fused down sweep)
 # (steps after 3 only while the call's time allows: SECONDS guards)
 #  6. where the FP8 Qwen step goes, kernel by kernel; the Llama FP8 step likewise
-# Usage: bash benchmarks/results/issue47_decode/call.sh OUTDIR
+# Usage: bash benchmarks/results/h100_issue47_decode/call.sh OUTDIR
 # OUTDIR gets call.txt (the summary, as it goes) and all.tgz (every log and JSON, re-packed after each
 # step: a lent machine returns at most 8 files).
 set -u
