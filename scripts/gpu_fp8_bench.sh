@@ -9,7 +9,8 @@
 #   trt-fp8 trt-fp8-kv                    30,000 prompts x 128/128 (next to TensorRT-LLM's 27,911 out tok/s on
 #                                         the H200, 28,312 on the H100)
 #   trt-fp8-kv-trace                      trt-fp8-kv with a ZPP_TRACE timeline (trace_report.txt, trace_30k.tar.gz)
-#   blocks                                the "KV cache: N blocks" start-up lines, bf16 vs --kv-cache-dtype fp8
+#   blocks                                each start-up's "stage ...: weights ... GiB; KV cache N tokens (M blocks
+#                                         ...)" line, FP8 weights with the bf16 vs --kv-cache-dtype fp8 KV cache
 # Weights are random (--load-format dummy), quantized at load with --quantization fp8.
 # JSON per run in OUTDIR (and kernels.txt, blocks.txt); a table at the end.
 set -u
@@ -53,12 +54,22 @@ for r in $RUNS; do
           --output-json "$OUT/tput30k_llama3-8b_fp8_kvfp8_traced.json"
       python scripts/trace_report.py "$tr" | tee "$OUT/trace_report.txt"
       tar -czf "$OUT/trace_30k.tar.gz" -C "$tr" . && rm -rf "$tr" ;;
-    blocks)
+    blocks)  # the worker's start-up line (zpp.workers.worker): "stage 0/1: weights fp8 7.0, bf16 1.0 GiB; KV
+      # cache 924160 tokens (57760 blocks of 16 tokens, ...)" (an older build logged "KV cache: N blocks")
       for kv in auto fp8; do
-        echo "### KV cache blocks, --kv-cache-dtype $kv"
+        echo "### KV cache blocks, --kv-cache-dtype $kv" | tee -a "$OUT/blocks.txt"
         python -m zpp.cli bench latency $COMMON $FP8 --kv-cache-dtype $kv --batch-size 1 --input-len 16 \
-            --output-len 4 --num-iters-warmup 0 --num-iters 1 2>&1 | grep -E "KV cache|memory profile" | tee -a "$OUT/blocks.txt"
-      done ;;
+            --output-len 4 --num-iters-warmup 0 --num-iters 1 2>&1 \
+          | grep -E "weights .* GiB; KV cache [0-9]+ tokens|memory profile" | cut -c1-300 | tee -a "$OUT/blocks.txt"
+      done
+      python - "$OUT/blocks.txt" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+b = [int(m) for m in re.findall(r"KV cache \d+ tokens \((\d+) blocks", text)]
+print(f"KV cache blocks: bf16 KV {b[0]}, fp8 KV {b[1]} ({b[1] / b[0]:.2f}x)" if len(b) == 2
+      else f"KV cache blocks: expected 2 start-up lines, found {len(b)}")
+PY
+      ;;
     *) echo "unknown run $r"; exit 2 ;;
   esac
 done

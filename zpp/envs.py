@@ -95,6 +95,15 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "``0``: the W8A16 GEMV multiplies each block-scaled weight element by its 128x128 block scale "
            "(the slower layout before issue 47) instead of the activation vector, for A/B runs. Read once, "
            "at import."),
+    EnvVar("ZPP_MOE_FUSED_ROUTER", "bool", _on_unless_0,
+           "``0``: a top-k MoE router on CUDA (Mixtral, Qwen3-MoE, gpt-oss) runs PyTorch's softmax, topk "
+           "and renormalisation (four or more kernels) instead of one Triton kernel "
+           "(``fused_moe.topk_route``), for A/B runs. Read once, at import."),
+    EnvVar("ZPP_FP8_MOE_FUSED_DOWN", "Optional[bool]", _tri_state,
+           "The W8A16 decode path of FP8 experts: ``1`` always runs the activation, the down GEMV and the sum "
+           "over each token's k experts as one kernel (``fp8_moe_kernels.moe_fp8_gemv_down``), ``0`` never "
+           "(three kernels and a reduction); unset: one kernel only for the expert shapes whose "
+           "``FP8_MOE_CONFIGS`` entry holds a measured ``gemv_down`` launch. For A/B runs. Read once, at import."),
     EnvVar("ZPP_FP8_FUSED_QUANT", "bool", _on_unless_0,
            "``0``: the activation quantization of an FP8 layer is not fused into the kernel before it: "
            "a gated MLP runs SiLU-and-mul and the down projection's quantization as two kernels "

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from zpp.models.layers.pdl import pdl, pdl_enter
+
 
 def max_padded_rows(num_assignments: int, num_experts: int, block_m: int) -> int:
     """Rows of the sorted, padded assignment list in the worst case: every expert that can receive
@@ -183,6 +185,69 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), bias.stride(0) if bias is not None else 0,
         out.stride(0), A_ROW_DIV=a_row_div, HAS_BIAS=bias is not None, MUL_ROUTING=routing_w is not None,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+# --- routing -------------------------------------------------------------------------------------
+@triton.jit
+def _topk_route_kernel(L, Wout, Iout, E, stride_l, TOPK: tl.constexpr, SCORING: tl.constexpr,
+                       RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
+    """One token's row of router logits -> its ``TOPK`` (weight, expert) pairs, largest first.
+    SCORING 0: softmax over the ``E`` logits in float32, top ``TOPK`` of the probabilities
+    (renormalised to sum 1 if RENORM); 1: top ``TOPK`` of the logits, softmax over those."""
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    x = tl.load(L + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+    if SCORING == 0:
+        p = tl.exp(x - tl.max(x, 0))
+        p = tl.where(ok, p, 0.0)
+        v = p / tl.sum(p, 0)
+    else:
+        v = x
+    v = tl.where(ok, v, float("-inf"))
+    slot = tl.arange(0, BLOCK_K)
+    top_v = tl.zeros([BLOCK_K], tl.float32)
+    top_i = tl.zeros([BLOCK_K], tl.int64)
+    for j in tl.static_range(TOPK):
+        m = tl.max(v, 0)
+        i = tl.minimum(tl.min(tl.where(v == m, e, BLOCK_E), 0), E - 1)   # the lowest expert among equals
+        top_v = tl.where(slot == j, m, top_v)
+        top_i = tl.where(slot == j, i.to(tl.int64), top_i)
+        v = tl.where(e == i, float("-inf"), v)
+    used = slot < TOPK
+    if SCORING == 1:
+        q = tl.where(used, tl.exp(top_v - tl.max(tl.where(used, top_v, float("-inf")), 0)), 0.0)
+        top_v = q / tl.sum(q, 0)
+    elif RENORM:
+        top_v = top_v / tl.sum(tl.where(used, top_v, 0.0), 0)
+    tl.store(Wout + t * TOPK + slot, top_v, mask=used)
+    tl.store(Iout + t * TOPK + slot, top_i, mask=used)
+
+
+def topk_route(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
+               renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A top-k router's selection in one launch (vLLM's ``topk_softmax`` kernel does the same in CUDA):
+    ``logits [T, E]`` (any float dtype, unit E stride) -> ``(weights [T, k] float32, ids [T, k]
+    int64)``, the k largest first. ``scoring`` as :class:`~zpp.models.layers.moe.TopKRouter`'s:
+    ``"softmax"`` (float32 softmax over all E, top k, divided by their sum if ``renormalize``) or
+    ``"topk_softmax"`` (top k of the logits, then a float32 softmax over those). Equal values go
+    to the lowest expert id. ``E <= 4096``; ValueError otherwise or for ``top_k`` outside ``[1, E]``."""
+    T, E = logits.shape
+    if not 1 <= top_k <= E or E > 4096:
+        raise ValueError(f"topk_route: top_k={top_k} with {E} experts (1 <= top_k <= E <= 4096)")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    w = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
+    if T:
+        BLOCK_E = max(16, triton.next_power_of_2(E))
+        _topk_route_kernel[(T,)](logits, w, ids, E, logits.stride(0), TOPK=top_k,
+                                 SCORING=0 if scoring == "softmax" else 1, RENORM=bool(renormalize),
+                                 BLOCK_E=BLOCK_E, BLOCK_K=max(2, triton.next_power_of_2(top_k)),
+                                 num_warps=1 if BLOCK_E <= 256 else 4, **pdl(logits))
+    return w, ids
 
 
 # --- activations between the two GEMMs ----------------------------------------------------------

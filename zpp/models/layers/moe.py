@@ -42,11 +42,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zpp import envs
 from zpp.models.layers.activation import get_activation
 from zpp.models.layers.linear import default_weight_loader
 from zpp.transport.tensor_parallel import tp_all_reduce
 
 SCORINGS = ("softmax", "topk_softmax")
+_FUSED_ROUTER = envs.ZPP_MOE_FUSED_ROUTER
 
 RouterFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """The router contract: ``x [T, H]`` -> ``(weights [T, k] float32, ids [T, k] int64)``."""
@@ -83,6 +85,9 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight, self.bias)                          # [T, E] model dtype
+        if logits.is_cuda and _FUSED_ROUTER:                                  # one Triton launch
+            from zpp.models.layers.fused_moe import topk_route
+            return topk_route(logits, self.top_k, self.scoring, self.renormalize)
         if self.scoring == "topk_softmax":
             top, ids = torch.topk(logits, self.top_k, dim=-1)                 # [T, k]
             return F.softmax(top.float(), dim=-1), ids

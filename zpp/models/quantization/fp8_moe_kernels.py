@@ -9,7 +9,10 @@ token-assignments ``M = T * k`` (:func:`use_fp8_moe_gemv`):
   registers and multiplies by the bf16 activations in float32 (as the dense
   :func:`zpp.models.quantization.fp8_kernels.fp8_gemv`). Per-channel scales multiply the sums at the end;
   128 x 128 block scales multiply the activation vector (one ``[BLOCK_K]`` load per step, the
-  program's ``BLOCK_N`` rows lie in one scale row).
+  program's ``BLOCK_N`` rows lie in one scale row). Where measured faster (``gemv_down`` in
+  :data:`FP8_MOE_CONFIGS`), the down GEMV also applies the activation to the gate | up rows, the
+  routing weight and the sum over each token's ``k`` experts (:func:`moe_fp8_gemv_down`: one launch
+  in place of three and a reduction).
 * **GEMM (W8A8)**: :func:`zpp.models.layers.fused_moe.moe_align`'s sorted-by-expert layout, the
   activations quantized per token (per token and 128-wide group for block weights), FP8 tensor-core
   dots. Per-channel: ``acc * a_scale[row] * w_scale[e, n]`` once at the end; block: each
@@ -29,6 +32,7 @@ Public functions (called by the FP8 ``FusedExperts`` method)::
         [E, ceil(N/bn), ceil(K/bk)] (weight_scale_inv); weights [T, k] float32, ids [T, k] int64;
         act as fused_moe's (GatedActivation / ClampedSwiGLU or any callable [R, 2I] -> [R, I]).
     moe_fp8_gemv(x, w, w_scale, ids, out, block=None, bias=None, routing_w=None, x_row_div=1, cfg=None)
+    moe_fp8_gemv_down(gate_up, w, w_scale, ids, routing_w, out, act_kind, block=None, bias=None, cfg=None)
     moe_fp8_gemm(xq, xs, w, w_scale, out, sorted_ids, block_expert, block=None, bias=None,
                  routing_w=None, a_row_div=1, cfg=None)
     fp8_moe_config(M, E, N, K, block) -> dict (tile sizes, from FP8_MOE_CONFIGS or defaults)
@@ -51,7 +55,11 @@ import triton.language as tl
 
 from zpp.models.quantization.fp8_kernels import (SILU_MUL_QUANT_MAX_N, per_token_group_quant, per_token_quant,
                                                  silu_mul_quant)
+from zpp import envs
 from zpp.models.layers.fused_moe import gated_act, moe_align
+from zpp.models.layers.pdl import pdl, pdl_enter
+
+_FUSED_DOWN = envs.ZPP_FP8_MOE_FUSED_DOWN
 
 
 # --- decode: W8A16 grouped GEMV ------------------------------------------------------------------
@@ -60,7 +68,9 @@ def _moe_fp8_gemv_kernel(X, W, WS, Bias, Y, ids, routing_w, N, K,
                          stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_ym,
                          X_ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTING: tl.constexpr,
                          BLOCKWISE: tl.constexpr, BN_S: tl.constexpr, BK_S: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     # Program (a, pid_n): Y[a, n] = sum_k X[a // X_ROW_DIV, k] * dequant(W[ids[a], n, k]) for BLOCK_N
     # rows n; each step's [BLOCK_N, BLOCK_K] products reduced to [BLOCK_N] at once (fp8_gemv's layout).
     a = tl.program_id(0)
@@ -146,7 +156,100 @@ def moe_fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: t
         N, K, x.stride(0), w.stride(0), w.stride(1), sse, ssn, bias.stride(0) if bias is not None else 0, out.stride(0),
         X_ROW_DIV=x_row_div, HAS_BIAS=bias is not None, MUL_ROUTING=routing_w is not None,
         BLOCKWISE=block is not None, BN_S=bn, BK_S=bk, BLOCK_N=bn_, BLOCK_K=bk_, EVEN=even,
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **pdl(w))
+
+
+@triton.jit
+def _moe_fp8_gemv_down_kernel(GU, W, WS, Bias, Y, ids, routing_w, N, I, alpha, limit,
+                              stride_gu, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_ym,
+                              TOPK: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              BLOCKWISE: tl.constexpr, BN_S: tl.constexpr, BK_S: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                              USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
+    # Program (t, pid_n): Y[t, n] = sum_j rw[a] * (act(GU[a]) @ dequant(W[ids[a], n])^T (+ Bias[ids[a], n])),
+    # a = t * TOPK + j, for BLOCK_N rows n: the activation between the expert GEMMs, the down
+    # product, the routing weight and the sum over the token's TOPK experts in one launch. One loop
+    # over (expert j, K step) so that the loads of all TOPK experts pipeline as one stream.
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    kk = tl.arange(0, BLOCK_K)
+    KB = tl.cdiv(I, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for it in range(0, TOPK * KB):
+        j = it // KB
+        k = (it - j * KB) * BLOCK_K + kk
+        a = (t * TOPK + j).to(tl.int64)
+        e = tl.load(ids + a).to(tl.int64)
+        r = tl.load(routing_w + a)
+        gu_row = GU + a * stride_gu
+        w_rows = W + e * stride_we + n.to(tl.int64)[:, None] * stride_wn
+        if EVEN:
+            g = tl.load(gu_row + k).to(tl.float32)
+            u = tl.load(gu_row + I + k).to(tl.float32)
+            w = tl.load(w_rows + k[None, :]).to(tl.float32)
+        else:
+            k_ok = k < I
+            g = tl.load(gu_row + k, mask=k_ok, other=0.0).to(tl.float32)
+            u = tl.load(gu_row + I + k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        if ACT == 0:    # SiLU(gate) * up
+            x = g / (1.0 + tl.exp(-g)) * u
+        else:           # gpt-oss's clamped SwiGLU (fused_moe._gated_act_kernel's ACT 1)
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            x = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+        if BLOCKWISE:   # the program's rows lie in one scale row: one [BLOCK_K] scale vector
+            ws_row = WS + e * stride_wse + ((pid_n * BLOCK_N) // BN_S) * stride_wsn
+            if EVEN:
+                x = x * (tl.load(ws_row + k // BK_S) * r)
+            else:
+                x = x * (tl.load(ws_row + k // BK_S, mask=k < I, other=0.0) * r)
+            acc += tl.sum(w * x[None, :], 1)
+        else:
+            acc += tl.sum(w * x[None, :], 1) * (tl.load(WS + e * stride_wse + n * stride_wsn, mask=n_ok, other=0.0) * r)
+    if HAS_BIAS:
+        for j in range(0, TOPK):
+            a = (t * TOPK + j).to(tl.int64)
+            e = tl.load(ids + a).to(tl.int64)
+            acc += tl.load(routing_w + a) * tl.load(Bias + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(Y + t.to(tl.int64) * stride_ym + n, acc.to(Y.dtype.element_ty), mask=n_ok)
+
+
+def moe_fp8_gemv_down(gate_up: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, ids: torch.Tensor,
+                      routing_w: torch.Tensor, out: torch.Tensor, act_kind: tuple, block: Optional[tuple[int, int]] = None,
+                      bias: Optional[torch.Tensor] = None, cfg: Optional[dict] = None) -> None:
+    """The decode feed-forward's second half in one launch: ``out[t] = sum_j routing_w[a] *
+    (act(gate_up[a]) @ dequant(w[ids[a]])^T (+ bias[ids[a]]))`` over the ``k`` assignments
+    ``a = t * k + j`` of each token, fp32 accumulation (the activation in float32, never rounded).
+
+    ``gate_up`` ``[T * k, 2I]`` bf16/fp16/fp32 (gate columns then up, unit column stride), ``w``
+    ``[E, H, I]`` float8_e4m3fn (unit K stride), ``w_scale`` as :func:`fused_moe_fp8`'s, ``ids``
+    ``[T, k]`` experts, ``routing_w`` ``[T * k]`` float32, ``out`` ``[T, H]`` (unit H stride),
+    ``act_kind`` an activation's ``triton_kind`` ``(kind, alpha, limit)`` (see
+    :func:`~zpp.models.layers.fused_moe.gated_act`), ``bias`` ``[E, H]``. ``cfg``: ``block_n``
+    (divides ``bn`` for block weights), ``block_k``, ``num_warps``, ``num_stages``."""
+    T, N = out.shape
+    E, _, I = w.shape
+    k = ids.shape[-1]
+    if T == 0:
+        return
+    cfg = cfg or dict(block_n=8, block_k=256, num_warps=4)
+    bn_, bk_ = cfg["block_n"], cfg["block_k"]
+    if block is not None and block[0] % bn_:
+        raise ValueError(f"moe_fp8_gemv_down: block_n {bn_} must divide the scale block {block[0]}")
+    sse, ssn = _scale_strides(w, w_scale, block)
+    bn, bk = block if block is not None else (1, 1)
+    kind, alpha, limit = act_kind
+    _moe_fp8_gemv_down_kernel[(T, triton.cdiv(N, bn_))](
+        gate_up, w, w_scale, bias if bias is not None else w_scale, out, ids.reshape(-1), routing_w, N, I,
+        float(alpha), float(limit), gate_up.stride(0), w.stride(0), w.stride(1), sse, ssn,
+        bias.stride(0) if bias is not None else 0, out.stride(0),
+        TOPK=k, ACT=kind, HAS_BIAS=bias is not None, BLOCKWISE=block is not None, BN_S=bn, BK_S=bk,
+        BLOCK_N=bn_, BLOCK_K=bk_, EVEN=I % bk_ == 0 and N % bn_ == 0,
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **pdl(w))
 
 
 # --- GEMM: W8A8 on the sorted-by-expert layout -----------------------------------------------------
@@ -305,6 +408,7 @@ FP8_MOE_CONFIGS: dict[str, dict] = {
         }),
     "E=256,N=7168,K=2048,block=128x128": dict(
         gemv_max=64, gemv=dict(block_n=8, block_k=1024, num_warps=4),
+        gemv_down=dict(block_n=8, block_k=512, num_warps=4),
         gemm={
             8: dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
             64: dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
@@ -315,7 +419,12 @@ FP8_MOE_CONFIGS: dict[str, dict] = {
 }
 """Measured tile sizes per expert-GEMM shape, keyed ``"E=..,N=..,K=..,block=..|channel"`` (``N`` /
 ``K`` the GEMM's output / input width, so gate_up and down of one model are two keys): ``gemv_max``
-(the largest ``M`` the GEMV path takes), ``gemv`` (its launch), ``gemm`` (``{max M: tiles}``, the
+(the largest ``M`` the GEMV path takes), ``gemv`` (its launch), ``gemv_down`` (where present: the
+decode path's down projection runs fused with the activation and the sum over k,
+:func:`moe_fp8_gemv_down`, with this launch; measured in CUDA graphs at T = 1 on one H100 by
+``python scripts/moe_decode_bench.py``, benchmarks/results/h100_issue47_decode/: at the
+DeepSeek-V3 block shape 126.7 us against 128.3 unfused; at both Qwen3-30B-A3B shapes the best
+fused launch lost, 26.3 / 27.4 against 25.5 / 24.8 us, so they have none), ``gemm`` (``{max M: tiles}``, the
 first bucket ``>= M`` wins; past the last, the defaults). Measured on one H100 80GB HBM3 with
 ``python scripts/kernel_bench.py fp8-moe`` (each GEMM's fastest of 9 tiles, alone, at T = 1, 8, 64,
 512, 4096 tokens, top-8; the GEMV launch fastest at T = 1; ``gemv_max`` the largest measured ``M``
@@ -368,6 +477,20 @@ def fp8_moe_gemv_config(E: int, N: int, K: int, block: Optional[tuple[int, int]]
     """Launch of :func:`moe_fp8_gemv` for an ``[E, N, K]`` weight (measured, else 4 rows x 2048)."""
     entry = FP8_MOE_CONFIGS.get(_key(E, N, K, block))
     return dict(entry["gemv"]) if entry and "gemv" in entry else _gemv_default(N, K, block)
+
+
+def fp8_moe_gemv_down_config(E: int, H: int, I: int, block: Optional[tuple[int, int]]) -> Optional[dict]:
+    """Launch of :func:`moe_fp8_gemv_down` for an ``[E, H, I]`` down weight, or None where the decode
+    path keeps the activation, down GEMV and sum over k apart: the ``gemv_down`` entry of its
+    :data:`FP8_MOE_CONFIGS` key (a shape where the fused kernel was measured faster); with
+    ``ZPP_FP8_MOE_FUSED_DOWN=1`` every shape (unmeasured ones: 8 rows x 256 columns, 4 warps),
+    with ``=0`` none."""
+    if _FUSED_DOWN is False:
+        return None
+    entry = FP8_MOE_CONFIGS.get(_key(E, H, I, block))
+    if entry and "gemv_down" in entry:
+        return dict(entry["gemv_down"])
+    return dict(block_n=8, block_k=256, num_warps=4) if _FUSED_DOWN else None
 
 
 # --- the MoE feed-forward --------------------------------------------------------------------------
@@ -425,14 +548,19 @@ def fused_moe_fp8(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     gemv = (config or {}).get("gemv")
     if gemv is None:
         gemv = use_fp8_moe_gemv(M, E, I2, H, block)
-    out = torch.empty((M, H), dtype=x.dtype, device=x.device)                     # [M, H] = [T, k, H]
     if gemv:
         flat = ids.reshape(-1)
         gate_up = torch.empty((M, I2), dtype=x.dtype, device=x.device)
         moe_fp8_gemv(x, w_gate_up, gate_up_scale, flat, gate_up, block, b_gate_up, None, k,
                      fp8_moe_gemv_config(E, I2, H, block))
+        down_cfg = fp8_moe_gemv_down_config(E, H, I, block) if kind is not None else None
+        if down_cfg is not None and (block is None or block[0] % down_cfg["block_n"] == 0):
+            y = torch.empty((T, H), dtype=x.dtype, device=x.device)
+            moe_fp8_gemv_down(gate_up, w_down, down_scale, ids, rw, y, kind, block, b_down, down_cfg)
+            return y
         h = gated_act(gate_up, *kind) if kind is not None else act(gate_up)       # [M, I]
         h = h if h.stride(1) == 1 else h.contiguous()
+        out = torch.empty((M, H), dtype=x.dtype, device=x.device)                 # [M, H] = [T, k, H]
         moe_fp8_gemv(h, w_down, down_scale, flat, out, block, b_down, rw, 1, fp8_moe_gemv_config(E, H, I, block))
     else:
         cfg1 = fp8_moe_config(M, E, I2, H, block)
@@ -442,6 +570,7 @@ def fused_moe_fp8(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         sorted_ids, block_expert = moe_align(ids, E, cfg1["BLOCK_M"])
         xq, xs = _quant(x, block)
         gate_up = torch.empty((M, I2), dtype=x.dtype, device=x.device)
+        out = torch.empty((M, H), dtype=x.dtype, device=x.device)                 # [M, H] = [T, k, H]
         moe_fp8_gemm(xq, xs, w_gate_up, gate_up_scale, gate_up, sorted_ids, block_expert, block, b_gate_up, None,
                      k, cfg1)
         if block is None and kind is not None and kind[0] == 0 and I <= SILU_MUL_QUANT_MAX_N:
