@@ -359,23 +359,27 @@ def main(argv=()):
     RESULTS["device"] = name
     log(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}")
     t0 = time.time()
-    parts = [p for p in ("correctness", "gemv", "prefill", "moe") if f"--no-{p}" not in argv]
-    try:
-        if "correctness" in parts:
-            correctness()
-        peak = copy_bw()
-        RESULTS["copy_Bps"] = peak
-        if "gemv" in parts:
-            gemv_bw(peak, card)
-        if "moe" in parts:
-            moe()
-        if "prefill" in parts:
-            prefill()
-    finally:
+    parts = [p for p in ("correctness", "gemv", "moe", "prefill") if f"--no-{p}" not in argv]
+
+    def dump():
         RESULTS["seconds"] = time.time() - t0
         with open(os.path.join(out_dir, "w4a16_bench.json"), "w") as f:
             json.dump(RESULTS, f, indent=1, default=str)
-        log(f"done in {time.time() - t0:.0f} s")
+    peak = copy_bw()
+    RESULTS["copy_Bps"] = peak
+    for part, fn in (("correctness", correctness), ("gemv", lambda: gemv_bw(peak, card)), ("moe", moe),
+                     ("prefill", prefill)):
+        if part not in parts:
+            continue
+        try:
+            fn()
+        except Exception:  # report and go on with the next part
+            import traceback
+            traceback.print_exc()
+            RESULTS.setdefault("errors", []).append(f"{part}: {traceback.format_exc(limit=3)}")
+        dump()
+        torch.cuda.empty_cache()
+    log(f"done in {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":
