@@ -52,7 +52,7 @@ def test_gemv(fmt, G, zeros, M):
     q, s, z = random_w4((N, K), fmt, G, zeros, seed=M)
     x = torch.randn(M, K, device=DEV).to(DT)
     bias = torch.randn(N, device=DEV).to(DT) if M == 3 else None
-    y = W.w4a16_gemv(x, q, s, z, G, fmt, bias, block_n=8, block_k=256)
+    y = W.w4a16_gemv(x, q, s, z, G, fmt, bias, block_n=8, block_k=256, x_split=M == 4)
     assert y.shape == (M, N) and y.dtype == DT
     assert rel_err(y, ref(x, q, s, z, G, fmt, bias)) < 1e-2
 

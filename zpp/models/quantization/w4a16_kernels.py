@@ -127,17 +127,25 @@ def _dequant_tile(W, S, Z, w_base, s_base, z_base, n, n_ok, k0, K, stride_wn, st
 
 @triton.jit
 def _gemv_row(X, k0, K, lo, hi, s, z, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constexpr,
-              FMT: tl.constexpr, EVEN_K: tl.constexpr):
+              FMT: tl.constexpr, EVEN_K: tl.constexpr, X_SPLIT: tl.constexpr = False):
     """One K step's ``[BLOCK_N]`` partial products with one activation row ``X`` (``lo`` / ``hi``:
     the even / odd columns' codes as float32 -- values for mxfp4 --, ``[BLOCK_N, BLOCK_K / 2]``;
     ``s`` / ``z`` the groups' scales and zero points ``[BLOCK_N, BLOCK_K / G]``)."""
-    kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-    if EVEN_K:
-        xe = tl.load(X + kk).to(tl.float32)
-        xo = tl.load(X + kk + 1).to(tl.float32)
-    else:
-        xe = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
-        xo = tl.load(X + kk + 1, mask=kk < K, other=0.0).to(tl.float32)
+    if X_SPLIT:  # one contiguous load, split into even / odd columns in registers
+        k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            xv = tl.load(X + k).to(tl.float32)
+        else:
+            xv = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
+        xe, xo = tl.split(xv.reshape(BLOCK_K // 2, 2))
+    else:        # two strided loads
+        kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        if EVEN_K:
+            xe = tl.load(X + kk).to(tl.float32)
+            xo = tl.load(X + kk + 1).to(tl.float32)
+        else:
+            xe = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
+            xo = tl.load(X + kk + 1, mask=kk < K, other=0.0).to(tl.float32)
     p = lo * xe[None, :] + hi * xo[None, :]                                   # [BN, BK/2]
     pg = tl.sum(p.reshape(BLOCK_N, BLOCK_K // G, G // 2), 2)                  # [BN, BK/G]
     if FMT == 0:
@@ -173,7 +181,7 @@ def _gemv_codes(W, S, Z, w_rows, s_rows, z_rows, n_ok, k0, K, FMT: tl.constexpr,
 def _w4_gemv_kernel(X, W, S, Z, B, Y, N, K, stride_xm, stride_wn, stride_sn, stride_zn, stride_ym,
                     M: tl.constexpr, FMT: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                     G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                    USE_PDL: tl.constexpr = False):
+                    X_SPLIT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     # One program: BLOCK_N output rows for all M (<= 4) activation rows over the whole K; each step
     # reads BLOCK_N x BLOCK_K / 2 packed bytes and reduces them at once (fp8_gemv's layout).
     pid = tl.program_id(0)
@@ -190,13 +198,13 @@ def _w4_gemv_kernel(X, W, S, Z, B, Y, N, K, stride_xm, stride_wn, stride_sn, str
     acc3 = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         lo, hi, s, z = _gemv_codes(W, S, Z, w_rows, s_rows, z_rows, n_ok, k0, K, FMT, HAS_ZERO, G, BLOCK_K, EVEN)
-        acc0 += _gemv_row(X, k0, K, lo, hi, s, z, BLOCK_N, BLOCK_K, G, FMT, EVEN)
+        acc0 += _gemv_row(X, k0, K, lo, hi, s, z, BLOCK_N, BLOCK_K, G, FMT, EVEN, X_SPLIT)
         if M > 1:
-            acc1 += _gemv_row(X + stride_xm, k0, K, lo, hi, s, z, BLOCK_N, BLOCK_K, G, FMT, EVEN)
+            acc1 += _gemv_row(X + stride_xm, k0, K, lo, hi, s, z, BLOCK_N, BLOCK_K, G, FMT, EVEN, X_SPLIT)
         if M > 2:
-            acc2 += _gemv_row(X + 2 * stride_xm, k0, K, lo, hi, s, z, BLOCK_N, BLOCK_K, G, FMT, EVEN)
+            acc2 += _gemv_row(X + 2 * stride_xm, k0, K, lo, hi, s, z, BLOCK_N, BLOCK_K, G, FMT, EVEN, X_SPLIT)
         if M > 3:
-            acc3 += _gemv_row(X + 3 * stride_xm, k0, K, lo, hi, s, z, BLOCK_N, BLOCK_K, G, FMT, EVEN)
+            acc3 += _gemv_row(X + 3 * stride_xm, k0, K, lo, hi, s, z, BLOCK_N, BLOCK_K, G, FMT, EVEN, X_SPLIT)
     bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias = tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -238,10 +246,12 @@ def _block_k(cfg_bk: int, group_size: int) -> int:
 
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                group_size: int, fmt: str, bias: Optional[torch.Tensor] = None, block_n: int = 4,
-               block_k: int = 1024, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+               block_k: int = 1024, num_warps: int = 4, num_stages: int = 3, x_split: bool = False) -> torch.Tensor:
     """``x [M, K] @ dequant(W)^T (+ bias)`` -> ``[M, N]`` in ``x``'s dtype for ``M <= 4`` (decode):
     ``qweight`` uint8 ``[N, K // 2]``, ``scales`` / ``zeros`` ``[N, K // group_size]`` (module
-    docstring), ``bias [N]``; fp32 accumulation. ``block_k`` a power of two >= ``group_size``. Three
+    docstring), ``bias [N]``; fp32 accumulation. ``block_k`` a power of two >= ``group_size``. ``x_split``: each step's activations
+    read in one contiguous load and split into even / odd columns in registers (else two strided
+    loads). Three
     rows run as four (the graphs' warm-ups build the 1, 2 and 4-row kernels).
 
     Raises:
@@ -255,7 +265,7 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         raise ValueError(f"w4a16_gemv: x has {K} columns, the weight {qweight.shape[-1] * 2}")
     if M == 3:
         return w4a16_gemv(torch.nn.functional.pad(x, (0, 0, 0, 1)), qweight, scales, zeros, group_size, fmt, bias,
-                          block_n, block_k, num_warps, num_stages)[:3]
+                          block_n, block_k, num_warps, num_stages, x_split)[:3]
     x = x if x.stride(-1) == 1 else x.contiguous()
     N = qweight.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -267,7 +277,7 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else x, y, N, K,
         x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0) if zeros is not None else 0, y.stride(0),
         M=M, FMT=f, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, G=group_size, BLOCK_N=block_n,
-        BLOCK_K=bk, EVEN=even, num_warps=num_warps, num_stages=num_stages, **pdl(qweight))
+        BLOCK_K=bk, EVEN=even, X_SPLIT=x_split, num_warps=num_warps, num_stages=num_stages, **pdl(qweight))
     return y
 
 
