@@ -368,7 +368,7 @@ def w4a16_gemv_config(N: int, K: int) -> dict:
     return dict(W4A16_GEMV_DEFAULT)
 
 
-W4A16_GEMV_DEFAULT = dict(block_n=4, block_k=1024, num_warps=4, num_stages=3)
+W4A16_GEMV_DEFAULT = dict(block_n=16, block_k=512, num_warps=4, num_stages=3, x_split=True)
 """The GEMV launch of shapes :data:`W4A16_CONFIGS` does not list."""
 
 W4A16_CONFIGS: dict[str, dict] = {}
