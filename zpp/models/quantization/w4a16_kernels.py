@@ -371,9 +371,18 @@ def w4a16_gemv_config(N: int, K: int) -> dict:
 W4A16_GEMV_DEFAULT = dict(block_n=16, block_k=512, num_warps=4, num_stages=3, x_split=True)
 """The GEMV launch of shapes :data:`W4A16_CONFIGS` does not list."""
 
-W4A16_CONFIGS: dict[str, dict] = {}
+W4A16_CONFIGS: dict[str, dict] = {
+    # Llama-3-70B layer shapes (qkv, o, gate_up, down): the fastest of 12 launches (+ the best three
+    # with the other activation load) for int4 group 128 at M = 1 on one H100, in CUDA graphs
+    "N=10240,K=8192": dict(gemv=dict(block_n=16, block_k=512, num_warps=4, num_stages=3, x_split=True)),
+    "N=8192,K=8192": dict(gemv=dict(block_n=16, block_k=1024, num_warps=8, num_stages=3, x_split=False)),
+    "N=57344,K=8192": dict(gemv=dict(block_n=32, block_k=512, num_warps=4, num_stages=3, x_split=True)),
+    "N=8192,K=28672": dict(gemv=dict(block_n=16, block_k=1024, num_warps=8, num_stages=3, x_split=False)),
+}
 """Measured launches per weight shape ``"N=..,K=.."``: ``gemv`` (a :func:`w4a16_gemv` launch),
-``gemm`` (``{max M: tiles}``, the first bucket ``>= M`` wins)."""
+``gemm`` (``{max M: tiles}``, the first bucket ``>= M`` wins). Measured on one H100 80GB HBM3 with
+``python scripts/kernel_bench.py w4a16`` (raw output: benchmarks/results/h100_issue48_w4a16/). The
+GEMM's defaults (:func:`w4a16_gemm_config`) were the fastest of the sweep for every shape there."""
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
@@ -517,7 +526,22 @@ def moe_w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 W4_MOE_GEMV_DEFAULT = dict(block_n=4, block_k=512, num_warps=4, num_stages=3)
 
-W4_MOE_CONFIGS: dict[str, dict] = {}
+_MOE_SMALL = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+W4_MOE_CONFIGS: dict[str, dict] = {
+    # gpt-oss-20b (32 experts) / -120b (128 experts) expert shapes, mxfp4 group 32, one H100: the GEMV
+    # launch fastest at T = 1, the GEMM tiles fastest of 7 at T = 256 (M = 1024), 16-row tiles below
+    # (the default there, measured in the whole feed-forward at T = 8 .. 64)
+    "E=32,N=5760,K=2880": dict(gemv=dict(block_n=8, block_k=512, num_warps=4),
+                               gemm={256: _MOE_SMALL, 4096: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8,
+                                                                  num_stages=3)}),
+    "E=32,N=2880,K=2880": dict(gemv=dict(block_n=4, block_k=1024, num_warps=4),
+                               gemm={256: _MOE_SMALL, 4096: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8,
+                                                                  num_stages=3)}),
+    "E=128,N=5760,K=2880": dict(gemv=dict(block_n=8, block_k=512, num_warps=4),
+                                gemm={4096: dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)}),
+    "E=128,N=2880,K=2880": dict(gemv=dict(block_n=4, block_k=1024, num_warps=4),
+                                gemm={4096: _MOE_SMALL}),
+}
 """Measured MoE launches per expert-GEMM shape ``"E=..,N=..,K=.."``: ``gemv_max``, ``gemv``,
 ``gemm`` (``{max M: tiles}``), as :data:`zpp.models.quantization.fp8_moe_kernels.FP8_MOE_CONFIGS`."""
 
