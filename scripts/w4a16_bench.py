@@ -18,6 +18,9 @@ zpp.models.quantization.w4a16_kernels on one GPU, random packed weights in the w
    bf16 fused_moe at T = 1, 2, 4, 8, 16, 64, 256, 1024 (GEMV and GEMM paths where both apply), GEMM
    tile sweep at 256, GEMV launch sweep at 1.
 
+The int4 sweeps also try their best launches with ``fast_cvt`` (codes to float by an OR and a
+subtraction instead of ``cvt``).
+
 Dense timings are CUDA-graph replays (``triton.testing.do_bench_cudagraph``: no launch overhead, as a
 decode step runs); MoE timings eager launches (``triton.testing.do_bench``: the bf16 ``fused_moe``
 under ``do_bench_cudagraph`` hit an illegal memory access on the first call, not investigated), weights rotated among copies totalling > 200 MB where one copy would sit in L2,
@@ -204,6 +207,11 @@ def gemv_bw(peak, card_hbm):
                     c2 = dict(c, x_split=False)
                     sweep.append((bench(run(c2)), c2))
             sweep.sort(key=lambda r: r[0])
+            if fmt == "int4":        # the best three with the OR-and-subtract int -> float conversion
+                for _, c in list(sweep[:3]):
+                    c3 = dict(c, fast_cvt=True)
+                    sweep.append((bench(run(c3)), c3))
+                sweep.sort(key=lambda r: r[0])
             t, cfg = sweep[0]
             tops[(name, sname)] = [c for _, c in sweep[:3]]
             dflt = bench(run(W.w4a16_gemv_config(N, K)))
@@ -269,6 +277,9 @@ def prefill():
                     sweep.append((bench(lambda: W.w4a16_gemm(x, q, s, z, G, fmt, None, cfg), rep=30), cfg))
                 except Exception as e:
                     log(f"  {cfg}: {type(e).__name__}")
+            sweep.sort(key=lambda r: r[0])
+            c3 = dict(sweep[0][1], fast_cvt=True)
+            sweep.append((bench(lambda: W.w4a16_gemm(x, q, s, z, G, fmt, None, c3), rep=30), c3))
             sweep.sort(key=lambda r: r[0])
             t, cfg = sweep[0]
             dflt = bench(lambda: W.w4a16_gemm(x, q, s, z, G, fmt), rep=30)

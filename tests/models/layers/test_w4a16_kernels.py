@@ -52,7 +52,7 @@ def test_gemv(fmt, G, zeros, M):
     q, s, z = random_w4((N, K), fmt, G, zeros, seed=M)
     x = torch.randn(M, K, device=DEV).to(DT)
     bias = torch.randn(N, device=DEV).to(DT) if M == 3 else None
-    y = W.w4a16_gemv(x, q, s, z, G, fmt, bias, block_n=8, block_k=256, x_split=M == 4)
+    y = W.w4a16_gemv(x, q, s, z, G, fmt, bias, block_n=8, block_k=256, x_split=M == 4, fast_cvt=M != 1)
     assert y.shape == (M, N) and y.dtype == DT
     assert rel_err(y, ref(x, q, s, z, G, fmt, bias)) < 1e-2
 
@@ -63,7 +63,7 @@ def test_gemm(fmt, G, zeros):
     q, s, z = random_w4((N, K), fmt, G, zeros, seed=1)
     x = torch.randn(M, K, device=DEV).to(DT)
     bias = torch.randn(N, device=DEV).to(DT)
-    cfg = dict(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)
+    cfg = dict(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2, fast_cvt=zeros)
     y = W.w4a16_gemm(x, q, s, z, G, fmt, bias, config=cfg)
     assert rel_err(y, ref(x, q, s, z, G, fmt, bias)) < 1e-2
     # the dispatcher: 2 rows -> GEMV, 5 -> GEMM, same numbers as the reference
@@ -104,9 +104,9 @@ def test_moe_gemm_and_gemv_kernels(fmt, G, zeros):
     want = want * rw.reshape(-1, 1)
     out = torch.empty(T * k, N, device=DEV, dtype=DT)
     W.moe_w4a16_gemv(x, q, s, z, G, fmt, flat, out, bias, rw.reshape(-1).float(), k,
-                     dict(block_n=8, block_k=64, num_warps=4))
+                     dict(block_n=8, block_k=64, num_warps=4, fast_cvt=True))
     assert rel_err(out, want) < 1e-2
-    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2, fast_cvt=True)
     sorted_ids, block_expert = moe_align(ids, E, cfg["BLOCK_M"])
     out2 = torch.empty_like(out)
     W.moe_w4a16_gemm(x, q, s, z, G, fmt, out2, sorted_ids, block_expert, bias, rw.reshape(-1).float(), k, cfg)

@@ -71,6 +71,17 @@ def _e2m1(q):
 
 
 @triton.jit
+def _codes_f32(q, FAST_CVT: tl.constexpr):
+    """int32 codes 0..15 -> float32. ``FAST_CVT``: the bits of ``2 ** 23 + q`` (exponent 150) minus
+    ``2 ** 23``, exact, an integer OR and a float add in place of the int-to-float ``cvt`` (which
+    issues at a fraction of the FMA rate)."""
+    if FAST_CVT:
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    else:
+        return q.to(tl.float32)
+
+
+@triton.jit
 def _e8m0(s):
     """uint8 E8M0 exponents -> float32 ``2 ** (s - 127)`` (0 for ``s = 0``)."""
     return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
@@ -102,7 +113,7 @@ def _group_scale(S, Z, s_off, z_off, ok, FMT: tl.constexpr, HAS_ZERO: tl.constex
 @triton.jit
 def _dequant_tile(W, S, Z, w_base, s_base, z_base, n, n_ok, k0, K, stride_wn, stride_sn, stride_zn,
                   FMT: tl.constexpr, HAS_ZERO: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST_CVT: tl.constexpr = False):
     """The weight tile ``[BLOCK_K, BLOCK_N]`` (rows ``n``, columns ``k0 .. k0 + BLOCK_K``) in float32,
     read as ``BLOCK_N x BLOCK_K / 2`` packed bytes; columns past ``K`` and rows not ``n_ok`` are 0."""
     j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -121,7 +132,7 @@ def _dequant_tile(W, S, Z, w_base, s_base, z_base, n, n_ok, k0, K, stride_wn, st
     if FMT == 1:
         v = _e2m1(q).reshape(BLOCK_N, BLOCK_K // G, G) * s[:, :, None]
     else:
-        v = (q.to(tl.float32).reshape(BLOCK_N, BLOCK_K // G, G) - z[:, :, None]) * s[:, :, None]
+        v = (_codes_f32(q, FAST_CVT).reshape(BLOCK_N, BLOCK_K // G, G) - z[:, :, None]) * s[:, :, None]
     return tl.trans(v.reshape(BLOCK_N, BLOCK_K))
 
 
@@ -156,7 +167,7 @@ def _gemv_row(X, k0, K, lo, hi, s, z, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
 
 @triton.jit
 def _gemv_codes(W, S, Z, w_rows, s_rows, z_rows, n_ok, k0, K, FMT: tl.constexpr, HAS_ZERO: tl.constexpr,
-                G: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+                G: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, FAST_CVT: tl.constexpr = False):
     """A GEMV step's unpacked codes (``lo``, ``hi`` float32 ``[BN, BK/2]``) and group scales / zeros."""
     j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     g = k0 // G + tl.arange(0, BLOCK_K // G)
@@ -171,8 +182,8 @@ def _gemv_codes(W, S, Z, w_rows, s_rows, z_rows, n_ok, k0, K, FMT: tl.constexpr,
         lo = _e2m1(b & 15)
         hi = _e2m1(b >> 4)
     else:
-        lo = (b & 15).to(tl.float32)
-        hi = (b >> 4).to(tl.float32)
+        lo = _codes_f32(b & 15, FAST_CVT)
+        hi = _codes_f32(b >> 4, FAST_CVT)
     return lo, hi, s, z
 
 
@@ -181,7 +192,7 @@ def _gemv_codes(W, S, Z, w_rows, s_rows, z_rows, n_ok, k0, K, FMT: tl.constexpr,
 def _w4_gemv_kernel(X, W, S, Z, B, Y, N, K, stride_xm, stride_wn, stride_sn, stride_zn, stride_ym,
                     M: tl.constexpr, FMT: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                     G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                    X_SPLIT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                    X_SPLIT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     # One program: BLOCK_N output rows for all M (<= 4) activation rows over the whole K; each step
     # reads BLOCK_N x BLOCK_K / 2 packed bytes and reduces them at once (fp8_gemv's layout).
     pid = tl.program_id(0)
@@ -197,7 +208,8 @@ def _w4_gemv_kernel(X, W, S, Z, B, Y, N, K, stride_xm, stride_wn, stride_sn, str
     acc2 = tl.zeros([BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        lo, hi, s, z = _gemv_codes(W, S, Z, w_rows, s_rows, z_rows, n_ok, k0, K, FMT, HAS_ZERO, G, BLOCK_K, EVEN)
+        lo, hi, s, z = _gemv_codes(W, S, Z, w_rows, s_rows, z_rows, n_ok, k0, K, FMT, HAS_ZERO, G, BLOCK_K, EVEN,
+                                   FAST_CVT)
         acc0 += _gemv_row(X, k0, K, lo, hi, s, z, BLOCK_N, BLOCK_K, G, FMT, EVEN, X_SPLIT)
         if M > 1:
             acc1 += _gemv_row(X + stride_xm, k0, K, lo, hi, s, z, BLOCK_N, BLOCK_K, G, FMT, EVEN, X_SPLIT)
@@ -246,12 +258,14 @@ def _block_k(cfg_bk: int, group_size: int) -> int:
 
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                group_size: int, fmt: str, bias: Optional[torch.Tensor] = None, block_n: int = 4,
-               block_k: int = 1024, num_warps: int = 4, num_stages: int = 3, x_split: bool = False) -> torch.Tensor:
+               block_k: int = 1024, num_warps: int = 4, num_stages: int = 3, x_split: bool = False,
+               fast_cvt: bool = False) -> torch.Tensor:
     """``x [M, K] @ dequant(W)^T (+ bias)`` -> ``[M, N]`` in ``x``'s dtype for ``M <= 4`` (decode):
     ``qweight`` uint8 ``[N, K // 2]``, ``scales`` / ``zeros`` ``[N, K // group_size]`` (module
     docstring), ``bias [N]``; fp32 accumulation. ``block_k`` a power of two >= ``group_size``. ``x_split``: each step's activations
     read in one contiguous load and split into even / odd columns in registers (else two strided
-    loads). Three
+    loads). ``fast_cvt``: int4 codes to float32 by an OR and a subtraction (exact) instead of the
+    ``cvt`` instruction; not yet measured, off by default (every launch configuration takes it). Three
     rows run as four (the graphs' warm-ups build the 1, 2 and 4-row kernels).
 
     Raises:
@@ -265,7 +279,7 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         raise ValueError(f"w4a16_gemv: x has {K} columns, the weight {qweight.shape[-1] * 2}")
     if M == 3:
         return w4a16_gemv(torch.nn.functional.pad(x, (0, 0, 0, 1)), qweight, scales, zeros, group_size, fmt, bias,
-                          block_n, block_k, num_warps, num_stages, x_split)[:3]
+                          block_n, block_k, num_warps, num_stages, x_split, fast_cvt)[:3]
     x = x if x.stride(-1) == 1 else x.contiguous()
     N = qweight.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -277,7 +291,7 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else x, y, N, K,
         x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0) if zeros is not None else 0, y.stride(0),
         M=M, FMT=f, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, G=group_size, BLOCK_N=block_n,
-        BLOCK_K=bk, EVEN=even, X_SPLIT=x_split, num_warps=num_warps, num_stages=num_stages, **pdl(qweight))
+        BLOCK_K=bk, EVEN=even, X_SPLIT=x_split, FAST_CVT=fast_cvt, num_warps=num_warps, num_stages=num_stages, **pdl(qweight))
     return y
 
 
@@ -286,7 +300,7 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 def _w4_gemm_kernel(A, W, S, Z, B, C, M, N, K, stride_am, stride_wn, stride_sn, stride_zn, stride_cm,
                     FMT: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    EVEN_K: tl.constexpr):
+                    EVEN_K: tl.constexpr, FAST_CVT: tl.constexpr = False):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -308,7 +322,7 @@ def _w4_gemm_kernel(A, W, S, Z, B, C, M, N, K, stride_am, stride_wn, stride_sn, 
         else:
             a = tl.load(a_ptr, mask=m_ok[:, None] & (kk[None, :] < K - k0), other=0.0)
         w = _dequant_tile(W, S, Z, 0, 0, 0, n, n_ok, k0, K, stride_wn, stride_sn, stride_zn, FMT, HAS_ZERO, G,
-                          BLOCK_N, BLOCK_K, EVEN_K)
+                          BLOCK_N, BLOCK_K, EVEN_K, FAST_CVT)
         acc = tl.dot(a, w.to(a.dtype), acc)
         a_ptr += BLOCK_K
     if HAS_BIAS:
@@ -339,7 +353,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else x, c, M, N, K,
         x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0) if zeros is not None else 0, c.stride(0),
         FMT=_fmt_id(fmt), HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, G=group_size, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EVEN_K=K % bk == 0, num_warps=cfg["num_warps"],
+        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EVEN_K=K % bk == 0, FAST_CVT=cfg.get("fast_cvt", False),
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return c
 
@@ -403,7 +418,7 @@ def _moe_w4_gemv_kernel(X, W, S, Z, Bias, Y, ids, routing_w, N, K,
                         stride_be, stride_ym,
                         X_ROW_DIV: tl.constexpr, FMT: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                         MUL_ROUTING: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN: tl.constexpr):
+                        EVEN: tl.constexpr, FAST_CVT: tl.constexpr = False):
     # Program (a, pid_n): Y[a, n] = sum_k X[a // X_ROW_DIV, k] * dequant(W[ids[a], n, k]).
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -417,7 +432,8 @@ def _moe_w4_gemv_kernel(X, W, S, Z, Bias, Y, ids, routing_w, N, K,
     x_row = X + (a // X_ROW_DIV).to(tl.int64) * stride_xm
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        lo, hi, s, z = _gemv_codes(W, S, Z, w_rows, s_rows, z_rows, n_ok, k0, K, FMT, HAS_ZERO, G, BLOCK_K, EVEN)
+        lo, hi, s, z = _gemv_codes(W, S, Z, w_rows, s_rows, z_rows, n_ok, k0, K, FMT, HAS_ZERO, G, BLOCK_K, EVEN,
+                                   FAST_CVT)
         acc += _gemv_row(x_row, k0, K, lo, hi, s, z, BLOCK_N, BLOCK_K, G, FMT, EVEN)
     if HAS_BIAS:
         acc += tl.load(Bias + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -455,6 +471,7 @@ def moe_w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         bias.stride(0) if bias is not None else 0, out.stride(0),
         X_ROW_DIV=x_row_div, FMT=f, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None,
         MUL_ROUTING=routing_w is not None, G=group_size, BLOCK_N=bn, BLOCK_K=bk, EVEN=even,
+        FAST_CVT=cfg.get("fast_cvt", False),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
 
 
@@ -464,7 +481,7 @@ def _moe_w4_gemm_kernel(A, W, S, Z, Bias, C, sorted_ids, block_expert, routing_w
                         stride_cm,
                         A_ROW_DIV: tl.constexpr, FMT: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                         MUL_ROUTING: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST_CVT: tl.constexpr = False):
     # One BLOCK_M x BLOCK_N tile of C[rows] = A[rows // A_ROW_DIV] @ dequant(W[e])^T for the block's
     # expert e (fused_moe._moe_gemm_kernel with the weight tile dequantized in registers).
     pid_m = tl.program_id(0)
@@ -487,7 +504,7 @@ def _moe_w4_gemm_kernel(A, W, S, Z, Bias, C, sorted_ids, block_expert, routing_w
         else:
             a = tl.load(a_ptr, mask=row_ok[:, None] & (kk[None, :] < K - k0), other=0.0)
         w = _dequant_tile(W, S, Z, e * stride_we, e * stride_se, e * stride_ze, n, n_ok, k0, K, stride_wn,
-                          stride_sn, stride_zn, FMT, HAS_ZERO, G, BLOCK_N, BLOCK_K, EVEN_K)
+                          stride_sn, stride_zn, FMT, HAS_ZERO, G, BLOCK_N, BLOCK_K, EVEN_K, FAST_CVT)
         acc = tl.dot(a, w.to(a.dtype), acc)
         a_ptr += BLOCK_K
     if HAS_BIAS:
@@ -521,6 +538,7 @@ def moe_w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         bias.stride(0) if bias is not None else 0, out.stride(0),
         A_ROW_DIV=a_row_div, FMT=f, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None,
         MUL_ROUTING=routing_w is not None, G=group_size, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, EVEN_K=K % BK == 0,
+        FAST_CVT=cfg.get("fast_cvt", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
