@@ -23,7 +23,8 @@ subtraction instead of ``cvt``).
 
 Dense timings are CUDA-graph replays (``triton.testing.do_bench_cudagraph``: no launch overhead, as a
 decode step runs); MoE timings eager launches (``triton.testing.do_bench``: the bf16 ``fused_moe``
-under ``do_bench_cudagraph`` hit an illegal memory access on the first call, not investigated), weights rotated among copies totalling > 200 MB where one copy would sit in L2,
+under ``do_bench_cudagraph`` hit an illegal memory access on the first call, not investigated),
+weights rotated among copies totalling > 200 MB where one copy would sit in L2,
 routings among 8 random ones. Prints tables and writes ``w4a16_bench.json`` to ``$OUT`` (or ``--out``).
 """
 from __future__ import annotations
