@@ -263,10 +263,11 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     """``x [M, K] @ dequant(W)^T (+ bias)`` -> ``[M, N]`` in ``x``'s dtype for ``M <= 4`` (decode):
     ``qweight`` uint8 ``[N, K // 2]``, ``scales`` / ``zeros`` ``[N, K // group_size]`` (module
     docstring), ``bias [N]``; fp32 accumulation. ``block_k`` a power of two >= ``group_size``.
-    ``x_split``: each step's activations read in one contiguous load and split into even / odd columns in registers (else two strided
-    loads). ``fast_cvt``: int4 codes to float32 by an OR and a subtraction (exact) instead of the
-    ``cvt`` instruction; not yet measured, off by default (every launch configuration takes it). Three
-    rows run as four (the graphs' warm-ups build the 1, 2 and 4-row kernels).
+    ``x_split``: each step's activations read in one contiguous load and split into even / odd
+    columns in registers (else two strided loads). ``fast_cvt``: int4 codes to float32 by an OR and
+    a subtraction (exact) instead of the ``cvt`` instruction; not yet measured, off by default (every
+    launch configuration takes it). Three rows run as four (the graphs' warm-ups build the 1, 2 and
+    4-row kernels).
 
     Raises:
         ValueError: ``M > 4``, or tensors that do not fit the layout (:func:`_check`).
