@@ -87,6 +87,8 @@ class Linear(nn.Module):
         param.data.copy_(loaded.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:  # a quantized method holds the weight in its own parameters (W4A16)
+            return self.quant_method.apply(self, x, self.bias)
         return linear(x, self.weight, self.bias, self.fp8)
 
 
@@ -183,6 +185,8 @@ class RowParallelLinear(Linear):
         """``reduce=False``: this rank's partial product ``[T, out_features]`` without the
         all-reduce, the bias added on TP rank 0 only (so a caller summing several row-parallel
         partials and all-reducing once adds it once)."""
+        if self.weight is None:  # a quantized method holds the weight in its own parameters (W4A16)
+            return self._reduced(lambda bias: self.quant_method.apply(self, x, bias), reduce)
         return self._reduced(lambda bias: linear(x, self.weight, bias, self.fp8), reduce)
 
     def forward_fp8_input(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype,

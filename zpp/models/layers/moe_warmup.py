@@ -42,8 +42,10 @@ def moe_variant(experts: nn.Module, num_tokens: int, top_k: int) -> tuple:
     nothing new for each other."""
     from zpp.models.layers.fused_moe import moe_block_config
     M = num_tokens * top_k
-    E, I2, H = experts.gate_up_proj.shape
     method = experts.quant_method
+    if hasattr(method, "variant"):  # a method that names its own variants (W4A16)
+        return method.variant(experts, M)
+    E, I2, H = experts.gate_up_proj.shape
     block = getattr(method, "block", None)
     if method is not None and experts.gate_up_proj.dtype == torch.float8_e4m3fn:
         from zpp.models.quantization.fp8_moe_kernels import fp8_moe_config, use_fp8_moe_gemv
@@ -66,10 +68,13 @@ def warmup_token_counts(experts: nn.Module, top_k: int, max_tokens: int) -> list
 def _shape_key(ex: nn.Module) -> tuple:
     """Experts with one key run the same kernel variants (weights, scales, bias, activation alike)."""
     method = ex.quant_method
-    parts = [type(method).__name__, getattr(method, "block", None), ex.gate_up_proj.dtype,
-             tuple(ex.gate_up_proj.shape), tuple(ex.down_proj.shape), ex.gate_up_proj_bias is not None,
+    w_gu = ex.gate_up_proj if ex.gate_up_proj is not None else getattr(ex, "gate_up_proj_qweight", None)
+    w_dn = ex.down_proj if ex.down_proj is not None else getattr(ex, "down_proj_qweight", None)
+    parts = [type(method).__name__, getattr(method, "block", None), getattr(method, "fmt", None),
+             getattr(method, "group_size", None), w_gu.dtype, tuple(w_gu.shape), tuple(w_dn.shape),
+             ex.gate_up_proj_bias is not None,
              ex._down_bias is not None, repr(getattr(ex.act, "triton_kind", ex.act))]
-    for name in ("gate_up_proj_scale", "down_proj_scale"):
+    for name in ("gate_up_proj_scale", "down_proj_scale", "gate_up_proj_scales", "down_proj_scales"):
         s = getattr(ex, name, None)
         parts.append(None if s is None else (tuple(s.shape), s.stride()))
     return tuple(parts)
