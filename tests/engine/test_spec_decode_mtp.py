@@ -1,0 +1,263 @@
+"""Speculative decoding with MTP (``--speculative-config '{"method": "mtp", ...}'``) on a tiny random
+DeepSeek-V3 whose checkpoint carries a multi-token-prediction layer (``model.layers.{N}.*``, written
+here in the released checkpoints' layout): greedy outputs equal those without speculation at
+PP = 1, 2, 3 (also under forced preemption, with prefix caching and small chunks); the drafts the
+last stage makes equal an HF-style reference of the MTP module (the DeepSeek-V3 paper's equations
+on HF transformers' own decoder layer, teacher-forced) at every accepted length; an MTP-less
+checkpoint is refused at start in one line; ``zpp plan`` counts the MTP layer on the last stage."""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import pytest
+
+VOCAB = 49152  # SmolLM2's tokenizer
+K = 3
+
+
+def _hf_config():
+    from transformers import DeepseekV3Config
+    return DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                            num_attention_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                            v_head_dim=24, max_position_embeddings=512, initializer_range=0.3, num_hidden_layers=3,
+                            q_lora_rank=32, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
+                            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                            num_nextn_predict_layers=1, bos_token_id=1, eos_token_id=2)
+
+
+def _mtp_tensors(cfg, seed: int) -> dict:
+    """The MTP layer's tensors as DeepSeek releases them: HF's own decoder layer ``N`` (MLA + MoE),
+    ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.{norm,head}`` and a copy of the embedding."""
+    import torch
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+    n = cfg.num_hidden_layers
+    torch.manual_seed(seed)
+    layer = DeepseekV3DecoderLayer(cfg, layer_idx=n).float()
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in list(layer.named_parameters()) + list(layer.named_buffers()):
+        if name.endswith("e_score_correction_bias"):
+            t = torch.randn(t.shape, generator=g) * 0.3
+        elif t.dim() == 1:
+            t = 1 + 0.1 * torch.randn(t.shape, generator=g)
+        else:
+            t = torch.randn(t.shape, generator=g) * 0.3
+        out[f"model.layers.{n}.{name}"] = t.contiguous()
+    H = cfg.hidden_size
+    for part in ("enorm", "hnorm", "shared_head.norm"):
+        out[f"model.layers.{n}.{part}.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+    out[f"model.layers.{n}.eh_proj.weight"] = torch.randn(H, 2 * H, generator=g) * 0.2
+    out[f"model.layers.{n}.shared_head.head.weight"] = torch.randn(VOCAB, H, generator=g) * 0.3
+    return out
+
+
+def _save(out_dir: str, demo_model: str, mtp: bool = True) -> str:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3ForCausalLM
+    cfg = _hf_config()
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, t in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                t.normal_(0.0, 0.3)
+    model.save_pretrained(out_dir)
+    if mtp:
+        path = os.path.join(out_dir, "model.safetensors")
+        tensors = load_file(path)
+        extra = _mtp_tensors(cfg, 1)
+        extra[f"model.layers.{cfg.num_hidden_layers}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        save_file({**tensors, **extra}, path, metadata={"format": "pt"})
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.exists(os.path.join(demo_model, f)):
+            shutil.copy(os.path.join(demo_model, f), out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory, demo_model) -> str:
+    return _save(str(tmp_path_factory.mktemp("v3_mtp")), demo_model)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    base = [rng.randrange(3, VOCAB) for _ in range(40)]
+    # two share a 32-token prefix (prefix caching), one repeats itself, lengths 5 .. 45
+    return [base[:37], base[:32] + [rng.randrange(3, VOCAB) for _ in range(13)], [rng.randrange(3, VOCAB) for _ in range(5)],
+            base[:6] * 3, [rng.randrange(3, VOCAB) for _ in range(21)]]
+
+
+# --- the engine: outputs equal, every pipeline size ---------------------------------------------------
+@pytest.mark.slow
+def test_mtp_outputs_equal_without_at_pp_1_2_3(mtp_model):
+    """Greedy token ids (and text) with MTP drafts equal those without at PP = 1, 2, 3; at PP=2 also
+    with prefix caching, a KV cache small enough to preempt and 24-token micro-batches (chunked
+    prompts, drafts cut to the budget). Every run sent drafts; acceptance is reported (a random MTP
+    layer's drafts are rarely right: the in-process test below checks they are the right drafts)."""
+    from zpp import LLM, SamplingParams
+    prompts = _prompts()
+    sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (14, 10, 16, 12, 9)]
+
+    def run(**kw):
+        with LLM(mtp_model, device="cpu", max_model_len=256, **kw) as llm:
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            st = llm.engine.stats()
+            assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks, "blocks leaked"
+        return [list(o.outputs[0].token_ids) for o in outs], st
+
+    base, _ = run()
+    for pp, k, kw in ((1, K, {}), (3, 2, {}),
+                      (2, K, dict(enable_prefix_caching=True, num_kv_blocks=12, block_size=16,
+                                  max_num_batched_tokens=24))):
+        got, st = run(pipeline_parallel_size=pp, speculative_config={"method": "mtp", "num_speculative_tokens": k},
+                      **kw)
+        assert got == base, f"PP={pp}"
+        assert st.spec_num_drafts > 0 and st.spec_num_draft_tokens > st.spec_num_drafts, (pp, st)
+        assert sum(st.spec_accepted_per_pos) == st.spec_num_accepted_tokens
+        print(f"PP={pp} k={k}: {st.spec_num_drafts} drafts, {st.spec_num_draft_tokens} draft tokens, "
+              f"{st.spec_num_accepted_tokens} accepted, per position {st.spec_accepted_per_pos}")
+        if kw:
+            assert st.num_preemptions > 0 and st.prefix_cache_hits > 0, st
+
+
+# --- the drafts themselves, in-process: the real scheduler and the last stage's runner, no processes ---
+class _Reference:
+    """The MTP module from the DeepSeek-V3 paper's equations on HF transformers' own
+    ``DeepseekV3DecoderLayer`` (eager PyTorch, causal SDPA, HF's rotary tables) and the checkpoint's
+    weights; the main model's hidden states from HF's ``DeepseekV3ForCausalLM`` (after its final norm)."""
+
+    def __init__(self, model_dir: str):
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+        self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        cfg = self.hf.config
+        cfg._attn_implementation = "sdpa"
+        n = cfg.num_hidden_layers
+        w = {k[len(f"model.layers.{n}."):]: v for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()
+             if k.startswith(f"model.layers.{n}.")}
+        self.layer = DeepseekV3DecoderLayer(cfg, layer_idx=n).float().eval()
+        self.layer.load_state_dict({k: v for k, v in w.items() if k.split(".")[0] in (
+            "self_attn", "mlp", "input_layernorm", "post_attention_layernorm")})
+        self.w, self.eps = w, cfg.rms_norm_eps
+
+    def _norm(self, x, name):
+        import torch
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[f"{name}.weight"]
+
+    def main_hidden(self, seq):
+        import torch
+        with torch.no_grad():
+            return self.hf.model(torch.tensor([seq])).last_hidden_state[0]
+
+    def mtp(self, next_ids, prev):
+        """Rows at positions 0 .. m-1: ``next_ids [m]`` (the token after each), ``prev [m, H]`` -> the
+        normed outputs ``[m, H]`` and their argmax tokens ``[m]``."""
+        import torch
+        with torch.no_grad():
+            e = self._norm(self.hf.model.embed_tokens(torch.tensor(next_ids)), "enorm")
+            x = torch.cat([e, self._norm(prev, "hnorm")], -1) @ self.w["eh_proj.weight"].T
+            pos = torch.arange(len(next_ids))[None]
+            y = self.layer(x[None], position_ids=pos, position_embeddings=self.hf.model.rotary_emb(x[None], pos))
+            y = self._norm((y[0] if isinstance(y, tuple) else y)[0], "shared_head.norm")
+            return y, (y @ self.w["shared_head.head.weight"].T).argmax(-1).tolist()
+
+
+@pytest.mark.slow
+def test_mtp_drafts_equal_reference_at_every_accepted_length(mtp_model):
+    """The last stage's drafts, step after step of the real scheduler (chunked prompts, prefix caching,
+    KV lookahead) and model runner: draft 1 is the reference MTP module's prediction at the request's
+    last position given the true sequence (teacher-forced), and drafts 2 .. k the reference chained
+    on its own outputs -- whatever number of drafts the step before accepted: the scheduler is fed
+    drafts that are the true continuation up to a chosen point (0 .. k accepted in turn)."""
+    import json
+
+    import torch
+
+    from helpers import hf_greedy
+    from zpp import SamplingParams
+    from zpp.engine.kv_cache_manager import KVCacheManager
+    from zpp.engine.request import Request
+    from zpp.engine.scheduler import Scheduler
+    from zpp.engine.spec_decode import SpecDecoder
+    from zpp.models.base import StageInfo
+    from zpp.models.loader import load_stage_model
+    from zpp.spec_config import SpeculativeConfig, stage_model_config
+    from zpp.transport import messages as m
+    from zpp.workers.model_runner import ModelRunner
+    from zpp.workers.mtp import MTPDrafter
+
+    prompts = _prompts()[:3]
+    new = 14
+    truth = hf_greedy(mtp_model, prompts, new)
+    spec_cfg = SpeculativeConfig("deepseek_mtp", K)
+    assert spec_cfg.method == "mtp"
+    records = []
+
+    class Oracle(SpecDecoder):  # drafts: the true continuation, its first `a` right, then wrong
+        turn = 0
+
+        def propose(self, req, max_model_len, rope_switch_len=None, budget=1 << 30):
+            k = min(self.k, req.max_tokens - req.num_output_tokens - 1, budget)
+            if k < 1:
+                return []
+            cont = truth[int(req.req_id)][req.num_output_tokens:req.num_output_tokens + k]
+            a, Oracle.turn = Oracle.turn % (k + 1), Oracle.turn + 1
+            return [t if i < a else (t + 1) % VOCAB for i, t in enumerate(cont)]
+
+        def store_drafts(self, req, drafts):
+            records.append((int(req.req_id), req.num_tokens, list(drafts)))
+
+    with open(os.path.join(mtp_model, "config.json")) as f:
+        cfg = json.load(f)
+    L = cfg["num_hidden_layers"]
+    model = load_stage_model(mtp_model, stage_model_config(cfg, spec_cfg), StageInfo(0, 1, 0, L), torch.float32,
+                             torch.device("cpu"), 256)
+    runner = ModelRunner(model, torch.device("cpu"), torch.float32, 4, None, set(), max_model_len=256, max_num_seqs=4)
+    runner.init_kv_cache(96)
+    assert len(runner.kv_caches) == L + 1  # the MTP layer's own latent cache
+    runner.mtp = MTPDrafter(runner, K)
+    kv = KVCacheManager(96, 4, enable_prefix_caching=True)
+    spec = Oracle(spec_cfg)
+    spec.setup_kv(kv, 256)
+    sched = Scheduler(kv, 4, 16, 256, spec=spec)
+    def add(i):
+        sched.add_request(Request(str(i), prompts[i], SamplingParams(temperature=0, max_tokens=new, ignore_eos=True),
+                                  new, {2}))
+    add(0), add(2)
+    outs = {}
+    while sched.has_work() or 1 not in outs:
+        if 0 in outs and 1 not in outs and "1" not in sched.requests:  # shares request 0's cached prefix
+            add(1)
+        b = sched.schedule()
+        res = runner.execute(b.batch)
+        for req, _, tok in sched.update(b, res):
+            if tok >= 0:
+                outs.setdefault(int(req.req_id), []).append(tok)
+        sched.release_finished(list(b.reqs))
+    assert [outs[i] for i in range(len(prompts))] == truth
+    assert kv.prefix_hits > 0 and spec.num_accepted_tokens > 0
+    ref = _Reference(mtp_model)
+    checked = 0
+    forced = {}
+    for i in range(len(prompts)):
+        seq = prompts[i] + truth[i]
+        H = ref.main_hidden(seq)                             # the main model's rows (causal: any prefix)
+        forced[i] = seq, H, ref.mtp(seq[1:], H[:-1])         # teacher-forced MTP rows 0 .. len - 2
+    for i, n, drafts in records:
+        seq, H, (y, tok) = forced[i]
+        assert drafts[0] == tok[n - 2], (i, n, drafts)       # at position n - 2: the token after t_{n-1}
+        ids, prev = seq[1:n] + [drafts[0]], torch.cat([H[:n - 1], y[n - 2:n - 1]])
+        checked += 1
+        for j in range(1, K):
+            if drafts[j] == -1:
+                break
+            yj, tj = ref.mtp(ids, prev)                      # chained: its own output and draft j
+            assert drafts[j] == tj[-1], (i, n, j, drafts)
+            ids, prev = ids + [drafts[j]], torch.cat([prev, yj[-1:]])
+            checked += 1
+    assert checked >= 2 * len(records) > 20
