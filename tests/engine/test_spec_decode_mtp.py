@@ -84,22 +84,25 @@ def mtp_model(tmp_path_factory, demo_model) -> str:
 
 def _prompts() -> list[list[int]]:
     rng = random.Random(7)
-    base = [rng.randrange(3, VOCAB) for _ in range(40)]
-    # two share a 32-token prefix (prefix caching), one repeats itself, lengths 5 .. 45
-    return [base[:37], base[:32] + [rng.randrange(3, VOCAB) for _ in range(13)], [rng.randrange(3, VOCAB) for _ in range(5)],
+    base = [rng.randrange(3, VOCAB) for _ in range(60)]
+    # two share a 48-token prefix (prefix caching), one repeats itself, lengths 5 .. 61
+    return [base[:53], base[:48] + [rng.randrange(3, VOCAB) for _ in range(13)], [rng.randrange(3, VOCAB) for _ in range(5)],
             base[:6] * 3, [rng.randrange(3, VOCAB) for _ in range(21)]]
 
 
 # --- the engine: outputs equal, every pipeline size ---------------------------------------------------
 @pytest.mark.slow
 def test_mtp_outputs_equal_without_at_pp_1_2_3(mtp_model):
-    """Greedy token ids (and text) with MTP drafts equal those without at PP = 1, 2, 3; at PP=2 also
-    with prefix caching, a KV cache small enough to preempt and 24-token micro-batches (chunked
-    prompts, drafts cut to the budget). Every run sent drafts; acceptance is reported (a random MTP
-    layer's drafts are rarely right: the in-process test below checks they are the right drafts)."""
+    """Greedy token ids with MTP drafts equal those without at PP = 2, 3 (PP = 1: the in-process test
+    below, the same scheduler and runner without the processes); at PP=2 also with prefix caching,
+    a KV cache small enough to preempt and 24-token micro-batches (chunked prompts, drafts cut to the
+    budget). Every run sent drafts; acceptance is reported (a random MTP layer's drafts are rarely
+    right: the in-process test below checks they are the right drafts)."""
+    from helpers import hf_greedy
     from zpp import LLM, SamplingParams
     prompts = _prompts()
-    sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (14, 10, 16, 12, 9)]
+    lens = (14, 10, 16, 12, 9)
+    sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
 
     def run(**kw):
         with LLM(mtp_model, device="cpu", max_model_len=256, **kw) as llm:
@@ -108,8 +111,9 @@ def test_mtp_outputs_equal_without_at_pp_1_2_3(mtp_model):
             assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks, "blocks leaked"
         return [list(o.outputs[0].token_ids) for o in outs], st
 
-    base, _ = run()
-    for pp, k, kw in ((1, K, {}), (3, 2, {}),
+    # without speculation: HF transformers' greedy ids, which zpp's equal (tests/models/test_models_deepseek.py)
+    base = [g[:n] for g, n in zip(hf_greedy(mtp_model, prompts, max(lens)), lens)]
+    for pp, k, kw in ((3, 2, {}),
                       (2, K, dict(enable_prefix_caching=True, num_kv_blocks=12, block_size=16,
                                   max_num_batched_tokens=24))):
         got, st = run(pipeline_parallel_size=pp, speculative_config={"method": "mtp", "num_speculative_tokens": k},
@@ -169,8 +173,9 @@ class _Reference:
 
 @pytest.mark.slow
 def test_mtp_drafts_equal_reference_at_every_accepted_length(mtp_model):
-    """The last stage's drafts, step after step of the real scheduler (chunked prompts, prefix caching,
-    KV lookahead) and model runner: draft 1 is the reference MTP module's prediction at the request's
+    """PP=1 in process, the real scheduler (chunked prompts, prefix caching, KV lookahead) and the last
+    stage's model runner without worker processes: with the MTP layer's own drafts the greedy ids
+    equal HF's (without speculation). Then the drafts themselves, step after step: draft 1 is the reference MTP module's prediction at the request's
     last position given the true sequence (teacher-forced), and drafts 2 .. k the reference chained
     on its own outputs -- whatever number of drafts the step before accepted: the scheduler is fed
     drafts that are the true continuation up to a chosen point (0 .. k accepted in turn)."""
@@ -221,26 +226,36 @@ def test_mtp_drafts_equal_reference_at_every_accepted_length(mtp_model):
     runner.init_kv_cache(96)
     assert len(runner.kv_caches) == L + 1  # the MTP layer's own latent cache
     runner.mtp = MTPDrafter(runner, K)
-    kv = KVCacheManager(96, 4, enable_prefix_caching=True)
+    def generate(spec):
+        runner.forget_requests()
+        kv = KVCacheManager(96, 4, enable_prefix_caching=True)
+        spec.setup_kv(kv, 256)
+        sched = Scheduler(kv, 4, 16, 256, spec=spec)
+
+        def add(i):
+            sched.add_request(Request(str(i), prompts[i], SamplingParams(temperature=0, max_tokens=new,
+                                                                         ignore_eos=True), new, {2}))
+        add(0), add(2)
+        outs = {}
+        while sched.has_work() or 1 not in outs:
+            if 0 in outs and 1 not in outs and "1" not in sched.requests:  # shares request 0's cached prefix
+                add(1)
+            b = sched.schedule()
+            res = runner.execute(b.batch)
+            for req, _, tok in sched.update(b, res):
+                if tok >= 0:
+                    outs.setdefault(int(req.req_id), []).append(tok)
+            sched.release_finished(list(b.reqs))
+        assert kv.prefix_hits > 0
+        return [outs[i] for i in range(len(prompts))]
+
+    plain = SpecDecoder(spec_cfg)  # PP=1 with the MTP layer's own drafts: greedy ids equal HF's
+    assert generate(plain) == truth and plain.num_draft_tokens > 0
+    print(f"PP=1 k={K}: {plain.num_drafts} drafts, {plain.num_draft_tokens} draft tokens, "
+          f"{plain.num_accepted_tokens} accepted")
+    records.clear()
     spec = Oracle(spec_cfg)
-    spec.setup_kv(kv, 256)
-    sched = Scheduler(kv, 4, 16, 256, spec=spec)
-    def add(i):
-        sched.add_request(Request(str(i), prompts[i], SamplingParams(temperature=0, max_tokens=new, ignore_eos=True),
-                                  new, {2}))
-    add(0), add(2)
-    outs = {}
-    while sched.has_work() or 1 not in outs:
-        if 0 in outs and 1 not in outs and "1" not in sched.requests:  # shares request 0's cached prefix
-            add(1)
-        b = sched.schedule()
-        res = runner.execute(b.batch)
-        for req, _, tok in sched.update(b, res):
-            if tok >= 0:
-                outs.setdefault(int(req.req_id), []).append(tok)
-        sched.release_finished(list(b.reqs))
-    assert [outs[i] for i in range(len(prompts))] == truth
-    assert kv.prefix_hits > 0 and spec.num_accepted_tokens > 0
+    assert generate(spec) == truth and spec.num_accepted_tokens > 0
     ref = _Reference(mtp_model)
     checked = 0
     forced = {}
@@ -261,3 +276,59 @@ def test_mtp_drafts_equal_reference_at_every_accepted_length(mtp_model):
             ids, prev = ids + [drafts[j]], torch.cat([prev, yj[-1:]])
             checked += 1
     assert checked >= 2 * len(records) > 20
+
+
+# --- refusals, configuration, the plan -----------------------------------------------------------------
+MTP1 = {"method": "mtp", "num_speculative_tokens": 1}
+
+
+def test_mtp_refused_at_start_without_mtp_layers(tmp_path, demo_model):
+    """method mtp on a model without MTP layers is refused before any worker starts, in one line
+    naming the flag: a Llama (the demo model), and a DeepSeek-V3 whose config.json says
+    num_nextn_predict_layers=1 (HF's default) but whose checkpoint holds no model.layers.{N}.* tensors."""
+    from zpp import LLM
+    from zpp.errors import ConfigError
+    bare = _save(str(tmp_path / "bare"), demo_model, mtp=False)
+    for model, words in ((demo_model, "needs a model with multi-token-prediction layers"),
+                         (bare, "holds no multi-token-prediction layer")):
+        with pytest.raises(ConfigError) as e:
+            LLM(model, device="cpu", speculative_config=MTP1)
+        msg = str(e.value)
+        assert words in msg and "--speculative-config" in msg and "\n" not in msg, msg
+    with pytest.raises(ConfigError, match="--tensor-parallel-size"):
+        LLM(bare, device="cpu", speculative_config=MTP1, tensor_parallel_size=2)
+
+
+def test_mtp_config_alias_and_plan_counts_the_layer(tmp_path):
+    """``deepseek_mtp`` is vLLM's alias of ``mtp``; ``zpp plan`` puts the MTP layer (its decoder layer,
+    eh_proj, norms, shared head and the embedding it reads) and its KV cache on the last stage only."""
+    import json
+
+    import torch
+
+    from zpp.models.base import StageInfo
+    from zpp.models.loader import load_stage_model
+    from zpp.plan import Target, make_plan, plan_config
+    from zpp.spec_config import SpeculativeConfig, parse_speculative_config, stage_model_config
+    assert parse_speculative_config('{"method": "deepseek_mtp", "num_speculative_tokens": 2}', "--speculative-config") \
+        == SpeculativeConfig("mtp", 2)
+    cfg = {**_hf_config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"], "torch_dtype": "bfloat16"}
+    d = tmp_path / "cfg"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    target = Target("cuda", (80 << 30,), (9, 0))
+    spec = SpeculativeConfig("mtp", 2)
+    plans = [make_plan(plan_config(str(d), pipeline_parallel_size=2, dtype="bfloat16", max_model_len=256,
+                                   speculative_config=s), target, search=False) for s in (None, spec)]
+    without, with_mtp = ([(p.weight_bytes, p.kv_bytes_per_token) for p in plan.stages] for plan in plans)
+    last = plans[1].stages[-1].layers
+    meta = load_stage_model(str(d), stage_model_config(cfg, spec), StageInfo(1, 2, *last), torch.bfloat16,
+                            torch.device("meta"), 256, "dummy")
+    n = cfg["num_hidden_layers"]
+    mtp_bytes = sum(p.numel() * p.element_size() for name, p in meta.named_parameters()
+                    if name.startswith(f"model.layers.{n}."))
+    assert mtp_bytes > 2 * VOCAB * cfg["hidden_size"] * 2  # its own embedding and head at least
+    assert with_mtp[0] == without[0]
+    assert with_mtp[1][0] - without[1][0] == mtp_bytes
+    row = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    assert with_mtp[1][1] - without[1][1] == row * 2  # one more latent row per token (bf16)

@@ -531,7 +531,7 @@ def plan_config(model: str, **settings: Any) -> "EngineConfig":
                 groups[cls][key] = value
                 break
         else:
-            if key == "enforce_eager":
+            if key in ("enforce_eager", "speculative_config"):
                 top[key] = value
             else:
                 raise TypeError(f"unknown setting {key!r}")
