@@ -52,8 +52,7 @@ model = load_stage_model(cfg_dir, stage_model_config(cfg, SpeculativeConfig("mtp
                          dev, MAX_LEN, "dummy")
 runner = ModelRunner(model, dev, dtype, BS, None, set(), max_model_len=MAX_LEN, max_num_seqs=4)
 runner.init_kv_cache(BLOCKS)
-if dev.type == "cuda":
-    runner.warm_up_experts(64)
+if dev.type == "cuda":  # no expert warm-up: each run's first WARM steps (one token count each) are not timed
     print(torch.cuda.get_device_name(), f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB allocated", flush=True)
 
 
@@ -108,6 +107,8 @@ def run(k: int) -> dict:
             "tokens_per_step": sum(tokens) / n, "steps": n}
 
 
+first = run(0)  # a whole run to warm up (the first one on the CPU was 20-40x slower than the next)
+print(f"plain decode step, warm-up run: {first['step_ms']:.3f} ms", flush=True)
 base = run(0)
 print(f"plain decode step: {base['step_ms']:.3f} ms ({base['steps']} steps)", flush=True)
 out = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "config": cfg_dir, "tiny": tiny,

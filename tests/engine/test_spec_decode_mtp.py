@@ -77,6 +77,29 @@ def _save(out_dir: str, demo_model: str, mtp: bool = True) -> str:
     return out_dir
 
 
+def _make_predictable(model_dir: str, scale: float) -> None:
+    """Rewrite a checkpoint of :func:`_save` so that MTP drafts are often right: every layer's output
+    projections (``o_proj``, the MLPs' and experts' ``down_proj``) times ``scale``, so the next token
+    is mostly a function of the current one (a bigram), and the MTP layer mostly passes the embedding
+    of the token after its position through (``eh_proj`` = ``[I | 0]`` plus noise) to the main model's
+    norm and head: it predicts that bigram one token further. The layers still move every hidden state."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(model_dir, "model.safetensors")
+    t = load_file(path)
+    n, H = _hf_config().num_hidden_layers, _hf_config().hidden_size
+    for k in list(t):
+        if k.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+            t[k] = t[k] * scale
+    g = torch.Generator().manual_seed(3)
+    t[f"model.layers.{n}.eh_proj.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], 1) + \
+        0.005 * torch.randn(H, 2 * H, generator=g)
+    t[f"model.layers.{n}.enorm.weight"] = torch.ones(H)
+    t[f"model.layers.{n}.shared_head.norm.weight"] = t["model.norm.weight"].clone()
+    t[f"model.layers.{n}.shared_head.head.weight"] = t["lm_head.weight"].clone()
+    save_file(t, path, metadata={"format": "pt"})
+
+
 @pytest.fixture(scope="module")
 def mtp_model(tmp_path_factory, demo_model) -> str:
     return _save(str(tmp_path_factory.mktemp("v3_mtp")), demo_model)
@@ -91,40 +114,55 @@ def _prompts() -> list[list[int]]:
 
 
 # --- the engine: outputs equal, every pipeline size ---------------------------------------------------
+@pytest.fixture(scope="module")
+def predictable_model(tmp_path_factory, mtp_model) -> str:
+    """:func:`_make_predictable` of the random checkpoint (about 60% of first drafts right)."""
+    d = str(tmp_path_factory.mktemp("v3_mtp_pred"))
+    shutil.copytree(mtp_model, d, dirs_exist_ok=True)
+    _make_predictable(d, 0.003)
+    return d
+
+
 @pytest.mark.slow
-def test_mtp_outputs_equal_without_at_pp_1_2_3(mtp_model):
-    """Greedy token ids with MTP drafts equal those without at PP = 2, 3 (PP = 1: the in-process test
-    below, the same scheduler and runner without the processes); at PP=2 also with prefix caching,
-    a KV cache small enough to preempt and 24-token micro-batches (chunked prompts, drafts cut to the
-    budget). Every run sent drafts; acceptance is reported (a random MTP layer's drafts are rarely
-    right: the in-process test below checks they are the right drafts)."""
+def test_mtp_outputs_equal_without_at_pp_1_2_3(predictable_model):
+    """Greedy token ids with MTP drafts equal those without (HF's greedy ids, which zpp's equal:
+    tests/models/test_models_deepseek.py) at PP = 1 (in process: the same scheduler and last-stage
+    runner without worker processes), 3 and 2; at PP=2 also with prefix caching, a KV cache small
+    enough to preempt and 24-token micro-batches (chunked prompts, drafts cut to the budget). Drafts
+    are accepted, and at PP=3 exactly as many as at PP=1: a draft is a function of the request's
+    tokens alone, so the last stage of a pipeline must draft what one stage drafts (its hidden
+    states, its MTP KV from the earlier micro-batches, its copy of the embedding)."""
     from helpers import hf_greedy
     from zpp import LLM, SamplingParams
+    from zpp.engine.spec_decode import SpecDecoder
+    from zpp.spec_config import SpeculativeConfig
     prompts = _prompts()
     lens = (14, 10, 16, 12, 9)
+    base = [g[:n] for g, n in zip(hf_greedy(predictable_model, prompts, max(lens)), lens)]
+    one = SpecDecoder(SpeculativeConfig("mtp", 2))
+    got, _ = _in_process(predictable_model, one, prompts, lens)
+    assert got == base, "PP=1"
+    assert one.num_accepted_tokens > 0.3 * one.num_draft_tokens, vars(one)
+    print(f"PP=1 k=2: {one.num_drafts} drafts, {one.num_draft_tokens} draft tokens, {one.num_accepted_tokens} "
+          f"accepted, per position {one.accepted_per_pos}, mean acceptance length {one.mean_acceptance_length:.2f}")
     sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
-
-    def run(**kw):
-        with LLM(mtp_model, device="cpu", max_model_len=256, **kw) as llm:
+    for pp, k, kw in ((3, 2, {}), (2, K, dict(enable_prefix_caching=True, num_kv_blocks=12, block_size=16,
+                                                max_num_batched_tokens=24))):
+        with LLM(predictable_model, device="cpu", max_model_len=256, pipeline_parallel_size=pp,
+                 speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kw) as llm:
             outs = llm.generate(prompts, sp, use_tqdm=False)
             st = llm.engine.stats()
             assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks, "blocks leaked"
-        return [list(o.outputs[0].token_ids) for o in outs], st
-
-    # without speculation: HF transformers' greedy ids, which zpp's equal (tests/models/test_models_deepseek.py)
-    base = [g[:n] for g, n in zip(hf_greedy(mtp_model, prompts, max(lens)), lens)]
-    for pp, k, kw in ((3, 2, {}),
-                      (2, K, dict(enable_prefix_caching=True, num_kv_blocks=12, block_size=16,
-                                  max_num_batched_tokens=24))):
-        got, st = run(pipeline_parallel_size=pp, speculative_config={"method": "mtp", "num_speculative_tokens": k},
-                      **kw)
-        assert got == base, f"PP={pp}"
-        assert st.spec_num_drafts > 0 and st.spec_num_draft_tokens > st.spec_num_drafts, (pp, st)
-        assert sum(st.spec_accepted_per_pos) == st.spec_num_accepted_tokens
+        assert [list(o.outputs[0].token_ids) for o in outs] == base, f"PP={pp}"
+        assert sum(st.spec_accepted_per_pos) == st.spec_num_accepted_tokens > 0, (pp, st)
         print(f"PP={pp} k={k}: {st.spec_num_drafts} drafts, {st.spec_num_draft_tokens} draft tokens, "
               f"{st.spec_num_accepted_tokens} accepted, per position {st.spec_accepted_per_pos}")
         if kw:
             assert st.num_preemptions > 0 and st.prefix_cache_hits > 0, st
+        else:
+            assert (st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens,
+                    st.spec_accepted_per_pos) == (one.num_drafts, one.num_draft_tokens, one.num_accepted_tokens,
+                                                  one.accepted_per_pos)
 
 
 # --- the drafts themselves, in-process: the real scheduler and the last stage's runner, no processes ---
@@ -171,36 +209,81 @@ class _Reference:
             return y, (y @ self.w["shared_head.head.weight"].T).argmax(-1).tolist()
 
 
-@pytest.mark.slow
-def test_mtp_drafts_equal_reference_at_every_accepted_length(mtp_model):
-    """PP=1 in process, the real scheduler (chunked prompts, prefix caching, KV lookahead) and the last
-    stage's model runner without worker processes: with the MTP layer's own drafts the greedy ids
-    equal HF's (without speculation). Then the drafts themselves, step after step: draft 1 is the reference MTP module's prediction at the request's
-    last position given the true sequence (teacher-forced), and drafts 2 .. k the reference chained
-    on its own outputs -- whatever number of drafts the step before accepted: the scheduler is fed
-    drafts that are the true continuation up to a chosen point (0 .. k accepted in turn)."""
+def _in_process(model_dir: str, spec, prompts, lens, runner=None):
+    """PP=1 without worker processes: the real scheduler (16-token micro-batches: chunked prompts),
+    KV block manager (4-token blocks, prefix caching, the MTP lookahead) and the last stage's
+    ModelRunner with its MTP drafter; request 1 is added once request 0 has a token (it shares its
+    cached prefix). Returns the greedy ids of every request and the runner (reused when given)."""
     import json
 
     import torch
 
-    from helpers import hf_greedy
     from zpp import SamplingParams
     from zpp.engine.kv_cache_manager import KVCacheManager
     from zpp.engine.request import Request
     from zpp.engine.scheduler import Scheduler
-    from zpp.engine.spec_decode import SpecDecoder
     from zpp.models.base import StageInfo
     from zpp.models.loader import load_stage_model
-    from zpp.spec_config import SpeculativeConfig, stage_model_config
-    from zpp.transport import messages as m
+    from zpp.spec_config import stage_model_config
     from zpp.workers.model_runner import ModelRunner
     from zpp.workers.mtp import MTPDrafter
+    if runner is None:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+        L = cfg["num_hidden_layers"]
+        model = load_stage_model(model_dir, stage_model_config(cfg, spec.config), StageInfo(0, 1, 0, L),
+                                 torch.float32, torch.device("cpu"), 256)
+        runner = ModelRunner(model, torch.device("cpu"), torch.float32, 4, None, set(), max_model_len=256,
+                             max_num_seqs=8)
+        runner.init_kv_cache(160)
+        assert len(runner.kv_caches) == L + 1  # the MTP layer's own latent cache
+    runner.forget_requests()
+    runner.mtp = MTPDrafter(runner, spec.k)
+    kv = KVCacheManager(160, 4, enable_prefix_caching=True)
+    spec.setup_kv(kv, 256)
+    sched = Scheduler(kv, 8, 16, 256, spec=spec)
 
-    prompts = _prompts()[:3]
-    new = 14
-    truth = hf_greedy(mtp_model, prompts, new)
+    def add(i):
+        sched.add_request(Request(str(i), prompts[i], SamplingParams(temperature=0, max_tokens=lens[i],
+                                                                     ignore_eos=True), lens[i], {2}))
+    for i in range(len(prompts)):
+        if i != 1:
+            add(i)
+    outs = {}
+    while sched.has_work() or 1 not in outs:
+        if 0 in outs and 1 not in outs and "1" not in sched.requests:
+            add(1)
+        b = sched.schedule()
+        res = runner.execute(b.batch)
+        for req, _, tok in sched.update(b, res):
+            if tok >= 0:
+                outs.setdefault(int(req.req_id), []).append(tok)
+        sched.release_finished(list(b.reqs))
+    assert kv.prefix_hits > 0 and kv.num_free_blocks == kv.num_blocks
+    return [outs[i] for i in range(len(prompts))], runner
+
+
+@pytest.mark.slow
+def test_mtp_drafts_equal_reference_at_every_accepted_length(mtp_model):
+    """PP=1 in process (:func:`_in_process`): with the MTP layer's own drafts the greedy ids equal
+    HF's (without speculation). Then the drafts themselves, step after step: draft 1 is the reference
+    MTP module's prediction at the request's last position given the true sequence (teacher-forced),
+    and drafts 2 .. k the reference chained on its own outputs -- whatever number of drafts the step
+    before accepted: the scheduler is fed drafts that are the true continuation up to a chosen point
+    (0 .. k accepted in turn), so the MTP layer runs after every accepted length."""
+    import torch
+
+    from helpers import hf_greedy
+    from zpp.engine.spec_decode import SpecDecoder
+    from zpp.spec_config import SpeculativeConfig
+
+    prompts, lens = _prompts()[:3], [14] * 3
+    truth = hf_greedy(mtp_model, prompts, 14)
     spec_cfg = SpeculativeConfig("deepseek_mtp", K)
     assert spec_cfg.method == "mtp"
+    plain = SpecDecoder(spec_cfg)
+    got, runner = _in_process(mtp_model, plain, prompts, lens)
+    assert got == truth and plain.num_draft_tokens > 0
     records = []
 
     class Oracle(SpecDecoder):  # drafts: the true continuation, its first `a` right, then wrong
@@ -217,45 +300,8 @@ def test_mtp_drafts_equal_reference_at_every_accepted_length(mtp_model):
         def store_drafts(self, req, drafts):
             records.append((int(req.req_id), req.num_tokens, list(drafts)))
 
-    with open(os.path.join(mtp_model, "config.json")) as f:
-        cfg = json.load(f)
-    L = cfg["num_hidden_layers"]
-    model = load_stage_model(mtp_model, stage_model_config(cfg, spec_cfg), StageInfo(0, 1, 0, L), torch.float32,
-                             torch.device("cpu"), 256)
-    runner = ModelRunner(model, torch.device("cpu"), torch.float32, 4, None, set(), max_model_len=256, max_num_seqs=4)
-    runner.init_kv_cache(96)
-    assert len(runner.kv_caches) == L + 1  # the MTP layer's own latent cache
-    runner.mtp = MTPDrafter(runner, K)
-    def generate(spec):
-        runner.forget_requests()
-        kv = KVCacheManager(96, 4, enable_prefix_caching=True)
-        spec.setup_kv(kv, 256)
-        sched = Scheduler(kv, 4, 16, 256, spec=spec)
-
-        def add(i):
-            sched.add_request(Request(str(i), prompts[i], SamplingParams(temperature=0, max_tokens=new,
-                                                                         ignore_eos=True), new, {2}))
-        add(0), add(2)
-        outs = {}
-        while sched.has_work() or 1 not in outs:
-            if 0 in outs and 1 not in outs and "1" not in sched.requests:  # shares request 0's cached prefix
-                add(1)
-            b = sched.schedule()
-            res = runner.execute(b.batch)
-            for req, _, tok in sched.update(b, res):
-                if tok >= 0:
-                    outs.setdefault(int(req.req_id), []).append(tok)
-            sched.release_finished(list(b.reqs))
-        assert kv.prefix_hits > 0
-        return [outs[i] for i in range(len(prompts))]
-
-    plain = SpecDecoder(spec_cfg)  # PP=1 with the MTP layer's own drafts: greedy ids equal HF's
-    assert generate(plain) == truth and plain.num_draft_tokens > 0
-    print(f"PP=1 k={K}: {plain.num_drafts} drafts, {plain.num_draft_tokens} draft tokens, "
-          f"{plain.num_accepted_tokens} accepted")
-    records.clear()
-    spec = Oracle(spec_cfg)
-    assert generate(spec) == truth and spec.num_accepted_tokens > 0
+    oracle = Oracle(spec_cfg)
+    assert _in_process(mtp_model, oracle, prompts, lens, runner)[0] == truth and oracle.num_accepted_tokens > 0
     ref = _Reference(mtp_model)
     checked = 0
     forced = {}
