@@ -567,3 +567,6 @@ class EngineConfig:
         if not self.scheduler.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(f"--max-num-batched-tokens {self.max_num_batched_tokens} is smaller than --max-model-len "
                               f"{self.max_model_len} with chunked prefill off: long prompts could never be scheduled")
+        from zpp.spec_config import check_mtp_model
+        check_mtp_model(self.speculative_config, cfg, self.model.model, self.model.load_format,
+                        self.parallel.tensor_parallel_size)

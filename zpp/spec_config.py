@@ -8,8 +8,15 @@ from typing import Any, Optional
 from zpp.errors import ConfigError
 from zpp.settings import parse_json_object
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "mtp")
 """``--speculative-config`` methods built (``method``)."""
+
+SPEC_ALIASES = {"deepseek_mtp": "mtp"}
+"""Other names of a method (vLLM's)."""
+
+MTP_LAYERS_KEY = "zpp_mtp_layers"
+"""The key :func:`stage_model_config` adds to a model's config: how many multi-token-prediction layers
+the last stage builds (``zpp.models.deepseek_mtp``)."""
 
 _SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
               "min_acceptance_rate")
@@ -24,7 +31,9 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     """``ngram``: prompt lookup (drafts copied from the request's own prompt and output, proposed in
-    the engine core; no model)."""
+    the engine core; no model). ``mtp`` (alias ``deepseek_mtp``): the checkpoint's multi-token-
+    prediction layer runs on the last stage and drafts the next step's tokens (chained ``k`` times;
+    :mod:`zpp.workers.mtp`)."""
     num_speculative_tokens: int = 3
     """Draft tokens per request and step (k: a verify chunk is k + 1 query tokens)."""
     prompt_lookup_max: int = 5
@@ -38,9 +47,11 @@ class SpeculativeConfig:
     a while (``zpp.engine.spec_decode.BACKOFF_STEPS`` steps), then tries again; 0: never."""
 
     def __post_init__(self):
+        if self.method in SPEC_ALIASES:
+            object.__setattr__(self, "method", SPEC_ALIASES[self.method])
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"--speculative-config: method {self.method!r} is not supported (zpp has: "
-                              f"{', '.join(SPEC_METHODS)}; mtp / deepseek_mtp, eagle and draft models are not built)")
+                              f"{', '.join(SPEC_METHODS)}, deepseek_mtp; eagle and draft models are not built)")
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -70,7 +81,7 @@ def parse_speculative_config(value: Any, flag: str) -> Optional[SpeculativeConfi
     value = parse_json_object(value, flag, '{"method": "ngram", "num_speculative_tokens": 3}')
     if "model" in value and value["model"] is not None:
         raise ConfigError(f"{flag}: a draft model ({value['model']!r}) is not supported: only method "
-                          f"'ngram' (no model) is built")
+                          f"'ngram' and 'mtp' (the checkpoint's own layers) are built")
     value = {k: v for k, v in value.items() if k != "model"}
     unknown = sorted(set(value) - set(_SPEC_KEYS))
     if unknown:
@@ -82,3 +93,48 @@ def parse_speculative_config(value: Any, flag: str) -> Optional[SpeculativeConfi
     value["prompt_lookup_min"], value["prompt_lookup_max"] = (hi if lo is None else lo), (lo if hi is None else hi)
     return SpeculativeConfig(**{k: v for k, v in value.items() if v is not None or k == "disable_by_batch_size"})
 
+
+
+def check_mtp_model(spec: Optional[SpeculativeConfig], hf_config: dict, model_dir: str, load_format: str,
+                    tensor_parallel_size: int = 1) -> None:
+    """``--speculative-config`` method ``mtp``: the model must be a family with multi-token-prediction
+    layers (DeepSeek-V3) whose ``config.json`` has ``num_nextn_predict_layers >= 1`` and whose
+    checkpoint holds them (``model.layers.{num_hidden_layers}.*``, read from the safetensors headers
+    only; not checked with ``--load-format dummy``). No-op for other methods.
+
+    Raises:
+        ConfigError: one line naming the flag and what is missing.
+    """
+    if spec is None or spec.method != "mtp":
+        return
+    flag = "--speculative-config: method 'mtp'"
+    archs = hf_config.get("architectures") or []
+    n = int(hf_config.get("num_nextn_predict_layers") or 0)
+    if not any(a in ("DeepseekV3ForCausalLM",) for a in archs):
+        raise ConfigError(f"{flag} needs a model with multi-token-prediction layers (DeepSeek-V3 / R1); "
+                          f"{', '.join(archs) or 'this model'} has none")
+    if n < 1:
+        raise ConfigError(f"{flag} needs num_nextn_predict_layers >= 1 in the model's config.json (it is {n})")
+    if tensor_parallel_size > 1:
+        raise ConfigError(f"{flag} is not built with --tensor-parallel-size {tensor_parallel_size} (only 1)")
+    if load_format == "dummy":
+        return
+    import glob
+    import os
+
+    from safetensors import safe_open
+    prefix = f"model.layers.{int(hf_config['num_hidden_layers'])}."
+    for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(f, "pt") as fh:
+            if any(k.startswith(prefix) for k in fh.keys()):
+                return
+    raise ConfigError(f"{flag}: the checkpoint in {model_dir} holds no multi-token-prediction layer "
+                      f"({prefix}* tensors), although config.json says num_nextn_predict_layers={n}")
+
+
+def stage_model_config(cfg: dict, spec: Optional[SpeculativeConfig]) -> dict:
+    """The model config a stage is built from: ``cfg`` itself, or with method ``mtp`` a copy with
+    :data:`MTP_LAYERS_KEY` (the last stage then builds and loads the MTP layer(s))."""
+    if spec is None or spec.method != "mtp":
+        return cfg
+    return {**cfg, MTP_LAYERS_KEY: int(cfg.get("num_nextn_predict_layers") or 1)}

@@ -140,7 +140,7 @@ def test_propose_ngram_takes_the_latest_longest_match():
 
 
 @pytest.mark.parametrize("spec, msg", [
-    ('{"method": "mtp", "num_speculative_tokens": 1}', "method 'mtp' is not supported"),
+    ('{"method": "eagle", "num_speculative_tokens": 1}', "method 'eagle' is not supported"),
     ('{"method": "ngram", "model": "/x/draft"}', "a draft model"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
     ('{"method": "ngram", "foo": 1}', "unknown key(s) foo"),

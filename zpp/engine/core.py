@@ -57,6 +57,8 @@ class EngineCore:
         self.kv = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.depth = config.pipeline_depth
         self.spec = SpecDecoder(config.speculative_config) if config.speculative_config is not None else None
+        if self.spec is not None:
+            self.spec.setup_kv(self.kv, self.max_model_len)
         hf = config.model.hf_config
         itl = config.target_inter_token_latency  # a stream's tokens are `depth` micro-batches apart, or 1 (async)
         target = StepTarget(StepCostModel(self._cost_priors()), itl, 1 if config.async_scheduling else self.depth) \

@@ -36,6 +36,17 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[int]] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0  # tokens served from the prefix cache
+        self.lookahead = 0
+        """Slots given beyond what a request asks for (speculative decoding with MTP: the draft chain
+        writes the MTP layer's KV up to ``k - 1`` positions past a step's tokens), up to ``lookahead_limit``."""
+        self.lookahead_limit = 1 << 62
+        self.recompute_last_hit = False
+        """A prefix-cache hit leaves its last block to be computed again (MTP: the MTP layer's KV at a
+        position depends on the token after it, which the next block holds; vLLM does the same for
+        EAGLE / MTP)."""
+
+    def _ahead(self, num_tokens: int) -> int:
+        return min(num_tokens + self.lookahead, max(num_tokens, self.lookahead_limit)) if self.lookahead else num_tokens
 
     # --- observability ------------------------------------------------------------------------
     @property
@@ -52,7 +63,7 @@ class KVCacheManager:
 
     def has_slots(self, req: Request, num_tokens: int) -> bool:
         """Whether the blocks ``req`` already holds have room for ``num_tokens`` tokens."""
-        return len(self.req_blocks.get(req.req_id, ())) * self.block_size >= num_tokens
+        return len(self.req_blocks.get(req.req_id, ())) * self.block_size >= self._ahead(num_tokens)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -80,6 +91,8 @@ class KVCacheManager:
             if b is None:
                 break
             blocks.append(b)
+        if self.recompute_last_hit and blocks:
+            blocks.pop()
         return blocks, len(blocks) * self.block_size
 
     def record_prefix_lookup(self, req: Request, num_cached: int) -> None:
@@ -116,6 +129,7 @@ class KVCacheManager:
         admission. Returns the block ids added to the request's table, or None (nothing changed)
         when the free blocks do not suffice.
         """
+        num_tokens = self._ahead(num_tokens)
         blocks = self.req_blocks.get(req.req_id)
         if blocks is None:
             blocks = []

@@ -564,6 +564,8 @@ class Scheduler(RequestRules):
                 if req.status.finished:
                     break  # the tokens after one that ends the request are dropped
             self.kv.cache_full_blocks(req)  # after the tokens: a block's hash reads them
+            if toks and result.draft_tokens and not req.status.finished:  # MTP: the next step's drafts
+                self.spec.store_drafts(req, m.int32s(result.draft_tokens)[(j - 1) * self.spec.k:j * self.spec.k].tolist())
             if toks:
                 if now is not None and req.last_token_at is not None:
                     gaps.append(now - req.last_token_at)

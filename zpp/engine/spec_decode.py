@@ -1,5 +1,5 @@
-"""Speculative decoding in the engine core: n-gram drafts (prompt lookup) and the bookkeeping of
-their acceptance.
+"""Speculative decoding in the engine core: n-gram drafts (prompt lookup), MTP drafts (made on the
+last stage, kept here until the request's next step) and the bookkeeping of their acceptance.
 
 How a step with drafts goes (``--speculative-config``, :class:`~zpp.config.SpeculativeConfig`):
 
@@ -109,6 +109,24 @@ class SpecDecoder:
         """Seconds the proposals of the latest step took (from :meth:`begin_step`; ZPP_TRACE's ``draft``)."""
         self._rate: dict[str, float] = {}  # request id -> recent acceptance rate
         self._backoff: dict[str, int] = {}  # request id -> steps without drafts left
+        self._mtp: dict[str, tuple[int, list[int]]] = {}  # MTP: request id -> (its length then, drafts)
+
+    def setup_kv(self, kv, max_model_len: int) -> None:
+        """MTP: every request's blocks reach ``k - 1`` positions past its scheduled tokens (the
+        draft chain writes the MTP layer's KV there, ``zpp.workers.mtp``), and a prefix-cache hit
+        recomputes its last block (the MTP layer's KV at a block's last position was made with the
+        token after it, which a request sharing only the block may not have)."""
+        if self.config.method == "mtp":
+            kv.lookahead, kv.lookahead_limit = self.k - 1, max_model_len
+            kv.recompute_last_hit = True
+
+    def store_drafts(self, req, drafts) -> None:
+        """MTP: the drafts the last stage made for ``req``'s next step (after the tokens just appended;
+        -1 ends them), kept until that step is scheduled (or the request grows otherwise)."""
+        d = list(drafts)
+        if -1 in d:
+            d = d[:d.index(-1)]
+        self._mtp[req.req_id] = (req.num_tokens, d)
 
     def enabled_for_step(self, num_decoding: int) -> bool:
         """Whether a step with ``num_decoding`` decoding requests may carry drafts (the scheduler
@@ -134,6 +152,9 @@ class SpecDecoder:
         if k < 1:
             return []
         c = self.config
+        if c.method == "mtp":  # drafted on the last stage with the tokens of the request's latest step
+            at, d = self._mtp.get(req.req_id, (-1, []))
+            return d[:k] if at == n else []
         t = time.perf_counter()
         out = propose_ngram(req.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
         self.propose_s += time.perf_counter() - t
@@ -170,6 +191,7 @@ class SpecDecoder:
         """A request finished: drop its acceptance history."""
         self._rate.pop(req_id, None)
         self._backoff.pop(req_id, None)
+        self._mtp.pop(req_id, None)
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -45,7 +45,8 @@ Checkpoints: the names HF's ``save_pretrained`` writes and the original DeepSeek
 ``mlp.gate.e_score_correction_bias``) and HF 5.x's fused in-memory expert tensors
 (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``). V3's
 multi-token-prediction module (``model.layers.{num_hidden_layers}.*`` in the released
-checkpoints) is not used for serving: its tensors belong to no stage and are skipped.
+checkpoints) is skipped unless speculative decoding with method ``mtp`` asks for it: then the last
+stage builds and loads it (:mod:`zpp.models.deepseek_mtp`).
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from zpp.errors import ConfigError
-from zpp.models.base import PreNormDecoder, StageInfo
+from zpp.models.base import PreNormDecoder, StageInfo, layer_index
+from zpp.models.deepseek_mtp import build_mtp_layers, mtp_weight_targets
 from zpp.models.layers.activation import GatedMLP, check_activation
 from zpp.models.layers.attention import Attention, AttentionMetadata
 from zpp.models.layers.linear import Linear, MergedLinear, RowParallelLinear
@@ -336,6 +338,8 @@ class DeepseekV2ForCausalLM(PreNormDecoder):
         self.build_decoder(cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"],
                            lambda i: self.make_layer(cfg, i, max_positions),
                            lambda: RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)))
+        # Speculative decoding with MTP: the last stage also holds the multi-token-prediction layer(s).
+        self.num_mtp_layers = build_mtp_layers(self, cfg, lambda i: self.make_layer(cfg, i, max_positions))
         self.kv_lora_rank = int(cfg["kv_lora_rank"])
         self.num_kv_heads = 1  # the latent row, shared by every head (and replicated over TP ranks)
         self.head_dim = self.kv_lora_rank + int(cfg["qk_rope_head_dim"])
@@ -361,13 +365,28 @@ class DeepseekV2ForCausalLM(PreNormDecoder):
 
     def stage_owns(self, name: str) -> bool:
         """Layers by index (so the multi-token-prediction layer ``model.layers.{num_hidden_layers}``
-        belongs to no stage), the embedding on the first stage, final norm / lm_head on the last."""
+        belongs to no stage, unless MTP speculative decoding built it on the last stage), the
+        embedding on the first stage, final norm / lm_head on the last."""
+        i = layer_index(name)
+        if i is not None and self.num_mtp_layers:
+            n = int(self.cfg["num_hidden_layers"])
+            if n <= i < n + self.num_mtp_layers:
+                return True
         return super().stage_owns(name)
+
+    @property
+    def num_local_layers(self) -> int:
+        """The stage's decoder layers, and its MTP layers (each has a KV cache of its own)."""
+        return self.stage.layer_end - self.stage.layer_start + getattr(self, "num_mtp_layers", 0)
 
     def map_weight_name(self, name: str) -> Optional[list[tuple[str, Optional[int]]]]:
         """Per-expert ``gate_proj`` / ``up_proj`` -> shard ``2e`` / ``2e+1`` of
         ``mlp.experts.gate_up_proj``, ``down_proj`` -> shard ``e`` of ``mlp.experts.down_proj``;
         shared experts and dense MLPs: gate / up merged into ``gate_up_proj``."""
+        if self.num_mtp_layers:
+            targets = mtp_weight_targets(self, name)
+            if targets is not None:
+                return targets
         match = _EXPERT_RE.search(name)
         if match is None:
             return super().map_weight_name(name)

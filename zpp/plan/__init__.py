@@ -163,7 +163,8 @@ def _settings(config: "EngineConfig", target: Target) -> _Settings:
     load_format = config.model.load_format
     if load_format == "safetensors" and not any(f.endswith(".safetensors") for f in os.listdir(model_dir)):
         load_format = "dummy"  # config.json alone: the FP8 decisions --load-format dummy takes
-    return _Settings(model_dir, config.model.hf_config, dtype,
+    from zpp.spec_config import stage_model_config
+    return _Settings(model_dir, stage_model_config(config.model.hf_config, config.speculative_config), dtype,
                      torch.float8_e4m3fn if config.kv_cache_fp8 else dtype, config.model.quantization, load_format,
                      config.max_model_len, config.scheduler.max_num_seqs, config.max_num_batched_tokens,
                      config.cache.block_size, config.cache.gpu_memory_utilization, config.cache.kv_cache_memory,
@@ -277,6 +278,15 @@ def activation_bytes(cfg: dict, tokens: int, logit_rows: int, dtype_bytes: int, 
     return layer, logits
 
 
+def _with_extra_layers(rest: dict[str, int], layers: dict[int, dict[str, int]], L: int) -> dict[str, int]:
+    """``rest`` plus the bytes of layers past the model's ``L`` decoder layers (the last stage's MTP
+    layer with MTP speculative decoding: a fixed part of that stage)."""
+    for i, d in layers.items():
+        if i >= L:
+            rest = _add(rest, d)
+    return rest
+
+
 def memory_model(s: _Settings, target: Target, tp: int = 1) -> MemoryModel:
     """:class:`MemoryModel` for ``tp``-way tensor parallelism (rank 0's share) on ``target``."""
     from zpp.models.base import StageInfo
@@ -285,11 +295,12 @@ def memory_model(s: _Settings, target: Target, tp: int = 1) -> MemoryModel:
     L = cls.num_layers_of(s.cfg)
     whole = build_meta_stage(s, StageInfo(0, 1, 0, L, 0, tp), target.capability)
     per_layer, only = bytes_by_dtype(whole, split_layers=True)
-    kv_block = whole.kv_cache_bytes_per_block(s.block_size, s.kv_dtype) // L
-    fixed = {"only": only}
+    kv_block = whole.kv_cache_bytes_per_block(s.block_size, s.kv_dtype) // whole.num_local_layers
+    fixed = {"only": _with_extra_layers(only, per_layer, L)}
     for pos, info in (("first", StageInfo(0, 3, 0, 1, 0, tp)), ("middle", StageInfo(1, 3, min(1, L - 1), min(2, L), 0, tp)),
                       ("last", StageInfo(2, 3, L - 1, L, 0, tp))):
-        fixed[pos] = bytes_by_dtype(build_meta_stage(s, info, target.capability), split_layers=True)[1]
+        layers, rest = bytes_by_dtype(build_meta_stage(s, info, target.capability), split_layers=True)
+        fixed[pos] = _with_extra_layers(rest, layers, L)
     dtype_bytes = s.dtype.itemsize
     tokens = s.max_num_batched_tokens
     act, logits = activation_bytes(s.cfg, tokens, min(s.max_num_seqs, tokens), dtype_bytes, tp)
@@ -520,7 +531,7 @@ def plan_config(model: str, **settings: Any) -> "EngineConfig":
                 groups[cls][key] = value
                 break
         else:
-            if key == "enforce_eager":
+            if key in ("enforce_eager", "speculative_config"):
                 top[key] = value
             else:
                 raise TypeError(f"unknown setting {key!r}")

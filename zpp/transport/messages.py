@@ -460,6 +460,10 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, 
     sampling chunk): how many tokens each sampling chunk returns in ``tokens`` (its accepted drafts,
     then the token the target sampled after them: 1 to k + 1). ``logprob_chunks`` then names a chunk
     once per token that comes with logprobs (non-decreasing), ``logprobs`` following it."""
+    draft_tokens: bytes = b""
+    """Speculative decoding with MTP: ``int32[S * k]``, the ``k`` drafts the last stage made for each
+    sampling chunk's next step (the tokens after the ones returned; -1 where the chain stopped:
+    ``zpp.workers.mtp``); empty otherwise."""
 
 
 class StageStats(msgspec.Struct, tag=True, array_like=True):

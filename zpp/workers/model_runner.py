@@ -114,6 +114,8 @@ class ModelRunner(StartUpPasses):
         self.staging = PinnedStaging(device)  # a step's index arrays -> device, never blocking the host
         self._logit_buckets: list[int] = []  # CUDA: row counts the LM head is padded to (warm_up_logits)
         self._batch_id = -1
+        self.mtp = None
+        """Speculative decoding with MTP (result rank): a :class:`zpp.workers.mtp.MTPDrafter`."""
 
     def forget_requests(self) -> None:
         """After a stage restart (the engine recomputes every request from its tokens): drop every
@@ -267,6 +269,8 @@ class ModelRunner(StartUpPasses):
             return None
         result = self._sample(batch, cols, out, plan, logit_rows)
         self.trace.mark("sample_queued", batch.batch_id)
+        if self.mtp is not None:  # the next step's drafts, from this step's hidden states and tokens
+            self.mtp.draft(cols, out, positions, meta, result)
         self._end(t0)
         if not isinstance(result, PendingResult):
             result.busy_s, result.idle_s = self.busy_s, self.idle_s
@@ -529,7 +533,7 @@ class ModelRunner(StartUpPasses):
             row_slots = cols.slots[sample_chunks]
             allowed = self._allowed(batch, cols, logits.shape[1])
             plain = bool(self.table.plain[row_slots].all())
-            if not plp_spans and self.device.type == "cuda" and plain:
+            if not plp_spans and self.device.type == "cuda" and plain and self.mtp is None:
                 # No host round trip for a prefill (or mixed) batch either: the next one is launched first.
                 return self._greedy_pending(batch, sample_chunks, row_slots, logits, allowed)
             keep = [] if self.async_scheduling else None

@@ -175,7 +175,10 @@ def _setup(init, sock):
     stage = StageInfo(init.pp_rank, pp_size, layer_start, layer_end, init.tp_rank, tp_size)
     _fault_crash_on_restart(init)
     t = time.perf_counter()
-    model = load_stage_model(model_dir, cfg, stage, dtype, device, max_model_len,
+    from zpp.spec_config import stage_model_config
+    spec = cfg_all.speculative_config
+    mtp = spec is not None and spec.method == "mtp"
+    model = load_stage_model(model_dir, stage_model_config(cfg, spec), stage, dtype, device, max_model_len,
                              cfg_all.model.load_format, seed, quantization=cfg_all.model.quantization)
     if cfg_all.kv_cache_fp8:
         _warn_kv_scales(model)
@@ -189,6 +192,9 @@ def _setup(init, sock):
                          async_scheduling=cfg_all.async_scheduling, max_model_len=max_model_len,
                          max_num_seqs=cfg_all.scheduler.max_num_seqs,
                          kv_cache_dtype=torch.float8_e4m3fn if cfg_all.kv_cache_fp8 else None)
+    if mtp and stage.produces_results:
+        from zpp.workers.mtp import MTPDrafter
+        runner.mtp = MTPDrafter(runner, spec.num_speculative_tokens)
     if runner.trace.enabled and device_kind == "cuda":
         runner.trace.cuda_clock()
     if device_kind == "cpu" and num_threads > 1 and envs.ZPP_CPU_ADAPTIVE_THREADS:
@@ -213,7 +219,9 @@ def _setup(init, sock):
                 init.pp_rank, pp_size, f" TP rank {init.tp_rank}/{tp_size}" if tp_size > 1 else "",
                 format_gib_by_dtype(by_dtype), msg.num_blocks * block_size, msg.num_blocks, block_size,
                 msg.num_blocks * per_block / 2**20)
-    if device_kind == "cuda" and not enforce_eager:
+    if mtp:  # the MTP layer reads the last stage's hidden states, which its decode graphs do not keep
+        logger.info("speculative decoding with MTP: every stage runs eagerly (no CUDA graphs)")
+    elif device_kind == "cuda" and not enforce_eager:
         if model.supports_cuda_graphs:
             runner.capture_graphs(max_model_len, cfg_all.scheduler.max_num_seqs)
         else:
