@@ -188,11 +188,18 @@ def test_dummy_start_without_the_methods_is_the_plain_fill():
 
 PEAK = r"""
 import gc, json, sys, torch
+sys.path.insert(0, sys.argv[2])
+from test_dummy_quantized import _w4a16_on_cpu
 from zpp.models import quantization as q
 from zpp.models.base import StageInfo
 from zpp.models.loader import init_dummy_weights, load_stage_model
+from zpp.models.quantization import w4_base
 from zpp.models.registry import resolve_model_class
 from zpp.models.weight_bytes import weight_bytes_by_dtype
+
+q.fp8_supported = lambda device: True                    # the quantizing path on the CPU (as the tests above)
+q.format_supported = lambda quant, device, capability=None: True
+w4_base.w4a16_method = _w4a16_on_cpu
 
 def kib(field):
     for line in open("/proc/self/status"):
@@ -206,51 +213,66 @@ def peak_growth(build):
     model = build()
     return model, (kib("VmHWM") - before) * 1024
 
-def whole_then_quantized():
+def built(cfg, device):
     torch.set_default_dtype(torch.bfloat16)
-    model = resolve_model_class(cfg, 1)(cfg, info, 256)
-    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.device(device):
+            return resolve_model_class(cfg, 1)(cfg, StageInfo(0, 1, 0, cfg["num_hidden_layers"]), 256)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+def whole_then_quantized(cfg):
+    model = built(cfg, "cpu")
     init_dummy_weights(model, 0)
     q.parse_quantization_config(cfg).quantize_like_checkpoint(model)
     return model
 
-cfg = json.loads(sys.argv[1])
-info = StageInfo(0, 1, 0, cfg["num_hidden_layers"])
-q.fp8_supported = lambda device: True
-with torch.device("meta"):
-    torch.set_default_dtype(torch.bfloat16)
-    shapes = resolve_model_class(cfg, 1)(cfg, info, 256)
-    torch.set_default_dtype(torch.float32)
-bf16 = sum(p.numel() * p.element_size() for p in shapes.parameters())
-del shapes
-whole_then_quantized()                                   # warm: the allocator's and kernels' first-use costs
-model, streamed = peak_growth(lambda: load_stage_model("/nonexistent", cfg, info, torch.bfloat16,
-                                                       torch.device("cpu"), 256, "dummy"))
-held = sum(weight_bytes_by_dtype(model).values())
-fp8 = weight_bytes_by_dtype(model).get("fp8", 0)
-del model
-_, whole = peak_growth(whole_then_quantized)
-print(json.dumps(dict(bf16=bf16, held=held, fp8=fp8, streamed=streamed, whole=whole)))
+def streamed(cfg):
+    return load_stage_model("/nonexistent", cfg, StageInfo(0, 1, 0, cfg["num_hidden_layers"]), torch.bfloat16,
+                            torch.device("cpu"), 256, "dummy")
+
+def one_layer(cfg):
+    small = {**cfg, "num_hidden_layers": 1}
+    if "layer_types" in cfg:
+        small["layer_types"] = cfg["layer_types"][:1]
+    return small
+
+out = []
+for cfg in json.loads(sys.argv[1]):
+    bf16 = sum(p.numel() * p.element_size() for p in built(cfg, "meta").parameters())
+    whole_then_quantized(one_layer(cfg))                      # warm: first-use code and allocator costs
+    streamed(one_layer(cfg))
+    model, peak = peak_growth(lambda: streamed(cfg))
+    by_dtype = weight_bytes_by_dtype(model)
+    del model
+    _, whole = peak_growth(lambda: whole_then_quantized(cfg))
+    out.append(dict(bf16=bf16, held=sum(by_dtype.values()), quantized=by_dtype.get("fp8", 0) + by_dtype.get("uint8", 0),
+                    streamed=peak, whole=whole))
+print(json.dumps(out))
 """
 
 
 @pytest.mark.slow
-def test_peak_memory_of_a_dummy_fp8_start_stays_near_the_quantized_stage():
-    """A Llama-3-8B-shaped stage shrunk to 48 layers of 256 (97 MB in bf16, 49 MB held with block
-    FP8), started with ``--load-format dummy`` in a fresh process (the growth of its peak RSS,
-    reset after the imports and a warm-up): the module-by-module start peaks below the held bytes
-    plus a quarter of what bf16 would add (measured: 55 MB), the whole-stage fill above the bf16
-    bytes (103 MB)."""
-    cfg = _config("llama3-8b", FP8_BLOCK, hidden_size=256, intermediate_size=1024, num_hidden_layers=48,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=2048)
+def test_peak_memory_of_a_dummy_quantized_start_stays_near_the_quantized_stage():
+    """A Llama-3-8B-shaped stage with a block FP8 config, shrunk to 48 layers of 256 (97 MB in bf16,
+    49 MB held), and a gpt-oss-120b-shaped one with its MXFP4 config, shrunk to 16 layers of 256 with
+    8 experts (59 MB in bf16, 22 MB held), started with ``--load-format dummy`` in one fresh process
+    (the growth of its peak RSS, reset after the imports and a one-layer warm-up): the
+    module-by-module start peaks below the held bytes plus a quarter of what bf16 would add
+    (measured: 55 MB / 29 MB), the whole-stage fill at the bf16 bytes or above (103 MB / 60 MB)."""
+    cfgs = [_config("llama3-8b", FP8_BLOCK, hidden_size=256, intermediate_size=1024, num_hidden_layers=48,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=2048),
+            _config("gpt-oss-120b", {"quant_method": "mxfp4"}, hidden_size=256, intermediate_size=256,
+                    num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    num_local_experts=8, vocab_size=2048)]
     # every allocation of 64 KiB or more its own mapping, unmapped when freed: the resident set is
     # what is alive (glibc would keep freed heap chunks resident and hide a later peak)
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    proc = subprocess.run([sys.executable, "-c", PEAK, json.dumps(cfg)], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", PEAK, json.dumps(cfgs), os.path.dirname(os.path.abspath(__file__))],
+                          capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
-    print("bytes:", r)
-    assert r["fp8"] > 0.45 * r["bf16"]                       # the stage really is mostly FP8
-    assert r["whole"] > r["bf16"]                            # the measurement sees a whole bf16 stage
-    assert r["streamed"] < r["held"] + (r["bf16"] - r["held"]) / 4, r
+    for name, r in zip(("llama fp8 block", "gpt-oss mxfp4"), json.loads(proc.stdout.strip().splitlines()[-1])):
+        print(name, "bytes:", r)
+        assert r["quantized"] > 0.45 * r["held"], (name, r)        # the stage really is mostly quantized
+        assert r["whole"] > 0.97 * r["bf16"], (name, r)            # the measurement sees a whole bf16 stage
+        assert r["streamed"] < r["held"] + (r["bf16"] - r["held"]) / 4, (name, r)
