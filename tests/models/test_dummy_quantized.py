@@ -42,18 +42,18 @@ def _config(name: str, quantization_config=None, **sizes) -> dict:
 
 
 FP8_BLOCK = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
-QWEN3_MOE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2,
+QWEN3_MOE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
                  vocab_size=1024, mlp_only_layers=[1])
-DEEPSEEK = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+DEEPSEEK = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=4,
                 first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
                 n_group=2, topk_group=1, num_experts_per_tok=2, q_lora_rank=128, kv_lora_rank=128,
                 qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, vocab_size=1024)
 GPT_OSS = dict(hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=32, num_local_experts=4, experts_per_token=2, num_experts_per_tok=2,
                vocab_size=1024)
-LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, vocab_size=1024)
+LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, vocab_size=1024)
 
 # case -> (config, --quantization, (first layer, end layer, stage, stages))
 CASES = {
@@ -64,6 +64,11 @@ CASES = {
     "llama-awq": (_config("llama3-8b", {"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemm",
                                         "zero_point": True}, **LLAMA), None, (0, 2, 0, 1)),
 }
+
+EXPECTED_KINDS = {"qwen3-moe-fp8-block": {"Linear", "MoE"}, "qwen3-moe-quantization-fp8": {"Linear", "MoE"},
+                  "deepseek-v3-fp8-block-stage-1": {"Linear", "MoE"}, "gpt-oss-mxfp4": {"MoE"},  # experts only
+                  "llama-awq": {"Linear"}}
+"""Which kinds of layer each case quantizes (its methods' names: ``Fp8LinearMethod``, ``W4A16MoEMethod``, ...)."""
 
 
 # --- the W4A16 methods' parameter layout, for the CPU ---------------------------------------------
@@ -169,6 +174,8 @@ def test_module_by_module_dummy_equals_whole_stage_quantized(case, quantizing_cp
     assert methods(got) == methods(ref)
     dtypes = {v.dtype for k, v in gs.items() if k.startswith("p:")}
     assert (torch.float8_e4m3fn if "fp8" in case else torch.uint8) in dtypes
+    kinds = {kind for m in methods(got).values() for kind in ("Linear", "MoE") if kind in m}
+    assert kinds == EXPECTED_KINDS[case]
 
 
 def test_dummy_start_without_the_methods_is_the_plain_fill():
