@@ -92,8 +92,8 @@ def _materialize(mod: nn.Module, prefix: str, device: torch.device, seed: int,
                  done: dict[int, tuple[nn.Parameter, weakref.ref]]) -> int:
     """Give ``mod``'s own ``meta`` parameters storage on ``device`` and their dummy values
     (:func:`_fill_dummy`, by full name); a parameter another module shares is filled once (under
-    its first name, as ``named_parameters``). Returns how many were filled; no reference to them
-    is kept (so a quantizer that replaces them frees them)."""
+    its first name, as ``named_parameters``). Returns the bytes filled; no reference to them is
+    kept (so a quantizer that replaces them frees them)."""
     n = 0
     for pname, p in list(mod._parameters.items()):
         if p is None or not p.is_meta:
@@ -105,9 +105,14 @@ def _materialize(mod: nn.Module, prefix: str, device: torch.device, seed: int,
             new.__dict__.update(p.__dict__)
             _fill_dummy(f"{prefix}{pname}", new.data, seed)
             done[id(p)] = (p, weakref.ref(new))       # (the meta one held: its id stays its own)
-            n += 1
+            n += new.numel() * new.element_size()
         mod._parameters[pname] = new
     return n
+
+
+EMPTY_CACHE_BYTES = 64 << 20
+"""A quantized module whose float weights took at least this many bytes returns them to the CUDA
+driver at once (:func:`init_dummy_weights_quantized`)."""
 
 
 @torch.no_grad()
@@ -131,8 +136,14 @@ def init_dummy_weights_quantized(model: StageModel, seed: int, device: torch.dev
     done: dict[int, tuple[nn.Parameter, weakref.ref]] = {}
     n = 0
     for name, mod in model.named_modules():
-        if _materialize(mod, f"{name}." if name else "", device, seed, done):
-            n += bool(quantize(name, mod))
+        filled = _materialize(mod, f"{name}." if name else "", device, seed, done)
+        if filled and quantize(name, mod):
+            n += 1
+            if device.type == "cuda" and filled >= EMPTY_CACHE_BYTES:
+                # the freed float weights' segments back to the driver, so that the kept weights
+                # made next are not carved out of them (the next layer's float weights could then
+                # not reuse them, and the cache would grow a layer at a time)
+                torch.cuda.empty_cache()
     left = [name for name, p in model.named_parameters() if p.is_meta]
     if left:
         raise RuntimeError(f"dummy weights: parameters left on meta: {', '.join(left[:5])}")
