@@ -224,6 +224,22 @@ class Fp8Config(QuantizationConfig):
         from zpp.models.quantization.fp8_moe import quantize_experts
         return quantize_model_like_checkpoint(model, self) + quantize_experts(model, self.block)
 
+    def quantize_module_like_checkpoint(self, name: str, mod: nn.Module) -> bool:
+        """One module of :meth:`quantize_like_checkpoint` (the loader's module-by-module dummy
+        start, :func:`zpp.models.loader.init_dummy_weights_quantized`): a linear layer ``name``
+        (:func:`quantize_linear_fp8` with :attr:`block`) or a
+        :class:`~zpp.models.layers.moe.FusedExperts`
+        (:func:`~zpp.models.quantization.fp8_moe.quantize_expert_layer`); any other module is left
+        as it is. Returns whether it was quantized."""
+        from zpp.models.layers.linear import Linear
+        from zpp.models.layers.moe import FusedExperts
+        from zpp.models.quantization.fp8_moe import quantize_expert_layer
+        if isinstance(mod, Linear):
+            return quantize_linear_fp8(name, mod, self.block)
+        if isinstance(mod, FusedExperts):
+            return quantize_expert_layer(mod, self.block)
+        return False
+
 
 def _ct_refuse(what: str) -> ConfigError:
     return ConfigError(f"compressed-tensors checkpoint: {what} is not supported (zpp loads FP8 e4m3, "
@@ -467,38 +483,50 @@ def _input_scale_loader(param: nn.Parameter, loaded: torch.Tensor, shard: Option
 
 
 @torch.no_grad()
+def quantize_linear_fp8(name: str, mod: nn.Module, block: Optional[tuple[int, int]] = None) -> bool:
+    """Quantize one (filled) linear layer ``name`` of the model to e4m3: per output channel (``block``
+    None: ``--quantization fp8``, only a bf16/fp16 weight), else in ``block`` tiles (dummy weights
+    with a block FP8 checkpoint's config). Layers whose shapes do not suit the kernels
+    (:func:`fp8_layout_ok`), transposed (GPT-2 Conv1D) ones, layers already FP8 and weights a
+    family reads outside the layer (DeepSeek's ``kv_b_proj``) keep their dtype. Returns whether
+    the layer was quantized; its bf16 weight is dropped (freed once no one else holds it)."""
+    if mod.fp8 is not None or keeps_dtype(name, mod) or not fp8_layout_ok(mod, block):
+        return False
+    if block is None and mod.weight.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    q, s = quantize_per_channel(mod.weight.data) if block is None else quantize_block(mod.weight.data, block)
+    make_fp8_linear(mod, block, False, strict_scales=False)
+    mod.weight.data.copy_(q)
+    mod.weight_scale.copy_(s)
+    return True
+
+
+def quantize_module_fp8(name: str, mod: nn.Module) -> bool:
+    """``--quantization fp8`` for one module of the model: a linear layer
+    (:func:`quantize_linear_fp8`) or a :class:`~zpp.models.layers.moe.FusedExperts`
+    (:func:`~zpp.models.quantization.fp8_moe.quantize_expert_layer`), per output channel; any
+    other module is left as it is. Returns whether it was quantized."""
+    from zpp.models.layers.linear import Linear
+    from zpp.models.layers.moe import FusedExperts
+    from zpp.models.quantization.fp8_moe import quantize_expert_layer
+    if isinstance(mod, Linear):
+        return quantize_linear_fp8(name, mod, None)
+    if isinstance(mod, FusedExperts):
+        return quantize_expert_layer(mod, None)
+    return False
+
+
+@torch.no_grad()
 def quantize_model_fp8(model: nn.Module) -> int:
     """``--quantization fp8``: quantize every linear layer's (loaded) weight to e4m3 per output channel,
-    activations per token at run time. Layers whose shapes do not suit ``torch._scaled_mm`` (widths
-    not multiples of 16), transposed (GPT-2 Conv1D) ones and weights a family reads outside the
-    layer (DeepSeek's ``kv_b_proj``) keep their dtype. Returns the number of layers quantized."""
-    n = 0
-    for name, mod in linear_modules(model):
-        if mod.fp8 is not None or mod.weight.dtype not in (torch.bfloat16, torch.float16):
-            continue
-        if keeps_dtype(name, mod) or not fp8_layout_ok(mod, None):
-            continue
-        q, s = quantize_per_channel(mod.weight.data)
-        make_fp8_linear(mod, None, False, strict_scales=False)
-        mod.weight.data.copy_(q)
-        mod.weight_scale.copy_(s)
-        n += 1
-    return n
+    activations per token at run time (:func:`quantize_linear_fp8`: layers whose shapes do not suit
+    ``torch._scaled_mm`` -- widths not multiples of 16 --, transposed ones and ``kv_b_proj`` keep
+    their dtype). Returns the number of layers quantized."""
+    return sum(quantize_linear_fp8(name, mod, None) for name, mod in linear_modules(model))
 
 
 @torch.no_grad()
 def quantize_model_like_checkpoint(model: nn.Module, quant: "Fp8Config") -> int:
     """``--load-format dummy`` with an FP8 checkpoint's config on a GPU with FP8: the random weights
     quantized as the checkpoint's are (``quant.block`` tiles, else per output channel)."""
-    if quant.block is None:
-        return quantize_model_fp8(model)
-    n = 0
-    for name, mod in linear_modules(model):
-        if mod.fp8 is not None or keeps_dtype(name, mod) or not fp8_layout_ok(mod, quant.block):
-            continue
-        q, s = quantize_block(mod.weight.data, quant.block)
-        make_fp8_linear(mod, quant.block, False, strict_scales=False)
-        mod.weight.data.copy_(q)
-        mod.weight_scale.copy_(s)
-        n += 1
-    return n
+    return sum(quantize_linear_fp8(name, mod, quant.block) for name, mod in linear_modules(model))

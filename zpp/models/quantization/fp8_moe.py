@@ -150,30 +150,34 @@ def expert_modules(model: nn.Module):
 
 
 @torch.no_grad()
+def quantize_expert_layer(ex: nn.Module, block: Optional[tuple[int, int]] = None) -> bool:
+    """Quantize one (filled) bf16/fp16 :class:`~zpp.models.layers.moe.FusedExperts` to e4m3, expert
+    by expert (so the float32 temporaries are one expert's): per output channel (``block`` None),
+    else in ``block`` tiles. Experts already quantized, of another dtype, or whose shapes do not
+    suit the kernels (:func:`moe_layout_ok`) keep their dtype. Returns whether they were quantized;
+    the bf16 tensors are dropped (freed once no one else holds them)."""
+    if getattr(ex, "quant_method", None) is not None or ex.gate_up_proj.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not moe_layout_ok(ex, block):
+        return False
+    old = {name: getattr(ex, name).data for name in ("gate_up_proj", "down_proj")}
+    method = Fp8MoEMethod(block, strict_scales=False)
+    method.create_weights(ex)
+    if old["gate_up_proj"].is_meta:  # a plan's meta-device build: the layout is all there is
+        return True
+    for name, w in old.items():
+        q, s = getattr(ex, name), getattr(ex, f"{name}_scale")
+        for e in range(w.shape[0]):
+            qe, se = quantize_per_channel(w[e]) if block is None else quantize_block(w[e], block)
+            q.data[e].copy_(qe)
+            s[e].copy_(se)
+    return True
+
+
+@torch.no_grad()
 def quantize_experts(model: nn.Module, block: Optional[tuple[int, int]] = None) -> int:
     """Quantize every (loaded) bf16/fp16 :class:`~zpp.models.layers.moe.FusedExperts` of ``model`` to
-    e4m3, expert by expert: per output channel (``--quantization fp8``, as vLLM's ``Fp8MoEMethod``
-    without a checkpoint scale), or in ``block`` tiles (dummy weights with a block FP8 checkpoint's
-    config). Experts whose shapes do not suit the kernels (:func:`moe_layout_ok`) keep their dtype.
-    Returns the number of expert layers quantized."""
-    n = 0
-    for _, ex in expert_modules(model):
-        if getattr(ex, "quant_method", None) is not None or ex.gate_up_proj.dtype not in (torch.bfloat16, torch.float16):
-            continue
-        if not moe_layout_ok(ex, block):
-            continue
-        old = {name: getattr(ex, name).data for name in ("gate_up_proj", "down_proj")}
-        method = Fp8MoEMethod(block, strict_scales=False)
-        method.create_weights(ex)
-        if old["gate_up_proj"].is_meta:  # a plan's meta-device build: the layout is all there is
-            n += 1
-            continue
-        for name, w in old.items():
-            q, s = getattr(ex, name), getattr(ex, f"{name}_scale")
-            for e in range(w.shape[0]):
-                qe, se = quantize_per_channel(w[e]) if block is None else quantize_block(w[e], block)
-                q.data[e].copy_(qe)
-                s[e].copy_(se)
-        del old
-        n += 1
-    return n
+    e4m3 (:func:`quantize_expert_layer`): per output channel (``--quantization fp8``, as vLLM's
+    ``Fp8MoEMethod`` without a checkpoint scale), or in ``block`` tiles (dummy weights with a block
+    FP8 checkpoint's config). Returns the number of expert layers quantized."""
+    return sum(quantize_expert_layer(ex, block) for _, ex in expert_modules(model))

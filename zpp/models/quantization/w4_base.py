@@ -231,44 +231,60 @@ class W4Config(QuantizationConfig):
         """``--load-format dummy`` with a 4-bit config where the W4A16 methods run (a GPU of
         compute capability >= 8.0; ``zpp plan``'s meta build for one): the layers the release
         quantizes (:meth:`dummy_target`) made 4-bit by the methods, their random weights quantized
-        as the format would (:func:`quantize_w4`; on ``meta`` shapes only). Returns the number of
-        layers made 4-bit (0 without the methods: the random weights stay in the model dtype)."""
+        as the format would (:func:`quantize_w4`; on ``meta`` shapes only), module by module
+        (:meth:`quantize_module_like_checkpoint`). Returns the number of layers made 4-bit (0
+        without the methods: the random weights stay in the model dtype)."""
         from zpp.models.layers.moe import FusedExperts
-        from zpp.models.quantization.base import keeps_dtype, linear_modules
-        n = 0
-        for name, mod in model.named_modules():
-            if not isinstance(mod, FusedExperts) or getattr(mod, "quant_method", None) is not None \
-                    or not self.dummy_target(name, True):
-                continue
+        from zpp.models.quantization.base import linear_modules
+        n = sum(self.quantize_module_like_checkpoint(name, mod) for name, mod in model.named_modules()
+                if isinstance(mod, FusedExperts))
+        return n + sum(self.quantize_module_like_checkpoint(name, mod) for name, mod in linear_modules(model))
+
+    @torch.no_grad()
+    def quantize_module_like_checkpoint(self, name: str, mod: nn.Module) -> bool:
+        """One module ``name`` of :meth:`quantize_like_checkpoint` (also the loader's module-by-module
+        dummy start, :func:`zpp.models.loader.init_dummy_weights_quantized`): a linear layer or a
+        :class:`~zpp.models.layers.moe.FusedExperts` the release quantizes, where the W4A16 method
+        takes it, is made 4-bit -- experts quantized expert by expert, so the float32 / code
+        temporaries are one expert's -- and its float weights dropped; any other module is left as
+        it is. Returns whether it was made 4-bit."""
+        from zpp.models.layers.linear import Linear
+        from zpp.models.layers.moe import FusedExperts
+        from zpp.models.quantization.base import keeps_dtype
+        if getattr(mod, "quant_method", None) is not None:
+            return False
+        if isinstance(mod, FusedExperts):
+            if not self.dummy_target(name, True):
+                return False
             method = w4a16_method("W4A16MoEMethod", mod, self.group_size, self.fmt, self.zero_points)
             if method is None:
-                continue
+                return False
             ws = {p: getattr(mod, p).data for p in ("gate_up_proj", "down_proj")}
             method.create_weights(mod)
             for p, w in ws.items():
                 if w.device.type != "meta":
-                    _fill(mod, f"{p}_", quantize_w4(w, self.group_size, self.fmt, self.zero_points))
-            n += 1
-        for name, mod in linear_modules(model):
-            if getattr(mod, "quant_method", None) is not None or keeps_dtype(name, mod) \
-                    or not self.dummy_target(name, False):
-                continue
-            method = w4a16_method("W4A16LinearMethod", mod, self.group_size, self.fmt, self.zero_points)
-            if method is None:
-                continue
-            w = mod.weight.data
-            method.create_weights(mod)
-            if w.device.type != "meta":
-                _fill(mod, "", quantize_w4(w, self.group_size, self.fmt, self.zero_points))
-            n += 1
-        return n
+                    for e in range(w.shape[0]):
+                        _fill(mod, f"{p}_", quantize_w4(w[e], self.group_size, self.fmt, self.zero_points), e)
+            return True
+        if not isinstance(mod, Linear) or keeps_dtype(name, mod) or not self.dummy_target(name, False):
+            return False
+        method = w4a16_method("W4A16LinearMethod", mod, self.group_size, self.fmt, self.zero_points)
+        if method is None:
+            return False
+        w = mod.weight.data
+        method.create_weights(mod)
+        if w.device.type != "meta":
+            _fill(mod, "", quantize_w4(w, self.group_size, self.fmt, self.zero_points))
+        return True
 
 
-def _fill(mod: nn.Module, prefix: str, packed: Repacked) -> None:
+def _fill(mod: nn.Module, prefix: str, packed: Repacked, expert: Optional[int] = None) -> None:
+    """Copy a :func:`quantize_w4` result into ``mod``'s ``{prefix}qweight`` / ``scales`` / ``zeros``
+    (into row ``expert`` of each where given)."""
     for role, t in zip(("qweight", "scales", "zeros"), packed):
         p = getattr(mod, prefix + role, None)
         if p is not None and t is not None:
-            p.data.copy_(t)
+            (p.data if expert is None else p.data[expert]).copy_(t)
 
 
 E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
