@@ -22,7 +22,7 @@ import time
 import traceback
 
 from zpp import envs
-
+from zpp.spec_config import stage_model_config
 from zpp.utils.process import freeze_gc, watch_parent
 
 logger = logging.getLogger("zpp.worker")
@@ -175,7 +175,6 @@ def _setup(init, sock):
     stage = StageInfo(init.pp_rank, pp_size, layer_start, layer_end, init.tp_rank, tp_size)
     _fault_crash_on_restart(init)
     t = time.perf_counter()
-    from zpp.spec_config import stage_model_config
     spec = cfg_all.speculative_config
     mtp = spec is not None and spec.method == "mtp"
     model = load_stage_model(model_dir, stage_model_config(cfg, spec), stage, dtype, device, max_model_len,

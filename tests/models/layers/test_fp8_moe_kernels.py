@@ -16,6 +16,7 @@ from zpp.models.quantization import fp8_kernels as K  # noqa: E402
 from zpp.models.quantization import fp8_moe_kernels as M8  # noqa: E402
 from zpp.models.quantization.fp8_utils import FP8_DTYPE, dequantize, quantize_block, quantize_per_channel  # noqa: E402
 from zpp.models.quantization.fp8_utils import quantize_per_tensor  # noqa: E402
+from zpp.models.quantization.fp8_utils import fused_moe_fp8_reference  # noqa: E402
 from zpp.models.layers.fused_moe import moe_align  # noqa: E402
 from zpp.models.layers.moe import GatedActivation  # noqa: E402
 
@@ -126,10 +127,10 @@ def test_fused_moe_fp8_matches_reference(layout, gemv, monkeypatch):
     rw, ids = _routing(T, E, k, seed=3)
     act = GatedActivation("silu")
     out = M8.fused_moe_fp8(x, wg, wd, sg, sd, rw, ids, act, block, config=dict(gemv=gemv))
-    ref = M8.fused_moe_fp8_reference(x, wg, wd, sg, sd, rw, ids, act, block, quantize_activations=not gemv)
+    ref = fused_moe_fp8_reference(x, wg, wd, sg, sd, rw, ids, act, block, quantize_activations=not gemv)
     assert out.shape == (T, H) and out.dtype == x.dtype
     assert rel_err(out, ref) < (EXACT if gemv else GEMM_TOL)
-    exact_acts = M8.fused_moe_fp8_reference(x, wg, wd, sg, sd, rw, ids, act, block, quantize_activations=False)
+    exact_acts = fused_moe_fp8_reference(x, wg, wd, sg, sd, rw, ids, act, block, quantize_activations=False)
     assert rel_err(out, exact_acts) < 0.06
 
 
@@ -145,7 +146,7 @@ def test_fused_moe_fp8_biases_and_other_activation():
     act = ClampedSwiGLU()
     for gemv in (False, True):
         out = M8.fused_moe_fp8(x, wg, wd, sg, sd, rw, ids, act, None, bg, bd, config=dict(gemv=gemv))
-        ref = M8.fused_moe_fp8_reference(x, wg, wd, sg, sd, rw, ids, act, None, bg, bd, quantize_activations=not gemv)
+        ref = fused_moe_fp8_reference(x, wg, wd, sg, sd, rw, ids, act, None, bg, bd, quantize_activations=not gemv)
         assert rel_err(out, ref) < (EXACT if gemv else GEMM_TOL)
 
 

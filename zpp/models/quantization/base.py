@@ -22,6 +22,7 @@ The split of vLLM's ``QuantizationConfig`` -> ``LinearMethodBase`` / ``FusedMoEM
 """
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -198,3 +199,16 @@ def keeps_dtype(name: str, mod: nn.Module) -> bool:
     """Whether the linear layer ``name`` keeps its weight in the model dtype under every format
     (``fp8_allowed = False`` on it, or one of :data:`KEEP_DTYPE_MODULES`)."""
     return not getattr(mod, "fp8_allowed", True) or name.rsplit(".", 1)[-1] in KEEP_DTYPE_MODULES
+
+
+def ignored(name: str, ignore: tuple[str, ...]) -> bool:
+    """Whether module ``name`` matches an ``ignore`` entry (a module name, or ``re:`` a regex matched
+    from its start, compressed-tensors' rule). Informational: what is quantized is read from the
+    checkpoint's tensors."""
+    for pat in ignore:
+        if pat.startswith("re:"):
+            if re.match(pat[3:], name):
+                return True
+        elif name == pat or name.endswith("." + pat):
+            return True
+    return False

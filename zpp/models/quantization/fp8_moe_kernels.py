@@ -583,37 +583,3 @@ def fused_moe_fp8(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         return out
     return out.view(T, k, H).sum(dim=1, dtype=torch.float32).to(x.dtype)          # [T, H]
 
-
-def fused_moe_fp8_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                            gate_up_scale: torch.Tensor, down_scale: torch.Tensor, weights: torch.Tensor,
-                            ids: torch.Tensor, act, block: Optional[tuple[int, int]] = None,
-                            b_gate_up: Optional[torch.Tensor] = None, b_down: Optional[torch.Tensor] = None,
-                            quantize_activations: bool = True) -> torch.Tensor:
-    """What :func:`fused_moe_fp8` computes, in PyTorch float32 on any device (weights dequantized,
-    experts looped): with ``quantize_activations`` the GEMM path's per-token (group) activation
-    quantization, without it the GEMV path's W8A16 products. For tests and CPU checks."""
-    from zpp.models.quantization.fp8_utils import dequantize, quantize_activations_reference
-    E = w_gate_up.shape[0]
-
-    def deq(w, s):
-        if block is None and s.numel() > 1:
-            s = s.reshape(E, -1).expand(E, w.shape[1])
-        return dequantize(w, s, block, torch.float32)
-    wg, wd = deq(w_gate_up, gate_up_scale), deq(w_down, down_scale)
-    q = (lambda t: quantize_activations_reference(t, None, block[1] if block else None)) if quantize_activations \
-        else (lambda t: t.float())
-    T, k = ids.shape
-    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-    xf = q(x)
-    for t in range(T):
-        for j in range(k):
-            e = int(ids[t, j])
-            g = xf[t] @ wg[e].t()
-            if b_gate_up is not None:
-                g = g + b_gate_up[e].float()
-            h = act(g[None].to(x.dtype)).float() if quantize_activations else act(g[None]).float()
-            y = q(h.to(x.dtype) if quantize_activations else h)[0] @ wd[e].t()
-            if b_down is not None:
-                y = y + b_down[e].float()
-            out[t] += float(weights[t, j]) * y
-    return out.to(x.dtype)

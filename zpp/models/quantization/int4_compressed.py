@@ -18,7 +18,6 @@ explains which layers are stored in high precision; what is quantized is read fr
 """
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ import torch
 
 from zpp.errors import ConfigError
 from zpp.models.quantization.base import Getter
+from zpp.models.quantization.base import ignored  # noqa: F401  (compressed-tensors' rule)
 from zpp.models.quantization.w4_base import Repacked, W4Config, check_group
 from zpp.models.quantization.w4_layout import unpack_codes
 
@@ -143,14 +143,3 @@ def is_pack_quantized(q: dict) -> bool:
                for g in groups.values())
 
 
-def ignored(name: str, ignore: tuple[str, ...]) -> bool:
-    """Whether module ``name`` matches an ``ignore`` entry (a module name, or ``re:`` a regex matched
-    from its start, compressed-tensors' rule). Informational: what is quantized is read from the
-    checkpoint's tensors."""
-    for pat in ignore:
-        if pat.startswith("re:"):
-            if re.match(pat[3:], name):
-                return True
-        elif name == pat or name.endswith("." + pat):
-            return True
-    return False

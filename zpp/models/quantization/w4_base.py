@@ -223,7 +223,7 @@ class W4Config(QuantizationConfig):
         :class:`~zpp.models.layers.moe.FusedExperts`), for ``--load-format dummy`` where there are
         no tensors to read it from. Default: every decoder layer's linear layers and experts not
         matched by :attr:`ignore`."""
-        from zpp.models.quantization.int4_compressed import ignored
+        from zpp.models.quantization.base import ignored
         return ".layers." in f".{name}" and not ignored(f"{name}.0.gate_proj" if experts else name, self.ignore)
 
     @torch.no_grad()
