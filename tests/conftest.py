@@ -44,6 +44,29 @@ def _offline_llm_on_cpu_unless_gpu_test(request, monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, demo_model) -> str:
+    """A 4-layer Llama (hidden 64, vocab 49152) with random float32 weights (initializer_range 0.3:
+    logits that depend strongly on the context) and SmolLM2's tokenizer and chat template, written
+    once per session: for tests of the engine itself (scheduling, preemption, the prefix cache,
+    chunked prefill, seeded sampling, limits) that compare zpp with zpp and need no real text. Each
+    decode step costs a fraction of the demo model's 30 layers."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True, initializer_range=0.3, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("tiny-llama-session")
+    LlamaForCausalLM(cfg).to(torch.float32).eval().save_pretrained(d)
+    for f in os.listdir(demo_model):
+        if f.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(os.path.join(demo_model, f), d)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(demo_model):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(demo_model)

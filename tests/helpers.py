@@ -108,7 +108,7 @@ class ServerProcess:
                     if r.status == 200:
                         return
             except Exception:
-                time.sleep(0.5)
+                time.sleep(0.1)
         self.stop()
         raise TimeoutError(f"server did not become healthy:\n{self.output()}")
 

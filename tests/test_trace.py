@@ -16,15 +16,16 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def trace_dir(demo_model, tmp_path_factory):
-    """A PP=2 CPU generation (6 prompts x 8 tokens) traced into a directory."""
+def trace_dir(tiny_llama, tmp_path_factory):
+    """A PP=2 CPU generation (6 prompts x 8 tokens) traced into a directory (the session's tiny
+    random-weight Llama: the timeline, not the text, is checked)."""
     from zpp import LLM, SamplingParams
     d = tmp_path_factory.mktemp("trace")
     mp = pytest.MonkeyPatch()
     mp.setenv("ZPP_TRACE", str(d))
     try:
         prompts = [[1, 2, 3, 4 + i] for i in range(6)]
-        with LLM(demo_model, pipeline_parallel_size=2, kv_cache_memory="64MiB") as llm:
+        with LLM(tiny_llama, pipeline_parallel_size=2, kv_cache_memory="64MiB") as llm:
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     finally:
         mp.undo()

@@ -72,17 +72,18 @@ def test_async_equals_sync_every_sampling_mode(demo_model, tokenizer):
 
 
 @pytest.mark.slow
-def test_async_equals_sync_with_n_preemption_and_chunked_prefill(demo_model, tokenizer):
+def test_async_equals_sync_with_n_preemption_and_chunked_prefill(tiny_llama, tokenizer):
     """n > 1 with seeds, a prompt longer than the token budget (chunked prefill), and a KV cache
-    small enough to preempt: the same outputs either way."""
+    small enough to preempt: the same outputs either way (on the session's tiny random-weight
+    Llama: only the scheduling differs between the two runs)."""
     prompts = [tokenizer.encode("alpha bravo charlie delta echo " * k) for k in (1, 2, 9, 3)]
     params = [SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=30),
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)]
     kw = dict(num_kv_blocks=12, block_size=16, max_num_batched_tokens=32)
-    sync, _ = _run(demo_model, prompts, params, False, **kw)
-    asyn, n1 = _run(demo_model, prompts, params, True, **kw)
+    sync, _ = _run(tiny_llama, prompts, params, False, **kw)
+    asyn, n1 = _run(tiny_llama, prompts, params, True, **kw)
     assert n1 > 0
     for a, b in zip(sync, asyn):
         assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]

@@ -1,5 +1,8 @@
-"""Scheduler features on the real model: preemption, chunked prefill, seeded sampling, prefix caching,
-request limits. Outputs are compared with the same request run alone / at PP=1."""
+"""Scheduler features: preemption, chunked prefill, seeded sampling, prefix caching, request limits.
+Outputs are compared with the same request run alone / at PP=1. Where only the engine is under test
+(zpp against zpp) the model is the session's tiny random-weight Llama (``tiny_llama``: SmolLM2's
+tokenizer, 4 layers); where the text matters (stop strings, chat, EOS, the HF prompt logprobs) it
+is the real SmolLM2."""
 from __future__ import annotations
 
 import asyncio
@@ -33,13 +36,13 @@ async def _stream_checked(engine, prompt, sp):
 
 # --- tests that need an engine of their own (its preemption count, free blocks, settings) ---------
 @pytest.mark.parametrize("pp", [1, 2])
-def test_preemption_keeps_outputs(demo_model, tokenizer, pp):
+def test_preemption_keeps_outputs(tiny_llama, tokenizer, pp):
     """Four 20-token prompts, 30 tokens each: 4 blocks a request, 16 for all four in a cache of 8,
     so some are preempted (at the latest when their third block is due, token 33) and recomputed,
     then decode on for over a dozen tokens."""
     prompts = [_prompt(tokenizer, i * 3, 18)[:20] for i in range(4)]
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    with LLM(demo_model, pipeline_parallel_size=pp, num_kv_blocks=8, block_size=16) as llm:
+    with LLM(tiny_llama, pipeline_parallel_size=pp, num_kv_blocks=8, block_size=16) as llm:
         alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
         engine = llm.engine
         before = engine.scheduler.stats.num_preemptions
@@ -55,13 +58,15 @@ def test_preemption_keeps_outputs(demo_model, tokenizer, pp):
         assert o.outputs[0].token_ids == alone[i], f"request {i} changed by preemption"
 
 
-def test_preemption_forward_progress_pp2_case(demo_model):
+def test_preemption_forward_progress_pp2_case(tiny_llama):
     """shared/cases/preemption-livelock-pp.md, scaled down (6 blocks, 58 tokens; the same stall
     in the earlier scheduler): two requests start, two more join while the first two micro-batches
-    are in flight. Every request finishes with the tokens it gets alone, with few preemptions."""
+    are in flight. Every request finishes with the tokens it gets alone, with few preemptions.
+    On the session's tiny Llama: the scheduler before babbbe9 (ededb62) piles up preemptions past
+    the bound here too (44 and 45 in two runs; the current one: 6)."""
     prompts = [f"Story number {k}: Once upon a time" for k in range(4)]
     sp = SamplingParams(temperature=0, max_tokens=58, ignore_eos=True)
-    with LLM(demo_model, pipeline_parallel_size=2, num_kv_blocks=6, block_size=16,
+    with LLM(tiny_llama, pipeline_parallel_size=2, num_kv_blocks=6, block_size=16,
              max_num_batched_tokens=32) as llm:
         engine = llm.engine
         alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
@@ -126,7 +131,7 @@ def _prompt_logprob_runs(llm, p48: list[int], x25: list[int], other: list[int]) 
     return runs
 
 
-def test_prompt_logprobs_never_from_prefix_cache(demo_model, tokenizer, monkeypatch):
+def test_prompt_logprobs_never_from_prefix_cache(tiny_llama, tokenizer, monkeypatch):
     """Prompt logprobs (and echo + logprobs, which the server maps to them) on every prefix-cache
     path equal those with prefix caching off: a request that must score prompt positions does not
     reuse cached blocks (cached blocks hold KV, not logits). Chunked prefill (budget 20) everywhere."""
@@ -135,9 +140,9 @@ def test_prompt_logprobs_never_from_prefix_cache(demo_model, tokenizer, monkeypa
     other = _prompt(tokenizer, 17, 60)[:48]
     assert len(p48) == 48 and len(x25) == 25 and len(other) == 48
     kw = dict(pipeline_parallel_size=2, block_size=16, num_kv_blocks=6, max_num_batched_tokens=20)
-    with LLM(demo_model, **kw) as llm:
+    with LLM(tiny_llama, **kw) as llm:
         off = _prompt_logprob_runs(llm, p48, x25, other)
-    with LLM(demo_model, enable_prefix_caching=True, **kw) as llm:
+    with LLM(tiny_llama, enable_prefix_caching=True, **kw) as llm:
         on = _prompt_logprob_runs(llm, p48, x25, other)
         # Were the rule broken, the request would fail, never answer null.
         from zpp.engine.request import Request
@@ -166,8 +171,8 @@ def test_prompt_logprobs_never_from_prefix_cache(demo_model, tokenizer, monkeypa
                                                                            abs=1e-4)
 
 
-def test_limits_and_invalid_params(demo_model):
-    with LLM(demo_model, max_model_len=64, kv_cache_memory="32MiB") as llm:
+def test_limits_and_invalid_params(tiny_llama):
+    with LLM(tiny_llama, max_model_len=64, kv_cache_memory="32MiB") as llm:
         cases = [
             ([], SamplingParams(), "empty"),
             ([1] * 64, SamplingParams(max_tokens=1), "64 tokens"),
@@ -246,7 +251,16 @@ class _Engines:
 
 @pytest.fixture(scope="module")
 def engines(demo_model):
+    """Shared engines on the real SmolLM2 (tests whose checks need real text)."""
     e = _Engines(demo_model)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tiny_llama):
+    """Shared engines on the tiny random-weight Llama (tests of the scheduler alone)."""
+    e = _Engines(tiny_llama)
     yield e
     e.close()
 
@@ -291,7 +305,7 @@ def test_llm_chat(engines, tokenizer):
     assert outs[1].prompt == ids  # as vLLM: the rendered conversation
 
 
-def test_chunked_prefill_long_prompt(engines, tokenizer):
+def test_chunked_prefill_long_prompt(tiny_engines, tokenizer):
     """A 300-token prompt chunked 32 tokens at a time at PP=2 while three short requests decode:
     the same tokens as each computed in one step at PP=1 (no chunked prefill), and the short
     requests make progress during the long prefill."""
@@ -300,6 +314,7 @@ def test_chunked_prefill_long_prompt(engines, tokenizer):
     shorts = [_prompt(tokenizer, i, 4) for i in (5, 9, 13)]
     sp_long = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     sp_short = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engines = tiny_engines
     llm = engines.get(**PP1)
     assert not llm.engine.scheduler.chunked
     ref_long = llm.generate([long_prompt], sp_long)[0].outputs[0].token_ids
@@ -337,13 +352,13 @@ def test_chunked_prefill_long_prompt(engines, tokenizer):
     assert min(progress_at_first_long_token) >= 5, progress_at_first_long_token
 
 
-def test_seeded_sampling_same_at_any_pp_and_batch(engines, tokenizer):
+def test_seeded_sampling_same_at_any_pp_and_batch(tiny_engines, tokenizer):
     prompts = [_prompt(tokenizer, i, 6) for i in range(3)]
     sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
     noise = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
     texts = {}
     for pp, settings in ((1, PP1), (2, PP2)):
-        llm = engines.get(**settings)
+        llm = tiny_engines.get(**settings)
         alone = [llm.generate([p], sp)[0].outputs[0].text for p in prompts]
         mixed = llm.generate(prompts + [_prompt(tokenizer, 20, 9)] * 3, [sp] * 3 + [noise] * 3)
         texts[pp] = (alone, [o.outputs[0].text for o in mixed[:3]])
@@ -405,13 +420,13 @@ def test_finish_precedence_on_the_same_token(engines, tokenizer):
                                                                              ans.text)
 
 
-def test_prefix_caching_same_output_and_hits(engines, tokenizer):
+def test_prefix_caching_same_output_and_hits(tiny_engines, tokenizer):
     base = _prompt(tokenizer, 2, 70)
     prompts = [base + _prompt(tokenizer, i, 3) for i in range(3)]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    llm = engines.get(**PP1)
+    llm = tiny_engines.get(**PP1)
     off = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
-    llm = engines.get(pipeline_parallel_size=2, kv_cache_memory="64MiB", enable_prefix_caching=True)
+    llm = tiny_engines.get(pipeline_parallel_size=2, kv_cache_memory="64MiB", enable_prefix_caching=True)
     hits = llm.engine.kv.prefix_hits
     on = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
     again = llm.generate([prompts[0]], sp)[0].outputs[0].token_ids

@@ -1,6 +1,7 @@
 """Multi-host path on one machine (the fast path; real hosts: tests/e2e/test_multi_host.py): stages
 started by `zpp-node` through an SSH stand-in give the same tokens as PP=1, and nothing is left
-running after shutdown."""
+running after shutdown. (The session's tiny random-weight Llama, ``tiny_llama``: PP=2 against PP=1
+on any weights is the check; the real model's weights only made it slower.)"""
 from __future__ import annotations
 
 import os
@@ -12,15 +13,15 @@ from helpers import TESTS_DIR, alive, descendants
 
 
 @pytest.mark.slow
-def test_remote_stage_via_agent(demo_model, tokenizer, monkeypatch):
+def test_remote_stage_via_agent(tiny_llama, tokenizer, monkeypatch):
     from zpp import LLM, SamplingParams
     monkeypatch.setenv("ZPP_SSH", os.path.join(TESTS_DIR, "fake_ssh.sh"))
     prompts = [tokenizer.encode("The capital of France is"), tokenizer.encode("1, 2, 3, 4,")]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    with LLM(demo_model, kv_cache_memory="64MiB") as llm:
+    with LLM(tiny_llama, kv_cache_memory="64MiB") as llm:
         ref = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     before = set(descendants(os.getpid()))  # processes of earlier tests in this pytest process are not ours
-    llm = LLM(demo_model, pipeline_parallel_size=2, nodes=["localhost"], kv_cache_memory="64MiB")
+    llm = LLM(tiny_llama, pipeline_parallel_size=2, nodes=["localhost"], kv_cache_memory="64MiB")
     try:
         kids = [p for p in descendants(os.getpid())
                 if p not in before and "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
