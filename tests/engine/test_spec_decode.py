@@ -218,12 +218,13 @@ def test_outputs_equal_across_a_stage_restart(base_outputs, spec2):
     llm = spec2
     ex = llm.engine.executor
     victim = next(p for p in ex.procs if p.name == "zpp-worker-1")
-    gen0 = llm.engine.num_generation_tokens
+    core = llm.engine.core
+    gen0 = core.num_generation_tokens
     restarts0 = list(llm.engine.stats().stage_restarts)
 
     def kill():
         deadline = time.monotonic() + 120
-        while llm.engine.num_generation_tokens < gen0 + 20 and time.monotonic() < deadline:
+        while core.num_generation_tokens < gen0 + 20 and time.monotonic() < deadline:
             time.sleep(0.005)
         os.kill(victim.pid, signal.SIGKILL)
     t = threading.Thread(target=kill, daemon=True)
