@@ -86,15 +86,23 @@ def main() -> None:
                     tpot[mode].append((tn - t1) / (len(out.token_ids) - 1))
                 texts[mode].append(out.token_ids)
     med = {m: statistics.median(v) for m, v in tpot.items()}
+    n_prompts = len(COPY_PROMPTS)
     for mode, llm in llms.items():
         if mode == "off":
             continue
         st = llm.engine.stats()
         mal = 1 + st.spec_num_accepted_tokens / max(st.spec_num_drafts, 1)
+        # per prompt: the median over its repeats of TPOT off / TPOT ngram (runs are prompt-major)
+        per = [statistics.median(a / b for a, b in zip(tpot["off"][i::n_prompts], tpot[mode][i::n_prompts]))
+               for i in range(n_prompts)]
+        out_tokens = sum(len(t) - 1 for t in texts[mode])  # decode tokens (the first is the prefill's)
+        steps = out_tokens - st.spec_num_accepted_tokens
         print(f"batch 1, PP={args.pp}, {mode}, {len(tpot['off'])} requests per mode: TPOT off "
-              f"{1e3 * med['off']:.1f} ms, ngram {1e3 * med[mode]:.1f} ms, speed-up {med['off'] / med[mode]:.2f}x; "
-              f"mean acceptance length {mal:.2f} ({st.spec_num_accepted_tokens} of {st.spec_num_draft_tokens} drafts "
-              f"accepted, {st.spec_num_drafts} verify chunks); outputs equal: {texts['off'] == texts[mode]}", flush=True)
+              f"{1e3 * med['off']:.1f} ms, ngram {1e3 * med[mode]:.1f} ms, speed-up {med['off'] / med[mode]:.2f}x "
+              f"(per prompt {', '.join(f'{x:.2f}x' for x in per)}); mean acceptance length {mal:.2f} "
+              f"({st.spec_num_accepted_tokens} of {st.spec_num_draft_tokens} drafts accepted, {st.spec_num_drafts} "
+              f"verify chunks); tokens per decode step {out_tokens / max(steps, 1):.2f} (the speed-up if a verify "
+              f"step cost a decode step's); outputs equal: {texts['off'] == texts[mode]}", flush=True)
     print(f"load average: {os.getloadavg()}", flush=True)
 
     if not args.streams:
