@@ -91,6 +91,7 @@ def timed(fn, steps: int) -> float:
     return 1e3 * statistics.median(out)
 
 
+@torch.inference_mode()  # the runner's KV cache and inputs are inference tensors
 def graphed_verify(runner: ModelRunner, seq: Seq, k: int, steps: int):
     """Capture the forward (and logits of its 1 + k rows) of one verify chunk's shape from the
     arguments the eager path built, and time its replays; None (with the reason) if it cannot be captured."""

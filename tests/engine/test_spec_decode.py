@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -57,7 +58,8 @@ LOW_ACCEPTANCE = "red, green, blue, red, green, blue, yellow, red, green,"  # dr
 def _requests():
     """Copy-heavy prompts (long drafts accepted) and others, in every sampling mode that speculates:
     greedy, greedy with logprobs and a stop string, seeded temperature / top-p with logprobs,
-    seeded min_tokens with n = 2, a tiny max_tokens; and one with penalties (never speculates)."""
+    seeded min_tokens with n = 2, a tiny max_tokens; one with penalties (never speculates); then the
+    constrained ones (``CONSTRAINED``)."""
     prompts = [TEXT, CODE, CODE, "The capital of France is", TEXT, "1, 2, 3, 1, 2, 3, 1, 2,", TEXT]
     params = [SamplingParams(temperature=0, max_tokens=16),
               SamplingParams(temperature=0, max_tokens=16, logprobs=2),
@@ -66,7 +68,12 @@ def _requests():
               SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=16, logprobs=1),
               SamplingParams(temperature=1.0, seed=11, max_tokens=16, min_tokens=12, n=2),
               SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.2)]
-    return prompts, params
+    return prompts + [p for p, _ in CONSTRAINED], params + [sp for _, sp in CONSTRAINED]
+
+
+# The other tests' requests, whose reference outputs the base engine computes with _requests()'.
+LOCKSTEP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+LOW = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 
 def _llm(model, **kw):
@@ -99,8 +106,16 @@ def spec3(demo_model):
 
 
 @pytest.fixture(scope="module")
-def base_outputs(base):
-    return base.generate(*_requests(), use_tqdm=False)
+def base_all(base):
+    """The reference outputs of every test, in one batch: ``_requests()``, then TEXT with
+    ``LOCKSTEP`` and LOW_ACCEPTANCE with ``LOW``."""
+    prompts, params = _requests()
+    return base.generate(prompts + [TEXT, LOW_ACCEPTANCE], params + [LOCKSTEP, LOW], use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def base_outputs(base_all):
+    return base_all[:-2]
 
 
 class _Delta:
@@ -145,7 +160,8 @@ def test_ngram_outputs_equal_without_at_pp_1_2_3(request, base_outputs, pp):
     PP = 1, 2, 3 (greedy and seeded alike: a verify row draws exactly what plain decoding draws);
     at PP=2 also with prefix caching, a KV cache small enough to preempt and 24-token micro-batches
     (chunked prompts, drafts cut to the budget); at PP=1 with drafts off while more than 4
-    requests decode, at PP=3 paused after low acceptance. Drafts were accepted in every run."""
+    requests decode, at PP=3 paused after low acceptance. The constrained requests (JSON schema,
+    regex, greedy and seeded) are among them. Drafts were accepted in every run."""
     llm = request.getfixturevalue(f"spec{pp}")
     with _Delta(llm) as d:
         outs = _generate(llm, *_requests())
@@ -161,46 +177,43 @@ def test_ngram_outputs_equal_without_at_pp_1_2_3(request, base_outputs, pp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pp", [1, 2])
-def test_constrained_drafts_follow_the_grammar(request, base, pp):
+def test_constrained_drafts_follow_the_grammar(base_outputs, spec1):
     """Structured outputs with speculation: JSON-schema and regex outputs (greedy and seeded) equal
     the outputs without it, token for token, with drafts proposed and accepted (the result rank's
-    matcher walks each chunk's drafts for its 1 + k masks; a draft the grammar refuses is cut); at
-    PP=2 with preemption (a resent matcher replays its outputs)."""
+    matcher walks each chunk's drafts for its 1 + k masks; a draft the grammar refuses is cut,
+    here "dog" where the regex wants "cat"). (They are also among the requests of the PP = 1, 2,
+    3 equality test, at PP=2 with preemption, and of the stage-restart test.)"""
     prompts, params = zip(*CONSTRAINED)
-    ref = base.generate(list(prompts), list(params), use_tqdm=False)
-    llm = request.getfixturevalue(f"spec{pp}")
-    with _Delta(llm) as d:
-        outs = _generate(llm, list(prompts), list(params))
-    _same(ref, outs, f"constrained, PP={pp}")
+    with _Delta(spec1) as d:
+        outs = _generate(spec1, list(prompts), list(params))
+    _same(base_outputs[-len(CONSTRAINED):], outs, "constrained")
     assert json.loads(outs[0].outputs[0].text) == {"name": "Anna", "age": 31, "city": "Paris"}
     assert outs[3].outputs[0].text.startswith(" brown fox jumps over the lazy cat.")
     assert d.drafts > 0 and 2 * d.accepted >= d.drafts, vars(d)
 
 
 @pytest.mark.slow
-def test_disable_by_batch_size_runs_the_batch_without_drafts(base, spec1):
+def test_disable_by_batch_size_runs_the_batch_without_drafts(base_all, spec1):
     """``disable_by_batch_size`` 4 (PP=1: one micro-batch a step): five greedy sequences decoding
     together (one prompt, n = 5, prefilled in one step, the same length to the end) get no draft at
     all, and the same prompt with n = 4 gets drafts; the tokens are those without speculation."""
-    five, four = (SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, n=n) for n in (5, 4))
-    ref = base.generate([TEXT, TEXT], [five, four], use_tqdm=False)
+    five, four = (msgspec.structs.replace(LOCKSTEP, n=n) for n in (5, 4))
+    ref = [base_all[-2].outputs[0].token_ids] * 9  # greedy: every sequence is the one without n
     with _Delta(spec1) as d:
         outs = _generate(spec1, [TEXT], [five])
     assert (d.drafts, d.draft_tokens) == (0, 0)
     with _Delta(spec1) as d4:
         outs += _generate(spec1, [TEXT], [four])
     assert d4.drafts > 0 and d4.accepted > 0
-    _same(ref, outs, "disable_by_batch_size")
+    assert [c.token_ids for o in outs for c in o.outputs] == ref
 
 
 @pytest.mark.slow
-def test_min_acceptance_rate_pauses_drafts(base, spec1, spec3):
+def test_min_acceptance_rate_pauses_drafts(base_all, spec1, spec3):
     """``min_acceptance_rate`` 0.9: a request whose drafts are nearly all rejected proposes after a
     rejected chunk none for ``BACKOFF_STEPS`` steps, so at most one draft chunk per 17 of its steps
     (without the floor: every step whose suffix recurs has one); the tokens are unchanged."""
-    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    ref = base.generate([LOW_ACCEPTANCE], sp, use_tqdm=False)
+    sp, ref = LOW, base_all[-1:]
     with _Delta(spec1) as free:
         _same(ref, _generate(spec1, [LOW_ACCEPTANCE], sp), "no floor")
     assert free.accepted < 0.9 * free.draft_tokens / 2  # well below the floor
