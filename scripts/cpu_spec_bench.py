@@ -60,20 +60,26 @@ def main() -> None:
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--configs", default=None,
-                    help="several n-gram settings side by side, 'k:min-max,...' (e.g. '3:2-4,4:3-5'); each gets its "
-                         "own LLM, alive with the others, runs interleaved (overrides --k and --lookup-*)")
+                    help="several n-gram settings side by side, 'k:min-max[:disable_by_batch_size],...' (e.g. "
+                         "'3:2-4,4:3-5,3:2-4:8'); each gets its own LLM, alive with the others, runs interleaved "
+                         "(overrides --k and --lookup-*)")
+    ap.add_argument("--batch1", type=int, default=1, help="0: skip the batch-1 runs")
     args = ap.parse_args()
-    configs = [(args.k, args.lookup_min, args.lookup_max)]
+    configs = [(args.k, args.lookup_min, args.lookup_max, None)]
     if args.configs:
-        configs = [(int(c.split(":")[0]), *map(int, c.split(":")[1].split("-"))) for c in args.configs.split(",")]
+        configs = []
+        for c in args.configs.split(","):
+            parts = c.split(":")
+            configs.append((int(parts[0]), *map(int, parts[1].split("-")), int(parts[2]) if len(parts) > 2 else None))
     kw = dict(device="cpu", pipeline_parallel_size=args.pp, max_model_len=1024)
     llms = {"off": LLM(**kw)}
-    for k, lo, hi in configs:
-        llms[f"k={k} {lo}-{hi}"] = LLM(**kw, speculative_config={
-            "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": hi, "prompt_lookup_min": lo})
+    for k, lo, hi, limit in configs:
+        llms[f"k={k} {lo}-{hi}" + (f" disable_by_batch_size={limit}" if limit else "")] = LLM(**kw, speculative_config={
+            "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": hi, "prompt_lookup_min": lo,
+            "disable_by_batch_size": limit})
     tpot: dict[str, list[float]] = {m: [] for m in llms}
     texts: dict[str, list] = {m: [] for m in llms}
-    for _ in range(args.repeat):
+    for _ in range(args.repeat if args.batch1 else 0):
         for p in COPY_PROMPTS:
             for mode, llm in llms.items():
                 t = time.perf_counter()
@@ -85,10 +91,10 @@ def main() -> None:
                 if len(out.token_ids) > 1:
                     tpot[mode].append((tn - t1) / (len(out.token_ids) - 1))
                 texts[mode].append(out.token_ids)
-    med = {m: statistics.median(v) for m, v in tpot.items()}
+    med = {m: statistics.median(v) for m, v in tpot.items()} if args.batch1 else {}
     n_prompts = len(COPY_PROMPTS)
     for mode, llm in llms.items():
-        if mode == "off":
+        if mode == "off" or not args.batch1:
             continue
         st = llm.engine.stats()
         mal = 1 + st.spec_num_accepted_tokens / max(st.spec_num_drafts, 1)
