@@ -1,6 +1,6 @@
 """CPU benchmark of n-gram speculative decoding (``--speculative-config``) on the demo model.
 
-    python scripts/cpu_spec_bench.py [--pp 2] [--repeat 3] [--k 3] [--streams 32]
+    python scripts/cpu_spec_bench.py [--pp 2] [--repeat 3] [--k 3] [--streams 32] [--configs 3:2-4,4:3-5]
 
 Two offline ``LLM``s of the demo model (SmolLM2-135M-Instruct) at ``--pp`` stages, one without
 speculation and one with ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
@@ -59,14 +59,27 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=32, help="0: skip the concurrent run")
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
+    ap.add_argument("--configs", default=None,
+                    help="several n-gram settings side by side, 'k:min-max[:disable_by_batch_size],...' (e.g. "
+                         "'3:2-4,4:3-5,3:2-4:8'); each gets its own LLM, alive with the others, runs interleaved "
+                         "(overrides --k and --lookup-*)")
+    ap.add_argument("--batch1", type=int, default=1, help="0: skip the batch-1 runs")
     args = ap.parse_args()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
-            "prompt_lookup_min": args.lookup_min}
+    configs = [(args.k, args.lookup_min, args.lookup_max, None)]
+    if args.configs:
+        configs = []
+        for c in args.configs.split(","):
+            parts = c.split(":")
+            configs.append((int(parts[0]), *map(int, parts[1].split("-")), int(parts[2]) if len(parts) > 2 else None))
     kw = dict(device="cpu", pipeline_parallel_size=args.pp, max_model_len=1024)
-    llms = {"off": LLM(**kw), "ngram": LLM(**kw, speculative_config=spec)}
-    tpot: dict[str, list[float]] = {"off": [], "ngram": []}
-    texts: dict[str, list] = {"off": [], "ngram": []}
-    for _ in range(args.repeat):
+    llms = {"off": LLM(**kw)}
+    for k, lo, hi, limit in configs:
+        llms[f"k={k} {lo}-{hi}" + (f" disable_by_batch_size={limit}" if limit else "")] = LLM(**kw, speculative_config={
+            "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": hi, "prompt_lookup_min": lo,
+            "disable_by_batch_size": limit})
+    tpot: dict[str, list[float]] = {m: [] for m in llms}
+    texts: dict[str, list] = {m: [] for m in llms}
+    for _ in range(args.repeat if args.batch1 else 0):
         for p in COPY_PROMPTS:
             for mode, llm in llms.items():
                 t = time.perf_counter()
@@ -78,18 +91,30 @@ def main() -> None:
                 if len(out.token_ids) > 1:
                     tpot[mode].append((tn - t1) / (len(out.token_ids) - 1))
                 texts[mode].append(out.token_ids)
-    st = llms["ngram"].engine.stats()
-    mal = 1 + st.spec_num_accepted_tokens / max(st.spec_num_drafts, 1)
-    med = {m: statistics.median(v) for m, v in tpot.items()}
-    print(f"batch 1, PP={args.pp}, k={args.k}, lookup {args.lookup_min}-{args.lookup_max}, {len(tpot['off'])} requests per mode: TPOT off "
-          f"{1e3 * med['off']:.1f} ms, ngram {1e3 * med['ngram']:.1f} ms, speed-up {med['off'] / med['ngram']:.2f}x; "
-          f"mean acceptance length {mal:.2f} ({st.spec_num_accepted_tokens} of {st.spec_num_draft_tokens} drafts "
-          f"accepted); outputs equal: {texts['off'] == texts['ngram']}", flush=True)
+    med = {m: statistics.median(v) for m, v in tpot.items()} if args.batch1 else {}
+    n_prompts = len(COPY_PROMPTS)
+    for mode, llm in llms.items():
+        if mode == "off" or not args.batch1:
+            continue
+        st = llm.engine.stats()
+        mal = 1 + st.spec_num_accepted_tokens / max(st.spec_num_drafts, 1)
+        # per prompt: the median over its repeats of TPOT off / TPOT ngram (runs are prompt-major)
+        per = [statistics.median(a / b for a, b in zip(tpot["off"][i::n_prompts], tpot[mode][i::n_prompts]))
+               for i in range(n_prompts)]
+        out_tokens = sum(len(t) - 1 for t in texts[mode])  # decode tokens (the first is the prefill's)
+        steps = out_tokens - st.spec_num_accepted_tokens
+        print(f"batch 1, PP={args.pp}, {mode}, {len(tpot['off'])} requests per mode: TPOT off "
+              f"{1e3 * med['off']:.1f} ms, ngram {1e3 * med[mode]:.1f} ms, speed-up {med['off'] / med[mode]:.2f}x "
+              f"(per prompt {', '.join(f'{x:.2f}x' for x in per)}); mean acceptance length {mal:.2f} "
+              f"({st.spec_num_accepted_tokens} of {st.spec_num_draft_tokens} drafts accepted, {st.spec_num_drafts} "
+              f"verify chunks); tokens per decode step {out_tokens / max(steps, 1):.2f} (the speed-up if a verify "
+              f"step cost a decode step's); outputs equal: {texts['off'] == texts[mode]}", flush=True)
+    print(f"load average: {os.getloadavg()}", flush=True)
 
     if not args.streams:
         return
     prompts = [(COPY_PROMPTS + OTHER_PROMPTS)[i % 8] for i in range(args.streams)]
-    tput: dict[str, list[float]] = {"off": [], "ngram": []}
+    tput: dict[str, list[float]] = {m: [] for m in llms}
     same = True
     for _ in range(max(1, args.repeat - 1)):
         outs = {}
@@ -98,11 +123,14 @@ def main() -> None:
             outs[mode] = chat(llm, prompts, 64)
             dt = time.perf_counter() - t
             tput[mode].append(sum(len(o.outputs[0].token_ids) for o in outs[mode]) / dt)
-        same &= [o.outputs[0].token_ids for o in outs["off"]] == [o.outputs[0].token_ids for o in outs["ngram"]]
+            same &= [o.outputs[0].token_ids for o in outs["off"]] == [o.outputs[0].token_ids for o in outs[mode]]
     m = {k: statistics.median(v) for k, v in tput.items()}
-    print(f"{args.streams} streams, PP={args.pp}: throughput off {m['off']:.1f} tok/s, ngram {m['ngram']:.1f} tok/s, "
-          f"ratio {m['ngram'] / m['off']:.3f} (runs: off {[round(x, 1) for x in tput['off']]}, ngram "
-          f"{[round(x, 1) for x in tput['ngram']]}); outputs equal: {same}", flush=True)
+    for mode in llms:
+        if mode != "off":
+            print(f"{args.streams} streams, PP={args.pp}, {mode}: throughput off {m['off']:.1f} tok/s, ngram "
+                  f"{m[mode]:.1f} tok/s, ratio {m[mode] / m['off']:.3f} (runs: off {[round(x, 1) for x in tput['off']]}, "
+                  f"ngram {[round(x, 1) for x in tput[mode]]}); outputs equal: {same}", flush=True)
+    print(f"load average: {os.getloadavg()}", flush=True)
     for llm in llms.values():
         llm.shutdown()
 

@@ -1,31 +1,65 @@
 """Speculative decoding (n-gram drafts, ``--speculative-config``): outputs equal those without it
 token for token, greedy and seeded, at PP = 1, 2, 3 on the real demo model, also with forced
-preemption, prefix caching and small chunks; drafts are accepted (acceptance is tested, not only
-exactness); the scheduler's rollback on its own; bad configurations refused in one line."""
+preemption, prefix caching, small chunks and across a stage restart; structured outputs (JSON
+schema, regex) with drafts walked by the grammar and cut where it refuses one; drafts are accepted
+(acceptance is tested, not only exactness); ``disable_by_batch_size`` and ``min_acceptance_rate``
+step speculation aside; the scheduler's rollback on its own; bad configurations refused in one line.
+
+One engine per configuration for the whole module (their starts are most of its time): ``base``
+(PP=1, no speculation) gives the reference outputs; ``spec1`` (PP=1, ``disable_by_batch_size`` 4),
+``spec2`` (PP=2, prefix caching, a KV cache small enough to preempt, 24-token micro-batches) and
+``spec3`` (PP=3, ``min_acceptance_rate`` 0.9) speculate."""
 from __future__ import annotations
 
+import json
+import math
+import signal
+import threading
+import time
+
+import msgspec
+import numpy as np
 import pytest
 
-from zpp import LLM, SamplingParams
+from zpp import LLM, SamplingParams, StructuredOutputsParams as SO
 from zpp.args import engine_config
 from zpp.engine.kv_cache_manager import KVCacheManager
 from zpp.engine.request import Request
 from zpp.engine.scheduler import Scheduler
-from zpp.engine.spec_decode import SpecDecoder, propose_ngram
+from zpp.engine.spec_decode import BACKOFF_STEPS, SpecDecoder, propose_ngram
 from zpp.errors import ConfigError
 from zpp.spec_config import SpeculativeConfig
 from zpp.transport import messages as m
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPEC1 = {**NGRAM, "disable_by_batch_size": 4}
+SPEC3 = {**NGRAM, "min_acceptance_rate": 0.9}
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
 TEXT = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick"
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
+    "city": {"type": "string", "enum": ["Paris", "London", "Rome"]}}, "required": ["name", "age", "city"]}
+# Constrained, copy-heavy: drafts from the prompt that the grammar accepts, and (the last) drafts
+# it refuses ("dog" where it wants "cat"): the draft is cut there.
+CONSTRAINED = [
+    ('Repeat this JSON exactly: {"name": "Anna", "age": 31, "city": "Paris"}\nJSON: ',
+     SamplingParams(temperature=0, max_tokens=30, structured_outputs=SO(json=PERSON))),
+    (CODE, SamplingParams(temperature=0, max_tokens=28, structured_outputs=SO(
+        regex=r"    return a \* b\n\n(def [a-z]+\(a, b\):\n    return a [-+*/] b\n\n){1}"))),
+    (CODE, SamplingParams(temperature=0.8, seed=3, max_tokens=28, structured_outputs=SO(
+        regex=r"    return a \* b\n\n(def [a-z]+\(a, b\):\n    return a [-+*/] b\n\n){1}"))),
+    (TEXT, SamplingParams(temperature=0, max_tokens=20, structured_outputs=SO(
+        regex=r" brown fox jumps over the lazy cat\. The [a-z]+ [a-z]+ fox"))),
+]
+LOW_ACCEPTANCE = "red, green, blue, red, green, blue, yellow, red, green,"  # drafts proposed, nearly all rejected
 
 
 def _requests():
     """Copy-heavy prompts (long drafts accepted) and others, in every sampling mode that speculates:
     greedy, greedy with logprobs and a stop string, seeded temperature / top-p with logprobs,
-    seeded min_tokens with n = 2, a tiny max_tokens; and one with penalties (never speculates)."""
+    seeded min_tokens with n = 2, a tiny max_tokens; one with penalties (never speculates); then the
+    constrained ones (``CONSTRAINED``)."""
     prompts = [TEXT, CODE, CODE, "The capital of France is", TEXT, "1, 2, 3, 1, 2, 3, 1, 2,", TEXT]
     params = [SamplingParams(temperature=0, max_tokens=16),
               SamplingParams(temperature=0, max_tokens=16, logprobs=2),
@@ -34,15 +68,78 @@ def _requests():
               SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=16, logprobs=1),
               SamplingParams(temperature=1.0, seed=11, max_tokens=16, min_tokens=12, n=2),
               SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.2)]
-    return prompts, params
+    return prompts + [p for p, _ in CONSTRAINED], params + [sp for _, sp in CONSTRAINED]
 
 
-def _generate(model, prompts, params, **kw):
-    with LLM(model, device="cpu", max_model_len=512, **kw) as llm:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        stats = llm.engine.stats()
-        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks, "blocks leaked"
-    return outs, stats
+# The other tests' requests, whose reference outputs the base engine computes with _requests()'.
+LOCKSTEP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+LOW = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+def _llm(model, **kw):
+    return LLM(model, device="cpu", max_model_len=512, **kw)
+
+
+@pytest.fixture(scope="module")
+def base(demo_model):
+    with _llm(demo_model) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def spec1(demo_model):
+    with _llm(demo_model, speculative_config=SPEC1) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def spec2(demo_model):
+    with _llm(demo_model, pipeline_parallel_size=2, speculative_config=NGRAM, enable_prefix_caching=True,
+              num_kv_blocks=10, block_size=16, max_num_batched_tokens=24) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def spec3(demo_model):
+    with _llm(demo_model, pipeline_parallel_size=3, speculative_config=SPEC3) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def base_all(base):
+    """The reference outputs of every test, in one batch: ``_requests()``, then TEXT with
+    ``LOCKSTEP`` and LOW_ACCEPTANCE with ``LOW``."""
+    prompts, params = _requests()
+    return base.generate(prompts + [TEXT, LOW_ACCEPTANCE], params + [LOCKSTEP, LOW], use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def base_outputs(base_all):
+    return base_all[:-2]
+
+
+class _Delta:
+    """The change of an engine's speculative-decoding counters over a block."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def __enter__(self):
+        self.s0 = self.llm.engine.stats()
+        return self
+
+    def __exit__(self, *exc):
+        s = self.llm.engine.stats()
+        self.drafts = s.spec_num_drafts - self.s0.spec_num_drafts
+        self.draft_tokens = s.spec_num_draft_tokens - self.s0.spec_num_draft_tokens
+        self.accepted = s.spec_num_accepted_tokens - self.s0.spec_num_accepted_tokens
+        self.stats = s
+
+
+def _generate(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks, "blocks leaked"
+    return outs
 
 
 def _same(base, outs, label):
@@ -57,22 +154,160 @@ def _same(base, outs, label):
 
 
 @pytest.mark.slow
-def test_ngram_outputs_equal_without_at_pp_1_2_3(demo_model):
+@pytest.mark.parametrize("pp", [1, 2, 3])
+def test_ngram_outputs_equal_without_at_pp_1_2_3(request, base_outputs, pp):
     """The same tokens, text, logprobs and finish reasons with and without n-gram speculation at
     PP = 1, 2, 3 (greedy and seeded alike: a verify row draws exactly what plain decoding draws);
     at PP=2 also with prefix caching, a KV cache small enough to preempt and 24-token micro-batches
-    (chunked prompts, drafts cut to the budget). Drafts were accepted in every run."""
+    (chunked prompts, drafts cut to the budget); at PP=1 with drafts off while more than 4
+    requests decode, at PP=3 paused after low acceptance. The constrained requests (JSON schema,
+    regex, greedy and seeded) are among them at PP = 1, 2. Drafts were accepted in every run."""
+    llm = request.getfixturevalue(f"spec{pp}")
     prompts, params = _requests()
-    base, _ = _generate(demo_model, prompts, params)
-    for pp, kw in ((1, {}), (3, {}), (2, dict(enable_prefix_caching=True, num_kv_blocks=10, block_size=16,
-                                              max_num_batched_tokens=24))):
-        outs, st = _generate(demo_model, prompts, params, pipeline_parallel_size=pp, speculative_config=NGRAM, **kw)
-        _same(base, outs, f"PP={pp}")
-        # drafts were accepted: a mean acceptance length of at least 1.5 (about 2 in these runs)
-        assert st.spec_num_drafts > 0 and 2 * st.spec_num_accepted_tokens >= st.spec_num_drafts, (pp, st)
-        assert sum(st.spec_accepted_per_pos) == st.spec_num_accepted_tokens
-        if kw:
-            assert st.num_preemptions > 0 and st.prefix_cache_hits > 0, st
+    n = len(prompts) - (len(CONSTRAINED) if pp == 3 else 0)  # constrained: at PP = 1, 2 (and restart)
+    with _Delta(llm) as d:
+        outs = _generate(llm, prompts[:n], params[:n])
+    _same(base_outputs[:n], outs, f"PP={pp}")
+    st = d.stats
+    assert sum(st.spec_accepted_per_pos) == st.spec_num_accepted_tokens
+    if pp < 3:  # drafts were accepted: a mean acceptance length of at least 1.5 (about 2 in these runs)
+        assert d.drafts > 0 and 2 * d.accepted >= d.drafts, (pp, st)
+    else:  # fewer drafts (disable_by_batch_size, min_acceptance_rate), still accepted
+        assert d.drafts > 0 and d.accepted > 0, st
+    if pp == 2:
+        assert st.num_preemptions > 0 and st.prefix_cache_hits > 0, st
+
+
+@pytest.mark.slow
+def test_constrained_drafts_follow_the_grammar(base_outputs, spec1):
+    """Structured outputs with speculation: JSON-schema and regex outputs (greedy and seeded) equal
+    the outputs without it, token for token, with drafts proposed and accepted (the result rank's
+    matcher walks each chunk's drafts for its 1 + k masks; a draft the grammar refuses is cut,
+    here "dog" where the regex wants "cat"). (They are also among the requests of the PP = 1, 2,
+    3 equality test, at PP=2 with preemption, and of the stage-restart test.)"""
+    prompts, params = zip(*CONSTRAINED)
+    with _Delta(spec1) as d:
+        outs = _generate(spec1, list(prompts), list(params))
+    _same(base_outputs[-len(CONSTRAINED):], outs, "constrained")
+    assert json.loads(outs[0].outputs[0].text) == {"name": "Anna", "age": 31, "city": "Paris"}
+    assert outs[3].outputs[0].text.startswith(" brown fox jumps over the lazy cat.")
+    assert d.drafts > 0 and 2 * d.accepted >= d.drafts, vars(d)
+
+
+@pytest.mark.slow
+def test_disable_by_batch_size_runs_the_batch_without_drafts(base_all, spec1):
+    """``disable_by_batch_size`` 4 (PP=1: one micro-batch a step): five greedy sequences decoding
+    together (one prompt, n = 5, prefilled in one step, the same length to the end) get no draft at
+    all, and the same prompt with n = 4 gets drafts; the tokens are those without speculation."""
+    five, four = (msgspec.structs.replace(LOCKSTEP, n=n) for n in (5, 4))
+    ref = [base_all[-2].outputs[0].token_ids] * 9  # greedy: every sequence is the one without n
+    with _Delta(spec1) as d:
+        outs = _generate(spec1, [TEXT], [five])
+    assert (d.drafts, d.draft_tokens) == (0, 0)
+    with _Delta(spec1) as d4:
+        outs += _generate(spec1, [TEXT], [four])
+    assert d4.drafts > 0 and d4.accepted > 0
+    assert [c.token_ids for o in outs for c in o.outputs] == ref
+
+
+@pytest.mark.slow
+def test_min_acceptance_rate_pauses_drafts(base_all, spec1, spec3):
+    """``min_acceptance_rate`` 0.9: a request whose drafts are nearly all rejected proposes after a
+    rejected chunk none for ``BACKOFF_STEPS`` steps, so at most one draft chunk per 17 of its steps
+    (without the floor: every step whose suffix recurs has one); the tokens are unchanged."""
+    sp, ref = LOW, base_all[-1:]
+    with _Delta(spec1) as free:
+        _same(ref, _generate(spec1, [LOW_ACCEPTANCE], sp), "no floor")
+    assert free.accepted < 0.9 * free.draft_tokens / 2  # well below the floor
+    with _Delta(spec3) as floor:
+        _same(ref, _generate(spec3, [LOW_ACCEPTANCE], sp), "floor")
+    assert 0 < floor.drafts <= math.ceil(48 / (BACKOFF_STEPS + 1)) < free.drafts, (floor.drafts, free.drafts)
+
+
+@pytest.mark.slow
+def test_outputs_equal_across_a_stage_restart(base_outputs, spec2):
+    """The last stage of the PP=2 engine is SIGKILLed mid-decode (verify chunks in flight): it is
+    restarted in place, every request is recomputed from its prompt and the tokens it kept, and the
+    outputs equal the run without speculation, token for token."""
+    import os
+    llm = spec2
+    ex = llm.engine.executor
+    victim = next(p for p in ex.procs if p.name == "zpp-worker-1")
+    core = llm.engine.core
+    gen0 = core.num_generation_tokens
+    restarts0 = list(llm.engine.stats().stage_restarts)
+
+    def kill():
+        deadline = time.monotonic() + 120
+        while core.num_generation_tokens < gen0 + 12 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.kill(victim.pid, signal.SIGKILL)
+    t = threading.Thread(target=kill, daemon=True)
+    t.start()
+    prompts, params = _requests()
+    pick = [0, 1, 4, len(prompts) - 4, len(prompts) - 1]  # greedy, logprobs, seeded, JSON, a refused draft
+    with _Delta(llm) as d:
+        outs = _generate(llm, [prompts[i] for i in pick], [params[i] for i in pick])
+    t.join()
+    assert d.stats.stage_restarts == [restarts0[0], restarts0[1] + 1], d.stats.stage_restarts
+    _same([base_outputs[i] for i in pick], outs, "stage restart")
+    assert d.drafts > 0 and d.accepted > 0
+
+
+def test_grammar_walks_drafts_and_cuts_at_a_refused_one(tokenizer):
+    """The result rank's verify masks (SlotGrammars.fill_drafts): row j of a chunk is the mask after
+    its first j drafts (as a matcher fed token by token gives it); the walk stops at the first draft
+    the grammar refuses (the row before it disallows it; later rows all ones) and after a draft that
+    completes the grammar; rollback restores the state before the walk."""
+    import xgrammar as xgr
+    from zpp.workers.grammar import SlotGrammars
+    from zpp.workers.slots import SlotTable
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    compiled = xgr.GrammarCompiler(info).compile_regex(r"[0-9]{3}-[0-9]{4}")
+    eos = tokenizer.eos_token_id
+    table, g = SlotTable(4, 64, 16), SlotGrammars(4, len(tokenizer))
+    b = m.BatchBuilder()
+    for s in range(2):
+        b.new_request(s, f"r{s}", [1], 1, [0], None)
+    batch = b.build(0)
+    batch.grammars = [m.GrammarInit(s, "k", [eos], compiled.serialize_json() if s == 0 else "") for s in range(2)]
+    batch.grammar_tokenizer = info.serialize_json()
+    table.apply(batch)
+    g.apply(batch, table)
+    tok = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    digits = tok("5551234")
+    assert len(digits) == 7  # one token per digit
+    dash = tok("-")
+    drafts = [digits[:2] + tok("a") + digits[2:3],  # refused at its third draft
+              digits[:3] + dash + digits[3:7] + [eos]]  # complete, then EOS ends it
+    bitmask, walked = g.fill_drafts(np.array([0, 1]), np.array([0, 0]), drafts)
+    bitmask = bitmask.copy()
+    assert walked.tolist() == [2, 9]
+
+    ref = xgr.GrammarMatcher(compiled, override_stop_tokens=[eos])
+    want = xgr.allocate_token_bitmask(1, info.vocab_size).numpy()
+
+    def mask_after(tokens):
+        ref.reset()
+        for t in tokens:
+            assert ref.accept_token(t)
+        ref.fill_next_token_bitmask(want, 0)
+        return want[0].copy()
+    rows0 = bitmask[:5]
+    for j in range(3):
+        assert (rows0[j] == mask_after(drafts[0][:j])).all(), j
+    assert not (rows0[2][drafts[0][2] // 32] >> (drafts[0][2] % 32)) & 1  # the refused draft is disallowed
+    assert (rows0[3:] == -1).all()
+    rows1 = bitmask[5:]
+    for j in range(9):
+        assert (rows1[j] == mask_after(drafts[1][:j])).all(), j
+    assert (rows1[9] == -1).all()  # after the completing EOS: never kept
+    g.rollback(np.array([0, 1]), walked)
+    assert g.num_accepted[:2].tolist() == [0, 0]
+    assert (g.fill(np.array([0, 1]), np.array([0, 0])) == mask_after([])).all()
+    # after the walk and the rollback, the matchers accept the chunk's tokens as usual
+    assert g.accept(np.array([0]), digits[:1]) == ([], [])
 
 
 # --- the scheduler's bookkeeping on its own --------------------------------------------------------

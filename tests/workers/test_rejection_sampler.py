@@ -33,7 +33,7 @@ def _runner(sampling: SamplingParams, n: int = 1):
     batch = b.build(0)
     cols = table.apply(batch)
     runner = SimpleNamespace(table=table, sampler=Sampler(torch.device("cpu"), seed=0), eos_token_ids={5},
-                             trace=Trace("test"), _allowed=lambda *a: None, _grammar_sel=None, busy_s=0.0, idle_s=0.0)
+                             trace=Trace("test"), grammars=None, _grammar_sel=None, busy_s=0.0, idle_s=0.0)
     return runner, batch, cols
 
 

@@ -304,8 +304,9 @@ class EngineCore:
         stopped, refused_chunks = set(result.grammar_stopped), set(result.grammar_refused)
         refused: set[str] = set()
         done = []
-        for req, i, token_id in updates:
-            if token_id < 0:
+        last = {i: n for n, (_, i, _) in enumerate(updates)}  # a verify chunk's tokens: its grammar ends at its last
+        for n, (req, i, token_id) in enumerate(updates):
+            if token_id < 0 or last[i] != n:
                 continue
             if i in refused_chunks:
                 logger.warning("sequence %s: its grammar allows no token the sampler could pick (dead end, e.g. "

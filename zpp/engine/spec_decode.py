@@ -21,10 +21,15 @@ what pipeline parallelism already implies for a decoding request (it is in at mo
 in flight); async scheduling is off with speculation (``EngineConfig.async_scheduling``).
 
 Which requests get drafts: decoding ones (not a prompt chunk), without penalties (their logits read
-the token history, drafts included) and without a grammar (the result rank's matcher would have to
-accept each draft); at most as many as fit ``max_tokens`` and ``--max-model-len``; none in a step
+the token history, drafts included); at most as many as fit ``max_tokens`` and ``--max-model-len``; none in a step
 with more decoding requests than ``disable_by_batch_size``; none for a while after a request's
 recent acceptance fell below ``min_acceptance_rate``.
+
+Structured outputs: a constrained request's drafts go to the result rank like any other; there its
+grammar matcher walks them (:meth:`zpp.workers.grammar.SlotGrammars.fill_drafts`), the bitmask of
+each of the ``1 + k`` rows being the grammar's state after the drafts before it, and the draft is
+cut at the first token the grammar refuses (the row before it disallows it); the walk is then rolled
+back and the matcher accepts the tokens the chunk returns.
 
 The n-gram proposer is vLLM's ``NgramProposer`` idea (prompt lookup decoding, Saxena 2023): the
 longest suffix of the sequence, from ``prompt_lookup_max`` tokens down to ``prompt_lookup_min``,
@@ -139,7 +144,7 @@ class SpecDecoder:
                 budget: int = 1 << 30) -> list[int]:
         """Drafts for decoding request ``req`` (:class:`~zpp.engine.request.Request`), at most
         ``budget``: ``[]`` when it may not speculate (see the module docstring) or no n-gram matches."""
-        if req.grammar is not None or not req.async_sampling_ok:
+        if not req.async_sampling_ok:
             return []
         left = self._backoff.get(req.req_id)
         if left:

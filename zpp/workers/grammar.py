@@ -230,6 +230,62 @@ class SlotGrammars:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, index)
         return bitmask
 
+    def fill_drafts(self, slots: np.ndarray, needs: np.ndarray, drafts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Speculative decoding: the bitmask rows of constrained verify chunks, ``1 + k`` per chunk
+        (row ``j``: the allowed tokens after the chunk's first ``j`` drafts). Each matcher walks its
+        chunk's drafts (``drafts[i]``, ``k`` of them), filling the row after each one it accepts; it
+        stops at the first draft its grammar refuses (the draft is cut there: the row before it
+        disallows it, so no later draft can be accepted) or once the grammar is complete. Rows
+        past the walk, and the row after a draft that completed the grammar, are all ones (their
+        tokens are never kept). The walk is undone by :meth:`rollback`.
+
+        Returns ``(bitmask int32[sum(k_i + 1), words], walked int64[len(slots)])``: the rows
+        (valid until the next fill) and how many drafts each matcher accepted.
+
+        Raises:
+            RuntimeError: as :meth:`fill` (a matcher that has not accepted exactly ``needs`` tokens).
+        """
+        sizes = [len(d) + 1 for d in drafts]
+        bitmask = self._rows(sum(sizes))
+        live = ~self.ended[slots]
+        bad = live & (self.num_accepted[slots] != needs)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise RuntimeError(f"slot {int(slots[i])}: its grammar accepted {int(self.num_accepted[slots[i]])} "
+                               f"tokens, but its verify chunk samples output token {int(needs[i])}")
+        walked = np.zeros(len(slots), dtype=np.int64)
+        row = 0
+        for i, (s, d) in enumerate(zip(slots.tolist(), drafts)):
+            end = row + len(d) + 1
+            if not live[i]:
+                bitmask[row:end] = -1
+                row = end
+                continue
+            matcher = self.matchers[s]
+            matcher.fill_next_token_bitmask(bitmask, row)
+            w = 0
+            for t in d:
+                if not matcher.accept_token(t):
+                    break
+                w += 1
+                if matcher.is_terminated():
+                    break
+                matcher.fill_next_token_bitmask(bitmask, row + w)
+            if matcher.is_terminated() and w:
+                bitmask[row + w:end] = -1
+            else:
+                bitmask[row + w + 1:end] = -1
+            walked[i] = w
+            row = end
+        return bitmask, walked
+
+    def rollback(self, slots: np.ndarray, walked: np.ndarray) -> None:
+        """Undo :meth:`fill_drafts`' walk: each matcher of ``slots`` goes back by its ``walked``
+        tokens (xgrammar's ``GrammarMatcher.rollback``)."""
+        for s, w in zip(slots.tolist(), walked.tolist()):
+            if w:
+                self.matchers[s].rollback(w)
+
     def accept(self, slots: np.ndarray, tokens: list[int]) -> tuple[list[int], list[int]]:
         """Advance the matchers of the constrained rows ``slots`` by their sampled ``tokens``
         (xgrammar's batched accept: one call, or one call per slice on ``fill_threads`` threads,

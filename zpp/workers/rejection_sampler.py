@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from zpp.transport import messages as m
-from zpp.workers.sampler import Sampler, prompt_logprobs
+from zpp.workers.grammar import sampled_rows
+from zpp.workers.sampler import Sampler, prompt_logprobs, unpack_bitmask
 
 
 def accepted_lengths(targets: np.ndarray, drafts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -97,11 +98,12 @@ def verify(runner, batch: m.ExecuteBatch, cols: m.BatchColumns, logits: torch.Te
     row_slots = cols.slots[sample_chunks]
     vslots = np.repeat(row_slots, counts + 1)
     ends = cols.starts[sample_chunks].astype(np.int64) + cols.num_tokens[sample_chunks]
-    allowed = runner._allowed(batch, cols, logits.shape[1])
-    if allowed is not None:  # constrained chunks have no drafts: their row is their chunk's first
-        first = np.cumsum(counts + 1) - (counts + 1)
-        idx = torch.as_tensor(first, device=allowed[0].device)[allowed[0]]
-        allowed = (idx, allowed[1])
+    first = np.cumsum(counts + 1) - (counts + 1)  # each chunk's first virtual row
+    runner._grammar_sel = None  # the constrained chunks' matchers are advanced here, not by runner._result
+    sel = sampled_rows(runner.grammars, cols, runner.table.num_prompt)
+    allowed = walked = None
+    if sel is not None:
+        allowed, walked = _draft_masks(runner, batch, cols, sel, counts, first, logits.shape[1])
     vlogits = logits[torch.as_tensor(vrows, device=logits.device)]
     if runner.table.plain[row_slots].all():
         targets = Sampler.greedy(vlogits, allowed).tolist()
@@ -110,7 +112,9 @@ def verify(runner, batch: m.ExecuteBatch, cols: m.BatchColumns, logits: torch.Te
         seqs = runner.table.seq_states(vslots, verify_rows(ends - counts, counts))
         targets, lps = runner.sampler(vlogits.float(), seqs, runner.eos_token_ids, allowed)
     acc = accepted_lengths(np.asarray(targets), cols.draft_tokens, counts)
-    first = np.cumsum(counts + 1) - (counts + 1)
+    stopped = refused = ()
+    if sel is not None:
+        stopped, refused = _grammar_accept(runner.grammars, sel, walked, acc, first, targets)
     tokens, out_lps, n_out = [], [], []
     for c, a in enumerate(acc.tolist()):
         f = int(first[c])
@@ -123,7 +127,59 @@ def verify(runner, batch: m.ExecuteBatch, cols: m.BatchColumns, logits: torch.Te
                        [lp for lp in out_lps if lp is not None],
                        prompt_logprobs(runner.table, cols, logits, plp_spans), busy_s=runner.busy_s, idle_s=runner.idle_s,
                        token_counts=m.pack_int32(n_out))
+    if stopped:
+        res.grammar_stopped = sample_chunks[list(stopped)].tolist()
+    if refused:
+        res.grammar_refused = sample_chunks[list(refused)].tolist()
     runner.trace.mark("verified", batch.batch_id, args={"accepted": int(acc.sum())})
-    if runner._grammar_sel is not None:  # constrained chunks return one token each: their first
-        runner.accept_sampled(res, sample_chunks, [targets[int(f)] for f in first], runner._grammar_sel)
     return res
+
+
+def _draft_masks(runner, batch: m.ExecuteBatch, cols: m.BatchColumns, sel, counts: np.ndarray, first: np.ndarray,
+                 vocab_size: int):
+    """Structured outputs in a verify step: the disallowed tokens of every virtual row of the
+    constrained sampling chunks (``sel``: :func:`~zpp.workers.grammar.sampled_rows`), each row's
+    mask the grammar's state after the drafts before it (:meth:`SlotGrammars.fill_drafts`, which
+    cuts a chunk's drafts at the first one its grammar refuses). Returns ``((rows, disallowed), walked)``
+    in the form of ``ModelRunner._allowed`` over the virtual rows, and each matcher's walk."""
+    grows, slots, needs = sel
+    k = counts[grows]
+    d0 = np.cumsum(counts) - counts
+    drafts = [cols.draft_tokens[d0[r]:d0[r] + counts[r]].tolist() for r in grows.tolist()]
+    if runner.before_fill is not None:
+        runner.before_fill()  # the pending result's tokens are accepted first
+    runner.trace.mark("fill", batch.batch_id)
+    bitmask, walked = runner.grammars.fill_drafts(slots, needs - k, drafts)
+    runner.trace.mark("filled", batch.batch_id)
+    vidx = np.concatenate([np.arange(first[r], first[r] + counts[r] + 1) for r in grows.tolist()])
+    rows = runner.staging.upload([vidx.astype(np.int64)])[0]
+    disallowed = unpack_bitmask(bitmask.reshape(-1).view(np.uint8), len(vidx), vocab_size, runner.device)
+    return (rows, disallowed), walked
+
+
+def _grammar_accept(grammars, sel, walked: np.ndarray, acc: np.ndarray, first: np.ndarray, targets: list[int]):
+    """After a verify step: the constrained chunks' matchers undo their walk over the drafts and
+    accept the chunk's tokens (``targets[first[c]:first[c] + acc[c] + 1]``) in order. A chunk's
+    tokens end at one that completes its grammar or that it refuses (``acc`` cut in place).
+    Returns the sampling-chunk indices whose grammar completed and those whose last token was refused."""
+    grows, slots, _ = sel
+    grammars.rollback(slots, walked)
+    np.minimum.at(acc, grows, walked)  # a draft the grammar refused is never accepted (its row disallows it)
+    stopped, refused = [], []
+    live = list(range(len(grows)))
+    r = 0
+    while live:
+        toks = [targets[int(first[grows[i]]) + r] for i in live]
+        st, rf = grammars.accept(slots[live], toks)
+        ended = set()
+        for j in st:
+            stopped.append(int(grows[live[j]]))
+            ended.add(live[j])
+        for j in rf:
+            refused.append(int(grows[live[j]]))
+            ended.add(live[j])
+        for i in ended:
+            acc[grows[i]] = r  # the chunk's tokens end here
+        r += 1
+        live = [i for i in live if i not in ended and acc[grows[i]] >= r]
+    return sorted(stopped), sorted(refused)
