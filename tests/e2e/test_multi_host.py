@@ -225,57 +225,64 @@ def test_remote_death_fails_fast(two_hosts, demo_model, victim):
         s.stop()
 
 
-def test_head_sigkill_empties_node(two_hosts, demo_model):
+@pytest.fixture(scope="module")
+def shared_server(two_hosts, demo_model):
+    """One default server (stage 1 on the node) for the peer-without-keys test and then the head
+    SIGKILL test, which ends it (one start less; they ran a server each)."""
+    s = _Server(two_hosts, demo_model)
+    yield s
+    s.stop()
+
+
+def test_peer_without_keys_is_refused_and_logged(two_hosts, shared_server):
     h = two_hosts
-    s = _Server(h, demo_model)
+    s = shared_server
+    before = s.request({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+    line = next(t for t in s.output().splitlines() if "control plane on tcp://" in t)
+    endpoint = line.split("control plane on ")[1].split()[0]
+    # A DEALER with no CURVE keys, from the node (as an attacker on the network would), sends a
+    # well-formed Hello claiming rank 1 and waits for any answer.
+    intruder = textwrap.dedent("""
+        import sys, zmq
+        from zpp.transport import messages as m
+        s = zmq.Context().socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, b"rank1")
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(sys.argv[1])
+        s.send(m.encode(m.Hello(rank=1, key="0" * 32, pid=1, hostname="intruder")))
+        print("RESULT " + ("true" if s.poll(3000) else "false"), flush=True)
+    """)
+    p = h.run_in_node([sys.executable, "-c", intruder, endpoint], stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True)
+    assert _result(p, timeout=30) is False, "a peer without keys got an answer"
+    deadline = time.monotonic() + 5
+    while "refused a control-plane connection from " not in s.output():
+        assert time.monotonic() < deadline, s.output()[-3000:]
+        time.sleep(0.1)
+    # The peer is named when its connection is still open when the monitor thread asks (ZeroMQ's
+    # event carries only the file descriptor): on a loaded machine it may be gone already.
+    for t in s.output().splitlines():
+        if "refused a control-plane connection from " in t:
+            peer = t.split("refused a control-plane connection from ")[1].split(" on ")[0]
+            assert peer.startswith(h.node_ip + ":") or peer == "an unknown peer", t
+    after = s.request({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+    assert after["choices"][0]["text"] == before["choices"][0]["text"]
+    assert s.proc.poll() is None
+    # (the server's end, and the node emptied after it: test_head_sigkill_empties_node, next)
+
+
+def test_head_sigkill_empties_node(two_hosts, shared_server):
+    """On the server the test above used (or a fresh one when run alone): its last user."""
+    h = two_hosts
+    s = shared_server
     try:
-        assert _node_pids(h, "zpp::")
+        assert s.proc.poll() is None and _node_pids(h, "zpp::")
         os.kill(s.proc.pid, signal.SIGKILL)
         s.proc.wait(10)
         assert not _wait_empty(h, h.node_ns, 10), "the node kept processes of a SIGKILLed head"
         assert not _wait_empty(h, h.head_ns, 10), "the head's workers outlived it"
     finally:
         s.stop()
-
-
-def test_peer_without_keys_is_refused_and_logged(two_hosts, demo_model):
-    h = two_hosts
-    s = _Server(h, demo_model)
-    try:
-        before = s.request({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
-        line = next(t for t in s.output().splitlines() if "control plane on tcp://" in t)
-        endpoint = line.split("control plane on ")[1].split()[0]
-        # A DEALER with no CURVE keys, from the node (as an attacker on the network would), sends a
-        # well-formed Hello claiming rank 1 and waits for any answer.
-        intruder = textwrap.dedent("""
-            import sys, zmq
-            from zpp.transport import messages as m
-            s = zmq.Context().socket(zmq.DEALER)
-            s.setsockopt(zmq.IDENTITY, b"rank1")
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(sys.argv[1])
-            s.send(m.encode(m.Hello(rank=1, key="0" * 32, pid=1, hostname="intruder")))
-            print("RESULT " + ("true" if s.poll(3000) else "false"), flush=True)
-        """)
-        p = h.run_in_node([sys.executable, "-c", intruder, endpoint], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
-        assert _result(p, timeout=30) is False, "a peer without keys got an answer"
-        deadline = time.monotonic() + 5
-        while "refused a control-plane connection from " not in s.output():
-            assert time.monotonic() < deadline, s.output()[-3000:]
-            time.sleep(0.1)
-        # The peer is named when its connection is still open when the monitor thread asks (ZeroMQ's
-        # event carries only the file descriptor): on a loaded machine it may be gone already.
-        for t in s.output().splitlines():
-            if "refused a control-plane connection from " in t:
-                peer = t.split("refused a control-plane connection from ")[1].split(" on ")[0]
-                assert peer.startswith(h.node_ip + ":") or peer == "an unknown peer", t
-        after = s.request({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
-        assert after["choices"][0]["text"] == before["choices"][0]["text"]
-        assert s.proc.poll() is None
-    finally:
-        s.stop()
-    assert not _wait_empty(h, h.node_ns, 10)
 
 
 def _serve_fails(h, model: str, node: str, *extra: str, env_extra: dict | None = None) -> tuple[int, str, float]:

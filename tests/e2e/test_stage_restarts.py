@@ -1,8 +1,8 @@
 """Supervised stages (CPU, the real SmolLM2 weights): a stage worker that dies or stops answering is
 started again in place, the other stages keep their processes, and every request resumes.
 
-- PP = 2 and PP = 3 servers, 16 greedy streams, 4 seeded sampled ones and 2 JSON-constrained ones
-  (greedy and seeded) at a time: each stage in
+- PP = 2 and PP = 3 servers, 4 greedy streams, 2 seeded sampled ones and 2 JSON-constrained ones
+  (greedy and seeded) at a time, all 8 mid-decode when the stage is hit: each stage in
   turn SIGKILLed mid-decode, and (PP = 2) one SIGSTOPped (found by the heartbeat watchdog, killed,
   restarted).
   Every stream completes without an error, with exactly the tokens of an undisturbed run (nothing
@@ -35,15 +35,21 @@ pytestmark = pytest.mark.slow
 HEARTBEAT_S = 3
 MAX_TOKENS = 16
 MID_DECODE_TOKENS = 4  # every stream has this many tokens when the stage is hit
+# The restart rounds' streams: 4 greedy, 2 seeded, 2 constrained (8 in flight at the hit: every kind
+# of sequence the result rank and the scheduler replay; was 16 + 4 + 2: the same checks, ~2x the
+# decode work in each of a run's 4 rounds: undisturbed, then one per hit).
+ROUND = (4, 2)
 STORY = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 20},
                                           "story": {"type": "string", "minLength": 300}},
          "required": ["title", "story"]}
 
 
-def _bodies() -> list[dict]:
-    greedy = [{"prompt": f"Tell me about the number {i}.", "temperature": 0} for i in range(16)]
+def _bodies(greedy: int = 16, seeded: int = 4) -> list[dict]:
+    """``greedy`` greedy streams, ``seeded`` seeded sampled ones (at most 4) and the 2 constrained."""
+    words = ("rain", "stone", "light", "salt")[:seeded]
+    greedy = [{"prompt": f"Tell me about the number {i}.", "temperature": 0} for i in range(greedy)]
     seeded = [{"prompt": f"Write a line of poetry about {w}.", "temperature": 0.9, "top_p": 0.95, "seed": 100 + i}
-              for i, w in enumerate(("rain", "stone", "light", "salt"))]
+              for i, w in enumerate(words)]
     # Constrained (the grammar too long to complete in MAX_TOKENS): the restarted result rank, or
     # a surviving one that forgot everything, gets the grammars again and replays their outputs.
     constrained = [{"prompt": f"Describe {w} as JSON.", "temperature": t, "seed": 7,
@@ -89,11 +95,12 @@ async def _health_watch(session, url, seen: set, stop: asyncio.Event) -> None:
 
 
 def _round(url: str, hit=None) -> tuple[list[_Stream], set, _Stream]:
-    """Run every body as a stream; with ``hit = (pid, signal)``, signal that pid once every stream
-    has MID_DECODE_TOKENS tokens; then send one more request ("late": during the restart). Returns
-    the streams, the /health answers seen, and the late request."""
+    """Run the ROUND bodies as streams; with ``hit = (pid, signal)``, signal that pid once every
+    stream has MID_DECODE_TOKENS tokens (all of them in flight: MAX_TOKENS each, EOS ignored); then
+    send one more request ("late": during the restart). Returns the streams, the /health answers
+    seen, and the late request."""
     async def go():
-        streams = [_Stream(b) for b in _bodies()]
+        streams = [_Stream(b) for b in _bodies(*ROUND)]
         late = _Stream({**_bodies()[0], "prompt": "A late request, sent during the restart."})
         seen: set = set()
         stop = asyncio.Event()
@@ -105,6 +112,9 @@ def _round(url: str, hit=None) -> tuple[list[_Stream], set, _Stream]:
                 while any(len(st.tokens) < MID_DECODE_TOKENS and st.finish is None for st in streams):
                     assert time.monotonic() < deadline, [len(st.tokens) for st in streams]
                     await asyncio.sleep(0.02)
+                # the hit lands with every stream in flight (none finished or failed yet)
+                assert all(st.finish is None and st.error is None for st in streams), \
+                    [(len(st.tokens), st.finish, st.error) for st in streams]
                 os.kill(*hit)
             tasks.append(asyncio.create_task(_stream(s, url, late)))
             await asyncio.gather(*tasks)

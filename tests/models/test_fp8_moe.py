@@ -21,9 +21,9 @@ same checkpoint dequantized (HF's reference once per checkpoint, three prompts):
   process (each stage loads only its layers' tensors, as a worker does; the activations go from one
   stage's forward to the next's). PP = 1 decodes token by token, the other splits take HF's tokens
   as inputs (two forwards each) -- cheap enough to cover every split;
-* the engine itself (worker processes, gloo between stages, chunked prefill, decoding) once: DeepSeek-V3
-  block at PP = 3 with ``--pp-layer-partition 1,2,1`` (test_fp8.py runs Qwen3-MoE and DeepSeek-V3
-  block at PP = 2); each stage reports its weight bytes by dtype and its KV capacity in tokens.
+* the engine itself (worker processes, gloo between stages, chunked prefill, prefix caching,
+  decoding) once: DeepSeek-V3 block at PP = 3 with ``--pp-layer-partition 1,2,1``; each stage
+  reports its weight bytes by dtype and its KV capacity in tokens.
 
 Also the GPU's loading path, run on the CPU: expert weights stay e4m3 with canonical scales that
 dequantize exactly to the checkpoint's, routers keep their dtype, the expert layer's output equals
@@ -234,18 +234,24 @@ def test_every_split_matches_hf(ckpt, prompts, family, layout):
 def test_engine_at_pp3_uneven_matches_hf(ckpt, prompts):
     """The engine (three worker processes, gloo between them) on DeepSeek-V3's block layout at PP = 3
     with ``--pp-layer-partition 1,2,1`` (a stage with a dense and an MoE layer; prompts prefilled in
-    chunks of 16 tokens): HF's greedy tokens on the twin; each stage reports its weight bytes by
+    chunks of 16 tokens, prefix caching on: a request sharing 32 tokens with an earlier one reads
+    them from the cache): HF's greedy tokens on the twin; each stage reports its weight bytes by
     dtype (together the twin's bytes) and the KV capacity is the blocks' tokens. (One start: the
-    module's other splits and layouts are the same loading, run in-process above; test_fp8.py runs
-    the engine on Qwen3-MoE and DeepSeek-V3 block FP8 at PP = 2.)"""
+    module's other splits and layouts are the same loading, run in-process above; the MoE engine
+    runs test_fp8.py had at PP = 2 -- Qwen3-MoE and DeepSeek-V3 block, chunked prefill and prefix
+    caching -- are folded into this one.)"""
     from zpp import LLM, SamplingParams
     family, layout, partition = "deepseek-v3", "block", (1, 2, 1)
     d, deq = ckpt(family, layout)
-    ref = hf_greedy(deq, prompts, MAX_NEW)
+    shared = prompts[2][:32] + [11, 12, 13]
+    ref = hf_greedy(deq, prompts + [shared], MAX_NEW)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     with LLM(d, pipeline_parallel_size=3, pp_layer_partition=partition, max_num_batched_tokens=16,
-             kv_cache_memory="32MiB") as llm:
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
-                            use_tqdm=False)
+             enable_prefix_caching=True, kv_cache_memory="32MiB") as llm:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        hits = llm.engine.kv.prefix_hits
+        outs += llm.generate([shared], sp, use_tqdm=False)
+        assert llm.engine.kv.prefix_hits - hits == 32
         stats = llm.engine.stats()
     assert [list(o.outputs[0].token_ids) for o in outs] == ref, f"{family} {layout} PP=3 {partition}"
     assert len(stats.stage_weight_bytes) == 3 and all(set(s) == {"fp32"} for s in stats.stage_weight_bytes)

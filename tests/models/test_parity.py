@@ -1,5 +1,6 @@
 """Greedy token-for-token parity with HF transformers (fp32, CPU) on the real SmolLM2 weights, at
-PP = 1, 2, 3, 4, with prompts batched together and one at a time."""
+PP = 1, 2, 3, 4, with prompts batched together (all six) and one at a time (three: 1 token, medium,
+> 200 tokens)."""
 from __future__ import annotations
 
 import pytest
@@ -36,16 +37,23 @@ def reference(demo_model, prompts):
     return hf_greedy(demo_model, prompts, MAX_NEW)
 
 
+# One at a time: the shortest (1 token), a medium and the longest prompt (> 200 tokens). Alone, a
+# prompt's 32 decode steps run by themselves, so these runs cost most of the test: every prompt is
+# checked batched, three alone (they were all six).
+ALONE = (0, 3, 5)
+
+
 @pytest.mark.parametrize("pp", [1, 2, 3, 4])
 def test_greedy_matches_hf(demo_model, prompts, reference, pp):
     from zpp import LLM, SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     with LLM(demo_model, pipeline_parallel_size=pp, kv_cache_memory="256MiB") as llm:
         batched = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-        alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
+        alone = {i: llm.generate([prompts[i]], sp)[0].outputs[0].token_ids for i in ALONE}
     for i, ref in enumerate(reference):
         assert batched[i] == ref, f"PP={pp} batched, prompt {i} ({len(prompts[i])} tokens)"
-        assert alone[i] == ref, f"PP={pp} alone, prompt {i} ({len(prompts[i])} tokens)"
+        if i in alone:
+            assert alone[i] == ref, f"PP={pp} alone, prompt {i} ({len(prompts[i])} tokens)"
 
 
 def test_auto_layer_partition_matches_pp1(demo_model, prompts, reference, caplog):
