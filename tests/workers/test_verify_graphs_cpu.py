@@ -68,20 +68,44 @@ def _mtp_helpers():
     return mod
 
 
-def test_mtp_verify_graphs_equal_without_at_pp2(tmp_path_factory, demo_model, tmp_path, monkeypatch):
-    """MTP at PP=2 with verify graphs on both stages (no decode graphs: 1-token steps run eagerly)."""
+def _spec_stats(s) -> tuple:
+    return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens, list(s.spec_accepted_per_pos)
+
+
+def test_mtp_verify_graphs_equal_without_at_pp1_and_pp2(tmp_path_factory, demo_model, tmp_path, monkeypatch):
+    """MTP with verify graphs (no decode graphs: 1-token steps run eagerly): greedy ids equal HF's,
+    and the drafts (a function of the request's tokens alone) are those of the eager path: the same
+    counts of drafts, draft tokens and accepted tokens per position. PP=1 in process (the test
+    helper's scheduler and last-stage runner, once eager and once with the stand-in) and PP=2."""
     from helpers import hf_greedy
+    from zpp.engine.spec_decode import SpecDecoder
+    from zpp.spec_config import SpeculativeConfig
+    from zpp.workers.verify_graphs import EagerVerifyGraphs
     h = _mtp_helpers()
     d = h._save(str(tmp_path_factory.mktemp("v3_mtp_vg")), demo_model)
     h._make_predictable(d, 0.003)
-    prompts = h._prompts()[:3]
+    prompts, lens = h._prompts()[:3], (12, 12, 12)
     want = hf_greedy(d, prompts, 12)
+    eager = SpecDecoder(SpeculativeConfig("mtp", 2))
+    got, runner = h._in_process(d, eager, prompts, lens)
+    assert got == want, "PP=1 eager"
+    ref = (eager.num_drafts, eager.num_draft_tokens, eager.num_accepted_tokens, list(eager.accepted_per_pos))
+    assert ref[2] > 0, ref
+    in_process = tmp_path / "in_process"
+    runner.verify_graphs = EagerVerifyGraphs(runner.model, runner.kv_caches, runner.block_size, 8, eager.config,
+                                             runner.scratch_slot, runner.device, runner.group, str(in_process))
+    graphed = SpecDecoder(SpeculativeConfig("mtp", 2))
+    got, _ = h._in_process(d, graphed, prompts, lens, runner)
+    assert got == want, "PP=1 verify graphs"
+    assert (graphed.num_drafts, graphed.num_draft_tokens, graphed.num_accepted_tokens,
+            list(graphed.accepted_per_pos)) == ref
+    assert _verify_replays(in_process, 1)[0] >= 2
     replays = tmp_path / "replays"
     monkeypatch.setenv("ZPP_EAGER_GRAPHS", str(replays))
     got, st = _generate(d, prompts, 12, pipeline_parallel_size=2,
                         speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    assert got == want
-    assert st.spec_num_accepted_tokens > 0, st
+    assert got == want, "PP=2 verify graphs"
+    assert _spec_stats(st) == ref
     per_rank = _verify_replays(replays, 2)
     assert all(n >= 2 for n in per_rank.values()), f"the verify graphs did not serve every stage: {per_rank}"
     assert all(line.startswith("v ") for line in replays.read_text().splitlines()), "decode graphs ran with MTP"
