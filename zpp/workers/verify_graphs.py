@@ -14,9 +14,9 @@ other batch with drafts (a prompt chunk beside the verifies, larger batches) run
 The attention of a graphed verify batch is the Triton paged attention's multi-token query path
 (``decode_only=False``): ``query_start`` ``[0, q, 2q, ...]``, ``seq_lens`` each sequence's last
 position + 1 (the kernel's causal mask puts query ``i`` of a sequence at ``seq_len - q + i``), and
-a fixed tile list per ``(bucket, q)`` (``q`` rows of a sequence fit in one ``pick_block_m(q, group)``
-tile for ``q`` up to 16; the tiles of a longer ``q`` are listed too), so everything the host
-changes per step is in static buffers.
+a fixed tile list per ``(bucket, q)`` (``ceil(q / (block_m // group))`` tiles per sequence,
+``block_m = pick_block_m(q, group)``, as ``triton_metadata_arrays`` makes them for the eager path),
+so everything the host changes per step is in static buffers.
 
 On the last stage the graph keeps the final hidden states of every position ``[T, H]`` and, on the
 result rank, the logits of every position ``[T, V]`` (model dtype) in static buffers outside the
