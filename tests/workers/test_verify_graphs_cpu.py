@@ -16,8 +16,6 @@ import pytest
 
 from zpp import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow
-
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 TEXTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
          "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
@@ -42,12 +40,35 @@ def _verify_replays(path, pp: int) -> dict[int, int]:
     return per_rank
 
 
+def _cols(chunks):
+    """BatchColumns of ``[(start, num_tokens, flags, drafts)]``, one chunk per slot."""
+    from zpp.transport import messages as m
+    b = m.BatchBuilder()
+    for slot, (start, n, flags, drafts) in enumerate(chunks):
+        b.add(slot, start, n, flags, (), (), drafts)
+    return m.BatchColumns(b.build(1))
+
+
+def test_uniform_q_pads_to_the_most_drafts_and_refuses_the_rest():
+    from zpp.transport.messages import PROMPT_LOGPROBS, SAMPLE
+    from zpp.workers.verify_graphs import uniform_q
+    S = SAMPLE
+    assert uniform_q(_cols([(10, 4, S, [5, 6, 7]), (20, 1, S, []), (30, 2, S, [9])]), 64) == 4
+    assert uniform_q(_cols([(10, 1, S, []), (20, 1, S, [])]), 64) == 0          # no drafts: decode graphs
+    assert uniform_q(_cols([(0, 3, S, []), (20, 2, S, [9])]), 64) == 0        # a prompt chunk beside it
+    assert uniform_q(_cols([(10, 1, 0, []), (20, 2, S, [9])]), 64) == 0       # a chunk that does not sample
+    assert uniform_q(_cols([(10, 1, S | PROMPT_LOGPROBS, []), (20, 2, S, [9])]), 64) == 0
+    assert uniform_q(_cols([(61, 1, S, []), (20, 4, S, [1, 2, 3])]), 64) == 0  # padded past max_model_len
+    assert uniform_q(_cols([(60, 1, S, []), (20, 4, S, [1, 2, 3])]), 64) == 4
+
+
 @pytest.fixture(scope="module")
 def ngram_reference(demo_model, tokenizer):
     prompts = [tokenizer.encode(t) for t in TEXTS]
     return prompts, _generate(demo_model, prompts, 20)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pp", [1, 2])
 def test_ngram_verify_graphs_equal_eager_without_speculation(demo_model, ngram_reference, tmp_path, monkeypatch, pp):
     prompts, want = ngram_reference
@@ -72,6 +93,7 @@ def _spec_stats(s) -> tuple:
     return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens, list(s.spec_accepted_per_pos)
 
 
+@pytest.mark.slow
 def test_mtp_verify_graphs_equal_without_at_pp1_and_pp2(tmp_path_factory, demo_model, tmp_path, monkeypatch):
     """MTP with verify graphs (no decode graphs: 1-token steps run eagerly): greedy ids equal HF's,
     and the drafts (a function of the request's tokens alone) are those of the eager path: the same
