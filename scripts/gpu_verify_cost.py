@@ -12,7 +12,12 @@ on the host after every step (speculation needs it before the next step is place
   which runs eagerly today (``ModelRunner.execute``: graphs serve decode batches only), its
   ``1 + k`` rows sampled and verified (``zpp.workers.rejection_sampler``);
 * ``verify k+1 graphed forward``: the same chunk's forward and logits replayed from a CUDA graph
-  captured for that shape (the ceiling a graphed verify step could reach; no sampling, no host work).
+  captured for that shape (the ceiling a graphed verify step could reach; no sampling, no host work);
+* ``verify k+1 verify graph``: the same step end to end through the engine's verify-graph path
+  (``zpp.workers.verify_graphs``: a runner with decode and verify graphs, the graph picked by
+  ``ModelRunner.execute``, rejection sampling and the result on the host), and a parity check: a
+  run of verify steps (k = 1..4 in turn) through that path gives the same tokens as the eager
+  runner (printed as ``verify graph tokens equal eager``; bf16, so a near-tie may flip one).
 
 Each is the median of ``--steps`` steps (ms per step, wall clock with a synchronize). The ratio
 ``verify / decode graph`` is what speculation pays per step: with a mean acceptance length
@@ -144,8 +149,34 @@ def main() -> None:
         graphed.capture_graphs(max_len, 1)
     eager = ModelRunner(model, dev, torch.bfloat16, 16, None, {0}, max_model_len=max_len, max_num_seqs=1)
     eager.init_kv_cache(256)
+    # decode graphs and verify graphs (zpp.workers.verify_graphs), as the worker captures them; on the
+    # CPU (a dry run) the verify graphs' stand-in
+    from zpp.spec_config import SpeculativeConfig
+    from zpp.workers.verify_graphs import EagerVerifyGraphs, VerifyGraphs
+    vg = ModelRunner(model, dev, torch.bfloat16, 16, None, {0}, max_model_len=max_len, max_num_seqs=1)
+    vg.init_kv_cache(256)
+    spec = SpeculativeConfig("ngram", 4)
+    if dev.type == "cuda":
+        vg.capture_graphs(max_len, 1)
+        vg.verify_graphs = VerifyGraphs(model, vg.kv_caches, 16, max_len, 1, spec, vg.scratch_slot, torch.bfloat16,
+                                        dev, vg.group)
+        vg.verify_graphs.capture()
+    else:
+        vg.verify_graphs = EagerVerifyGraphs(model, vg.kv_caches, 16, 1, spec, vg.scratch_slot, dev, vg.group)
     sg, se = Seq(graphed, "g", list(range(200))), Seq(eager, "e", list(range(200)))
+    sv = Seq(vg, "v", list(range(200)))
+    # parity first: the same verify steps on a fresh eager runner and the graphed path
+    pr = ModelRunner(model, dev, torch.bfloat16, 16, None, {0}, max_model_len=max_len, max_num_seqs=1)
+    pr.init_kv_cache(256)
+    pe = Seq(pr, "p", list(range(200)))
+    for i in range(24):
+        pe.step(1 + i % 4)
+        sv.step(1 + i % 4)
+    n = sum(a == b for a, b in zip(pe.tokens[PROMPT:], sv.tokens[PROMPT:]))
+    rows_parity = f"{n}/{len(pe.tokens) - PROMPT}"
+    del pe, pr
     rows = {"card": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "config": args.config, "context": PROMPT, "steps": args.steps}
+    rows["verify graph tokens equal eager"] = rows_parity
     # A/B interleaved rounds: every figure is the median over the rounds' medians.
     res: dict[str, list[float]] = {}
     for _ in range(3):
@@ -153,6 +184,7 @@ def main() -> None:
         res.setdefault("decode eager", []).append(timed(lambda: se.step(0), args.steps))
         for k in range(1, 5):
             res.setdefault(f"verify {k + 1}", []).append(timed(lambda: sg.step(k), args.steps))
+            res.setdefault(f"verify {k + 1} verify graph", []).append(timed(lambda: sv.step(k), args.steps))
     for k in range(1, 5 if dev.type == "cuda" else 1):
         t, err = graphed_verify(eager, se, k, args.steps)
         res[f"verify {k + 1} graphed forward"] = [t] if t is not None else []
@@ -167,7 +199,7 @@ def main() -> None:
     for name, t in rows["ms"].items():
         print(f"  {name:28s} {t:7.3f} ms   {t / base:5.2f}x decode graph")
     for key, v in rows.items():
-        if key.endswith("error"):
+        if key.endswith(("error", "equal eager")):
             print(f"  {key}: {v}")
     if args.out:
         with open(args.out, "w") as f:

@@ -33,6 +33,7 @@ from zpp.workers.sampler import Sampler, prompt_logprobs, unpack_bitmask
 from zpp.workers.slots import SlotTable
 from zpp.workers.staging import PinnedStaging
 from zpp.workers.start_up_passes import StartUpPasses
+from zpp.workers.verify_graphs import execute_verify_graph, uniform_q
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class ModelRunner(StartUpPasses):
         (set by the worker's loop: it finishes and sends the result it holds, whose tokens the
         matchers must accept first)."""
         self.graphs = None  # DecodeGraphs on CUDA unless --enforce-eager
+        self.verify_graphs = None  # speculative decoding: zpp.workers.verify_graphs.VerifyGraphs (or its stand-in)
         self.trace = Trace(trace_name)  # ZPP_TRACE timeline (off unless set)
         self.staging = PinnedStaging(device)  # a step's index arrays -> device, never blocking the host
         self._logit_buckets: list[int] = []  # CUDA: row counts the LM head is padded to (warm_up_logits)
@@ -198,6 +200,10 @@ class ModelRunner(StartUpPasses):
             # right for decodes; a batch with a 1-token prompt chunk of a long sequence at an earlier
             # position runs eagerly with the flags.
             long_seq = np.maximum(self.table.num_tokens[cols.slots], starts + q_lens) > switch
+        if self.verify_graphs is not None and len(cols.draft_tokens):  # a uniform verify batch: its graph
+            q = uniform_q(cols, self.max_model_len)
+            if q and self.verify_graphs.bucket(B, q) is not None:
+                return execute_verify_graph(self, batch, cols, q)
         if (self.graphs is not None and T == B and self.graphs.bucket(B) is not None
                 and not cols.prompt_logprobs.any()
                 and (long_seq is None or (long_seq == (starts >= switch)).all())):

@@ -218,19 +218,8 @@ def _setup(init, sock):
                 init.pp_rank, pp_size, f" TP rank {init.tp_rank}/{tp_size}" if tp_size > 1 else "",
                 format_gib_by_dtype(by_dtype), msg.num_blocks * block_size, msg.num_blocks, block_size,
                 msg.num_blocks * per_block / 2**20)
-    if mtp:  # the MTP layer reads the last stage's hidden states, which its decode graphs do not keep
-        logger.info("speculative decoding with MTP: every stage runs eagerly (no CUDA graphs)")
-    elif device_kind == "cuda" and not enforce_eager:
-        if model.supports_cuda_graphs:
-            runner.capture_graphs(max_model_len, cfg_all.scheduler.max_num_seqs)
-        else:
-            logger.info("%s runs eagerly (no CUDA graphs)", type(model).__name__)
-    elif device_kind == "cpu" and envs.ZPP_EAGER_GRAPHS and model.supports_cuda_graphs:
-        # tests: the graph path on the CPU, for the stages CUDA would capture
-        from zpp.workers.cuda_graphs import EagerDecodeGraphs
-        flag = envs.ZPP_EAGER_GRAPHS
-        runner.graphs = EagerDecodeGraphs(model, runner.kv_caches, block_size, cfg_all.scheduler.max_num_seqs,
-                                          runner.device, runner.group, None if flag == "1" else flag)
+    from zpp.workers.verify_graphs import set_up_graphs
+    set_up_graphs(runner, model, cfg_all, device_kind, enforce_eager, max_model_len, block_size)
     if device_kind == "cuda":
         from zpp.workers.start_up_passes import warm_up_and_watch
         warm_up_and_watch(runner, cfg_all)
