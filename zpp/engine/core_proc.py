@@ -127,9 +127,15 @@ class _CoreServer:
             if isinstance(msg, cm.AddRequests):
                 if self.core is None or self.core.dead:
                     continue
+                fresh, taken = [], []
                 for r in msg.requests:
-                    self.owner[r.req_id] = ident
-                self.core.add_requests(msg.requests)
+                    (taken if r.req_id in self.owner else fresh).append(r)
+                    self.owner.setdefault(r.req_id, ident)
+                if taken:  # a live id again (a front-end bug): end the newcomer, never re-route the live one
+                    logger.error("sequence ids already live, ended: %s", ", ".join(r.req_id for r in taken))
+                    self.sock.send(ident, cm.StepOutputs([cm.SeqDelta(r.req_id, finish_reason="abort") for r in taken],
+                                                         self.core.stats()))
+                self.core.add_requests(fresh)
                 self._push_stats_soon()
             elif isinstance(msg, cm.AbortRequests):
                 if self.core is not None:

@@ -279,6 +279,9 @@ class AsyncEngine:
             raise RequestError(f"request id {rid!r} is already in use", "request_id")
         n = sampling.n
         seq_ids = [f"{rid}#{i}" for i in range(n)] if n > 1 else [rid]
+        front = getattr(self.client, "index", 0)
+        if front:  # --api-server-count > 1: ids are checked per front end, so the core's are made distinct
+            seq_ids = [f"{sid}@api{front}" for sid in seq_ids]
         group = self.output.new_group(rid, prepared.prompt, prepared.prompt_token_ids, sampling, seq_ids, stream)
         if prepared.max_tokens == 0:
             self.output.finish_empty(group)
