@@ -223,7 +223,8 @@ def test_json_has_exactly_the_issue_keys(capsys):
     assert rc == 3 and "fits: NO" in text and "-pp 2" in text
 
 
-@pytest.mark.parametrize("case", ["no-config", "unknown-arch", "bad-size", "bad-count", "bad-capability"])
+@pytest.mark.parametrize("case", ["no-config", "unknown-arch", "bad-size", "bad-count", "bad-capability",
+                                  "too-long"])
 def test_bad_input_is_one_line(tmp_path, capsys, case):
     from zpp.cli import main
     llama = os.path.join(CONFIGS, "llama3-8b")
@@ -232,12 +233,13 @@ def test_bad_input_is_one_line(tmp_path, capsys, case):
                                                   num_hidden_layers=2)],
             "bad-size": ["plan", llama, "--gpu-memory", "80GB,lots"],
             "bad-count": ["plan", llama, "-pp", "2", "--gpu-memory", "80,24,24"],
-            "bad-capability": ["plan", llama, "--gpu-capability", "hopper"]}[case]
+            "bad-capability": ["plan", llama, "--gpu-capability", "hopper"],
+            "too-long": ["plan", llama, "--max-model-len", "9999999999"]}[case]  # as `zpp serve` refuses it
     rc = main(argv)
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("zpp: error:"), err
     word = {"no-config": "config.json", "unknown-arch": "FooForCausalLM", "bad-size": "lots",
-            "bad-count": "--gpu-memory", "bad-capability": "--gpu-capability"}[case]
+            "bad-count": "--gpu-memory", "bad-capability": "--gpu-capability", "too-long": "--max-model-len"}[case]
     assert word in err
 
 

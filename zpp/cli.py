@@ -249,6 +249,7 @@ def cmd_plan(args) -> int:
     capability = zplan.parse_capability(args.gpu_capability) if args.gpu_capability else None
     args.device = "cpu"  # a plan never touches this machine's devices; its target is --gpu-memory / detected
     config = engine_config_from_args(args, streaming=True)
+    config.check_max_model_len()  # refused as `zpp serve` refuses it
     target = zplan.detect_target(gpu_memory, capability)
     plan = zplan.make_plan(config, target)
     if args.json:

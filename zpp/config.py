@@ -544,6 +544,13 @@ class EngineConfig:
         """Whether the KV cache is stored in FP8 (``--kv-cache-dtype fp8``)."""
         return self.cache.kv_cache_dtype != "auto"
 
+    def check_max_model_len(self) -> None:
+        """Raises ConfigError (one line) when ``--max-model-len`` exceeds the model's positions."""
+        cfg = self.model.hf_config
+        limit = cfg.get("max_position_embeddings") or cfg.get("n_positions")
+        if self.model.max_model_len is not None and limit and self.model.max_model_len > limit:
+            raise ConfigError(f"--max-model-len {self.model.max_model_len} exceeds the model's max_position_embeddings {limit}")
+
     def validate(self) -> None:
         """Cross-field checks. Raises ConfigError."""
         dtype = parse_dtype(self.model.dtype, self.parallel.device)
@@ -560,10 +567,7 @@ class EngineConfig:
                                                 or self.parallel.tensor_parallel_size > 1 or self.speculative_config):
             raise ConfigError("--async-scheduling needs --pipeline-parallel-size 1, --tensor-parallel-size 1 and no "
                               "--speculative-config (the sampled tokens live on the last stage's first rank)")
-        cfg = self.model.hf_config
-        limit = cfg.get("max_position_embeddings") or cfg.get("n_positions")
-        if self.model.max_model_len is not None and limit and self.model.max_model_len > limit:
-            raise ConfigError(f"--max-model-len {self.model.max_model_len} exceeds the model's max_position_embeddings {limit}")
+        self.check_max_model_len()
         if not self.scheduler.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(f"--max-num-batched-tokens {self.max_num_batched_tokens} is smaller than --max-model-len "
                               f"{self.max_model_len} with chunked prefill off: long prompts could never be scheduled")

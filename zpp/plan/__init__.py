@@ -536,5 +536,9 @@ def plan_config(model: str, **settings: Any) -> "EngineConfig":
             else:
                 raise TypeError(f"unknown setting {key!r}")
     groups[ParallelConfig]["device"] = "cpu"
-    return EngineConfig(model=ModelConfig(model=model, **groups[ModelConfig]), parallel=ParallelConfig(**groups[ParallelConfig]),
-                        scheduler=SchedulerConfig(**groups[SchedulerConfig]), cache=CacheConfig(**groups[CacheConfig]), **top)
+    config = EngineConfig(model=ModelConfig(model=model, **groups[ModelConfig]),
+                          parallel=ParallelConfig(**groups[ParallelConfig]),
+                          scheduler=SchedulerConfig(**groups[SchedulerConfig]), cache=CacheConfig(**groups[CacheConfig]),
+                          **top)
+    config.check_max_model_len()  # as `zpp serve` refuses it
+    return config
