@@ -567,6 +567,7 @@ class EngineConfig:
                                                 or self.parallel.tensor_parallel_size > 1 or self.speculative_config):
             raise ConfigError("--async-scheduling needs --pipeline-parallel-size 1, --tensor-parallel-size 1 and no "
                               "--speculative-config (the sampled tokens live on the last stage's first rank)")
+        cfg = self.model.hf_config
         self.check_max_model_len()
         if not self.scheduler.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(f"--max-num-batched-tokens {self.max_num_batched_tokens} is smaller than --max-model-len "
