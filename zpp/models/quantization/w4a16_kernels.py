@@ -303,11 +303,8 @@ def _w4_gemm_kernel(A, W, S, Z, B, C, M, N, K, stride_am, stride_wn, stride_sn, 
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)                          # grouped order: neighbours share W tiles
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    # grouped order (GROUP_M rows of tiles at a time): neighbours share W tiles
+    pid_m, pid_n = tl.swizzle2d(pid // num_n, pid % num_n, num_m, num_n, GROUP_M)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < M
