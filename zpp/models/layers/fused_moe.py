@@ -155,6 +155,15 @@ def _moe_gemm_kernel(A, W, Bias, C, sorted_ids, block_expert, routing_w,
     tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+def bucket_config(buckets: Optional[dict], rows: int) -> Optional[dict]:
+    """A measured launch table's entry for ``rows`` (``{max rows: launch}``: the first bucket
+    ``>= rows`` wins), a copy; None past the last bucket or without a table."""
+    for bound in sorted(buckets or ()):
+        if rows <= bound:
+            return dict(buckets[bound])
+    return None
+
+
 def moe_block_config(num_assignments: int, num_experts: int) -> dict:
     """Tile sizes for :func:`fused_moe` from the routing's average rows per expert (a shape, known
     without looking at the routing): 16-row blocks for decode-sized batches (a block of one expert

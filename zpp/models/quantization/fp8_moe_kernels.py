@@ -56,7 +56,7 @@ import triton.language as tl
 from zpp.models.quantization.fp8_kernels import (SILU_MUL_QUANT_MAX_N, per_token_group_quant, per_token_quant,
                                                  silu_mul_quant)
 from zpp import envs
-from zpp.models.layers.fused_moe import gated_act, moe_align
+from zpp.models.layers.fused_moe import bucket_config, gated_act, moe_align
 from zpp.models.layers.pdl import pdl, pdl_enter
 
 _FUSED_DOWN = envs.ZPP_FP8_MOE_FUSED_DOWN
@@ -465,12 +465,7 @@ def fp8_moe_config(M: int, E: int, N: int, K: int, block: Optional[tuple[int, in
     """Tile sizes of :func:`moe_fp8_gemm` for ``M`` assignments of an ``[E, N, K]`` weight:
     :data:`FP8_MOE_CONFIGS`' bucket if measured, else by rows per expert (16-row blocks for decode
     sizes, 64 for long prefills, as :func:`~zpp.models.layers.fused_moe.moe_block_config`)."""
-    entry = FP8_MOE_CONFIGS.get(_key(E, N, K, block))
-    if entry and "gemm" in entry:
-        for bound in sorted(entry["gemm"]):
-            if M <= bound:
-                return dict(entry["gemm"][bound])
-    return _gemm_default(M, E, block)
+    return bucket_config(FP8_MOE_CONFIGS.get(_key(E, N, K, block), {}).get("gemm"), M) or _gemm_default(M, E, block)
 
 
 def fp8_moe_gemv_config(E: int, N: int, K: int, block: Optional[tuple[int, int]]) -> dict:

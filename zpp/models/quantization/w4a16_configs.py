@@ -5,6 +5,8 @@ H100 80GB HBM3 with ``python scripts/kernel_bench.py w4a16`` (raw output:
 benchmarks/results/h100_issue48_w4a16/)."""
 from __future__ import annotations
 
+from zpp.models.layers.fused_moe import bucket_config
+
 W4A16_GEMV_MAX_M = 4
 """Batches of at most this many rows take :func:`~zpp.models.quantization.w4a16_kernels.w4a16_gemv`; larger ones :func:`~zpp.models.quantization.w4a16_kernels.w4a16_gemm`."""
 
@@ -16,11 +18,9 @@ GEMV (each assignment re-reads its expert's rows, so past a few per expert the s
 def w4a16_gemm_config(M: int, N: int, K: int) -> dict:
     """Tile sizes of :func:`~zpp.models.quantization.w4a16_kernels.w4a16_gemm` by batch size (measured on one H100 with
     ``scripts/kernel_bench.py w4a16``; :data:`W4A16_CONFIGS` holds per-shape overrides)."""
-    entry = W4A16_CONFIGS.get(f"N={N},K={K}")
-    if entry and "gemm" in entry:
-        for bound in sorted(entry["gemm"]):
-            if M <= bound:
-                return dict(entry["gemm"][bound])
+    measured = bucket_config(W4A16_CONFIGS.get(f"N={N},K={K}", {}).get("gemm"), M)
+    if measured is not None:
+        return measured
     if M <= 16:
         return dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
     if M <= 64:
@@ -78,11 +78,9 @@ W4_MOE_CONFIGS: dict[str, dict] = {
 
 def w4_moe_gemm_config(M: int, E: int, N: int, K: int) -> dict:
     """Tiles of :func:`~zpp.models.quantization.w4a16_kernels.moe_w4a16_gemm` for ``M`` assignments (measured bucket, else by rows per expert)."""
-    entry = W4_MOE_CONFIGS.get(f"E={E},N={N},K={K}")
-    if entry and "gemm" in entry:
-        for bound in sorted(entry["gemm"]):
-            if M <= bound:
-                return dict(entry["gemm"][bound])
+    measured = bucket_config(W4_MOE_CONFIGS.get(f"E={E},N={N},K={K}", {}).get("gemm"), M)
+    if measured is not None:
+        return measured
     per_expert = M / max(1, E)
     if per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
