@@ -540,6 +540,7 @@ class Scheduler(RequestRules):
         self._num_in_flight -= 1
         self._num_prefill_in_flight -= sched.num_prefill_tokens
         per_chunk = split_tokens(result, sched.num_sampled)  # each sampling chunk's tokens
+        drafts = m.int32s(result.draft_tokens) if result.draft_tokens else None  # MTP: k per sampling chunk
         j = 0  # next sampling chunk
         out = []
         gaps: list[float] = []
@@ -564,8 +565,8 @@ class Scheduler(RequestRules):
                 if req.status.finished:
                     break  # the tokens after one that ends the request are dropped
             self.kv.cache_full_blocks(req)  # after the tokens: a block's hash reads them
-            if toks and result.draft_tokens and not req.status.finished:  # MTP: the next step's drafts
-                self.spec.store_drafts(req, m.int32s(result.draft_tokens)[(j - 1) * self.spec.k:j * self.spec.k].tolist())
+            if toks and drafts is not None and not req.status.finished:  # MTP: the next step's drafts
+                self.spec.store_drafts(req, drafts[(j - 1) * self.spec.k:j * self.spec.k].tolist())
             if toks:
                 if now is not None and req.last_token_at is not None:
                     gaps.append(now - req.last_token_at)
