@@ -27,12 +27,9 @@ DEVICE=cpu  # (torch is imported to count GPUs only where there is a driver: the
 if command -v nvidia-smi >/dev/null 2>&1 \
    && python -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)" 2>/dev/null; then DEVICE=cuda; fi
 echo "Starting zpp serve on $MODEL_DIR with --pipeline-parallel-size 2 on $DEVICE, port $PORT (loading the model)..."
-HINT="Ready. Try:
-  curl -s localhost:$PORT/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{\"messages\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}],\"temperature\":0}'
-Stop with Ctrl-C."
-# After the exec below this shell's pid ($$) is the server's: the watcher prints the hint once that
-# server answers /health, and gives up quietly if it exits first. (Started from a subshell so that
-# it is not the server's child.)
-( python -m zpp.demo --when-healthy "http://127.0.0.1:$PORT/health" --pid $$ --message "$HINT" & )
+# After the exec below this shell's pid ($$) is the server's: the watcher prints the "Ready. Try:
+# curl ..." hint (zpp.demo.demo_hint: with --api-key among the arguments, the curl line sends the
+# Authorization header, the key read from $ZPP_API_KEY) once that server answers /health, and gives
+# up quietly if it exits first. (Started from a subshell so that it is not the server's child.)
+( python -m zpp.demo --when-healthy "http://127.0.0.1:$PORT/health" --pid $$ --port "$PORT" -- "$@" & )
 exec zpp serve "$MODEL_DIR" --pipeline-parallel-size 2 --device "$DEVICE" --port "$PORT" "$@"

@@ -251,7 +251,9 @@ def test_demo_sh_refuses_a_port_that_is_no_number(port):
 @pytest.mark.slow
 def test_demo_sh_prints_its_hint_once_the_server_answers(demo_model, tmp_path):
     """scripts/demo.sh (setup skipped: the python and zpp of this test run): the "Try: curl" hint
-    comes after the server listens and /health answers, and the request it shows works."""
+    comes after the server listens and /health answers, and the request it shows works; given
+    --api-key, the hint and the server's start-up line say that the key is needed (not what it
+    is), and the hint's request sends it."""
     shims = tmp_path / "bin"
     _write(shims / "python", f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
     _write(shims / "zpp", f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m zpp.cli \"$@\"\n")
@@ -259,8 +261,9 @@ def test_demo_sh_prints_its_hint_once_the_server_answers(demo_model, tmp_path):
     env = {**os.environ, "ZPP_DEMO_SKIP_SETUP": "1", "PORT": str(port), "PATH": f"{shims}:{os.environ['PATH']}",
            "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     log = open(tmp_path / "demo.log", "w+")
+    key = "sk-demo-test-key"
     proc = subprocess.Popen(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--host", "127.0.0.1",
-                             "--max-model-len", "256", "--num-kv-blocks", "32"],
+                             "--max-model-len", "256", "--num-kv-blocks", "32", "--api-key", key],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def output() -> str:
@@ -280,9 +283,11 @@ def test_demo_sh_prints_its_hint_once_the_server_answers(demo_model, tmp_path):
         # The request the hint shows, as curl would send it.
         hint = out[out.index("Ready. Try:"):]
         assert f"curl -s localhost:{port}/v1/chat/completions" in hint
+        assert '-H "Authorization: Bearer $ZPP_API_KEY"' in hint and key not in out, out
+        assert "(--api-key: /v1/* requests need 'Authorization: Bearer KEY')" in out, out
         body = re.search(r"-d '(\{.*\})'", hint).group(1)
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body.encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
         with urllib.request.urlopen(req, timeout=120) as r:
             assert "Paris" in json.loads(r.read())["choices"][0]["message"]["content"]
     finally:
@@ -293,6 +298,58 @@ def test_demo_sh_prints_its_hint_once_the_server_answers(demo_model, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
         log.close()
+
+
+@pytest.mark.slow
+def test_demo_hint_sends_the_api_key_header_without_printing_the_key(capsys, tmp_path):
+    """With --api-key among demo.sh's arguments the hint's curl sends ``Authorization: Bearer
+    $ZPP_API_KEY`` (vLLM's servers answer 401 without it) and says to set that variable; the key
+    itself is never printed. The hint's commands, run by bash with ZPP_API_KEY set, reach a stand-in
+    server with the right header; without --api-key the hint has no header."""
+    import http.server
+    import threading
+    key = "sk-demo-secret"
+    seen: list = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self, status: int) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def do_GET(self):  # /health
+            self._answer(200)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append((self.path, self.headers.get("Authorization")))
+            self._answer(200 if self.headers.get("Authorization") == f"Bearer {key}" else 401)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    port = httpd.server_address[1]
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        for args in (["--api-key", key], [f"--api-key={key}", "--max-model-len", "256"], ["--max-model-len", "256"]):
+            assert zpp.demo.main(["--when-healthy", f"http://127.0.0.1:{port}/health", "--pid", str(os.getpid()),
+                                  "--port", str(port), "--", *args]) == 0
+            hint = capsys.readouterr().out
+            assert hint.startswith("Ready. Try:\n") and hint.endswith("Stop with Ctrl-C.\n") and key not in hint
+            with_key = args != ["--max-model-len", "256"]
+            assert ('-H "Authorization: Bearer $ZPP_API_KEY"' in hint) == with_key, hint
+            assert ("put that key in ZPP_API_KEY" in hint) == with_key, hint
+            script = tmp_path / "hint.sh"
+            script.write_text("\n".join(hint.splitlines()[1:-1]) + " -o /dev/null -w '%{http_code}'\n")
+            r = subprocess.run(["bash", str(script)], env={**os.environ, "ZPP_API_KEY": key}, capture_output=True,
+                               text=True, timeout=30)
+            assert r.stdout == ("200" if with_key else "401"), (r.stdout, r.stderr, hint)
+        assert seen == [("/v1/chat/completions", f"Bearer {key}")] * 2 + [("/v1/chat/completions", None)], seen
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 @pytest.mark.slow

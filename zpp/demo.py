@@ -12,7 +12,7 @@ import logging
 import os
 import shutil
 import sys
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from zpp import envs
 
@@ -208,15 +208,49 @@ def print_when_healthy(url: str, pid: int, message: str, poll_s: float = 0.5) ->
         time.sleep(poll_s)
 
 
+API_KEY_VARIABLE = "ZPP_API_KEY"
+"""The shell variable the demo's curl hint reads the key from when the server has ``--api-key``
+(the hint never shows the key itself)."""
+
+
+def demo_hint(port: int, serve_args: Sequence[str] = ()) -> str:
+    """The "Ready. Try: curl ..." text ``scripts/demo.sh`` prints once its server answers.
+
+    ``serve_args`` are the extra ``zpp serve`` arguments the script was given: with ``--api-key``
+    (``--api-key KEY`` or ``--api-key=KEY``) every ``/v1/*`` request needs ``Authorization: Bearer
+    KEY`` (else HTTP 401), so the curl line sends ``-H "Authorization: Bearer $ZPP_API_KEY"`` and a
+    comment line above it says to put the key in that variable first; the key itself is not
+    printed (it would land in terminal scroll-back and logs).
+    """
+    key = any(a == "--api-key" or a.startswith("--api-key=") for a in serve_args)
+    lines = ["Ready. Try:"]
+    if key:
+        lines.append(f"  # the server has --api-key: put that key in {API_KEY_VARIABLE} first "
+                     f"(e.g. read -rs {API_KEY_VARIABLE})")
+    lines.append(f"  curl -s localhost:{port}/v1/chat/completions -H 'Content-Type: application/json' \\")
+    if key:
+        lines.append(f'    -H "Authorization: Bearer ${API_KEY_VARIABLE}" \\')
+    lines += ["""    -d '{"messages":[{"role":"user","content":"What is the capital of France?"}],"temperature":0}'""",
+              "Stop with Ctrl-C."]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
-    """``python -m zpp.demo --when-healthy URL --pid PID --message TEXT`` (used by scripts/demo.sh)."""
+    """``python -m zpp.demo --when-healthy URL --pid PID (--message TEXT | --port PORT [-- SERVE_ARGS...])``
+    (used by scripts/demo.sh): print TEXT, or :func:`demo_hint` for PORT and the ``zpp serve``
+    arguments after ``--``, once URL answers 200."""
     import argparse
     p = argparse.ArgumentParser(prog="python -m zpp.demo")
     p.add_argument("--when-healthy", required=True, metavar="URL", help="the server's /health URL")
     p.add_argument("--pid", type=int, required=True, help="the server's pid: stop waiting when it is gone")
-    p.add_argument("--message", required=True, help="printed once URL answers 200")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--message", help="printed once URL answers 200")
+    what.add_argument("--port", type=int, help="print the demo's curl hint for this port (and the zpp serve "
+                                               "arguments after --) once URL answers 200")
+    p.add_argument("serve_args", nargs="*", help="the zpp serve arguments (after --), for --port")
     args = p.parse_args(argv)
-    return 0 if print_when_healthy(args.when_healthy, args.pid, args.message) else 1
+    message = args.message if args.message is not None else demo_hint(args.port, args.serve_args)
+    return 0 if print_when_healthy(args.when_healthy, args.pid, message) else 1
 
 
 if __name__ == "__main__":

@@ -173,7 +173,9 @@ async def _run_front_end(engine: AsyncEngine, config, host: str, port: int, api_
                         "%d API server process(es))", ", ".join(config.model.served_names), host, port,
                         config.parallel.pipeline_parallel_size, config.parallel.tensor_parallel_size,
                         1 + len(extra_front_ends))
-            print(f"zpp: serving {', '.join(config.model.served_names)} on http://{host}:{port}", flush=True)
+            # With --api-key, say that /v1/* needs it (a curl without the header gets 401); not the key.
+            auth = " (--api-key: /v1/* requests need 'Authorization: Bearer KEY')" if api_key else ""
+            print(f"zpp: serving {', '.join(config.model.served_names)} on http://{host}:{port}{auth}", flush=True)
             if log_stats_interval:
                 stats = StatsLogger(engine, server.metrics, log_stats_interval, config.cache.enable_prefix_caching)
                 stats_task = asyncio.create_task(stats.run())
