@@ -67,6 +67,29 @@ class SpeculativeConfig:
             raise ConfigError(f"--speculative-config: min_acceptance_rate must be in [0, 1], got "
                               f"{self.min_acceptance_rate!r}")
 
+    def describe(self, hf_config: Optional[dict] = None) -> str:
+        """The one start-up log line of this configuration, in ``--speculative-config``'s key names:
+        the method, ``num_speculative_tokens``, then for ``ngram`` the lookup range
+        (``prompt_lookup_min`` / ``max``), for ``mtp`` the MTP layers the last stage builds (from
+        ``hf_config``'s ``num_nextn_predict_layers``, :func:`mtp_layers`), and
+        ``disable_by_batch_size`` / ``min_acceptance_rate`` where set."""
+        parts = [f"method={self.method}", f"num_speculative_tokens={self.num_speculative_tokens}"]
+        if self.method == "ngram":
+            parts += [f"prompt_lookup_min={self.prompt_lookup_min}", f"prompt_lookup_max={self.prompt_lookup_max}"]
+        elif self.method == "mtp":
+            parts.append(f"mtp_layers={mtp_layers(hf_config or {})}")
+        if self.disable_by_batch_size is not None:
+            parts.append(f"disable_by_batch_size={self.disable_by_batch_size}")
+        if self.min_acceptance_rate:
+            parts.append(f"min_acceptance_rate={self.min_acceptance_rate:g}")
+        return "speculative decoding on: " + ", ".join(parts)
+
+
+def mtp_layers(cfg: dict) -> int:
+    """How many multi-token-prediction layers the last stage builds for method ``mtp``: the model
+    config's ``num_nextn_predict_layers`` (1 when missing)."""
+    return int(cfg.get("num_nextn_predict_layers") or 1)
+
 
 def parse_speculative_config(value: Any, flag: str) -> Optional[SpeculativeConfig]:
     """``--speculative-config`` as JSON text, or (``LLM(speculative_config=...)``) a dict or a
@@ -137,4 +160,4 @@ def stage_model_config(cfg: dict, spec: Optional[SpeculativeConfig]) -> dict:
     :data:`MTP_LAYERS_KEY` (the last stage then builds and loads the MTP layer(s))."""
     if spec is None or spec.method != "mtp":
         return cfg
-    return {**cfg, MTP_LAYERS_KEY: int(cfg.get("num_nextn_predict_layers") or 1)}
+    return {**cfg, MTP_LAYERS_KEY: mtp_layers(cfg)}

@@ -12,6 +12,7 @@ One engine per configuration for the whole module (their starts are most of its 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import signal
 import threading
@@ -76,8 +77,31 @@ LOCKSTEP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 LOW = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 
+class _StartLog(logging.Handler):
+    """The INFO lines ``zpp.engine.core`` logs while an engine starts (its level raised to INFO
+    meanwhile)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 def _llm(model, **kw):
-    return LLM(model, device="cpu", max_model_len=512, **kw)
+    """An LLM on the CPU; ``llm.start_log``: what the engine core logged while it started."""
+    core_log, handler = logging.getLogger("zpp.engine.core"), _StartLog()
+    level = core_log.level
+    core_log.setLevel(logging.INFO)
+    core_log.addHandler(handler)
+    try:
+        llm = LLM(model, device="cpu", max_model_len=512, **kw)
+    finally:
+        core_log.removeHandler(handler)
+        core_log.setLevel(level)
+    llm.start_log = handler.lines
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -386,6 +410,25 @@ def test_bad_speculative_config_is_refused_in_one_line(demo_model, spec, msg):
     with pytest.raises(ConfigError) as e:
         engine_config(demo_model, streaming=False, speculative_config=spec)
     assert msg in str(e.value) and "\n" not in str(e.value) and "--speculative-config" in str(e.value)
+
+
+@pytest.mark.slow
+def test_engine_start_logs_the_speculative_config(base, spec1):
+    """One INFO line at engine start says speculative decoding is on, with its method, draft
+    length and lookup range (vLLM logs its speculative config); none without it."""
+    said = [line for line in spec1.start_log if line.startswith("speculative decoding")]
+    assert said == ["speculative decoding on: method=ngram, num_speculative_tokens=3, prompt_lookup_min=2, "
+                    "prompt_lookup_max=4, disable_by_batch_size=4"], spec1.start_log
+    assert any(line.startswith("engine ready in") for line in base.start_log), base.start_log
+    assert not [line for line in base.start_log if "speculative" in line], base.start_log
+
+
+def test_speculative_config_log_line_names_mtp_layers_and_backoff():
+    mtp = SpeculativeConfig("mtp", 2, min_acceptance_rate=0.25)
+    assert mtp.describe({"num_nextn_predict_layers": 1}) == \
+        "speculative decoding on: method=mtp, num_speculative_tokens=2, mtp_layers=1, min_acceptance_rate=0.25"
+    assert SpeculativeConfig().describe() == \
+        "speculative decoding on: method=ngram, num_speculative_tokens=3, prompt_lookup_min=5, prompt_lookup_max=5"
 
 
 def test_speculative_config_keys_follow_vllm(demo_model):

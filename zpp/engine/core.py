@@ -99,6 +99,8 @@ class EngineCore:
             WorkerDiedError: a worker failed to start.
         """
         t = time.perf_counter()
+        if config.speculative_config is not None:  # as vLLM logs its speculative config at start
+            logger.info(config.speculative_config.describe(config.model.hf_config))
         executor = await Executor.start(config, eos_token_ids)
         core = cls(config, executor, emit, on_dead)
         logger.info("engine ready in %.1fs: %d stage(s), %d KV blocks of %d tokens, pipeline depth %d, "
