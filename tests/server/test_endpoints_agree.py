@@ -21,16 +21,27 @@ async def _post(url: str, path: str, body: dict):
 
 
 def test_max_tokens_zero_is_refused_except_completions_echo(tokenizer):
+    """``max_tokens`` 0 or -1 (and chat's ``max_completion_tokens``, responses' ``max_output_tokens``)
+    gets one 400 on every endpoint, streamed or not: OpenAI's error object with the message
+    ``"<param> must be at least 1, got <value>"`` naming the field the client sent; completions
+    with ``echo`` accept 0 (not -1)."""
     async def test(client, url):
-        for path, body, param in [("/v1/chat/completions", {"messages": HI, "max_tokens": 0}, "max_tokens"),
-                                  ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 0},
-                                   "max_completion_tokens"),
-                                  ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-                                  ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, "max_output_tokens")]:
-            status, text = await _post(url, path, body)
-            assert status == 400, (path, text)
-            err = json.loads(text)["error"]
-            assert err["param"] == param and "at least 1, got 0" in err["message"], err
+        cases = [("/v1/chat/completions", {"messages": HI}, "max_tokens"),
+                 ("/v1/chat/completions", {"messages": HI}, "max_completion_tokens"),
+                 ("/v1/chat/completions", {"messages": HI, "max_tokens": 5}, "max_completion_tokens"),
+                 ("/v1/completions", {"prompt": "hi"}, "max_tokens"),
+                 ("/v1/completions", {"prompt": "hi", "echo": True}, "max_tokens"),
+                 ("/v1/responses", {"input": "hi"}, "max_output_tokens")]
+        for path, body, param in cases:
+            for value in (0, -1, -(2 ** 63)):
+                if body.get("echo") and value == 0:
+                    continue
+                for stream in (False, True):
+                    status, text = await _post(url, path, {**body, param: value, "stream": stream})
+                    assert status == 400, (path, param, value, stream, text)
+                    assert json.loads(text) == {"error": {
+                        "message": f"{param} must be at least 1, got {value}", "type": "invalid_request_error",
+                        "param": param, "code": None}}, (path, param, value, stream, text)
         status, text = await _post(url, "/v1/completions", {"prompt": "hi there", "max_tokens": 0, "echo": True})
         assert status == 200, text
         choice = json.loads(text)["choices"][0]

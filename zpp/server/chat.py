@@ -15,7 +15,8 @@ from zpp.frontend.inputs import ChatOptions
 from zpp.frontend.output_processor import ChoiceDelta, StreamDeltas
 from zpp.outputs import CompletionOutput
 from zpp.server.endpoint import ServingContext
-from zpp.server.protocol import ChatCompletionRequest, check_unsupported_chat_fields, to_sampling_params
+from zpp.server.protocol import (ChatCompletionRequest, check_max_tokens, check_unsupported_chat_fields,
+                                 to_sampling_params)
 from zpp.server.render import SSEWriter, TokenStrings, json_response, new_id, now, usage, usage_counts
 from zpp.server.structured_outputs import structured_output_options, structured_outputs_of
 from zpp.server.tools import ToolPlan, parse_tools, tool_constraint
@@ -62,10 +63,8 @@ async def chat_completions(ctx: ServingContext, request: web.Request) -> web.Str
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
     use_mct = req.max_completion_tokens is not None
-    limit = req.max_completion_tokens if use_mct else req.max_tokens
-    if limit == 0:  # a reply of no tokens (OpenAI and vLLM refuse it; < 0 is refused below)
-        name = "max_completion_tokens" if use_mct else "max_tokens"
-        raise RequestError(f"{name} must be at least 1, got 0", name)
+    check_max_tokens(req.max_completion_tokens if use_mct else req.max_tokens,
+                     "max_completion_tokens" if use_mct else "max_tokens")
     plan = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     so, so_param = tool_constraint(plan, *structured_outputs_of(req), structured_output_options(req))
     rename = {"max_tokens": "max_completion_tokens" if use_mct else "max_tokens", "logprobs": "top_logprobs"}

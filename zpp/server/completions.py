@@ -13,7 +13,7 @@ from zpp.errors import RequestError
 from zpp.frontend.output_processor import StreamDeltas
 from zpp.outputs import CompletionOutput, RequestOutput
 from zpp.server.endpoint import ServingContext
-from zpp.server.protocol import CompletionRequest, to_sampling_params
+from zpp.server.protocol import CompletionRequest, check_max_tokens, to_sampling_params
 from zpp.server.render import SSEWriter, json_response, new_id, now, usage, usage_counts
 from zpp.server.structured_outputs import structured_outputs_of
 
@@ -48,13 +48,12 @@ async def completions(ctx: ServingContext, request: web.Request) -> web.StreamRe
         raise RequestError("best_of is not supported (only best_of == n)", "best_of")
     so, so_param = structured_outputs_of(req)
     prompts = normalize_prompt(req.prompt)
+    # 0 only with echo (vLLM's prompt scoring: the prompt returned, nothing generated)
+    check_max_tokens(req.max_tokens, "max_tokens", zero_ok=req.echo)
     max_tokens = (ctx.generation_defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
                   if req.max_tokens is None else req.max_tokens)
     sampling = to_sampling_params(req, max_tokens, req.logprobs, structured_outputs=so,
                                   defaults=ctx.generation_defaults)
-    if max_tokens == 0 and not req.echo:  # OpenAI and vLLM refuse it; with echo it scores the prompt
-        raise RequestError("max_tokens must be at least 1, got 0 (0 only with echo: the prompt returned, "
-                           "nothing generated)", "max_tokens")
     want_prompt_lps = req.echo and req.logprobs is not None
     # echo + logprobs + max_tokens 0 scores the prompt: run one step for its logprobs and
     # drop the sampled token.

@@ -286,6 +286,21 @@ ProtocolError = RequestError
 
 
 
+def check_max_tokens(value: Optional[int], name: str, zero_ok: bool = False) -> None:
+    """The one check of a request's output limit on every endpoint (chat's ``max_tokens`` /
+    ``max_completion_tokens``, completions' ``max_tokens``, responses' ``max_output_tokens``),
+    streamed or not: None (omitted) passes, and so does 0 where ``zero_ok`` (completions with
+    ``echo``: the prompt returned, nothing generated); anything below 1 is else refused with the
+    one message ``"<name> must be at least 1, got <value>"`` (vLLM's ``SamplingParams`` wording;
+    OpenAI refuses it too), as a 400 naming ``name``.
+
+    Raises:
+        ProtocolError: (``param`` ``name``) the value is below 1 (below 0 with ``zero_ok``).
+    """
+    if value is not None and value < (0 if zero_ok else 1):
+        raise ProtocolError(f"{name} must be at least 1, got {value}", name)
+
+
 def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
                        rename: Optional[dict[str, str]] = None,
                        structured_outputs: Optional[StructuredOutputsParams] = None,

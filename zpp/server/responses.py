@@ -71,7 +71,7 @@ from aiohttp import web
 from zpp.errors import EngineDeadError, RequestError
 from zpp.parsers.chat import ChatParsers
 from zpp.sampling_params import SamplingParamsError
-from zpp.server.protocol import ProtocolError, to_sampling_params
+from zpp.server.protocol import ProtocolError, check_max_tokens, to_sampling_params
 from zpp.server.render import error_message
 from zpp.server.responses_protocol import (_PARAMS, ResponsesRequest, ResponsesStreamOptions, _check_stateless,
                                            input_messages, reasoning_effort, to_chat_request)
@@ -143,8 +143,7 @@ class ResponsesAPI:
         ctx.check_model(req.model)
         _check_stateless(req)
         reasons = ctx.parsers.reasoning is not None
-        if req.max_output_tokens == 0:  # as chat's max_completion_tokens (OpenAI and vLLM refuse it)
-            raise ProtocolError("max_output_tokens must be at least 1, got 0", "max_output_tokens")
+        check_max_tokens(req.max_output_tokens, "max_output_tokens")  # as chat's max_completion_tokens
         try:
             chat = to_chat_request(req)
             plan = parse_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
