@@ -127,8 +127,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     seed: Optional[int] = None
     """Per-request seed: the same seed gives the same tokens at any PP size and batch mix."""
     max_tokens: Optional[int] = 16
-    """Most tokens to generate; None = the remaining room up to max_model_len (or up to what the KV
-    cache holds, if that is less)."""
+    """Most tokens to generate, at least 1 (0 or less: SamplingParamsError, a ValueError, as vLLM
+    raises; the OpenAI server's completions with ``echo`` and ``max_tokens`` 0 return the prompt
+    without a SamplingParams of 0); None = the remaining room up to max_model_len (or up to what the
+    KV cache holds, if that is less)."""
     min_tokens: int = 0
     """Stop tokens (EOS, stop_token_ids) are suppressed until this many tokens are generated."""
     stop: Union[None, str, list[str]] = None
@@ -184,8 +186,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 0:
-            bad("max_tokens", f"must be >= 0, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            # vLLM's rule and wording (the OpenAI server's 400 reads the same: server.protocol.check_max_tokens)
+            raise SamplingParamsError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

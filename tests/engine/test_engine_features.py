@@ -171,6 +171,19 @@ def test_prompt_logprobs_never_from_prefix_cache(tiny_llama, tokenizer, monkeypa
                                                                            abs=1e-4)
 
 
+@pytest.mark.parametrize("value", [0, -1])
+def test_max_tokens_below_1_is_a_value_error(value):
+    """``SamplingParams(max_tokens=0)`` (or less) raises ValueError naming the field, as vLLM's
+    does (it was accepted and gave an empty output); 1 and None (the room left) are accepted."""
+    with pytest.raises(ValueError) as e:
+        SamplingParams(max_tokens=value)
+    assert isinstance(e.value, SamplingParamsError) and e.value.param == "max_tokens"
+    assert str(e.value) == f"max_tokens must be at least 1, got {value}"
+    with pytest.raises(ValueError, match="max_tokens must be at least 1, got 0"):
+        SamplingParams().clone(max_tokens=0)
+    assert SamplingParams(max_tokens=1).max_tokens == 1 and SamplingParams(max_tokens=None).max_tokens is None
+
+
 def test_limits_and_invalid_params(tiny_llama):
     with LLM(tiny_llama, max_model_len=64, kv_cache_memory="32MiB") as llm:
         cases = [
@@ -194,11 +207,9 @@ def test_limits_and_invalid_params(tiny_llama):
             with pytest.raises(SamplingParamsError) as e:
                 SamplingParams(**kwargs)
             assert e.value.param == param
-        # max_tokens omitted -> the remaining room; max_tokens 0 -> empty, finished
+        # max_tokens omitted -> the remaining room
         out = llm.generate([[1] * 60], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
         assert len(out.outputs[0].token_ids) == 4
-        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=0))[0]
-        assert out.finished and out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
         # still serving
         out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
         assert len(out.outputs[0].token_ids) == 3

@@ -60,7 +60,9 @@ class PreparedRequest:
         prompt: the prompt text (the rendered conversation for chat), None for token ids.
         prompt_token_ids: the prompt's token ids.
         sampling: the request's sampling parameters.
-        max_tokens: the effective limit of generated tokens (``sampling.max_tokens`` resolved).
+        max_tokens: the effective limit of generated tokens (``sampling.max_tokens`` resolved;
+            0 only where a caller sets it: the request then finishes at once with no output,
+            as the OpenAI server's completions with ``echo`` and ``max_tokens`` 0 do).
         grammar: the compiled structured-output grammar, or None.
     """
 
@@ -333,8 +335,8 @@ class InputProcessor:
 
         Rules: the prompt needs >= 1 token, every id in ``[0, vocab_size)``; ``max_tokens`` omitted
         (None) means the remaining room ``min(max_model_len, KV cache tokens) - prompt_len``; prompt +
-        max_tokens must not exceed ``max_model_len`` nor the KV cache; ``max_tokens == 0`` returns at
-        once with no output.
+        max_tokens must not exceed ``max_model_len`` nor the KV cache (``SamplingParams`` hold
+        ``max_tokens`` >= 1, so the result is >= 1).
 
         Raises:
             RequestError: naming the numbers.

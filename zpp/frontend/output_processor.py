@@ -102,7 +102,8 @@ class OutputProcessor:
             self.metrics.on_request_added(group)
 
     def finish_empty(self, group: _Group) -> None:
-        """A request with ``max_tokens == 0``: finished at once with no output. Metrics see it
+        """A request prepared with ``max_tokens == 0`` (completions' ``echo`` with ``max_tokens`` 0):
+        finished at once with no output. Metrics see it
         added as well as finished, so that its prompt counts in ``prompt_tokens`` as it does in
         the finished requests' prompt-length histogram."""
         for s in group.seqs:

@@ -5,6 +5,7 @@ vLLM's ``prompt_logprobs``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from contextlib import aclosing
 
 from aiohttp import web
@@ -52,17 +53,20 @@ async def completions(ctx: ServingContext, request: web.Request) -> web.StreamRe
     check_max_tokens(req.max_tokens, "max_tokens", zero_ok=req.echo)
     max_tokens = (ctx.generation_defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
                   if req.max_tokens is None else req.max_tokens)
-    sampling = to_sampling_params(req, max_tokens, req.logprobs, structured_outputs=so,
+    # echo + max_tokens 0 returns the prompt with nothing generated. SamplingParams take at least 1
+    # token (vLLM's rule), so the request is checked and prepared for 1: with logprobs, that one
+    # step scores the prompt (its logprobs) and the sampled token is dropped (``shown``, as vLLM
+    # does); without, nothing runs (max_tokens 0 in the PreparedRequest: finished at once).
+    prompt_only = req.echo and max_tokens == 0
+    sampling = to_sampling_params(req, 1 if prompt_only else max_tokens, req.logprobs, structured_outputs=so,
                                   defaults=ctx.generation_defaults)
     want_prompt_lps = req.echo and req.logprobs is not None
-    # echo + logprobs + max_tokens 0 scores the prompt: run one step for its logprobs and
-    # drop the sampled token.
-    prompt_only = want_prompt_lps and max_tokens == 0
     if want_prompt_lps:
-        sampling = sampling.clone(prompt_logprobs=max(req.logprobs, sampling.prompt_logprobs or 0),
-                                  max_tokens=1 if prompt_only else max_tokens)
+        sampling = sampling.clone(prompt_logprobs=max(req.logprobs, sampling.prompt_logprobs or 0))
     ctx.check_logprobs(sampling, "logprobs")
     prepared = [await ctx.engine.prepare(p, sampling, grammar_param=so_param) for p in prompts]
+    if prompt_only and not want_prompt_lps:
+        prepared = [dataclasses.replace(p, max_tokens=0) for p in prepared]
     prompt_ids = [p.prompt_token_ids for p in prepared]
     cid, created, n = new_id("cmpl", ctx.request_id(request, req.request_id)), now(), sampling.n
     k = req.logprobs
