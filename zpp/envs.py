@@ -121,6 +121,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "rank, no tensor parallelism) launch with it: a kernel's programs may start while the one "
            "before finishes and wait in-kernel for its writes (batch-1 FP8 decode on an H100 3.56-3.60 "
            "-> 3.38-3.40 ms per token). For A/B runs. Read once, at import."),
+    EnvVar("ZPP_ATTN_FUSED_MERGE", "bool", _on_if_1,
+           "``1``: split-KV decode attention (small decode batches) merges its splits in the last split "
+           "program of each tile (``paged_attention._merge_if_last``) instead of a second kernel "
+           "(``paged_attention._merge_splits_kernel``), for A/B runs. Read once, at import."),
     EnvVar("ZPP_TRITON_GEMV", "bool", _on_unless_0,
            "``0``: batch-1 decode on CUDA multiplies by the weights with cuBLAS instead of zpp's Triton "
            "GEMV (``zpp.models.layers.linear``), for A/B runs. Read once, at import."),
