@@ -6,7 +6,7 @@ Each case is replayed from one CUDA graph over enough weight copies to pass the 
 ``gemv_sweep.py``). Prints, per shape, the default launch (``fp8_gemv_config``) and the five
 fastest, then the per-layer sum of the per-shape bests against the default, and a JSON line.
 
-    python scripts/fp8_gemv_card_sweep.py [--quick] [--json OUT]
+    python scripts/fp8_gemv_card_sweep.py [--quick] [--json OUT] [--write-config FILE]
 """
 import argparse
 import itertools
@@ -75,6 +75,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a smaller launch grid")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--write-config", default=None, help="write each shape's fastest launch here "
+                    "(ZPP_FP8_GEMV_CONFIG_FILE's format)")
     a = ap.parse_args()
     torch.manual_seed(0)
     card = torch.cuda.get_device_name()
@@ -149,6 +151,9 @@ def main() -> None:
                       "best": {s: out["fp8"][s]["best"][0] for s in SHAPES}}))
     if a.json:
         json.dump(out, open(a.json, "w"), indent=1)
+    if a.write_config:
+        json.dump({f"{n},{k}": out["fp8"][name]["best"][0][1] for name, (n, k) in SHAPES.items()},
+                  open(a.write_config, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "rank, no tensor parallelism) launch with it: a kernel's programs may start while the one "
            "before finishes and wait in-kernel for its writes (batch-1 FP8 decode on an H100 3.56-3.60 "
            "-> 3.38-3.40 ms per token). For A/B runs. Read once, at import."),
+    EnvVar("ZPP_FP8_GEMV_CONFIG_FILE", "Optional[str]", _text_or_none,
+           "A JSON file of W8A16 GEMV launches per FP8 weight shape, ``{\"N,K\": {\"block_n\": 4, "
+           "\"block_k\": 2048, \"num_warps\": 4, \"num_stages\": 3}}`` (``fp8_kernels.fp8_gemv_config``; "
+           "written for the card at hand by ``scripts/fp8_gemv_card_sweep.py --write-config``); shapes "
+           "not in it keep the default. Read once, at import."),
     EnvVar("ZPP_ATTN_FUSED_MERGE", "bool", _on_if_1,
            "``1``: split-KV decode attention (small decode batches) merges its splits in the last split "
            "program of each tile (``paged_attention._merge_if_last``) instead of a second kernel "

@@ -284,12 +284,26 @@ FP8_GEMV_MAX_M = 4
 _GEMV_SCALE_X = envs.ZPP_FP8_GEMV_BLOCK_SCALE_X  # block scales on the activation vector (0: per weight element)
 
 
+def _tuned_gemv_configs() -> dict:
+    path = envs.ZPP_FP8_GEMV_CONFIG_FILE
+    if not path:
+        return {}
+    import json
+    with open(path) as f:
+        return {tuple(int(v) for v in key.split(",")): dict(cfg) for key, cfg in json.load(f).items()}
+
+
+_TUNED_GEMV = _tuned_gemv_configs()
+
+
 def fp8_gemv_config(n: int, k: int) -> dict:
-    """Launch configuration for an FP8 ``[n, k]`` weight: 4 rows and 2048 bytes of each per step, 4
-    warps, the fastest for all four Llama-3-8B shapes at M = 1 on one H200 (in-graph sweep,
-    ``scripts/fp8_gemv_sweep.py``: qkv 9.2 us, o 6.4, gate_up 29.5, down 16.5; 3.5 TB/s over a
-    layer's four products)."""
-    return dict(block_n=4, block_k=2048, num_warps=4)
+    """Launch configuration for an FP8 ``[n, k]`` weight: the file named by ``ZPP_FP8_GEMV_CONFIG_FILE``
+    where it holds ``"n,k"`` (``scripts/fp8_gemv_card_sweep.py --write-config`` measures one for the
+    card at hand); else 4 rows and 2048 bytes of each per step, 4 warps, the fastest for all four
+    Llama-3-8B shapes at M = 1 on one H200 (in-graph sweep, ``scripts/fp8_gemv_sweep.py``: qkv 9.2
+    us, o 6.4, gate_up 29.5, down 16.5; 3.5 TB/s over a layer's four products)."""
+    tuned = _TUNED_GEMV.get((n, k))
+    return dict(tuned) if tuned else dict(block_n=4, block_k=2048, num_warps=4)
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, weight_scale: torch.Tensor, block: Optional[tuple[int, int]] = None,
