@@ -15,6 +15,6 @@ for run in bf16 fp8 fp8-tuned-merge; do
     bf16) timeout 70 $C --output-json "$R/l/bf16.json" ;;
     fp8) timeout 70 $C --quantization fp8 --output-json "$R/l/fp8.json" ;;
     fp8-tuned-merge) ZPP_FP8_GEMV_CONFIG_FILE="$R/tuned.json" ZPP_ATTN_FUSED_MERGE=1 timeout 70 $C --quantization fp8 --output-json "$R/l/fp8_tuned_merge.json" ;;
-  esac 2>&1 | grep -v -E "$F" >> "$R/l/out.txt"; tail -3 "$R/l/out.txt" | grep -E "TPOT|Error" | tee -a "$L"
+  esac 2>&1 | grep -v -E "$F" >> "$R/l/out.txt"; grep -E "TPOT|Error" "$R/l/out.txt" | tail -1 | tee -a "$L"
 done
 echo "done SECONDS=$SECONDS" | tee -a "$L"
