@@ -61,13 +61,10 @@ def attention_splits(ctx: int = 256, layers: int = 32) -> dict:
     ts = torch.zeros(1, device="cuda", dtype=torch.int32)
     res = {}
     for splits in (1, 2, 4, 8, 16):
-        for fused in ((False, True) if splits > 1 else (False,)):
-            f = lambda q, c, s=splits, fu=fused: ops.paged_attention(q, c[0], c[1], out, bt, sl, qsv, ts, ts, 0.088,
-                                                                    16, s, fused_merge=fu)
-            t = graph_us(f, caches, q)
-            res[f"{splits}{' fused merge' if fused else ''}"] = t
-            print(f"attention batch 1, ctx {ctx}, splits {splits:2d}{' fused merge' if fused else ''}: {t:6.2f} us "
-                  "per layer", flush=True)
+        f = lambda q, c, s=splits: ops.paged_attention(q, c[0], c[1], out, bt, sl, qsv, ts, ts, 0.088, 16, s)
+        t = graph_us(f, caches, q)
+        res[splits] = t
+        print(f"attention batch 1, ctx {ctx}, splits {splits:2d}: {t:6.2f} us per layer", flush=True)
     return res
 
 

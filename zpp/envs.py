@@ -126,10 +126,6 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "\"block_k\": 2048, \"num_warps\": 4, \"num_stages\": 3}}`` (``fp8_kernels.fp8_gemv_config``; "
            "written for the card at hand by ``scripts/fp8_gemv_card_sweep.py --write-config``); shapes "
            "not in it keep the default. Read once, at import."),
-    EnvVar("ZPP_ATTN_FUSED_MERGE", "bool", _on_if_1,
-           "``1``: split-KV decode attention (small decode batches) merges its splits in the last split "
-           "program of each tile (``paged_attention._merge_if_last``) instead of a second kernel "
-           "(``paged_attention._merge_splits_kernel``), for A/B runs. Read once, at import."),
     EnvVar("ZPP_TRITON_GEMV", "bool", _on_unless_0,
            "``0``: batch-1 decode on CUDA multiplies by the weights with cuBLAS instead of zpp's Triton "
            "GEMV (``zpp.models.layers.linear``), for A/B runs. Read once, at import."),

@@ -107,44 +107,6 @@ def test_paged_attention(hq, hk, d, mode):
     assert rel_err(out, ref) < TOL
 
 
-@pytest.mark.parametrize("splits", [2, 8])
-def test_split_merge_in_kernel_equals_merge_kernel(splits):
-    """The split-KV merge done by each tile's last split program (an atomic counter per tile) gives
-    the merge kernel's output, matches the reference, leaves every counter at zero (the next launch
-    starts clean), and a second launch on the same counters gives the same output again."""
-    from zpp.models.layers import paged_attention as pa
-    torch.manual_seed(0)
-    hq, hk, d, bs = 8, 2, 64, 16
-    seq_lens = [5, 40, 130]
-    kc = torch.randn(32, bs, hk, d, device=DEV, dtype=DT)
-    vc = torch.randn(32, bs, hk, d, device=DEV, dtype=DT)
-    tables, nxt = [], 0
-    for L in seq_lens:
-        n = (L + bs - 1) // bs
-        tables.append(list(range(nxt, nxt + n)))
-        nxt += n
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV)
-    q_lens = [1] * len(seq_lens)
-    q = torch.randn(len(seq_lens), hq, d, device=DEV, dtype=DT)
-    block_m = ops.pick_block_m(1, hq // hk)
-    ts, tq = ops.attention_tiles(q_lens, max(1, block_m // (hq // hk)))
-    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)
-    args = (bt, i32(seq_lens), i32([0, 1, 2, 3]), i32(ts), i32(tq), d ** -0.5, block_m, splits)
-    outs = {}
-    for fused in (False, True, True):
-        out = torch.full_like(q, float("nan"))
-        ops.paged_attention(q, kc, vc, out, *args, fused_merge=fused)
-        outs.setdefault(fused, []).append(out)
-        if fused:
-            assert int(pa._COUNTERS[q.device].abs().sum()) == 0
-    ref = ref_attention(q, kc, vc, tables, seq_lens, q_lens, d ** -0.5)
-    assert not outs[True][0].isnan().any()
-    assert rel_err(outs[True][0], ref) < TOL
-    torch.testing.assert_close(outs[True][0], outs[False][0], rtol=1e-6, atol=1e-6)
-    assert torch.equal(outs[True][0], outs[True][1])
-
-
 @pytest.mark.parametrize("split", [True, False])
 def test_mixed_batch_attention_layer(split):
     """A micro-batch of decodes next to prompt chunks through the attention layer's Triton path:

@@ -5,7 +5,9 @@ References: FlashAttention-2 (Dao 2023) for the online-softmax tiling, PagedAtte
 2023) for the block-table indirection, vLLM's Triton "unified attention" for handling prefill,
 chunked prefill and decode in one kernel (every token's K/V is written to the cache first, then
 each query tile attends over the cache up to its causal limit), flash-decoding (Dao et al. 2023)
-for the split contexts. Re-exported by :mod:`zpp.models.layers.triton_ops`.
+for the split contexts (merged by a second kernel: a merge by each tile's last split program,
+through an atomic counter, measured slower on an H100 -- batch 1, context 256, 16 splits: 8.91 against
+5.84 us per layer, ``scripts/fp8_gemv_card_sweep.py``). Re-exported by :mod:`zpp.models.layers.triton_ops`.
 """
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from zpp import envs
 from zpp.models.layers.pdl import pdl, pdl_enter
 
 
@@ -40,7 +41,6 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, HQ: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
     D_EXTRA: tl.constexpr = 0, BLOCK_DE: tl.constexpr = 16, V_FROM_K: tl.constexpr = False,
     v_scale=1.0, FP8_KV: tl.constexpr = False, FP8_F16: tl.constexpr = True, USE_PDL: tl.constexpr = False,
-    Counters=None, FUSED_MERGE: tl.constexpr = False,
 ):
     # D_EXTRA > 0: queries and keys have D + D_EXTRA dims, values D (their scores add the extra
     # dims' dot product). V_FROM_K: the value of a key row is its first D dims (MLA's latent cache).
@@ -137,9 +137,6 @@ def _paged_attention_kernel(
         tl.store(Part_O + row[:, None] * BLOCK_D + d[None, :], out, mask=row_ok[:, None])
         tl.store(Part_ML + row * 2, m_i, mask=row_ok)
         tl.store(Part_ML + row * 2 + 1, l_i, mask=row_ok)
-        if FUSED_MERGE:  # the last of the tile's splits to finish merges them (no merge launch)
-            _merge_if_last(Part_O, Part_ML, Out, Counters + tile * tl.num_programs(1) + kvh, qs, q0, q_len, kvh,
-                           stride_ot, stride_oh, G, BLOCK_M, BLOCK_Q, HQ, NUM_SPLITS, D, BLOCK_D)
 
 
 @triton.jit
@@ -160,56 +157,6 @@ def _merge_splits_kernel(Part_O, Part_ML, Out, stride_ot, stride_oh, HQ: tl.cons
     o = tl.load(Part_O + row[:, None] * BLOCK_D + d[None, :])               # [S, BLOCK_D]
     out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
-
-
-@triton.jit
-def _merge_if_last(Part_O, Part_ML, Out, counter, qs, q0, q_len, kvh, stride_ot, stride_oh, G: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr):
-    # The "last block" pattern (CUDA's threadFenceReduction sample; cooperative groups' grid sync):
-    # every thread's partial stores, a barrier, then one acq_rel atomic at GPU scope on the tile's
-    # counter; the program that sees NUM_SPLITS - 1 has all splits' partials visible, merges them
-    # exactly as _merge_splits_kernel does, and resets the counter for the next launch (or replay).
-    tl.debug_barrier()
-    old = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if old == NUM_SPLITS - 1:
-        sp = tl.arange(0, NUM_SPLITS)
-        d = tl.arange(0, BLOCK_D)
-        for rr in tl.static_range(BLOCK_M):
-            if rr // G < BLOCK_Q:
-                tok = q0 + rr // G
-                if tok < q_len:
-                    head = kvh * G + rr % G
-                    row = ((qs + tok) * HQ + head) * NUM_SPLITS + sp
-                    m = tl.load(Part_ML + row * 2, cache_modifier=".cg")
-                    l = tl.load(Part_ML + row * 2 + 1, cache_modifier=".cg")
-                    m_max = tl.max(m, 0)
-                    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-                    w = tl.math.exp2(m - m_max) * l
-                    o = tl.load(Part_O + row[:, None] * BLOCK_D + d[None, :], cache_modifier=".cg")
-                    out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
-                    tl.store(Out + (qs + tok) * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty),
-                             mask=d < D)
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-
-_FUSED_MERGE = envs.ZPP_ATTN_FUSED_MERGE
-_COUNTERS: dict = {}
-_OLD_COUNTERS: list = []  # replaced buffers stay alive: a captured CUDA graph may still use one
-
-
-def _merge_counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
-    """The per-device int32 tile counters of the fused split merge (all zero between launches: the
-    merging program resets its own), at least ``n``; None while a CUDA graph is being captured and
-    the buffer is too small (the caller then launches the merge kernel instead)."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if c is not None:
-            _OLD_COUNTERS.append(c)
-        c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return c
 
 
 def attention_tiles(q_lens: list[int], block_q: int) -> tuple[list[int], list[int]]:
@@ -235,7 +182,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     num_splits: int = 1, block_n: Optional[int] = None, num_warps: Optional[int] = None,
                     num_stages: Optional[int] = None, window: Optional[int] = None,
                     sinks: Optional[torch.Tensor] = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                    fp8_f16: bool = True, fused_merge: Optional[bool] = None) -> torch.Tensor:
+                    fp8_f16: bool = True) -> torch.Tensor:
     """Causal attention of new query tokens over the paged KV cache (their own K/V already written).
 
     Args:
@@ -269,9 +216,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             ``V / v_scale``: K's scale multiplies the logits (not the sinks), V's the output (the cache
             values are converted to fp16, and a 16-bit ``q`` with them, for the products; an fp32 ``q``,
             or ``fp8_f16=False`` (kept for A/B runs), upcasts them to ``q``'s dtype instead).
-        fused_merge: with ``num_splits > 1``, the last program of each (tile, KV head) to finish merges
-            the splits (an atomic counter per tile, reset by that program) instead of a second
-            kernel; None: ``ZPP_ATTN_FUSED_MERGE`` (default off). The same arithmetic either way.
     """
     T, Hq, Dq = q.shape
     _, kv_block, Hk, _ = k_cache.shape
@@ -305,9 +249,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_stages is None:
         num_stages = 2
     grid = (tile_seq.shape[0], Hk, splits)
-    counters = None
-    if splits > 1 and (_FUSED_MERGE if fused_merge is None else fused_merge):
-        counters = _merge_counters(q.device, grid[0] * Hk)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tile_seq, tile_qstart,
         part_o, part_ml, sinks if sinks is not None else out, scale * k_scale * 1.4426950408889634, window or 0,
@@ -318,9 +259,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         NUM_SPLITS=splits, HQ=Hq, SLIDING=window is not None, HAS_SINKS=sinks is not None,
         D_EXTRA=d_extra, BLOCK_DE=max(16, triton.next_power_of_2(max(d_extra, 1))),
         V_FROM_K=bool(d_extra), v_scale=v_scale, FP8_KV=fp8, FP8_F16=f16,
-        Counters=counters if counters is not None else seq_lens, FUSED_MERGE=counters is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl(q))
-    if splits > 1 and counters is None:
+    if splits > 1:
         _merge_splits_kernel[(T, Hq)](part_o, part_ml, out, out.stride(0), out.stride(1), HQ=Hq,
                                       NUM_SPLITS=splits, D=D, BLOCK_D=BLOCK_D, num_warps=4,
                                       **pdl(q))
