@@ -125,8 +125,7 @@ def main(argv=()):
             rows.sort(key=lambda r: r["us"] if r["err"] < 1e-2 else 1e9)
             if kind == "int4-g128":
                 tops[sname] = [{k: v for k, v in r["cfg"].items() if k != "words"} for r in rows[:4]]
-            old_cfg = W.w4a16_gemv_config(N, K)
-            old_cfg = {k: v for k, v in old_cfg.items() if k in ("block_n", "block_k", "num_warps", "num_stages", "x_split")}
+            old_cfg = W.W4A16_GEMV_BYTEWISE.get(f"N={N},K={K}", dict(block_n=16, block_k=512, num_warps=4, x_split=True))
             t_old = bench(run(dict(old_cfg, words=False)))
             best = rows[0]
             t = best["us"]
@@ -136,7 +135,8 @@ def main(argv=()):
                        sweep=[(round(r["us"], 2), round(r["GBps"]), f"{r['err']:.1e}", name(r["cfg"])) for r in rows])
             for M in (2, 3, 4):
                 xm = torch.randn(M, K, device=dev).to(DT)
-                cm = dict(best["cfg"], block_n=min(best["cfg"]["block_n"], 32 // (2 if M == 2 else 4)))
+                cm = dict(best["cfg"], block_n=min(best["cfg"]["block_n"], 16 if M == 2 else 8), vec=False,
+                          prefetch=False)   # w4a16_gemv_config's rule for M > 1 (the calls kept vec / prefetch)
                 e = rel(W.w4a16_gemv(xm, *ws[0], G, fmt, None, **cm), xm.float() @ wf.t())
                 tm = bench(run(cm, xm)) if M != 3 else float("nan")
                 row[f"M={M}"] = dict(us=tm, err=e, cfg=cm)

@@ -49,8 +49,8 @@ from zpp.models.layers.pdl import pdl, pdl_enter
 from zpp.models.quantization.w4a16_gemv import w4a16_gemv_words, words_ok
 from zpp.models.quantization.w4_layout import FORMATS
 from zpp.models.quantization.w4a16_configs import (  # noqa: F401  (the launch tables, re-exported)
-    W4_MOE_CONFIGS, W4_MOE_GEMV_DEFAULT, W4_MOE_GEMV_MAX_ASSIGNMENTS, W4A16_CONFIGS, W4A16_GEMV_DEFAULT,
-    W4A16_GEMV_MAX_M, use_w4_moe_gemv, w4_moe_gemm_config, w4_moe_gemv_config, w4a16_gemm_config,
+    W4_MOE_CONFIGS, W4_MOE_GEMV_DEFAULT, W4_MOE_GEMV_MAX_ASSIGNMENTS, W4A16_CONFIGS, W4A16_GEMV_BYTEWISE,
+    W4A16_GEMV_DEFAULT, W4A16_GEMV_MAX_M, use_w4_moe_gemv, w4_moe_gemm_config, w4_moe_gemv_config, w4a16_gemm_config,
     w4a16_gemv_config)
 
 
@@ -373,7 +373,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     N = qweight.shape[0]
     K = x.shape[1]
     if 0 < x.shape[0] <= W4A16_GEMV_MAX_M:
-        return w4a16_gemv(x, qweight, scales, zeros, group_size, fmt, bias, **w4a16_gemv_config(N, K))
+        return w4a16_gemv(x, qweight, scales, zeros, group_size, fmt, bias,
+                          **w4a16_gemv_config(N, K, fmt, x.shape[0], zeros is not None))
     return w4a16_gemm(x, qweight, scales, zeros, group_size, fmt, bias)
 
 
