@@ -16,7 +16,10 @@ leading ``E``): ``qweight`` uint8 ``[.., N, K // 2]`` (column ``2j`` in the low 
 Kernels (every launch's shape depends on the token count only; no host synchronisation, so all of
 them are captured in CUDA graphs; any GPU Triton supports, sm80+):
 
-* :func:`w4a16_gemv` -- decode batches of ``M <= 4`` rows: one program per ``BLOCK_N`` output rows
+* :func:`w4a16_gemv` -- decode batches of ``M <= 4`` rows. By default (``words=True`` in the
+  measured launches) the word-wise kernel of :mod:`~zpp.models.quantization.w4a16_gemv`; the
+  byte-wise one below where the weight cannot be read as int32 words or ``words=False``: one
+  program per ``BLOCK_N`` output rows
   streams its rows' packed bytes once (``BLOCK_K / 2`` bytes of each row a step) and reuses the
   unpacked codes for every row of ``x``. The group scale multiplies a group's partial sum, not each
   weight; the ``int4`` zero point enters as ``zero * sum(x over the group)`` (one ``[K / G]`` vector
