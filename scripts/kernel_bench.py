@@ -8,7 +8,8 @@ attention over an FP8 KV cache vs bf16. ``fp8-moe``: the grouped FP8 MoE kernels
 and torch._scaled_mm looped over experts, with the tile sweep that fills FP8_MOE_CONFIGS (runs
 scripts/fp8_moe_bench.py alone; see its docstring). ``w4a16``: the W4A16 kernels (dense GEMV bandwidth on
 Llama-3-70B shapes with a launch sweep, prefill GEMM, gpt-oss MoE vs bf16; runs scripts/w4a16_bench.py
-alone, see its docstring)."""
+alone, see its docstring). ``w4a16-gemv``: the word-wise W4A16 GEMV's launch sweep against the
+byte-wise one and bf16 (scripts/w4a16_gemv_bench.py alone)."""
 import os
 import sys
 
@@ -16,6 +17,11 @@ if len(sys.argv) > 1 and sys.argv[1] == "fp8-moe":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from fp8_moe_bench import main
     main(sys.argv[2:])
+    sys.exit(0)
+if len(sys.argv) > 1 and sys.argv[1] == "w4a16-gemv":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from w4a16_gemv_bench import main as w4g_main
+    w4g_main(sys.argv[2:])
     sys.exit(0)
 if len(sys.argv) > 1 and sys.argv[1] == "w4a16":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -57,6 +57,43 @@ def test_gemv(fmt, G, zeros, M):
     assert rel_err(y, ref(x, q, s, z, G, fmt, bias)) < 1e-2
 
 
+WORD_LAUNCHES = [  # the word-wise GEMV's layouts and options (w4a16_gemv.py)
+    dict(block_n=8, block_k=64),                                  # one word a thread, ragged N and K
+    dict(block_n=8, block_k=128, split_k=2, prefetch=True),       # split-K (last program reduces), prefetch
+    dict(block_n=4, block_k=256, split_k=3, vec=True, prefetch=True),  # four words a thread, uneven split
+]
+
+
+@pytest.mark.parametrize("fmt,G,zeros", KINDS)
+@pytest.mark.parametrize("M,launch", [(1, 0), (3, 1), (4, 2), (2, 1)])
+def test_gemv_words(fmt, G, zeros, M, launch):
+    N, K = 20, 768 if G == 128 else 352                   # ragged N; K not a multiple of block_k
+    q, s, z = random_w4((N, K), fmt, G, zeros, seed=10 + M)
+    x = torch.randn(M, K, device=DEV).to(DT)
+    bias = torch.randn(N, device=DEV).to(DT) if M == 3 else None
+    y = W.w4a16_gemv(x, q, s, z, G, fmt, bias, words=True, **WORD_LAUNCHES[launch])
+    assert y.shape == (M, N) and y.dtype == DT
+    assert rel_err(y, ref(x, q, s, z, G, fmt, bias)) < 1e-2
+    if launch == 1:   # the split-K counters are left at zero: a second launch gives the same result
+        assert torch.equal(W.w4a16_gemv(x, q, s, z, G, fmt, bias, words=True, **WORD_LAUNCHES[launch]), y)
+
+
+def test_gemv_words_decodes_every_code_exactly():
+    """Each of the 16 codes in each nibble position of a word, int4 and mxfp4, against the reference
+    dequantization: one-hot activations read single weights back (exact: one product a row)."""
+    K = 32
+    codes = torch.arange(16, dtype=torch.uint8).repeat(2)                       # [32]: 0..15 twice
+    rows = torch.stack([codes.roll(r) for r in range(16)])                      # every code at every column
+    q = (rows[:, 0::2] | (rows[:, 1::2] << 4)).to(DEV)                          # [16, 16]
+    eye = torch.eye(K, device=DEV).to(DT)
+    for fmt, s in (("int4", torch.full((16, 1), 0.5, dtype=SDT)), ("mxfp4", torch.full((16, 1), 127, dtype=torch.uint8))):
+        s = s.to(DEV)
+        w = dequantize_w4(q, s, None, 32, fmt, torch.float32)
+        for c in range(0, K, 4):
+            y = W.w4a16_gemv(eye[c:c + 4], q, s, None, 32, fmt, words=True, block_n=8, block_k=32)
+            assert torch.equal(y.float(), w[:, c:c + 4].t())
+
+
 @pytest.mark.parametrize("fmt,G,zeros", KINDS)
 def test_gemm(fmt, G, zeros):
     M, N, K = 37, 48, 384 if G == 128 else 160             # ragged M, N past a tile, K past a tile

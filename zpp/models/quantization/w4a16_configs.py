@@ -1,8 +1,8 @@
 """Launch configurations of the W4A16 kernels (:mod:`zpp.models.quantization.w4a16_kernels`): the
 batch-size thresholds between GEMV and GEMM, the measured per-shape tables (as vLLM's
 ``fused_moe/configs/*.json``) and the functions that pick a launch from them. Measured on one
-H100 80GB HBM3 with ``python scripts/kernel_bench.py w4a16`` (raw output:
-benchmarks/results/h100_issue48_w4a16/)."""
+H100 80GB HBM3 with ``python scripts/kernel_bench.py w4a16`` and ``w4a16-gemv`` (raw output:
+benchmarks/results/h100_issue48_w4a16/, h100_2026-12-07_w4gemv/)."""
 from __future__ import annotations
 
 from zpp.models.layers.fused_moe import bucket_config
@@ -28,30 +28,54 @@ def w4a16_gemm_config(M: int, N: int, K: int) -> dict:
     return dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
-def w4a16_gemv_config(N: int, K: int) -> dict:
-    """Launch of :func:`~zpp.models.quantization.w4a16_kernels.w4a16_gemv` for an ``[N, K]`` weight (:data:`W4A16_CONFIGS`, else the
-    measured default)."""
-    entry = W4A16_CONFIGS.get(f"N={N},K={K}")
-    if entry and "gemv" in entry:
-        return dict(entry["gemv"])
-    return dict(W4A16_GEMV_DEFAULT)
+def w4a16_gemv_config(N: int, K: int, fmt: str = "int4", M: int = 1, zeros: bool = False) -> dict:
+    """Launch of :func:`~zpp.models.quantization.w4a16_kernels.w4a16_gemv` for an ``[N, K]`` weight
+    in ``fmt`` (``zeros``: int4 with zero points) and ``M`` rows: :data:`W4A16_CONFIGS`
+    (``gemv_int4zp`` / ``gemv_<fmt>``, else ``gemv``), else :data:`W4A16_GEMV_DEFAULT`. For ``M > 1``
+    the word-wise kernel takes one word a thread and at most 16 (``M = 2``) / 8 rows a block, no
+    prefetch: its accumulators are ``M x`` the registers (measured: the four-words-a-thread layout at
+    ``M = 4`` took 2-3.5x the one-word one on the same shape, other kinds, same call)."""
+    entry = W4A16_CONFIGS.get(f"N={N},K={K}", {})
+    key = "gemv_int4zp" if fmt == "int4" and zeros else f"gemv_{fmt}"
+    cfg = dict(entry.get(key) or entry.get(f"gemv_{fmt}") or entry.get("gemv") or W4A16_GEMV_DEFAULT)
+    if M > 1 and cfg.get("words"):
+        cfg.update(block_n=min(cfg["block_n"], 16 if M == 2 else 8), vec=False, prefetch=False)
+    return cfg
 
 
-W4A16_GEMV_DEFAULT = dict(block_n=16, block_k=512, num_warps=4, num_stages=3, x_split=True)
-"""The GEMV launch of shapes :data:`W4A16_CONFIGS` does not list."""
+W4A16_GEMV_DEFAULT = dict(words=True, block_n=8, block_k=1024, num_warps=4, num_stages=1)
+"""The GEMV launch of shapes :data:`W4A16_CONFIGS` does not list: the word-wise kernel
+(:mod:`~zpp.models.quantization.w4a16_gemv`), 8 rows x 1024 codes a step, one word a thread: within
+10% of the fastest launch on every Llama-3-70B shape and kind on the H100 but int4 ``down`` with
+zero points (15%) (benchmarks/results/h100_2026-12-07_w4gemv/)."""
 
+_W = dict(words=True, num_stages=1, num_warps=4, block_k=1024)
 W4A16_CONFIGS: dict[str, dict] = {
-    # Llama-3-70B layer shapes (qkv, o, gate_up, down): the fastest of 12 launches (+ the best three
-    # with the other activation load) for int4 group 128 at M = 1 on one H100, in CUDA graphs
-    "N=10240,K=8192": dict(gemv=dict(block_n=16, block_k=512, num_warps=4, num_stages=3, x_split=True)),
-    "N=8192,K=8192": dict(gemv=dict(block_n=16, block_k=1024, num_warps=8, num_stages=3, x_split=False)),
-    "N=57344,K=8192": dict(gemv=dict(block_n=32, block_k=512, num_warps=4, num_stages=3, x_split=True)),
-    "N=8192,K=28672": dict(gemv=dict(block_n=16, block_k=1024, num_warps=8, num_stages=3, x_split=False)),
+    # Llama-3-70B layer shapes (qkv, o, gate_up, down): the fastest word-wise launches at M = 1 on one
+    # H100 in CUDA graphs, two calls agreeing within 3% (python scripts/kernel_bench.py w4a16-gemv):
+    # int4 (group 128 and 32 pick the same), int4 with zero points, mxfp4
+    "N=10240,K=8192": dict(gemv=dict(_W, block_n=8)),
+    "N=8192,K=8192": dict(gemv=dict(_W, block_n=16), gemv_int4zp=dict(_W, block_n=32, vec=True, prefetch=True),
+                          gemv_mxfp4=dict(_W, block_n=8)),
+    "N=57344,K=8192": dict(gemv=dict(_W, block_n=32, vec=True), gemv_int4zp=dict(_W, block_n=8),
+                           gemv_mxfp4=dict(_W, block_n=8)),
+    "N=8192,K=28672": dict(gemv=dict(_W, block_n=16), gemv_int4zp=dict(_W, block_n=32, vec=True, prefetch=True),
+                           gemv_mxfp4=dict(_W, block_n=8, block_k=2048, num_warps=8, prefetch=True)),
 }
-"""Measured launches per weight shape ``"N=..,K=.."``: ``gemv`` (a :func:`~zpp.models.quantization.w4a16_kernels.w4a16_gemv` launch),
-``gemm`` (``{max M: tiles}``, the first bucket ``>= M`` wins). Measured on one H100 80GB HBM3 with
-``python scripts/kernel_bench.py w4a16`` (raw output: benchmarks/results/h100_issue48_w4a16/). The
-GEMM's defaults (:func:`w4a16_gemm_config`) were the fastest of the sweep for every shape there."""
+"""Measured launches per weight shape ``"N=..,K=.."``: ``gemv`` / ``gemv_<fmt>`` / ``gemv_int4zp``
+(a :func:`~zpp.models.quantization.w4a16_kernels.w4a16_gemv` launch), ``gemm`` (``{max M: tiles}``,
+the first bucket ``>= M`` wins). Measured on one H100 80GB HBM3 (raw output:
+benchmarks/results/h100_2026-12-07_w4gemv/ for the GEMV, h100_issue48_w4a16/ for the GEMM, whose
+defaults (:func:`w4a16_gemm_config`) were the fastest of the sweep for every shape there)."""
+
+W4A16_GEMV_BYTEWISE: dict[str, dict] = {
+    # the byte-wise GEMV's fastest launches (h100_issue48_w4a16/), the baseline of kernel_bench.py w4a16-gemv
+    "N=10240,K=8192": dict(block_n=16, block_k=512, num_warps=4, num_stages=3, x_split=True),
+    "N=8192,K=8192": dict(block_n=16, block_k=1024, num_warps=8, num_stages=3, x_split=False),
+    "N=57344,K=8192": dict(block_n=32, block_k=512, num_warps=4, num_stages=3, x_split=True),
+    "N=8192,K=28672": dict(block_n=16, block_k=1024, num_warps=8, num_stages=3, x_split=False),
+}
+"""The byte-wise kernel's launches (``words=False``) per shape, measured before the word-wise one."""
 
 
 W4_MOE_GEMV_DEFAULT = dict(block_n=4, block_k=512, num_warps=4, num_stages=3)

@@ -16,7 +16,10 @@ leading ``E``): ``qweight`` uint8 ``[.., N, K // 2]`` (column ``2j`` in the low 
 Kernels (every launch's shape depends on the token count only; no host synchronisation, so all of
 them are captured in CUDA graphs; any GPU Triton supports, sm80+):
 
-* :func:`w4a16_gemv` -- decode batches of ``M <= 4`` rows: one program per ``BLOCK_N`` output rows
+* :func:`w4a16_gemv` -- decode batches of ``M <= 4`` rows. By default (``words=True`` in the
+  measured launches) the word-wise kernel of :mod:`~zpp.models.quantization.w4a16_gemv`; the
+  byte-wise one below where the weight cannot be read as int32 words or ``words=False``: one
+  program per ``BLOCK_N`` output rows
   streams its rows' packed bytes once (``BLOCK_K / 2`` bytes of each row a step) and reuses the
   unpacked codes for every row of ``x``. The group scale multiplies a group's partial sum, not each
   weight; the ``int4`` zero point enters as ``zero * sum(x over the group)`` (one ``[K / G]`` vector
@@ -46,10 +49,11 @@ import triton
 import triton.language as tl
 
 from zpp.models.layers.pdl import pdl, pdl_enter
+from zpp.models.quantization.w4a16_gemv import w4a16_gemv_words, words_ok
 from zpp.models.quantization.w4_layout import FORMATS
 from zpp.models.quantization.w4a16_configs import (  # noqa: F401  (the launch tables, re-exported)
-    W4_MOE_CONFIGS, W4_MOE_GEMV_DEFAULT, W4_MOE_GEMV_MAX_ASSIGNMENTS, W4A16_CONFIGS, W4A16_GEMV_DEFAULT,
-    W4A16_GEMV_MAX_M, use_w4_moe_gemv, w4_moe_gemm_config, w4_moe_gemv_config, w4a16_gemm_config,
+    W4_MOE_CONFIGS, W4_MOE_GEMV_DEFAULT, W4_MOE_GEMV_MAX_ASSIGNMENTS, W4A16_CONFIGS, W4A16_GEMV_BYTEWISE,
+    W4A16_GEMV_DEFAULT, W4A16_GEMV_MAX_M, use_w4_moe_gemv, w4_moe_gemm_config, w4_moe_gemv_config, w4a16_gemm_config,
     w4a16_gemv_config)
 
 
@@ -257,15 +261,21 @@ def _block_k(cfg_bk: int, group_size: int) -> int:
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                group_size: int, fmt: str, bias: Optional[torch.Tensor] = None, block_n: int = 4,
                block_k: int = 1024, num_warps: int = 4, num_stages: int = 3, x_split: bool = False,
-               fast_cvt: bool = False) -> torch.Tensor:
+               fast_cvt: bool = False, words: bool = False, split_k: int = 1, vec: bool = False,
+               prefetch: bool = False) -> torch.Tensor:
     """``x [M, K] @ dequant(W)^T (+ bias)`` -> ``[M, N]`` in ``x``'s dtype for ``M <= 4`` (decode):
     ``qweight`` uint8 ``[N, K // 2]``, ``scales`` / ``zeros`` ``[N, K // group_size]`` (module
     docstring), ``bias [N]``; fp32 accumulation. ``block_k`` a power of two >= ``group_size``.
     ``x_split``: each step's activations read in one contiguous load and split into even / odd
     columns in registers (else two strided loads). ``fast_cvt``: int4 codes to float32 by an OR and
     a subtraction (exact) instead of the ``cvt`` instruction; not yet measured, off by default (every
-    launch configuration takes it). Three rows run as four (the graphs' warm-ups build the 1, 2 and
-    4-row kernels).
+    launch configuration takes it). ``words``: the word-wise kernel of
+    :mod:`~zpp.models.quantization.w4a16_gemv` (no per-step reductions, codes to float without a
+    conversion instruction; ``split_k`` slices of K, ``vec`` its four-words-a-thread layout,
+    ``prefetch`` the next step's loads issued before this step's arithmetic) where
+    the weight can be read as int32 words (:func:`~zpp.models.quantization.w4a16_gemv.words_ok`);
+    ``x_split`` / ``fast_cvt`` belong to the byte-wise kernel. Three rows run as
+    four (the graphs' warm-ups build the 1, 2 and 4-row kernels).
 
     Raises:
         ValueError: ``M > 4``, or tensors that do not fit the layout (:func:`_check`).
@@ -278,8 +288,12 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         raise ValueError(f"w4a16_gemv: x has {K} columns, the weight {qweight.shape[-1] * 2}")
     if M == 3:
         return w4a16_gemv(torch.nn.functional.pad(x, (0, 0, 0, 1)), qweight, scales, zeros, group_size, fmt, bias,
-                          block_n, block_k, num_warps, num_stages, x_split, fast_cvt)[:3]
+                          block_n, block_k, num_warps, num_stages, x_split, fast_cvt, words, split_k, vec,
+                          prefetch)[:3]
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if words and words_ok(qweight):
+        return w4a16_gemv_words(x, qweight, scales, zeros, group_size, f, bias, block_n, max(block_k, 8), num_warps,
+                                num_stages, split_k, vec, prefetch)
     N = qweight.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
@@ -362,7 +376,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     N = qweight.shape[0]
     K = x.shape[1]
     if 0 < x.shape[0] <= W4A16_GEMV_MAX_M:
-        return w4a16_gemv(x, qweight, scales, zeros, group_size, fmt, bias, **w4a16_gemv_config(N, K))
+        return w4a16_gemv(x, qweight, scales, zeros, group_size, fmt, bias,
+                          **w4a16_gemv_config(N, K, fmt, x.shape[0], zeros is not None))
     return w4a16_gemm(x, qweight, scales, zeros, group_size, fmt, bias)
 
 
