@@ -19,6 +19,9 @@ import torch
 
 VOCAB = 512
 FAMILIES = ("qwen3-moe", "deepseek-v3", "mixtral")
+W4_FAMILIES = ("gpt-oss", "llama")
+"""Also fitted (the 4-bit GPU tests): gpt-oss (its MXFP4 release's family: sinks, sliding window,
+biased experts with the clamped SwiGLU) and a dense Llama (GPTQ / AWQ / compressed-tensors)."""
 
 
 def _model(family: str):
@@ -40,13 +43,24 @@ def _model(family: str):
             **common, intermediate_size=512, moe_intermediate_size=256, kv_lora_rank=64, q_lora_rank=64,
             qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64, n_routed_experts=8, n_group=2, topk_group=1,
             num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.0))
-    raise ValueError(f"unknown family {family!r} (one of {FAMILIES})")
+    if family == "gpt-oss":  # 8 experts of 256 (MXFP4 blocks of 32 along both K), top-2, window 32
+        from transformers import GptOssConfig, GptOssForCausalLM
+        return GptOssForCausalLM(GptOssConfig(
+            **common, intermediate_size=256, num_key_value_heads=2, head_dim=64, num_local_experts=8,
+            num_experts_per_tok=2, sliding_window=32, layer_types=["sliding_attention", "full_attention",
+                                                                   "sliding_attention"],
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 128, "rope_theta": 150000.0}))
+    if family == "llama":  # dense: every linear layer 4-bit in GPTQ / AWQ (K = 256 and 512: groups of 128)
+        from transformers import LlamaConfig, LlamaForCausalLM
+        return LlamaForCausalLM(LlamaConfig(**common, intermediate_size=512, num_key_value_heads=2, head_dim=64))
+    raise ValueError(f"unknown family {family!r} (one of {FAMILIES + W4_FAMILIES})")
 
 
 def fitted_moe_checkpoint(family: str, out_dir: str, device: str = "cuda", steps: int = 300,
                           seed: int = 0) -> torch.Tensor:
-    """Fit a tiny ``family`` model (3 layers, hidden 256, 8 experts of 256, top-2) to the successor
-    task and ``save_pretrained`` it (float32) to ``out_dir``. Returns ``perm`` ``[VOCAB]`` (CPU):
+    """Fit a tiny ``family`` model (3 layers, hidden 256, 8 experts of 256, top-2; the dense Llama an
+    MLP of 512) to the successor task and ``save_pretrained`` it (float32) to ``out_dir``. Returns ``perm`` ``[VOCAB]`` (CPU):
     the next token of ``x`` is ``perm[x]`` (ids 0-2, the special ones, never start a chain but may
     appear in it)."""
     g = torch.Generator().manual_seed(seed)

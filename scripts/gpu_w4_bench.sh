@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# 4-bit releases (issue 48) on one GPU, bf16 and MXFP4 in the same call (a GPU figure is only real as
+# a ratio measured in one call):
+#   bash scripts/gpu_w4_bench.sh OUTDIR [RUN...]
+# Runs (default: all, in this order):
+#   o20-lat-bf16 o20-lat-mxfp4    gpt-oss-20b shape at batch 1, 128 in / 128 out: scripts/configs/gpt-oss-20b-bf16
+#                                 and scripts/configs/gpt-oss-20b (MXFP4 experts as released)
+#                                 (acceptance: mxfp4 TPOT <= 0.6x bf16)
+#   o20-tput-bf16 o20-tput-mxfp4  the same shapes, 1000 x 256/256 (acceptance: mxfp4 out tok/s >= 1.0x bf16)
+#   o120-mxfp4                    gpt-oss-120b shape MXFP4 (scripts/configs/gpt-oss-120b) at batch 1,
+#                                 --max-model-len 32768 (acceptance: weights <= 66 GB on one 80 GB card with
+#                                 >= 32k tokens of KV cache). On a card larger than an H100 80GB (81559 MiB)
+#                                 --gpu-memory-utilization is scaled so that 0.9 of 81559 MiB is used: the KV
+#                                 tokens an 80 GB card would get.
+# Weights are random (--load-format dummy), quantized at load like the release. Each start-up's "stage ...:
+# weights <dtype GiB>; KV cache N tokens" line is kept in OUTDIR/weights.txt; JSON per run in OUTDIR; a table
+# at the end.
+set -u
+OUT="${1:?OUTDIR}"; shift
+RUNS="${*:-o20-lat-bf16 o20-lat-mxfp4 o20-tput-bf16 o20-tput-mxfp4 o120-mxfp4}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+D="--load-format dummy --device cuda"
+O20="scripts/configs/gpt-oss-20b"
+TPUT="--num-prompts 1000 --input-len 256 --output-len 256 --max-num-seqs 1024 --max-num-batched-tokens 8192"
+LAT="--batch-size 1 --input-len 128 --output-len 128 --num-iters-warmup 1 --num-iters 3"
+TOTAL_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+UTIL=$(python -c "t = ${TOTAL_MIB:-81559}; print(0.9 if t <= 81559 else round(0.9 * 81559 / t, 4))")
+run() {  # NAME CMD...: the whole log appended to runs.log; the weights line and the figures printed
+  local name=$1; shift
+  echo "### $name: $*" | tee -a "$OUT/runs.log"
+  local log; log=$(mktemp)
+  "$@" 2>&1 | grep -v -E "it/s\]|s/it\]" > "$log"
+  cat "$log" >> "$OUT/runs.log"
+  grep -E "weights .* GiB; KV cache|memory profile|layers quantized" "$log" | sed "s/^/$name: /" | cut -c1-300 \
+    | tee -a "$OUT/weights.txt"
+  grep -E "while serving" "$log" | sed 's/^/LATE COMPILE: /' | cut -c1-200
+  grep -E "Error|error:" "$log" | head -5 | cut -c1-300
+  tail -6 "$log"
+  rm -f "$log"
+}
+for r in $RUNS; do
+  case $r in
+    o20-lat-bf16) run $r python -m zpp.cli bench latency --model $O20-bf16 $D $LAT --output-json "$OUT/lat_gpt-oss-20b_bf16.json" ;;
+    o20-lat-mxfp4) run $r python -m zpp.cli bench latency --model $O20 $D $LAT --output-json "$OUT/lat_gpt-oss-20b_mxfp4.json" ;;
+    o20-tput-bf16) run $r python -m zpp.cli bench throughput --model $O20-bf16 $D $TPUT \
+        --output-json "$OUT/tput_gpt-oss-20b_bf16.json" ;;
+    o20-tput-mxfp4) run $r python -m zpp.cli bench throughput --model $O20 $D $TPUT \
+        --output-json "$OUT/tput_gpt-oss-20b_mxfp4.json" ;;
+    o120-mxfp4) echo "gpu memory ${TOTAL_MIB} MiB: --gpu-memory-utilization $UTIL" | tee -a "$OUT/weights.txt"
+      run $r python -m zpp.cli bench latency --model scripts/configs/gpt-oss-120b $D --batch-size 1 --input-len 128 \
+        --output-len 128 --num-iters-warmup 1 --num-iters 1 --max-model-len 32768 --gpu-memory-utilization "$UTIL" \
+        --output-json "$OUT/lat_gpt-oss-120b_mxfp4.json" ;;
+    *) echo "unknown run $r"; exit 2 ;;
+  esac
+done
+python - "$OUT" <<'PY'
+import glob, json, os, sys
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    d = json.load(open(f))
+    v = d.get("tpot_ms") or d.get("output_tokens_per_s")
+    print(f"{os.path.basename(f):40s} {'TPOT ms' if 'tpot_ms' in d else 'out tok/s'} {v}")
+PY
