@@ -44,6 +44,8 @@ from fp8_checkpoint import write_fp8_checkpoint
 from helpers import hf_greedy
 from stage_chain import check_splits
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny in-process ops (conftest.py)
+
 VOCAB = 2048  # token ids of the prompts; the tokenizer (SmolLM2's) is only loaded
 MAX_NEW = 8
 
@@ -85,16 +87,6 @@ LAYOUTS = [(f, lay) for f in ("qwen3-moe", "deepseek-v3", "mixtral") for lay in 
 # per-tensor layout with static input scales (llm-compressor's FP8 scheme; loaded as per channel) at one.
 SPLITS = {"block-fused": [(1, 3)], "ct-tensor": [(2, 2)]}
 DEFAULT_SPLITS = [(4,), (2, 2), (2, 1, 1), (1, 3)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """This module's in-process forwards and HF's reference on one thread: on a shared 2-core machine
-    two threads per tiny op wait on each other (5-10x slower). Restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ import pytest
 
 from helpers import alive, descendants, hf_greedy
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny in-process ops (conftest.py)
+
 MAX_NEW = 16
 VOCAB = 49152  # SmolLM2's tokenizer
 PROMPT_LENS = (3, 17, 40)
@@ -82,17 +84,6 @@ def _save_random_model(family: str, out_dir: str, demo_model: str) -> str:
     model.save_pretrained(out_dir)
     _copy_tokenizer(demo_model, out_dir)
     return out_dir
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """This module's in-process forwards and HF's references on one thread: on a shared 2-core
-    machine two threads per tiny op wait on each other (5-10x slower). Restored after the module."""
-    import torch
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
