@@ -43,6 +43,19 @@ def _offline_llm_on_cpu_unless_gpu_test(request, monkeypatch):
         monkeypatch.setattr("zpp.config.resolve_device", lambda d: "cpu" if d == "auto" else d)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """This process's torch on one thread for a module (``pytestmark =
+    pytest.mark.usefixtures("one_torch_thread")``) whose in-process work is tiny ops (stages chained in
+    process, HF references of small random models): on a shared 2-core machine two threads per tiny
+    op wait on each other (5-10x slower). Engine workers set their own. Restored after the module."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, demo_model) -> str:
     """A 4-layer Llama (hidden 64, vocab 49152) with random float32 weights (initializer_range 0.3:

@@ -1,7 +1,7 @@
 """FP8 checkpoints (compressed-tensors per channel / per tensor with static input scales, and 128 x 128
 block scales) on the CPU, where every FP8 weight is dequantized on load: zpp's greedy tokens equal HF
-transformers' (fp32, CPU) on the same checkpoint dequantized, at PP = 1 and 2, with chunked prefill
-and prefix caching; HF itself reads the FP8 checkpoints to those same weights (compressed-tensors
+transformers' (fp32, CPU) on the same checkpoint dequantized, at PP = 1, 2 and 3 (stages chained
+in process) and through the engine at PP = 2 with chunked prefill and prefix caching; HF itself reads the FP8 checkpoints to those same weights (compressed-tensors
 with ``dequantize=True``; block FP8 where its dequantizer is right, see ``test_hf_reads_fp8``).
 Tiny Llama dims are not multiples of 128 (partial blocks: 192, 320, 64); the Qwen3-MoE one's are
 (its FP8 experts are dequantized too); the real SmolLM2 (demo model) has 576 / 192 / 1536. The MoE
@@ -89,13 +89,13 @@ def _greedy(llm, prompts, n=MAX_NEW):
 
 
 # Each layout at PP = 1 and 2 across the families (a layout's loading does not depend on the split:
-# every stage runs the same loader on its own tensors; ct-tensor loads as per channel), kept to four
-# engines for the suite's time: the real SmolLM2 once, in the block layout (its 576 rows end on a
-# partial block) at PP = 2; the MoE families' engine run (DeepSeek-V3 block, chunked prefill and
-# prefix caching) is test_fp8_moe.py's, their every split and layout in-process there.
+# every stage runs the same loader on its own tensors; ct-tensor loads as per channel). Two engines
+# for the suite's time: Llama ct-tensor and the real SmolLM2 in the block layout (its 576 rows end on
+# a partial block), both at PP = 2; every Llama layout's PP = 1, 2, 3 chained in process; the MoE
+# families' engine run (DeepSeek-V3 block, chunked prefill and prefix caching) is test_fp8_moe.py's,
+# their every split and layout in-process there.
 @pytest.mark.slow
-@pytest.mark.parametrize("family, layout, pp", [
-    ("llama", "ct-channel", 1), ("llama", "ct-tensor", 2), ("llama", "block", 1), ("smollm2", "block", 2)])
+@pytest.mark.parametrize("family, layout, pp", [("llama", "ct-tensor", 2), ("smollm2", "block", 2)])
 def test_greedy_matches_hf(ckpt, prompts, family, layout, pp):
     """Batched prompts cut into chunks of at most 16 tokens, prefix caching on (a request sharing 32
     tokens with an earlier one reads them from the cache)."""
@@ -111,6 +111,17 @@ def test_greedy_matches_hf(ckpt, prompts, family, layout, pp):
         assert llm.engine.kv.prefix_hits - hits == 32
     for i, ref in enumerate(reference):
         assert got[i] == ref, f"{family} {layout} PP={pp}, prompt {i}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ct-channel", "ct-tensor", "block"])
+def test_llama_splits_in_process_match_hf(ckpt, prompts, layout, one_torch_thread):
+    """The tiny Llama in every layout at PP = 1 (decoding token by token), 2 and 3, each stage loading
+    its part of the FP8 checkpoint (dequantized on load) as a worker does, chained in this process:
+    HF's greedy tokens on the dequantized twin, every prompt."""
+    from stage_chain import check_splits
+    d, deq = ckpt("llama", layout)
+    check_splits(d, prompts, hf_greedy(deq, prompts, MAX_NEW), [(3,), (2, 1), (1, 1, 1)], label=f"llama {layout}")
 
 
 @pytest.mark.slow

@@ -42,10 +42,12 @@ import torch
 
 from fp8_checkpoint import write_fp8_checkpoint
 from helpers import hf_greedy
+from stage_chain import check_splits
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny in-process ops (conftest.py)
 
 VOCAB = 2048  # token ids of the prompts; the tokenizer (SmolLM2's) is only loaded
 MAX_NEW = 8
-BLOCK = 16  # KV block size of the in-process runs
 
 
 def _qwen3_moe():  # experts 128 x 128: whole blocks (k/v 64 rows: one partial block); layer 2 dense
@@ -85,16 +87,6 @@ LAYOUTS = [(f, lay) for f in ("qwen3-moe", "deepseek-v3", "mixtral") for lay in 
 # per-tensor layout with static input scales (llm-compressor's FP8 scheme; loaded as per channel) at one.
 SPLITS = {"block-fused": [(1, 3)], "ct-tensor": [(2, 2)]}
 DEFAULT_SPLITS = [(4,), (2, 2), (2, 1, 1), (1, 3)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """This module's in-process forwards and HF's reference on one thread: on a shared 2-core machine
-    two threads per tiny op wait on each other (5-10x slower). Restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -154,65 +146,6 @@ def _config(d: str) -> dict:
         return normalize_config(json.load(f))
 
 
-class _Chain:
-    """The stages of ``sizes`` built in this process, each as a worker loads its own
-    (``load_stage_model`` with its ``StageInfo``: only its layers' tensors, embeddings on the first,
-    norm + lm_head on the last), with a paged KV cache per stage; :meth:`step` runs one chunk of
-    every sequence through them, handing the activations from one stage's forward to the next.
-    fp32 on the CPU."""
-
-    def __init__(self, d: str, sizes: tuple[int, ...], num_seqs: int, max_len: int):
-        from zpp.models.base import StageInfo
-        from zpp.models.loader import load_stage_model
-        from zpp.models.partition import partition_layers
-        cfg = _config(d)
-        ranges = partition_layers(cfg["num_hidden_layers"], len(sizes), sizes)
-        self.stages = [load_stage_model(d, cfg, StageInfo(r, len(sizes), a, b), torch.float32, torch.device("cpu"),
-                                        256) for r, (a, b) in enumerate(ranges)]
-        per = -(-max_len // BLOCK)
-        self.tables = [list(range(i * per, (i + 1) * per)) for i in range(num_seqs)]
-        self.caches = [[torch.zeros(m.kv_cache_shape(per * num_seqs, BLOCK)) for _ in range(m.num_local_layers)]
-                       for m in self.stages]
-        self.starts = [0] * num_seqs
-
-    def step(self, chunks: list[list[int]]) -> list[list[int]]:
-        """``chunks[i]``: sequence i's next tokens -> the argmax after each of them."""
-        from zpp.models.layers.attention import build_attention_metadata
-        lens = [len(c) for c in chunks]
-        ids = torch.tensor([t for c in chunks for t in c])
-        pos = torch.tensor([s + j for s, c in zip(self.starts, chunks) for j in range(len(c))])
-        meta = build_attention_metadata(self.starts, lens, self.tables, BLOCK, torch.device("cpu"))
-        with torch.inference_mode():
-            acts = None
-            for m, kv in zip(self.stages, self.caches):
-                acts = m(ids, pos, acts, kv, meta)
-            top = self.stages[-1].compute_logits(acts).argmax(-1).tolist()
-        self.starts = [s + n for s, n in zip(self.starts, lens)]
-        ends = torch.tensor(lens).cumsum(0).tolist()
-        return [top[e - n:e] for e, n in zip(ends, lens)]
-
-
-def _greedy_in_process(d: str, sizes: tuple[int, ...], prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Greedy decoding through a :class:`_Chain`: the prompts prefilled as one batch, then ``n - 1``
-    decode steps of every sequence together."""
-    chain = _Chain(d, sizes, len(prompts), max(map(len, prompts)) + n)
-    out = [[t[-1]] for t in chain.step(prompts)]
-    for _ in range(n - 1):
-        for o, t in zip(out, chain.step([[o[-1]] for o in out])):
-            o.append(t[0])
-    return out
-
-
-def _forced_in_process(d: str, sizes: tuple[int, ...], prompts: list[list[int]],
-                       ref: list[list[int]]) -> list[list[int]]:
-    """The greedy tokens of a :class:`_Chain` given HF's as the inputs (teacher forcing: greedy
-    decoding yields ``ref`` exactly when the argmax after each prefix is ``ref``'s next token), in two
-    chunks -- the prompts, then every sequence's ``ref[:-1]`` at once over the first chunk's KV cache."""
-    chain = _Chain(d, sizes, len(prompts), max(map(len, prompts)) + len(ref[0]))
-    first = chain.step(prompts)
-    return [[f[-1]] + s for f, s in zip(first, chain.step([r[:-1] for r in ref]))]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family, layout", LAYOUTS)
 def test_every_split_matches_hf(ckpt, prompts, family, layout):
@@ -223,11 +156,7 @@ def test_every_split_matches_hf(ckpt, prompts, family, layout):
     engine decoding through real stages in :func:`test_engine_at_pp3_uneven_matches_hf`."""
     d, deq = ckpt(family, layout)
     ref = hf_greedy(deq, prompts, MAX_NEW)
-    for sizes in SPLITS.get(layout, DEFAULT_SPLITS):
-        got = _greedy_in_process(d, sizes, prompts, MAX_NEW) if len(sizes) == 1 else \
-            _forced_in_process(d, sizes, prompts, ref)
-        for i, (g, r) in enumerate(zip(got, ref)):
-            assert g == r, f"{family} {layout} split {sizes}, prompt {i}"
+    check_splits(d, prompts, ref, SPLITS.get(layout, DEFAULT_SPLITS), label=f"{family} {layout}")
 
 
 @pytest.mark.slow

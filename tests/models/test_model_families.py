@@ -1,5 +1,6 @@
 """Every supported model family, on small random-weight checkpoints written by HF transformers'
-``save_pretrained``: greedy tokens equal HF's (fp32, CPU) at PP = 1, 2 and 3 with uneven splits;
+``save_pretrained``: greedy tokens equal HF's (fp32, CPU) at PP = 1, 2 and 3 and an uneven split,
+the stages chained in this process (``stage_chain``), and through the engine at PP = 3;
 unsupported architectures and options are refused at start-up in one line, leaving no worker."""
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 import pytest
 
 from helpers import alive, descendants, hf_greedy
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny in-process ops (conftest.py)
 
 MAX_NEW = 16
 VOCAB = 49152  # SmolLM2's tokenizer
@@ -114,16 +117,30 @@ def family_model(request, model_dir_of, prompts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pp", [1, 2, 3])
 @pytest.mark.parametrize("family_model", list(FAMILIES), indirect=True)
-def test_greedy_matches_hf(family_model, prompts, pp):
+def test_stages_in_process_match_hf(family_model, prompts):
+    """PP = 1 (decoding token by token), 2 and 3 (the engine's default splits) and an uneven PP = 2
+    (one layer first), each stage built as a worker builds it and chained in this process: HF's
+    greedy tokens, every prompt. The engine itself runs each family once, at PP = 3, below."""
+    from stage_chain import check_splits, even_split
+    model_dir, reference = family_model
+    n = sum(even_split(model_dir, 1))
+    splits = [(n,), even_split(model_dir, 2), even_split(model_dir, 3), (1, n - 1)]
+    check_splits(model_dir, prompts, reference, splits, label=os.path.basename(model_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family_model", list(FAMILIES), indirect=True)
+def test_engine_pp3_matches_hf(family_model, prompts):
+    """The engine (three worker processes, a middle stage receiving and sending this family's
+    activations) at PP = 3: HF's greedy tokens, the three prompts batched."""
     from zpp import LLM, SamplingParams
     model_dir, reference = family_model
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    with LLM(model_dir, pipeline_parallel_size=pp, kv_cache_memory="32MiB") as llm:
+    with LLM(model_dir, pipeline_parallel_size=3, kv_cache_memory="32MiB") as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     for i, ref in enumerate(reference):
-        assert list(got[i]) == ref, f"PP={pp}, prompt {i} ({len(prompts[i])} tokens)"
+        assert list(got[i]) == ref, f"PP=3, prompt {i} ({len(prompts[i])} tokens)"
 
 
 # --- loading ------------------------------------------------------------------------------------

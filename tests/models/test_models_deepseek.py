@@ -15,6 +15,8 @@ import pytest
 
 from helpers import hf_greedy
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny in-process ops (conftest.py)
+
 MAX_NEW = 12
 VOCAB = 49152  # SmolLM2's tokenizer
 PROMPT_LENS = (3, 19, 41)
@@ -114,28 +116,51 @@ def _check(got, reference, what: str) -> None:
 
 
 # --- greedy parity against HF transformers --------------------------------------------------------
+@pytest.fixture(scope="module")
+def v3_pp1_llm(model_of):
+    """V3 at PP=1, prompts cut into 16-token chunks, prefix caching on, 16-token blocks, a 16 MiB KV
+    cache: one start for the parity test and the KV-capacity check below."""
+    from zpp import LLM
+    with LLM(model_of("v3")[0], kv_cache_memory="16MiB", max_num_batched_tokens=16, enable_prefix_caching=True,
+             block_size=16) as llm:
+        yield llm
+
+
 @pytest.mark.slow
-def test_v3_pp1_chunked_prefill_prefix_caching(model_of, prompts, shared_prefix):
+def test_v3_pp1_chunked_prefill_prefix_caching(v3_pp1_llm, model_of, prompts, shared_prefix):
     """PP=1, prompts cut into 16-token chunks, prefix caching on: batched, then alone, then two
     requests sharing a cached 32-token prefix -- all equal HF."""
-    from zpp import LLM
-    model_dir, ref = model_of("v3")
-    with LLM(model_dir, kv_cache_memory="16MiB", max_num_batched_tokens=16, enable_prefix_caching=True) as llm:
-        _check(_generate(llm, prompts), ref, "batched")
-        _check(_generate(llm, prompts, one_by_one=True), ref, "alone")
-        _check(_generate(llm, shared_prefix), ref[len(prompts):], "shared prefix (cached blocks)")
+    _, ref = model_of("v3")
+    llm = v3_pp1_llm
+    _check(_generate(llm, prompts), ref, "batched")
+    _check(_generate(llm, prompts, one_by_one=True), ref, "alone")
+    _check(_generate(llm, shared_prefix), ref[len(prompts):], "shared prefix (cached blocks)")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,pp,partition", [("v3", 2, None), ("v3", 3, (1, 3, 1)), ("v2-lite", 2, (3, 1)),
-                                               ("v2-qlora", 3, None)])
-def test_pipeline_parallel_matches_hf(model_of, prompts, shared_prefix, name, pp, partition):
+def test_pipeline_parallel_matches_hf(model_of, prompts, shared_prefix):
+    """The engine at PP=3 with ``--pp-layer-partition 1,3,1`` (a middle stage of three MoE layers),
+    24-token chunks, prefix caching on: HF's tokens batched (two requests sharing a cached prefix
+    among them) and alone. V3 at PP=2 through the engine: the auto-partition test below."""
     from zpp import LLM
-    model_dir, ref = model_of(name)
-    with LLM(model_dir, pipeline_parallel_size=pp, pp_layer_partition=partition, kv_cache_memory="16MiB",
+    model_dir, ref = model_of("v3")
+    with LLM(model_dir, pipeline_parallel_size=3, pp_layer_partition=(1, 3, 1), kv_cache_memory="16MiB",
              max_num_batched_tokens=24, enable_prefix_caching=True) as llm:
-        _check(_generate(llm, prompts + shared_prefix), ref, f"{name} PP={pp} {partition} batched")
-        _check(_generate(llm, prompts[:2], one_by_one=True), ref, f"{name} PP={pp} alone")
+        _check(_generate(llm, prompts + shared_prefix), ref, "v3 PP=3 (1, 3, 1) batched")
+        _check(_generate(llm, prompts[:2], one_by_one=True), ref, "v3 PP=3 (1, 3, 1) alone")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,splits", [("v3", [(3, 2), (1, 3, 1)]), ("v2-lite", [(4,), (3, 1), (2, 2)]),
+                                         ("v2-qlora", [(3,), (1, 1, 1)])])
+def test_pipeline_splits_in_process_match_hf(model_of, prompts, shared_prefix, name, splits):
+    """Every variant's splits (PP=1 decoding token by token; PP=2 and 3 teacher-forced), each stage
+    built as a worker builds it and chained in this process: HF's tokens for every prompt. The
+    engine runs V3 at PP = 1, 2 and 3 in this module, V2-Lite on the decode-graph path and V2-qLoRA
+    at TP=2."""
+    from stage_chain import check_splits
+    model_dir, ref = model_of(name)
+    check_splits(model_dir, prompts + shared_prefix, ref, splits, label=name)
 
 
 @pytest.mark.slow
@@ -169,10 +194,11 @@ def test_decode_graph_path_on_cpu(model_of, prompts, tmp_path, monkeypatch, name
 
 
 @pytest.mark.slow
-def test_auto_partition_times_dense_and_moe_layers(model_of, prompts, caplog):
+def test_auto_partition_times_dense_and_moe_layers(model_of, prompts, shared_prefix, caplog):
     """``--pp-layer-partition auto`` at PP=2 on V3 (layer 0 dense, 1-4 MoE): each stage times a
     dense and an MoE layer, the engine logs both costs per stage and picks the best split for
-    them; the output is HF's."""
+    them; the output is HF's, with 24-token chunks and prefix caching on (batched, two requests
+    sharing a cached prefix among them, and alone)."""
     import logging
     import re
 
@@ -180,8 +206,9 @@ def test_auto_partition_times_dense_and_moe_layers(model_of, prompts, caplog):
     model_dir, ref = model_of("v3")
     with caplog.at_level(logging.INFO, logger="zpp.engine.executor"):
         with LLM(model_dir, pipeline_parallel_size=2, pp_layer_partition="auto", kv_cache_memory="16MiB",
-                 max_num_seqs=8) as llm:
-            _check(_generate(llm, prompts), ref, "auto partition")
+                 max_num_seqs=8, max_num_batched_tokens=24, enable_prefix_caching=True) as llm:
+            _check(_generate(llm, prompts + shared_prefix), ref, "auto partition PP=2 batched")
+            _check(_generate(llm, prompts[:2], one_by_one=True), ref, "auto partition PP=2 alone")
     lines = [r.getMessage() for r in caplog.records if "pp layer partition auto" in r.getMessage()]
     assert len(lines) == 1, lines
     m = re.search(r"auto: (\d+),(\d+) \(even 3,2\).*layer ms dense ([\d.]+),([\d.]+); moe ([\d.]+),([\d.]+), "
@@ -204,10 +231,11 @@ def test_auto_partition_times_dense_and_moe_layers(model_of, prompts, caplog):
 @pytest.mark.slow
 def test_llama_yarn_matches_hf(tmp_path, demo_model, prompts):
     """YaRN is not DeepSeek's alone: a LLaMA with rope_scaling yarn (attention factor from factor
-    alone) equals HF too."""
+    alone) equals HF too (its stage built as a worker builds it, decoding in this process: the
+    rope is the model's, the engine path is the other tests')."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from zpp import LLM
+    from stage_chain import greedy_in_process
 
     def llama(**kw):
         return LlamaForCausalLM, LlamaConfig(
@@ -216,8 +244,7 @@ def test_llama_yarn_matches_hf(tmp_path, demo_model, prompts):
             eos_token_id=2, rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32})
     model_dir = _save(llama, str(tmp_path), demo_model)
     ref = hf_greedy(model_dir, prompts, MAX_NEW)
-    with LLM(model_dir, kv_cache_memory="16MiB") as llm:
-        _check(_generate(llm, prompts), ref, "llama yarn")
+    _check(greedy_in_process(model_dir, (2,), prompts, MAX_NEW), ref, "llama yarn")
 
 
 # --- in-process: cache layout, routers, rope, loading -------------------------------------------
@@ -278,14 +305,13 @@ def test_variants_logits_match_hf(tmp_path, name, kw):
 
 
 @pytest.mark.slow
-def test_kv_cache_holds_latent_rows(v3_dir):
+def test_kv_cache_holds_latent_rows(v3_dir, v3_pp1_llm):
     """Bytes per block = layers x block_size x (kv_lora_rank + qk_rope_head_dim) x 4 (fp32), one
     tensor per layer of ``[blocks, block_size, 1, kv_lora_rank + rope]``; the engine's block count
     for a memory budget is that budget over those bytes -- 2 x heads x (qk_head_dim + v_head_dim) /
     2 / (kv_lora_rank + rope) times the count a full K/V cache would get."""
     import torch
 
-    from zpp import LLM
     from zpp.workers.model_runner import ModelRunner
     cfg = _config(v3_dir)
     layers, bs = cfg["num_hidden_layers"], 16
@@ -294,9 +320,8 @@ def test_kv_cache_holds_latent_rows(v3_dir):
     assert runner.kv_bytes_per_block() == layers * bs * row * 4
     runner.init_kv_cache(3)
     assert [tuple(c.shape) for c in runner.kv_caches] == [(4, bs, 1, row)] * layers
-    budget = 16 << 20
-    with LLM(v3_dir, kv_cache_memory="16MiB", block_size=bs) as llm:
-        blocks = llm.engine.client.num_kv_blocks
+    budget = 16 << 20  # v3_pp1_llm's kv_cache_memory, its block_size bs
+    blocks = v3_pp1_llm.engine.client.num_kv_blocks
     assert blocks == budget // (layers * bs * row * 4)
     heads = cfg["num_attention_heads"]
     full_kv = layers * bs * heads * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"]) * 4

@@ -17,6 +17,8 @@ import pytest
 
 from helpers import hf_greedy
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny in-process ops (conftest.py)
+
 VOCAB = 49152  # SmolLM2's tokenizer
 WINDOW = 8
 MAX_NEW = 20
@@ -90,8 +92,7 @@ def test_hf_reference_depends_on_the_window(gemma_dir, prompts, reference, tmp_p
     assert hf_greedy(str(tmp_path), prompts[2:4], MAX_NEW) != reference[2:4]
 
 
-ENGINES = {
-    "pp1": dict(pipeline_parallel_size=1),
+ENGINES = {  # PP=1 and plain splits: test_stages_in_process_match_hf
     "pp2-chunks6-blocks4-prefix-graphpath": dict(pipeline_parallel_size=2, max_num_batched_tokens=6, block_size=4,
                                                  enable_prefix_caching=True),
     "pp3-uneven-chunks16-prefix": dict(pipeline_parallel_size=3, pp_layer_partition=(1, 3, 2),
@@ -99,6 +100,17 @@ ENGINES = {
     "tp2-chunks10-blocks4-prefix": dict(tensor_parallel_size=2, max_num_batched_tokens=10, block_size=4,
                                         enable_prefix_caching=True),
 }
+
+
+@pytest.mark.slow
+def test_stages_in_process_match_hf(gemma_dir, prompts, reference):
+    """PP=1 (decoding token by token), an even PP=2 and a one-layer-first PP=2, each stage built as a
+    worker builds it and chained in this process: HF's greedy tokens for every prompt (the windows
+    are the layers' own). The engine's runs (PP = 2, 3, TP, chunks, prefix caching, the graph
+    path) follow."""
+    from stage_chain import check_splits, even_split
+    n = sum(even_split(gemma_dir, 1))
+    check_splits(gemma_dir, prompts, reference, [(n,), even_split(gemma_dir, 2), (1, n - 1)], label="Gemma 3")
 
 
 @pytest.mark.slow

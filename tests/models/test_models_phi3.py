@@ -16,6 +16,8 @@ import pytest
 
 from helpers import hf_greedy
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny in-process ops (conftest.py)
+
 VOCAB = 49152  # SmolLM2's tokenizer
 MAX_NEW = 16
 ORIG = 32  # original_max_position_embeddings of the LongRoPE model

@@ -15,6 +15,8 @@ import pytest
 
 from helpers import alive, descendants, hf_greedy
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny in-process ops (conftest.py)
+
 MAX_NEW = 12
 VOCAB = 49152  # SmolLM2's tokenizer
 PROMPT_LENS = (3, 17, 40)
@@ -98,39 +100,48 @@ def _greedy(llm, prompts, n=MAX_NEW):
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "qwen3-moe"])
-@pytest.mark.parametrize("pp", [1, 3])
-def test_greedy_matches_hf(model_dir_of, prompts, family, pp):
-    """Batched; at PP=1 also each prompt alone."""
-    from zpp import LLM
-    model_dir = model_dir_of(family)
-    reference = hf_greedy(model_dir, prompts, MAX_NEW)
-    with LLM(model_dir, pipeline_parallel_size=pp, kv_cache_memory="32MiB") as llm:
-        batched = _greedy(llm, prompts)
-        alone = [_greedy(llm, [p])[0] for p in prompts] if pp == 1 else batched
-    for i, ref in enumerate(reference):
-        assert batched[i] == ref, f"{family} PP={pp} batched, prompt {i} ({len(prompts[i])} tokens)"
-        assert alone[i] == ref, f"{family} PP={pp} alone, prompt {i} ({len(prompts[i])} tokens)"
+SPLITS = {"qwen3": [(5,), (3, 2), (2, 2, 1), (1, 4)], "qwen3-tied": [(4,), (2, 2), (3, 1)],
+          "qwen3-moe": [(5,), (3, 2), (2, 2, 1), (1, 4)], "qwen3-moe-step2": [(4,), (2, 2), (1, 2, 1)]}
+
+
+def _shared(prompts) -> list[int]:
+    """A prompt sharing prompts[2]'s first 32 tokens (two 16-token blocks)."""
+    return prompts[2][:32] + [11, 12, 13, 14, 15]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, partition", [("qwen3", (1, 4)), ("qwen3-moe", (3, 2)), ("qwen3-tied", (3, 1))])
-def test_uneven_pp2_chunked_prefill_prefix_caching(model_dir_of, prompts, family, partition):
-    """PP=2 with an uneven split, prompts cut into chunks of at most 16 tokens, prefix caching on: a
-    request sharing 32 tokens (two blocks) with an earlier one reads them from the cache."""
-    from zpp import LLM
+@pytest.mark.parametrize("family", list(SPLITS))
+def test_stages_in_process_match_hf(model_dir_of, prompts, family):
+    """PP = 1 (decoding token by token), 2, 3 and uneven splits, each stage built as a worker builds
+    it (only its layers' tensors; tied embeddings: the last stage's LM head from the embedding) and
+    chained in this process: HF's greedy tokens, every prompt. The engine runs Qwen3 at PP=3 and
+    Qwen3-MoE at PP=2 below, every family at TP=2."""
+    from stage_chain import check_splits
     model_dir = model_dir_of(family)
-    shared = prompts[2][:32] + [11, 12, 13, 14, 15]
+    every = prompts + [_shared(prompts)]
+    check_splits(model_dir, every, hf_greedy(model_dir, every, MAX_NEW), SPLITS[family], label=family)
+
+
+@pytest.mark.slow
+def test_engine_uneven_pp3_chunked_prefill_prefix_caching(model_dir_of, prompts):
+    """The engine on Qwen3 at PP=3 with ``--pp-layer-partition 1,3,1``, prompts cut into chunks of at
+    most 16 tokens, prefix caching on: HF's tokens batched and each prompt alone, and a request
+    sharing 32 tokens (two blocks) with an earlier one reads them from the cache."""
+    from zpp import LLM
+    model_dir = model_dir_of("qwen3")
+    shared = _shared(prompts)
     reference = hf_greedy(model_dir, prompts + [shared], MAX_NEW)
-    with LLM(model_dir, pipeline_parallel_size=2, pp_layer_partition=partition, max_num_batched_tokens=16,
+    with LLM(model_dir, pipeline_parallel_size=3, pp_layer_partition=(1, 3, 1), max_num_batched_tokens=16,
              enable_prefix_caching=True, block_size=16, kv_cache_memory="32MiB") as llm:
-        got = _greedy(llm, prompts)
+        batched = _greedy(llm, prompts)
+        alone = [_greedy(llm, [p])[0] for p in prompts]
         hits = llm.engine.kv.prefix_hits
-        got.append(_greedy(llm, [shared])[0])
+        batched.append(_greedy(llm, [shared])[0])
         assert llm.engine.kv.prefix_hits - hits == 32, "the shared prefix was not read from the cache"
     for i, ref in enumerate(reference):
-        assert got[i] == ref, f"{family} PP=2 {partition}, prompt {i}"
+        assert batched[i] == ref, f"qwen3 PP=3 (1, 3, 1) batched, prompt {i}"
+    for i, ref in enumerate(reference[:len(prompts)]):
+        assert alone[i] == ref, f"qwen3 PP=3 (1, 3, 1) alone, prompt {i} ({len(prompts[i])} tokens)"
 
 
 @pytest.mark.slow
@@ -356,17 +367,24 @@ def _compositions(total: int, parts: int):
 def test_auto_partition_times_dense_and_moe_layers(model_dir_of, prompts, caplog):
     """A real ``auto`` run at PP=2 on Qwen3-MoE with a dense layer (mlp_only_layers): each stage
     times a dense and an MoE layer; the engine logs both costs per stage and picks the split that
-    is best for them, layer by layer; the output is HF's."""
+    is best for them, layer by layer; the output is HF's, with prompts cut into chunks of at most 16
+    tokens and prefix caching on (a request sharing two blocks with an earlier one reads them from
+    the cache)."""
     import logging
 
     from zpp import LLM
     model_dir = model_dir_of("qwen3-moe")
-    reference = hf_greedy(model_dir, prompts, MAX_NEW)
+    shared = _shared(prompts)
+    reference = hf_greedy(model_dir, prompts + [shared], MAX_NEW)
     with caplog.at_level(logging.INFO, logger="zpp.engine.executor"):
         with LLM(model_dir, pipeline_parallel_size=2, pp_layer_partition="auto", kv_cache_memory="32MiB",
-                 max_num_seqs=8) as llm:
+                 max_num_seqs=8, max_num_batched_tokens=16, enable_prefix_caching=True, block_size=16) as llm:
             got = _greedy(llm, prompts)
-    assert got == reference
+            hits = llm.engine.kv.prefix_hits
+            got.append(_greedy(llm, [shared])[0])
+            assert llm.engine.kv.prefix_hits - hits == 32, "the shared prefix was not read from the cache"
+    for i, ref in enumerate(reference):
+        assert got[i] == ref, f"qwen3-moe PP=2 auto, prompt {i}"
     lines = [r.getMessage() for r in caplog.records if "pp layer partition auto" in r.getMessage()]
     assert len(lines) == 1, lines
     m = re.search(r"auto: (\d+),(\d+) \(even 3,2\).*layer ms moe ([\d.]+),([\d.]+); dense ([\d.]+),([\d.]+), "

@@ -13,6 +13,8 @@ import pytest
 
 from helpers import hf_greedy
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny in-process ops (conftest.py)
+
 VOCAB = 49152
 WINDOW = 8
 MAX_NEW = 16

@@ -12,7 +12,8 @@ zpp's one 4-bit layout and dequantized on the CPU exactly by the format's own ru
 and end to end, tiny random checkpoints in each release's exact layout (gpt-oss MXFP4 as released;
 DeepSeek-V3 with only the routed experts in pack-quantized int4 group 32 and Kimi K2-Thinking's
 ``ignore``; Llama in GPTQ and in AWQ): on the CPU zpp's greedy ids equal HF transformers' on the
-dequantized twin, one engine per model across PP = 1, 2, 3 and an uneven split, and every stage's
+dequantized twin (an engine for gpt-oss at PP = 3 uneven and DeepSeek-V3 at PP = 2; Llama's splits
+chained in process), and every stage's
 weights equal the twin's as zpp loads it (the stage's weight report counts them dequantized).
 """
 from __future__ import annotations
@@ -282,13 +283,15 @@ def _deepseek_src(out: str, demo_model: str) -> str:
     return _save(_v3, out, demo_model, num_hidden_layers=4)
 
 
-# model -> (source maker, format, group, symmetric, the engine's split)
+# model -> (source maker, format, group, symmetric, the engine's split; None: no engine start, the
+# splits of IN_PROCESS chained in this process -- the loading is the engine's, the Llama path too)
 MODELS = {
     "gpt-oss-mxfp4": (_gpt_oss_src, "mxfp4", 32, True, dict(pipeline_parallel_size=3, pp_layer_partition=(1, 2, 1))),
     "deepseek-v3-kimi-int4": (_deepseek_src, "ct-int4", 32, True, dict(pipeline_parallel_size=2)),
-    "llama-gptq": (_llama_src, "gptq", 128, True, dict(pipeline_parallel_size=1)),
-    "llama-awq": (_llama_src, "awq", 32, False, dict(pipeline_parallel_size=1)),
+    "llama-gptq": (_llama_src, "gptq", 128, True, None),
+    "llama-awq": (_llama_src, "awq", 32, False, None),
 }
+IN_PROCESS = [(4,), (2, 2), (1, 2, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -352,22 +355,38 @@ def test_stage_weights_equal_the_dequantized_twin(ckpt, model):
         assert weight_bytes_by_dtype(got) == weight_bytes_by_dtype(ref) and "uint8" not in weight_bytes_by_dtype(got)
 
 
+def _w4_prompts() -> list[list[int]]:
+    rng = random.Random(48)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 17, 30)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", [m for m in MODELS if MODELS[m][4] is not None])
 def test_greedy_matches_hf_on_the_dequantized_weights(ckpt, model):
-    """One engine per model (gpt-oss at PP = 3 split 1/2/1, DeepSeek-V3 at PP = 2, Llama GPTQ and AWQ
-    at PP = 1), several prompts batched, chunked prefill; the stages of a 3-way uneven split of every
-    model load exactly the twin's weights (the test above)."""
+    """One engine per model (gpt-oss at PP = 3 split 1/2/1, DeepSeek-V3 at PP = 2), several prompts
+    batched, chunked prefill; the stages of a 3-way uneven split of every model load exactly the
+    twin's weights (the test above); Llama GPTQ and AWQ: the test below."""
     from zpp import LLM, SamplingParams
     d, deq, _ = ckpt(model)
-    rng = random.Random(48)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 17, 30)]
+    prompts = _w4_prompts()
     reference = hf_greedy(deq, prompts, MAX_NEW)
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     with LLM(d, max_num_batched_tokens=16, kv_cache_memory="16MiB", **MODELS[model][4]) as llm:
         got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
     for i, ref in enumerate(reference):
         assert got[i] == ref, f"{model}: prompt {i}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [m for m in MODELS if MODELS[m][4] is None])
+def test_splits_in_process_match_hf_on_the_dequantized_weights(ckpt, model, one_torch_thread):
+    """Llama in GPTQ and AWQ: PP = 1 (decoding token by token), 2 and 3, each stage loading its
+    part of the 4-bit checkpoint as a worker does and chained in this process: HF's greedy tokens
+    on the dequantized twin, every prompt (the engine path: the gpt-oss and DeepSeek starts above)."""
+    from stage_chain import check_splits
+    d, deq, _ = ckpt(model)
+    prompts = _w4_prompts()
+    check_splits(d, prompts, hf_greedy(deq, prompts, MAX_NEW), IN_PROCESS, label=model)
 
 
 @pytest.mark.slow
