@@ -4,6 +4,7 @@ file (a traceback only with ``--log-level debug``). Most cases fail before torch
 those runs take well under a second."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -118,3 +119,26 @@ def test_parser_and_generation_config_errors_are_one_line(demo_model, dirs, args
     assert expected.format(d=dirs) in _one_line_error(r)
     r = zpp("serve", "--tool-call-parser", "pythonic")
     assert r.returncode == 2 and "argument --tool-call-parser: invalid choice: 'pythonic'" in r.stderr
+
+
+def test_serve_api_key_falls_back_to_zpp_api_key(monkeypatch):
+    """``--api-key`` wins; without it ``ZPP_API_KEY`` is the key (vLLM reads ``VLLM_API_KEY``); with
+    neither there is none. The demo's hint asks for the header whenever the server will want one."""
+    from zpp.args import add_serve_args, server_config_from_args
+    from zpp.cli import serve_api_key
+    from zpp.demo import demo_hint
+
+    def server(*argv):
+        p = argparse.ArgumentParser()
+        add_serve_args(p)
+        return server_config_from_args(p.parse_args(list(argv)))
+
+    monkeypatch.delenv("ZPP_API_KEY", raising=False)
+    assert serve_api_key(server()) is None
+    assert "Authorization" not in demo_hint(8000)
+    assert serve_api_key(server("--api-key", "flag-key")) == "flag-key"
+    monkeypatch.setenv("ZPP_API_KEY", "env-key")
+    assert serve_api_key(server()) == "env-key"
+    assert serve_api_key(server("--api-key", "flag-key")) == "flag-key"
+    hint = demo_hint(8000)
+    assert 'Authorization: Bearer $ZPP_API_KEY' in hint and "env-key" not in hint

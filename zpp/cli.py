@@ -195,7 +195,7 @@ def cmd_serve(args) -> int:
     from zpp.server.launch import serve
     validate_startup(config)
     _check_port_free(server.host, server.port)
-    return asyncio.run(serve(config, server.host, server.port, server.api_key, server.chat_template,
+    return asyncio.run(serve(config, server.host, server.port, serve_api_key(server), server.chat_template,
                              log_stats_interval=None if server.disable_log_stats else server.log_stats_interval,
                              api_server_count=server.api_server_count, **server.server_options()))
 
@@ -308,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
     from zpp.bench import add_bench_parser
     add_bench_parser(sub)
     return parser
+
+
+def serve_api_key(server) -> "str | None":
+    """The key ``zpp serve`` requires on ``/v1/*``: ``--api-key``, else ``ZPP_API_KEY`` (as vLLM falls back
+    to ``VLLM_API_KEY``), else None (no key)."""
+    from zpp import envs
+    return server.api_key or envs.ZPP_API_KEY
 
 
 def main(argv=None) -> int:

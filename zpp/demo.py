@@ -209,8 +209,9 @@ def print_when_healthy(url: str, pid: int, message: str, poll_s: float = 0.5) ->
 
 
 API_KEY_VARIABLE = "ZPP_API_KEY"
-"""The shell variable the demo's curl hint reads the key from when the server has ``--api-key``
-(the hint never shows the key itself)."""
+"""The variable ``zpp serve`` takes its API key from when ``--api-key`` is not given
+(:mod:`zpp.envs`), and the one the demo's curl hint reads the key from (the hint never shows the
+key itself)."""
 
 
 def demo_hint(port: int, serve_args: Sequence[str] = ()) -> str:
@@ -218,11 +219,12 @@ def demo_hint(port: int, serve_args: Sequence[str] = ()) -> str:
 
     ``serve_args`` are the extra ``zpp serve`` arguments the script was given: with ``--api-key``
     (``--api-key KEY`` or ``--api-key=KEY``) every ``/v1/*`` request needs ``Authorization: Bearer
-    KEY`` (else HTTP 401), so the curl line sends ``-H "Authorization: Bearer $ZPP_API_KEY"`` and a
+    KEY`` (else HTTP 401), as with ``ZPP_API_KEY`` set (the server's key then), so the curl line sends ``-H "Authorization: Bearer $ZPP_API_KEY"`` and a
     comment line above it says to put the key in that variable first; the key itself is not
     printed (it would land in terminal scroll-back and logs).
     """
-    key = any(a == "--api-key" or a.startswith("--api-key=") for a in serve_args)
+    from zpp import envs
+    key = any(a == "--api-key" or a.startswith("--api-key=") for a in serve_args) or bool(envs.ZPP_API_KEY)
     lines = ["Ready. Try:"]
     if key:
         lines.append(f"  # the server has --api-key: put that key in {API_KEY_VARIABLE} first "

@@ -126,6 +126,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "\"block_k\": 2048, \"num_warps\": 4, \"num_stages\": 3}}`` (``fp8_kernels.fp8_gemv_config``; "
            "written for the card at hand by ``scripts/fp8_gemv_card_sweep.py --write-config``); shapes "
            "not in it keep the default. Read once, at import."),
+    EnvVar("ZPP_API_KEY", "Optional[str]", _text_or_none,
+           "``zpp serve``'s API key when ``--api-key`` is not given (vLLM's ``VLLM_API_KEY``): every "
+           "``/v1/*`` request then needs ``Authorization: Bearer <key>``. Read at start-up."),
     EnvVar("ZPP_TRITON_GEMV", "bool", _on_unless_0,
            "``0``: batch-1 decode on CUDA multiplies by the weights with cuBLAS instead of zpp's Triton "
            "GEMV (``zpp.models.layers.linear``), for A/B runs. Read once, at import."),
