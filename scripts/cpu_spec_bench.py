@@ -10,8 +10,10 @@ during a run hit both alike).
 
 * Batch 1: copy-heavy chat prompts ("repeat this text", "rename this function and write the code
   again"), greedy, one request at a time. TPOT = (time of the whole request - time of the same
-  request with max_tokens 1) / (tokens - 1). Prints each mode's median TPOT, the speed-up and the
-  mean acceptance length (1 + accepted drafts per verify chunk).
+  request with max_tokens 1) / (tokens - 1). Prints each mode's median TPOT, the speed-up (also per
+  prompt), the mean acceptance length (1 + accepted drafts per verify chunk), the tokens per decode
+  step, and the token-weighted TPOT (all requests' decode time over their decode tokens: long,
+  hard-to-copy outputs weigh more than in the median).
 * ``--streams`` concurrent requests (the same prompts and ordinary questions, greedy, 64 tokens):
   output tokens per second of the whole batch, each mode, and the ratio.
 
@@ -93,6 +95,8 @@ def main() -> None:
             del os.environ["ZPP_CPU_ONEDNN_LINEAR"]
     tpot: dict[str, list[float]] = {m: [] for m in llms}
     texts: dict[str, list] = {m: [] for m in llms}
+    decode_s = {m: 0.0 for m in llms}  # all requests' decode seconds and tokens: the token-weighted TPOT
+    decode_n = {m: 0 for m in llms}
     for _ in range(args.repeat if args.batch1 else 0):
         for p in COPY_PROMPTS:
             for mode, llm in llms.items():
@@ -104,6 +108,8 @@ def main() -> None:
                 tn = time.perf_counter() - t
                 if len(out.token_ids) > 1:
                     tpot[mode].append((tn - t1) / (len(out.token_ids) - 1))
+                    decode_s[mode] += tn - t1
+                    decode_n[mode] += len(out.token_ids) - 1
                 texts[mode].append(out.token_ids)
     med = {m: statistics.median(v) for m, v in tpot.items()} if args.batch1 else {}
     n_prompts = len(COPY_PROMPTS)
@@ -128,7 +134,10 @@ def main() -> None:
               f"(per prompt {', '.join(f'{x:.2f}x' for x in per)}); mean acceptance length {mal:.2f} "
               f"({st.spec_num_accepted_tokens} of {st.spec_num_draft_tokens} drafts accepted, {st.spec_num_drafts} "
               f"verify chunks); tokens per decode step {out_tokens / max(steps, 1):.2f} (the speed-up if a verify "
-              f"step cost a decode step's); outputs equal: {texts[base] == texts[mode]}", flush=True)
+              f"step cost a decode step's); token-weighted TPOT (all decode time over all decode tokens) "
+              f"{base} {1e3 * decode_s[base] / decode_n[base]:.1f} ms, ngram {1e3 * decode_s[mode] / decode_n[mode]:.1f} "
+              f"ms, speed-up {decode_s[base] / decode_n[base] / (decode_s[mode] / decode_n[mode]):.2f}x; outputs equal: "
+              f"{texts[base] == texts[mode]}", flush=True)
     print(f"load average: {os.getloadavg()}", flush=True)
 
     if not args.streams:
