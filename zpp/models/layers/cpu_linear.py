@@ -1,18 +1,18 @@
 """CPU float32 linear layers through oneDNN with weights packed once at load.
 
 On the CPU, PyTorch's ``F.linear`` of a few rows goes to MKL's ``sgemm``, which for 2-3 rows is
-about a matrix-vector product per row: measured in one thread on the development VM (AMD EPYC,
-SmolLM2-135M's shapes, 15 layers' distinct weights cycled so they come from memory, as in a
-stage), a stage's linear layers took 27 ms for 1 row, 47-56 ms for 2-3 rows and 37-43 ms for 4-6;
-the 49152 x 576 LM head 14 ms for 1 row and 33-54 ms for 2-3. A speculative verify step computes
-``1 + k`` rows per request, so it paid nearly a decode step per row. oneDNN's inner-product with
-the weight reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``
-and ``_linear_pointwise``, the pair PyTorch's Inductor uses for frozen CPU linears) reads each
-weight block once for all the rows: 20-28 ms for the stage's layers at 1-6 rows and ~10 ms for the
-LM head at 1-6 rows in the same run (``scripts/cpu_linear_bench.py``).
+about a matrix-vector product per row. ``scripts/cpu_linear_bench.py`` (one thread, the development
+VM's AMD EPYC, SmolLM2-135M's shapes, 15 layers' distinct weights cycled so that they come from
+memory, as in a stage at PP=2; load average 0.1): a stage's linear layers took 17.6 ms for 1 row,
+27-33 ms for 2-3 rows and 24-28 ms for 4-6; the 49152 x 576 LM head 9.9 ms for 1 row, 22-33 ms for
+2-3 and 17-19 ms for 4-6. A speculative verify step computes ``1 + k`` rows per request, so it paid
+1.4-1.9x a decode step. oneDNN's inner product with the weight reordered once into its blocked
+layout (``torch.ops.mkldnn._reorder_linear_weight`` and ``_linear_pointwise``, the pair PyTorch's
+Inductor uses for frozen CPU linears) reads each weight block once for all the rows: 11.7-17.8 ms
+for the stage's layers and 5.7-8.7 ms for the LM head at 1 to 6 rows, in the same run.
 
-Numerics: a float32 product still, summed in another order than MKL's (differences ~1e-6
-relative); in the measurements above, a row's result did not depend on how many rows were in
+Numerics: a float32 product still, summed in another order than MKL's (differences up to ~5e-6
+on outputs of order 1 at these shapes); in the measurements above, a row's result did not depend on how many rows were in
 the call, so a verify row equals the decode row of the same token. Greedy parity with HF
 transformers is what the model tests check.
 
