@@ -15,7 +15,8 @@ during a run hit both alike).
   step, and the token-weighted TPOT (all requests' decode time over their decode tokens: long,
   hard-to-copy outputs weigh more than in the median).
 * ``--streams`` concurrent requests (the same prompts and ordinary questions, greedy, 64 tokens):
-  output tokens per second of the whole batch, each mode, and the ratio.
+  output tokens per second of the whole batch, each mode, and the ratio; ``--repeat`` - 1 rounds,
+  the modes in reverse order every other round (ABBA).
 
 The outputs of the two modes are checked equal (greedy).
 """
@@ -145,13 +146,15 @@ def main() -> None:
     prompts = [(COPY_PROMPTS + OTHER_PROMPTS)[i % 8] for i in range(args.streams)]
     tput: dict[str, list[float]] = {m: [] for m in llms}
     same = True
-    for _ in range(max(1, args.repeat - 1)):
+    for rnd in range(max(1, args.repeat - 1)):
         outs = {}
-        for mode, llm in llms.items():
+        order = list(llms.items())  # ABBA: every other round in reverse, so that a load rising or falling
+        for mode, llm in (order if rnd % 2 == 0 else order[::-1]):  # within a round favours no mode
             t = time.perf_counter()
             outs[mode] = chat(llm, prompts, 64)
             dt = time.perf_counter() - t
             tput[mode].append(sum(len(o.outputs[0].token_ids) for o in outs[mode]) / dt)
+        for mode in llms:
             base = "off dense" if mode.endswith(" dense") else "off"
             same &= [o.outputs[0].token_ids for o in outs[base]] == [o.outputs[0].token_ids for o in outs[mode]]
     m = {k: statistics.median(v) for k, v in tput.items()}
