@@ -1,6 +1,6 @@
 """CPU benchmark of n-gram speculative decoding (``--speculative-config``) on the demo model.
 
-    python scripts/cpu_spec_bench.py [--pp 2] [--repeat 3] [--k 3] [--streams 32] [--configs 3:2-4,4:3-5]
+    python scripts/cpu_spec_bench.py [--pp 2] [--repeat 3] [--k 3] [--streams 32] [--configs 3:2-4,4:3-5] [--dense]
 
 Two offline ``LLM``s of the demo model (SmolLM2-135M-Instruct) at ``--pp`` stages, one without
 speculation and one with ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
@@ -10,10 +10,13 @@ during a run hit both alike).
 
 * Batch 1: copy-heavy chat prompts ("repeat this text", "rename this function and write the code
   again"), greedy, one request at a time. TPOT = (time of the whole request - time of the same
-  request with max_tokens 1) / (tokens - 1). Prints each mode's median TPOT, the speed-up and the
-  mean acceptance length (1 + accepted drafts per verify chunk).
+  request with max_tokens 1) / (tokens - 1). Prints each mode's median TPOT, the speed-up (also per
+  prompt), the mean acceptance length (1 + accepted drafts per verify chunk), the tokens per decode
+  step, and the token-weighted TPOT (all requests' decode time over their decode tokens: long,
+  hard-to-copy outputs weigh more than in the median).
 * ``--streams`` concurrent requests (the same prompts and ordinary questions, greedy, 64 tokens):
-  output tokens per second of the whole batch, each mode, and the ratio.
+  output tokens per second of the whole batch, each mode, and the ratio; ``--repeat`` - 1 rounds,
+  the modes in reverse order every other round (ABBA).
 
 The outputs of the two modes are checked equal (greedy).
 """
@@ -64,6 +67,10 @@ def main() -> None:
                          "'3:2-4,4:3-5,3:2-4:8'); each gets its own LLM, alive with the others, runs interleaved "
                          "(overrides --k and --lookup-*)")
     ap.add_argument("--batch1", type=int, default=1, help="0: skip the batch-1 runs")
+    ap.add_argument("--dense", action="store_true",
+                    help="also run 'off' and the first n-gram setting with ZPP_CPU_ONEDNN_LINEAR=0 (MKL's F.linear, "
+                         "the CPU linear path before oneDNN packing), interleaved with the others; each n-gram mode "
+                         "is compared with the 'off' of its own linear path")
     args = ap.parse_args()
     configs = [(args.k, args.lookup_min, args.lookup_max, None)]
     if args.configs:
@@ -77,8 +84,20 @@ def main() -> None:
         llms[f"k={k} {lo}-{hi}" + (f" disable_by_batch_size={limit}" if limit else "")] = LLM(**kw, speculative_config={
             "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": hi, "prompt_lookup_min": lo,
             "disable_by_batch_size": limit})
+    if args.dense:  # the same two modes with MKL's F.linear (the workers read the variable when they load)
+        os.environ["ZPP_CPU_ONEDNN_LINEAR"] = "0"
+        try:
+            llms["off dense"] = LLM(**kw)
+            k, lo, hi, limit = configs[0]
+            llms[f"k={k} {lo}-{hi} dense"] = LLM(**kw, speculative_config={
+                "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": hi, "prompt_lookup_min": lo,
+                "disable_by_batch_size": limit})
+        finally:
+            del os.environ["ZPP_CPU_ONEDNN_LINEAR"]
     tpot: dict[str, list[float]] = {m: [] for m in llms}
     texts: dict[str, list] = {m: [] for m in llms}
+    decode_s = {m: 0.0 for m in llms}  # all requests' decode seconds and tokens: the token-weighted TPOT
+    decode_n = {m: 0 for m in llms}
     for _ in range(args.repeat if args.batch1 else 0):
         for p in COPY_PROMPTS:
             for mode, llm in llms.items():
@@ -90,25 +109,36 @@ def main() -> None:
                 tn = time.perf_counter() - t
                 if len(out.token_ids) > 1:
                     tpot[mode].append((tn - t1) / (len(out.token_ids) - 1))
+                    decode_s[mode] += tn - t1
+                    decode_n[mode] += len(out.token_ids) - 1
                 texts[mode].append(out.token_ids)
     med = {m: statistics.median(v) for m, v in tpot.items()} if args.batch1 else {}
     n_prompts = len(COPY_PROMPTS)
     for mode, llm in llms.items():
-        if mode == "off" or not args.batch1:
+        if not args.batch1:
+            continue
+        base = "off dense" if mode.endswith(" dense") else "off"
+        if mode == base:
+            if mode != "off":
+                print(f"batch 1, PP={args.pp}: TPOT off (oneDNN) {1e3 * med['off']:.1f} ms, off dense "
+                      f"{1e3 * med[mode]:.1f} ms (dense / oneDNN {med[mode] / med['off']:.2f}x)", flush=True)
             continue
         st = llm.engine.stats()
         mal = 1 + st.spec_num_accepted_tokens / max(st.spec_num_drafts, 1)
         # per prompt: the median over its repeats of TPOT off / TPOT ngram (runs are prompt-major)
-        per = [statistics.median(a / b for a, b in zip(tpot["off"][i::n_prompts], tpot[mode][i::n_prompts]))
+        per = [statistics.median(a / b for a, b in zip(tpot[base][i::n_prompts], tpot[mode][i::n_prompts]))
                for i in range(n_prompts)]
         out_tokens = sum(len(t) - 1 for t in texts[mode])  # decode tokens (the first is the prefill's)
         steps = out_tokens - st.spec_num_accepted_tokens
-        print(f"batch 1, PP={args.pp}, {mode}, {len(tpot['off'])} requests per mode: TPOT off "
-              f"{1e3 * med['off']:.1f} ms, ngram {1e3 * med[mode]:.1f} ms, speed-up {med['off'] / med[mode]:.2f}x "
+        print(f"batch 1, PP={args.pp}, {mode}, {len(tpot['off'])} requests per mode: TPOT {base} "
+              f"{1e3 * med[base]:.1f} ms, ngram {1e3 * med[mode]:.1f} ms, speed-up {med[base] / med[mode]:.2f}x "
               f"(per prompt {', '.join(f'{x:.2f}x' for x in per)}); mean acceptance length {mal:.2f} "
               f"({st.spec_num_accepted_tokens} of {st.spec_num_draft_tokens} drafts accepted, {st.spec_num_drafts} "
               f"verify chunks); tokens per decode step {out_tokens / max(steps, 1):.2f} (the speed-up if a verify "
-              f"step cost a decode step's); outputs equal: {texts['off'] == texts[mode]}", flush=True)
+              f"step cost a decode step's); token-weighted TPOT (all decode time over all decode tokens) "
+              f"{base} {1e3 * decode_s[base] / decode_n[base]:.1f} ms, ngram {1e3 * decode_s[mode] / decode_n[mode]:.1f} "
+              f"ms, speed-up {decode_s[base] / decode_n[base] / (decode_s[mode] / decode_n[mode]):.2f}x; outputs equal: "
+              f"{texts[base] == texts[mode]}", flush=True)
     print(f"load average: {os.getloadavg()}", flush=True)
 
     if not args.streams:
@@ -116,20 +146,27 @@ def main() -> None:
     prompts = [(COPY_PROMPTS + OTHER_PROMPTS)[i % 8] for i in range(args.streams)]
     tput: dict[str, list[float]] = {m: [] for m in llms}
     same = True
-    for _ in range(max(1, args.repeat - 1)):
+    for rnd in range(max(1, args.repeat - 1)):
         outs = {}
-        for mode, llm in llms.items():
+        order = list(llms.items())  # ABBA: every other round in reverse, so that a load rising or falling
+        for mode, llm in (order if rnd % 2 == 0 else order[::-1]):  # within a round favours no mode
             t = time.perf_counter()
             outs[mode] = chat(llm, prompts, 64)
             dt = time.perf_counter() - t
             tput[mode].append(sum(len(o.outputs[0].token_ids) for o in outs[mode]) / dt)
-            same &= [o.outputs[0].token_ids for o in outs["off"]] == [o.outputs[0].token_ids for o in outs[mode]]
+        for mode in llms:
+            base = "off dense" if mode.endswith(" dense") else "off"
+            same &= [o.outputs[0].token_ids for o in outs[base]] == [o.outputs[0].token_ids for o in outs[mode]]
     m = {k: statistics.median(v) for k, v in tput.items()}
     for mode in llms:
-        if mode != "off":
-            print(f"{args.streams} streams, PP={args.pp}, {mode}: throughput off {m['off']:.1f} tok/s, ngram "
-                  f"{m[mode]:.1f} tok/s, ratio {m[mode] / m['off']:.3f} (runs: off {[round(x, 1) for x in tput['off']]}, "
+        base = "off dense" if mode.endswith(" dense") else "off"
+        if mode != base:
+            print(f"{args.streams} streams, PP={args.pp}, {mode}: throughput {base} {m[base]:.1f} tok/s, ngram "
+                  f"{m[mode]:.1f} tok/s, ratio {m[mode] / m[base]:.3f} (runs: {base} {[round(x, 1) for x in tput[base]]}, "
                   f"ngram {[round(x, 1) for x in tput[mode]]}); outputs equal: {same}", flush=True)
+        elif mode != "off":
+            print(f"{args.streams} streams, PP={args.pp}: off (oneDNN) {m['off']:.1f} tok/s, off dense {m[mode]:.1f} "
+                  f"tok/s", flush=True)
     print(f"load average: {os.getloadavg()}", flush=True)
     for llm in llms.values():
         llm.shutdown()

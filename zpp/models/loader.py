@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from zpp.models.base import StageInfo, StageModel
+from zpp.models.layers.cpu_linear import pack_cpu_linears
 from zpp.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -259,4 +260,6 @@ def load_stage_model(model_dir: str, cfg: dict[str, Any], stage: StageInfo, dtyp
         n, ne = quantize_model_fp8(model), quantize_experts(model)
         logger.info("--quantization fp8: %d linear layers and %d expert layers quantized to FP8 (e4m3, per output "
                     "channel)", n, ne)
+    if device.type == "cpu":
+        pack_cpu_linears(model)                           # float32 ones only; see zpp.models.layers.cpu_linear
     return model.eval()

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zpp import envs
+from zpp.models.layers.cpu_linear import packed_linear
 from zpp.transport.tensor_parallel import tp_all_reduce
 
 
@@ -69,6 +70,9 @@ class Linear(nn.Module):
     fp8_allowed = True
     quant_method = None
     """The :class:`zpp.models.quantization.base.LinearMethod` that made the weight quantized, else None."""
+    packed_weight = None
+    """float32 CPU: the weight packed for oneDNN (:func:`zpp.models.layers.cpu_linear.pack_cpu_linears`,
+    after loading), which ``forward`` multiplies by instead of ``weight``; else None."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, transposed: bool = False):
         super().__init__()
@@ -89,6 +93,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is None:  # a quantized method holds the weight in its own parameters (W4A16)
             return self.quant_method.apply(self, x, self.bias)
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.bias)
         return linear(x, self.weight, self.bias, self.fp8)
 
 
@@ -187,6 +193,8 @@ class RowParallelLinear(Linear):
         partials and all-reducing once adds it once)."""
         if self.weight is None:  # a quantized method holds the weight in its own parameters (W4A16)
             return self._reduced(lambda bias: self.quant_method.apply(self, x, bias), reduce)
+        if self.packed_weight is not None:
+            return self._reduced(lambda bias: packed_linear(x, self.packed_weight, bias), reduce)
         return self._reduced(lambda bias: linear(x, self.weight, bias, self.fp8), reduce)
 
     def forward_fp8_input(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype,
@@ -245,9 +253,15 @@ class LMHead(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = default_weight_loader
 
+    packed_weight = None
+    """float32 CPU: the weight packed for oneDNN, as :attr:`Linear.packed_weight`; else None."""
+
     def forward(self, h: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        # through linear(): a batch-1 CUDA step takes zpp's Triton GEMV, which read the Llama-3 LM
-        # head (128256 x 4096 bf16) in 328 us against cuBLAS's 353 on one H100 (in a CUDA graph,
-        # scripts/fp8_gemv_card_sweep.py)
-        out = linear(h, self.weight, self.bias)
+        if self.packed_weight is not None:
+            out = packed_linear(h, self.packed_weight, self.bias)
+        else:
+            # through linear(): a batch-1 CUDA step takes zpp's Triton GEMV, which read the Llama-3
+            # LM head (128256 x 4096 bf16) in 328 us against cuBLAS's 353 on one H100 (in a CUDA
+            # graph, scripts/fp8_gemv_card_sweep.py)
+            out = linear(h, self.weight, self.bias)
         return out.float() if upcast else out
