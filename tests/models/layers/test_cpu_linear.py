@@ -23,6 +23,25 @@ def _model(bias: bool) -> torch.nn.Module:
     return m
 
 
+@pytest.fixture(autouse=True)
+def _onednn_on(monkeypatch):
+    monkeypatch.setenv("ZPP_CPU_ONEDNN_LINEAR", "1")  # off by default
+
+
+def test_packed_copy_not_used_once_the_weight_changed():
+    """A packed module cast to bf16, or whose weight was written in place after packing, multiplies
+    by its current weight (F.linear), not by the stale packed copy."""
+    m = _model(True)
+    assert cpu_linear.pack_cpu_linears(m) == 4
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        m["a"].weight.mul_(2.0)
+    torch.testing.assert_close(m["a"](x), F.linear(x, m["a"].weight, m["a"].bias), rtol=1e-5, atol=1e-5)
+    b = m["b"].to(torch.bfloat16)
+    xb = x.to(torch.bfloat16)
+    torch.testing.assert_close(b(xb), F.linear(xb, b.weight, b.bias))
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_equals_f_linear(bias):
     m = _model(bias)
@@ -45,16 +64,20 @@ def test_non_contiguous_input():
 
 
 def test_not_packed_off_or_other_dtype(monkeypatch):
+    monkeypatch.delenv("ZPP_CPU_ONEDNN_LINEAR", raising=False)  # off by default
+    assert cpu_linear.pack_cpu_linears(_model(False)) == 0
     monkeypatch.setenv("ZPP_CPU_ONEDNN_LINEAR", "0")
     assert cpu_linear.pack_cpu_linears(_model(False)) == 0
-    monkeypatch.delenv("ZPP_CPU_ONEDNN_LINEAR")
+    monkeypatch.setenv("ZPP_CPU_ONEDNN_LINEAR", "1")
     m = _model(False).to(torch.bfloat16)
     assert cpu_linear.pack_cpu_linears(m) == 0
     assert all(mod.packed_weight is None for mod in m.values())
 
 
-def test_loaded_demo_stage_is_packed(demo_model):
-    """A float32 CPU stage of the demo model comes out of the loader with its linear layers packed."""
+def test_loaded_demo_stage_is_packed(demo_model, monkeypatch):
+    """With ``ZPP_CPU_ONEDNN_LINEAR=1`` a float32 CPU stage of the demo model comes out of the loader
+    with its linear layers packed."""
+    monkeypatch.setenv("ZPP_CPU_ONEDNN_LINEAR", "1")
     import json
     import os
 

@@ -73,7 +73,23 @@ def pack_cpu_linears(model: nn.Module) -> int:
         if not packable(module.weight):
             continue
         module.packed_weight = pack_weight(module.weight)
+        module._packed_of = (module.weight.data_ptr(), module.weight._version)
         n += 1
     if n:
         logger.debug("%d float32 linear layers packed for oneDNN", n)
     return n
+
+
+def packed_for(module: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """``module.packed_weight`` if it may serve the input ``x``: a float32 CPU ``x``, and the weight
+    still the float32 tensor it was packed from, unchanged (same storage, no in-place write since --
+writes through ``.data`` are not seen:
+    a model cast to another dtype, or weights loaded again or edited, fall back to ``F.linear``
+    on ``weight``); else None."""
+    packed = module.packed_weight
+    if packed is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    w = module.weight
+    if w.dtype != torch.float32 or (w.data_ptr(), w._version) != getattr(module, "_packed_of", None):
+        return None
+    return packed

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zpp import envs
-from zpp.models.layers.cpu_linear import packed_linear
+from zpp.models.layers.cpu_linear import packed_for, packed_linear
 from zpp.transport.tensor_parallel import tp_all_reduce
 
 
@@ -93,8 +93,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is None:  # a quantized method holds the weight in its own parameters (W4A16)
             return self.quant_method.apply(self, x, self.bias)
-        if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.bias)
+        packed = packed_for(self, x)
+        if packed is not None:
+            return packed_linear(x, packed, self.bias)
         return linear(x, self.weight, self.bias, self.fp8)
 
 
@@ -193,8 +194,9 @@ class RowParallelLinear(Linear):
         partials and all-reducing once adds it once)."""
         if self.weight is None:  # a quantized method holds the weight in its own parameters (W4A16)
             return self._reduced(lambda bias: self.quant_method.apply(self, x, bias), reduce)
-        if self.packed_weight is not None:
-            return self._reduced(lambda bias: packed_linear(x, self.packed_weight, bias), reduce)
+        packed = packed_for(self, x)
+        if packed is not None:
+            return self._reduced(lambda bias: packed_linear(x, packed, bias), reduce)
         return self._reduced(lambda bias: linear(x, self.weight, bias, self.fp8), reduce)
 
     def forward_fp8_input(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype,
@@ -257,8 +259,9 @@ class LMHead(nn.Module):
     """float32 CPU: the weight packed for oneDNN, as :attr:`Linear.packed_weight`; else None."""
 
     def forward(self, h: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        if self.packed_weight is not None:
-            out = packed_linear(h, self.packed_weight, self.bias)
+        packed = packed_for(self, h)
+        if packed is not None:
+            out = packed_linear(h, packed, self.bias)
         else:
             # through linear(): a batch-1 CUDA step takes zpp's Triton GEMV, which read the Llama-3
             # LM head (128256 x 4096 bf16) in 328 us against cuBLAS's 353 on one H100 (in a CUDA

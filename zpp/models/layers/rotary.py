@@ -229,6 +229,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)  # [rows, rotary_dim]
         self.register_buffer("sin", sin, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # get_rope shares one module among every model of the process built with the same shape and
+        # device: a model's .to(dtype) must not cast the float32 tables under the others (forward
+        # and the kernels convert at use), so a dtype change on the same device keeps them
+        before = dict(self._buffers)
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers.get(name)
+            if old is not None and new is not None and new.device == old.device and new.dtype != old.dtype:
+                self._buffers[name] = old
+        return self
+
     def rope_rows(self, positions: torch.Tensor, long: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Table rows of ``positions [T]`` int64: the positions themselves, except with LongRoPE's
         long table, where a token of a long sequence reads row ``position + long_offset``. ``long
