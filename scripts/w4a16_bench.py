@@ -94,6 +94,19 @@ def copies(n_bytes):
 
 
 # --- 1. correctness ---------------------------------------------------------------------------------
+def bf16_gemv_us(N, K):
+    """zpp's bf16 batch-1 GEMV (``triton_ops.gemv``) on an ``[N, K]`` weight, us per product in CUDA
+    graphs, weights rotated among copies (the 4-bit kernels' baseline)."""
+    x = torch.randn(1, K, device=dev).to(DT)
+    wb = [torch.randn(N, K, device=dev, dtype=DT) for _ in range(copies(N * K * 2))]
+    j = [0]
+
+    def bf():
+        j[0] = (j[0] + 1) % len(wb)
+        return ops.gemv(x, wb[j[0]], None, **ops.gemv_config(N, K))
+    return bench(bf)
+
+
 def correctness():
     log("== correctness (rel. error vs dequantize_w4 + fp32 matmul) ==")
     out = {}
@@ -218,14 +231,7 @@ def gemv_bw(peak, card_hbm):
             dflt = bench(run(W.w4a16_gemv_config(N, K)))
             best_cfgs[sname] = cfg
             if sname not in bf16:
-                wb = [torch.randn(N, K, device=dev, dtype=DT) for _ in range(copies(N * K * 2))]
-                j = [0]
-
-                def bf():
-                    j[0] = (j[0] + 1) % len(wb)
-                    return ops.gemv(x, wb[j[0]], None, **ops.gemv_config(N, K))
-                bf16[sname] = bench(bf)
-                del wb
+                bf16[sname] = bf16_gemv_us(N, K)
             tb = bf16[sname]
             layer_us += t
             layer_bytes += b

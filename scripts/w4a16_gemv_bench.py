@@ -29,9 +29,8 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from w4a16_bench import HBM, KINDS, LLAMA70B, bench, copies, copy_bw, log, nbytes, rand_w4, rel  # noqa: E402
+from w4a16_bench import HBM, KINDS, LLAMA70B, bench, bf16_gemv_us, copies, copy_bw, log, nbytes, rand_w4, rel  # noqa: E402
 
-from zpp.models.layers import triton_ops as ops  # noqa: E402
 from zpp.models.quantization import w4a16_kernels as W  # noqa: E402
 from zpp.models.quantization.w4_layout import dequantize_w4  # noqa: E402
 
@@ -76,15 +75,7 @@ def main(argv=()):
 
     bf16 = {}
     for sname, (N, K) in LLAMA70B.items():   # zpp's bf16 GEMV on the same shapes
-        x = torch.randn(1, K, device=dev).to(DT)
-        wb = [torch.randn(N, K, device=dev, dtype=DT) for _ in range(copies(N * K * 2))]
-        j = [0]
-
-        def bf():
-            j[0] = (j[0] + 1) % len(wb)
-            return ops.gemv(x, wb[j[0]], None, **ops.gemv_config(N, K))
-        bf16[sname] = bench(bf)
-        del wb
+        bf16[sname] = bf16_gemv_us(N, K)
     R["bf16_us"] = bf16
     torch.cuda.empty_cache()
     tops: dict = {}

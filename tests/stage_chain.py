@@ -95,6 +95,13 @@ def even_split(model_dir: str, pp: int) -> tuple[int, ...]:
     return tuple(even_sizes(resolve_model_class(cfg).num_layers_of(cfg), pp))
 
 
+def pp_splits(model_dir: str, *pps: int) -> list[tuple[int, ...]]:
+    """The splits the family tests chain: PP=1 (the whole model), the engine's even split at each
+    of ``pps``, and an uneven one (one layer, then the rest)."""
+    n = sum(even_split(model_dir, 1))
+    return [(n,), *(even_split(model_dir, pp) for pp in pps), (1, n - 1)]
+
+
 def check_splits(model_dir: str, prompts: list[list[int]], ref: list[list[int]],
                  splits: Sequence[Sequence[int]], label: str = "", max_positions: int = 256) -> None:
     """Every split of ``splits`` gives ``ref`` for every prompt: a one-stage split decodes token by

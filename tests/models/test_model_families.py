@@ -122,11 +122,9 @@ def test_stages_in_process_match_hf(family_model, prompts):
     """PP = 1 (decoding token by token), 2 and 3 (the engine's default splits) and an uneven PP = 2
     (one layer first), each stage built as a worker builds it and chained in this process: HF's
     greedy tokens, every prompt. The engine itself runs each family once, at PP = 3, below."""
-    from stage_chain import check_splits, even_split
+    from stage_chain import check_splits, pp_splits
     model_dir, reference = family_model
-    n = sum(even_split(model_dir, 1))
-    splits = [(n,), even_split(model_dir, 2), even_split(model_dir, 3), (1, n - 1)]
-    check_splits(model_dir, prompts, reference, splits, label=os.path.basename(model_dir))
+    check_splits(model_dir, prompts, reference, pp_splits(model_dir, 2, 3), label=os.path.basename(model_dir))
 
 
 @pytest.mark.slow
