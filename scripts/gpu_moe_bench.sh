@@ -21,17 +21,7 @@ D="--load-format dummy --device cuda"
 FP8="--quantization fp8"
 TPUT="--num-prompts 1000 --input-len 256 --output-len 256 --max-num-seqs 1024 --max-num-batched-tokens 8192"
 LAT="--batch-size 1 --input-len 128 --output-len 128 --num-iters-warmup 1 --num-iters 3"
-run() {  # NAME CMD...: the whole log appended to runs.log; the weights line and the figures printed
-  local name=$1; shift
-  echo "### $name: $*" | tee -a "$OUT/runs.log"
-  local log; log=$(mktemp)
-  "$@" 2>&1 | grep -v -E "it/s\]|s/it\]" > "$log"
-  cat "$log" >> "$OUT/runs.log"
-  grep -E "weights .* GiB; KV cache" "$log" | sed "s/^/$name: /" | cut -c1-300 | tee -a "$OUT/weights.txt"
-  grep -E "while serving" "$log" | sed 's/^/LATE COMPILE: /' | cut -c1-200
-  tail -6 "$log"
-  rm -f "$log"
-}
+source "$(dirname "$0")/gpu_bench_lib.sh"
 for r in $RUNS; do
   case $r in
     q-tput-bf16) run $r python -m zpp.cli bench throughput $Q $TPUT --output-json "$OUT/tput_qwen3-30b-a3b_bf16.json" ;;
@@ -45,10 +35,4 @@ for r in $RUNS; do
     *) echo "unknown run $r"; exit 2 ;;
   esac
 done
-python - "$OUT" <<'PY'
-import glob, json, os, sys
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
-    d = json.load(open(f))
-    v = d.get("tpot_ms") or d.get("output_tokens_per_s") or d.get("output_throughput")
-    print(f"{os.path.basename(f):40s} {'TPOT ms' if 'tpot_ms' in d else 'out tok/s'} {v}")
-PY
+summarize "$OUT"
