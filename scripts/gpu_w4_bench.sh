@@ -12,12 +12,15 @@
 #                                 >= 32k tokens of KV cache). On a card larger than an H100 80GB (81559 MiB)
 #                                 --gpu-memory-utilization is scaled so that 0.9 of 81559 MiB is used: the KV
 #                                 tokens an 80 GB card would get.
+#   l70-lat-w4                    Llama-3-70B shape in compressed-tensors W4A16 (int4, group 128, lm_head bf16:
+#                                 scripts/configs/llama3-70b-w4a16) at batch 1, then scripts/w4_tpot_floor.py:
+#                                 the TPOT over the packed-weight read floor (acceptance: <= 1.3x)
 # Weights are random (--load-format dummy), quantized at load like the release. Each start-up's "stage ...:
 # weights <dtype GiB>; KV cache N tokens" line is kept in OUTDIR/weights.txt; JSON per run in OUTDIR; a table
 # at the end.
 set -u
 OUT="${1:?OUTDIR}"; shift
-RUNS="${*:-o20-lat-bf16 o20-lat-mxfp4 o20-tput-bf16 o20-tput-mxfp4 o120-mxfp4}"
+RUNS="${*:-o20-lat-bf16 o20-lat-mxfp4 o20-tput-bf16 o20-tput-mxfp4 o120-mxfp4 l70-lat-w4}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 D="--load-format dummy --device cuda"
@@ -39,6 +42,10 @@ for r in $RUNS; do
       run $r python -m zpp.cli bench latency --model scripts/configs/gpt-oss-120b $D --batch-size 1 --input-len 128 \
         --output-len 128 --num-iters-warmup 1 --num-iters 1 --max-model-len 32768 --gpu-memory-utilization "$UTIL" \
         --output-json "$OUT/lat_gpt-oss-120b_mxfp4.json" ;;
+    l70-lat-w4) run $r python -m zpp.cli bench latency --model scripts/configs/llama3-70b-w4a16 $D $LAT \
+        --max-model-len 4096 --output-json "$OUT/lat_llama3-70b_w4a16.json"
+      python scripts/w4_tpot_floor.py scripts/configs/llama3-70b-w4a16 --latency-json "$OUT/lat_llama3-70b_w4a16.json" \
+        | tee "$OUT/floor_llama3-70b_w4a16.txt" ;;
     *) echo "unknown run $r"; exit 2 ;;
   esac
 done
