@@ -79,16 +79,15 @@ def main() -> None:
             parts = c.split(":")
             configs.append((int(parts[0]), *map(int, parts[1].split("-")), int(parts[2]) if len(parts) > 2 else None))
     kw = dict(device="cpu", pipeline_parallel_size=args.pp, max_model_len=1024)
-    # the oneDNN CPU linears (off by default in zpp: their packed copy doubles the weights' memory);
-    # ZPP_CPU_ONEDNN_LINEAR=0 in the environment measures MKL's F.linear instead
-    os.environ.setdefault("ZPP_CPU_ONEDNN_LINEAR", "1")
+    # zpp's default CPU linears (oneDNN, packed weights); ZPP_CPU_ONEDNN_LINEAR=0 in the environment
+    # measures MKL's F.linear instead
     llms = {"off": LLM(**kw)}
     for k, lo, hi, limit in configs:
         llms[f"k={k} {lo}-{hi}" + (f" disable_by_batch_size={limit}" if limit else "")] = LLM(**kw, speculative_config={
             "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": hi, "prompt_lookup_min": lo,
             "disable_by_batch_size": limit})
     if args.dense:  # the same two modes with MKL's F.linear (the workers read the variable when they load)
-        linear = os.environ["ZPP_CPU_ONEDNN_LINEAR"]
+        linear = os.environ.get("ZPP_CPU_ONEDNN_LINEAR")
         os.environ["ZPP_CPU_ONEDNN_LINEAR"] = "0"
         try:
             llms["off dense"] = LLM(**kw)
@@ -97,7 +96,10 @@ def main() -> None:
                 "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": hi, "prompt_lookup_min": lo,
                 "disable_by_batch_size": limit})
         finally:
-            os.environ["ZPP_CPU_ONEDNN_LINEAR"] = linear
+            if linear is None:
+                del os.environ["ZPP_CPU_ONEDNN_LINEAR"]
+            else:
+                os.environ["ZPP_CPU_ONEDNN_LINEAR"] = linear
     tpot: dict[str, list[float]] = {m: [] for m in llms}
     texts: dict[str, list] = {m: [] for m in llms}
     decode_s = {m: 0.0 for m in llms}  # all requests' decode seconds and tokens: the token-weighted TPOT

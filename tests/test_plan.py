@@ -292,8 +292,10 @@ def test_oversized_model_refused_in_one_line_under_an_address_space_limit(tmp_pa
 def test_plan_matches_what_a_cpu_start_up_allocates(tmp_path):
     """Each stage's planned bytes against the growth of a real start-up's resident memory when the
     worker's loader builds and fills that stage (random weights saved with transformers, read back
-    from safetensors on the CPU), and the KV cache the model runner allocates against the plan's
-    bytes per token."""
+    from safetensors on the CPU; float32, so the linear layers are packed for oneDNN, which frees
+    their dense copies), and the KV cache the model runner allocates against the plan's bytes per
+    token. oneDNN's one-time set-up in a process (about 6 MiB: its code and kernels, whatever the
+    model) happens before the measurement, as torch's import does: it is not the stage's memory."""
     d = write_config(tmp_path, "m", **{**LLAMA, "num_hidden_layers": 6, "hidden_size": 1024, "intermediate_size": 2816,
                                        "num_attention_heads": 16, "num_key_value_heads": 4})
     save = f"""
@@ -314,17 +316,23 @@ plan = make_plan(plan_config({d!r}, pipeline_parallel_size=2, max_model_len=1024
 hf = normalize_config(json.load(open(os.path.join({d!r}, "config.json"))))
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+from zpp.models.layers import cpu_linear
+if torch.backends.mkldnn.is_available():
+    cpu_linear.pack_weight(torch.zeros(64, 64))  # oneDNN's one-time set-up, outside the measurement
+packed = []
 out, keep = [], []
 for p in plan.stages:
     a, b = p.layers
     before = rss()
     model = load_stage_model({d!r}, hf, StageInfo(p.stage, 2, a, b), torch.float32, torch.device("cpu"), 1024)
     grew = rss() - before
+    packed.append(sum(m.packed_weight is not None for m in model.modules() if isinstance(m, cpu_linear.PackableWeight)))
     runner = ModelRunner(model, torch.device("cpu"), torch.float32, 16, None, set(), max_model_len=1024, max_num_seqs=4)
     runner.init_kv_cache(64)
     kv = sum(t.numel() * t.element_size() for t in runner.kv_caches) // (65 * 16)
     out.append((p.weight_bytes, grew, p.kv_bytes_per_token, kv))
     keep.append((runner, model))  # alive, so the next stage cannot reuse its pages
+print(json.dumps(packed), flush=True)
 print(json.dumps(out), flush=True)
 os._exit(0)  # the last stage's runner started a background import thread
 """
@@ -333,7 +341,9 @@ os._exit(0)  # the last stage's runner started a background import thread
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    packed, rows = (json.loads(line) for line in proc.stdout.strip().splitlines()[-2:])
+    if torch.backends.mkldnn.is_available():  # 3 layers x 4 linears, + the LM head on the last stage
+        assert packed == [12, 13], packed
     for planned, grew, kv_plan, kv_real in rows:
         assert abs(grew - planned) <= 0.03 * planned, rows
         assert kv_plan == kv_real, rows

@@ -132,12 +132,12 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("ZPP_TRITON_GEMV", "bool", _on_unless_0,
            "``0``: batch-1 decode on CUDA multiplies by the weights with cuBLAS instead of zpp's Triton "
            "GEMV (``zpp.models.layers.linear``), for A/B runs. Read once, at import."),
-    EnvVar("ZPP_CPU_ONEDNN_LINEAR", "bool", _on_if_1,
-           "``1``: float32 linear layers on the CPU multiply through oneDNN with weights packed at load "
-           "(``zpp.models.layers.cpu_linear``: a speculative verify step's 2-6 rows cost about one row's "
-           "time) instead of ``F.linear`` (MKL). Off by default: the packed copy doubles a stage's linear "
-           "weights in memory, which ``zpp plan`` and the KV-cache sizing do not count yet. Read when a "
-           "stage's weights are loaded."),
+    EnvVar("ZPP_CPU_ONEDNN_LINEAR", "bool", _on_unless_0,
+           "``0``: float32 linear layers on the CPU multiply through ``F.linear`` (MKL) instead of "
+           "oneDNN with weights packed at load (``zpp.models.layers.cpu_linear``, the default: a "
+           "speculative verify step's 2-6 rows cost about one row's time). The packed weight replaces "
+           "the dense one, so memory is unchanged (the layout's padding aside, zero for widths that are "
+           "multiples of 64). For A/B runs. Read when a stage's weights are loaded."),
     EnvVar("ZPP_GRAMMAR_THREADS", "Optional[int]", _int_or_none,
            "Threads of the result rank's structured-output work (xgrammar's batched bitmask fill, and "
            "the batched accept of sampled tokens from 64 rows); unset: a quarter of the host's cores, "

@@ -216,8 +216,11 @@ class StageModel(nn.Module):
         that matches no parameter -- or a shard the parameter does not have, e.g. expert 8 of a
         layer of 8 experts -- (unexpected), or any parameter that received nothing (missing), or a
         tensor whose shape does not fit its parameter. The loader checks the names first
-        (:meth:`check_weight_names`), before any copy.
+        (:meth:`check_weight_names`), before any copy. Linear layers packed for oneDNN
+        (:mod:`zpp.models.layers.cpu_linear`) are given their dense weights back first.
         """
+        from zpp.models.layers.cpu_linear import unpack_all
+        unpack_all(self)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         unexpected: list[str] = []

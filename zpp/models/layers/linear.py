@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zpp import envs
-from zpp.models.layers.cpu_linear import packed_for, packed_linear
+from zpp.models.layers.cpu_linear import PackableWeight, dense_weight, packed_for, packed_linear
 from zpp.transport.tensor_parallel import tp_all_reduce
 
 
@@ -56,7 +56,7 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-class Linear(nn.Module):
+class Linear(PackableWeight):
     """``y = x W^T + b``; ``x: [T, in_features]`` -> ``[T, out_features]``.
 
     ``transposed=True`` loads checkpoints that store ``W`` as ``[in, out]`` (GPT-2's Conv1D).
@@ -70,10 +70,6 @@ class Linear(nn.Module):
     fp8_allowed = True
     quant_method = None
     """The :class:`zpp.models.quantization.base.LinearMethod` that made the weight quantized, else None."""
-    packed_weight = None
-    """float32 CPU: the weight packed for oneDNN (:func:`zpp.models.layers.cpu_linear.pack_cpu_linears`,
-    after loading), which ``forward`` multiplies by instead of ``weight``; else None."""
-
     def __init__(self, in_features: int, out_features: int, bias: bool = False, transposed: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -96,7 +92,7 @@ class Linear(nn.Module):
         packed = packed_for(self, x)
         if packed is not None:
             return packed_linear(x, packed, self.bias)
-        return linear(x, self.weight, self.bias, self.fp8)
+        return linear(x, dense_weight(self), self.bias, self.fp8)
 
 
 class MergedLinear(Linear):
@@ -197,7 +193,7 @@ class RowParallelLinear(Linear):
         packed = packed_for(self, x)
         if packed is not None:
             return self._reduced(lambda bias: packed_linear(x, packed, bias), reduce)
-        return self._reduced(lambda bias: linear(x, self.weight, bias, self.fp8), reduce)
+        return self._reduced(lambda bias: linear(x, dense_weight(self), bias, self.fp8), reduce)
 
     def forward_fp8_input(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype,
                           reduce: bool = True) -> torch.Tensor:
@@ -242,7 +238,7 @@ class PositionEmbedding(nn.Embedding):
         return super().forward(positions + self.offset if self.offset else positions)
 
 
-class LMHead(nn.Module):
+class LMHead(PackableWeight):
     """Output projection ``[vocab_size, hidden_size]``; ``forward(h [N, H])`` -> float32 logits ``[N, V]``
     (``upcast=False``: in the weights' dtype, for callers that only take the argmax, which is the
     same either way since every bf16 / fp16 value is exact in float32)."""
@@ -255,9 +251,6 @@ class LMHead(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = default_weight_loader
 
-    packed_weight = None
-    """float32 CPU: the weight packed for oneDNN, as :attr:`Linear.packed_weight`; else None."""
-
     def forward(self, h: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         packed = packed_for(self, h)
         if packed is not None:
@@ -266,5 +259,5 @@ class LMHead(nn.Module):
             # through linear(): a batch-1 CUDA step takes zpp's Triton GEMV, which read the Llama-3
             # LM head (128256 x 4096 bf16) in 328 us against cuBLAS's 353 on one H100 (in a CUDA
             # graph, scripts/fp8_gemv_card_sweep.py)
-            out = linear(h, self.weight, self.bias)
+            out = linear(h, dense_weight(self), self.bias)
         return out.float() if upcast else out
