@@ -276,6 +276,7 @@ def _form_groups(init, device, generation: int, rendezvous=None):
     links = form_links(init.dist_store, init.rank, pp_size, tp_size, device, c.share_gpu, generation, rendezvous)
     if links is None:
         return None
+    logger.info("process groups of generation %d (%s): %s", generation, links.backend, ", ".join(sorted(links.groups)))
     init_tp_group(links, init.pp_rank, tp_size)
     return make_stage_link(links, init.rank, init.pp_rank, pp_size, tp_size, device, c.share_gpu) \
         if pp_size > 1 else None
