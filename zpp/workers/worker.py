@@ -104,9 +104,9 @@ def _start_heartbeat(engine_address: str, rank: int, keys, activity) -> None:
     process does (SIGSTOP, a hung host), which is what the engine's watchdog looks for.
 
     The same thread takes the engine's AbortLinks (on this socket, since the main thread may be
-    blocked in a receive or all-reduce on the lost peer): it aborts this worker's process groups of
-    that generation (``zpp.transport.p2p.abort_links``), which releases the main thread with a
-    LinkError; the main thread then reports LinkDown and waits for Rejoin."""
+    blocked in a receive or all-reduce on the lost peer) and has a short-lived thread abort this
+    worker's process groups of that generation (``zpp.transport.p2p.abort_links``), which releases
+    the main thread with a LinkError; the main thread then reports LinkDown and waits for Rejoin."""
     from zpp.transport import messages as m
     from zpp.transport.channels import WorkerSocket
     from zpp.transport.p2p import abort_links
@@ -132,9 +132,14 @@ def _start_heartbeat(engine_address: str, rank: int, keys, activity) -> None:
                 logger.warning("bad message on the heartbeat socket: %s", e)
                 continue
             if isinstance(msg, m.AbortLinks):
-                if abort_links(msg.generation, msg.reason):
-                    logger.info("the engine lost a rank (%s): aborted this worker's process groups of generation %d",
-                                msg.reason, msg.generation)
+                # On a thread of its own: ncclCommAbort may take a while, and heartbeats must go on
+                # (a silent survivor would be restarted too).
+                threading.Thread(target=abort, args=(msg,), name="zpp-abort-links", daemon=True).start()
+
+    def abort(msg) -> None:
+        if abort_links(msg.generation, msg.reason):
+            logger.info("the engine lost a rank (%s): aborted this worker's process groups of generation %d",
+                        msg.reason, msg.generation)
 
     threading.Thread(target=loop, name="zpp-heartbeat", daemon=True).start()
 
