@@ -2,8 +2,10 @@
 """Stage-restart benchmark: how long a pipeline is gone when one of its stage workers dies.
 
 Starts `zpp serve` (arguments after ``--``), keeps ``--streams`` streaming completions running in
-closed loops, SIGKILLs stage ``--stage`` after ``--kill-after`` seconds (``--kills`` times, the
-stages in turn from ``--stage`` when it is ``all``), and reports for each kill:
+closed loops, signals stage ``--stage`` after ``--kill-after`` seconds (``--kills`` times, the
+stages in turn from ``--stage`` when it is ``all``; ``--signals`` in turn: SIGKILL, or SIGSTOP,
+which the engine's heartbeat watchdog finds after ``--worker-heartbeat-timeout`` and kills), and
+reports for each kill:
 
 * ``recovery_s``: what the server logs as "pipeline formed again in X s" (loss noticed to every
   stage formed again: the new process started, its weights loaded, survivors rejoined);
@@ -12,13 +14,21 @@ stages in turn from ``--stage`` when it is ``all``), and reports for each kill:
   ``death_to_resume_s``: from the SIGKILL to the token that ends that pause;
 
 plus the output tokens per second before the first kill and after the last, any stream error (there
-must be none), and the server's exit. Not a test: run it by hand and keep its JSON.
+must be none), how many completed streams' text differs from the undisturbed one (the same greedy
+prompt: the most common text of the streams finished before the first kill; on a GPU a batch's
+composition may legitimately change a bf16 argmax, so it is reported, not failed on), the process
+group backend the workers logged, and the server's exit. Not a test: run it by hand and keep its JSON.
 
     python scripts/stage_restart_bench.py --output benchmarks/results/stage_restart_cpu_pp2.json -- \\
         -pp 2 --max-model-len 512
     # one H200, every stage on the GPU, Llama-3-8B shape (dummy weights):
     ZPP_SHARE_GPU=1 python scripts/stage_restart_bench.py --streams 64 --max-tokens 256 -- \\
         scripts/configs/llama3-8b --load-format dummy -pp 2 --device cuda
+    # two GPUs, stages over NCCL (issue 52), a SIGKILL then a SIGSTOP of each stage:
+    python scripts/stage_restart_bench.py --streams 64 --max-tokens 256 --kills 4 --signals KILL,KILL,STOP,STOP \\
+        --kill-after 30 --between 30 --output benchmarks/results/stage_restart_nccl_pp2.json -- \\
+        DIR --load-format dummy -pp 2 --device cuda --worker-heartbeat-timeout 5
+    (DIR: ``scripts/configs/llama3-8b``'s config.json with the demo model's tokenizer files.)
 """
 from __future__ import annotations
 
@@ -97,9 +107,12 @@ async def run(args, server: Server) -> dict:
     body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
 
+    texts: list[tuple[float, float, str]] = []  # (start, end, text) of each completed stream
+
     async def loop(session):
         while not stop.is_set():
             try:
+                t0, parts, failed = time.monotonic(), [], False
                 async with session.post(server.url + "/v1/completions", json=body) as r:
                     if r.status != 200:
                         errors.append(f"HTTP {r.status}: {(await r.text())[:300]}")
@@ -111,14 +124,19 @@ async def run(args, server: Server) -> dict:
                         ev = json.loads(line[6:])
                         if "error" in ev:
                             errors.append(ev["error"]["message"][:300])
+                            failed = True
                         elif ev["choices"] and ev["choices"][0].get("text") is not None:
                             token_times.append(time.monotonic())
+                            parts.append(ev["choices"][0]["text"])
+                if not failed and not stop.is_set():
+                    texts.append((t0, time.monotonic(), "".join(parts)))
             except aiohttp.ClientError as e:
                 errors.append(repr(e))
 
     def rate(t0: float, t1: float) -> float:
         return round(sum(1 for t in token_times if t0 <= t < t1) / max(1e-9, t1 - t0), 2)
 
+    signals = [getattr(signal, "SIG" + x.strip().upper().removeprefix("SIG")) for x in args.signals.split(",")]
     kills = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         tasks = [asyncio.create_task(loop(session)) for _ in range(args.streams)]
@@ -127,10 +145,11 @@ async def run(args, server: Server) -> dict:
         stages = sorted(server.stage_pids())
         for i in range(args.kills):
             stage = stages[i % len(stages)] if args.stage == "all" else int(args.stage)
+            sig = signals[i % len(signals)]
             pid = server.stage_pids()[stage]
             before = len(server.recoveries())
             t_kill = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
             deadline = t_kill + args.timeout
             while len(server.recoveries()) == before and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -140,7 +159,7 @@ async def run(args, server: Server) -> dict:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(min(5.0, args.between))  # tokens flow again meanwhile
             pause, resume = _pause_after(token_times, t_kill)
-            kills.append({"stage": stage, "pid": pid, "recovery_s": server.recoveries()[-1] if recovered else None,
+            kills.append({"stage": stage, "signal": sig.name, "pid": pid, "recovery_s": server.recoveries()[-1] if recovered else None,
                           "pause_s": pause, "death_to_resume_s": round(resume - t_kill, 3) if resume else None,
                           "new_pid": server.stage_pids().get(stage)})
             print(f"kill {i + 1}: {kills[-1]}", flush=True)
@@ -151,7 +170,11 @@ async def run(args, server: Server) -> dict:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     first_kill = t_start + args.kill_after
+    undisturbed = [t for a, b, t in texts if b < first_kill]
+    reference = max(set(undisturbed), key=undisturbed.count) if undisturbed else None
     return {"kills": kills, "errors": errors[:20], "num_errors": len(errors),
+            "streams_completed": len(texts), "streams_completed_before_first_kill": len(undisturbed),
+            "streams_text_differs": sum(t != reference for _, _, t in texts) if reference is not None else None,
             "out_tok_s_before_kills": rate(t_start + 2.0, first_kill),
             "out_tok_s_after_last_recovery": rate(t_end - args.between + 2.0, t_end),
             "streams": args.streams, "max_tokens": args.max_tokens}
@@ -175,6 +198,9 @@ def main() -> int:
     ap.add_argument("--prompt", default="Tell me a long story about a pipeline with several stages.")
     ap.add_argument("--stage", default="all", help="the stage to kill, or all (in turn)")
     ap.add_argument("--kills", type=int, default=3)
+    ap.add_argument("--signals", default="KILL",
+                    help="comma-separated signals used in turn (KILL, STOP); a stopped stage is found by the "
+                         "heartbeat watchdog (pass --worker-heartbeat-timeout to zpp serve) and killed by the engine")
     ap.add_argument("--kill-after", type=float, default=20.0, help="seconds of traffic before the first kill")
     ap.add_argument("--between", type=float, default=20.0, help="seconds between kills (and after the last)")
     ap.add_argument("--timeout", type=float, default=300.0)
@@ -191,8 +217,10 @@ def main() -> int:
         report = asyncio.run(run(args, server))
     finally:
         rc = server.stop()
+    log = server.output()
     report.update({"server_command": "zpp " + server.cmd, "bench_command": "python " + " ".join(sys.argv),
-                   "server_exit_status": rc, "log": server.log.name})
+                   "server_exit_status": rc, "log": server.log.name,
+                   "process_group_backends": sorted(set(re.findall(r"process groups of generation \d+ \((\w+)\)", log)))})
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:

@@ -88,6 +88,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("ZPP_FAULT_RESTART_CRASH", "str", _text(""),
            "Fault injection (supervision tests): ``RANK`` makes that worker rank fail each time it is "
            "restarted, while loading its weights (a crash loop)."),
+    EnvVar("ZPP_FAULT_KEEP_LOST", "bool", _on_if_1,
+           "Fault injection (supervision tests): ``1``: the engine does not kill a lost local worker "
+           "process (a stopped one stays stopped, its connections open), as with a worker on a hung host "
+           "it cannot reach; the survivors must be released by the engine's abort (AbortLinks)."),
     EnvVar("ZPP_FP8_GEMV", "bool", _on_unless_0,
            "``0``: FP8 linear layers never use the W8A16 GEMV kernel for small batches (every batch "
            "through the W8A8 GEMMs), for A/B runs. Read once, at import."),

@@ -10,6 +10,10 @@ started again in place, the other stages keep their processes, and every request
   keep theirs; a request sent during the restart waits and completes; /health stays 200 and says
   "recovering" meanwhile; /metrics counts the restarts per stage and the recoveries; nothing is
   left after the server stops (the replaced processes included).
+- A survivor blocked receiving from a SIGSTOPped stage the engine cannot kill (ZPP_FAULT_KEEP_LOST:
+  as on a hung host, the stopped process keeps its gloo connections open, which is also what a
+  dead peer looks like under NCCL): it is released by the engine's abort (AbortLinks), the stage
+  restarts beside the stopped process, and every stream completes with its tokens.
 - A stage that fails at every restart (ZPP_FAULT_RESTART_CRASH): after --max-stage-restarts tries
   the server fails as without restarts, with one line naming the stage and each try's cause, and
   leaves nothing behind.
@@ -184,6 +188,51 @@ def test_each_stage_restarts_and_every_request_resumes(demo_model, pp, hits):
             except ProcessLookupError:
                 pass
     assert wait_gone(seen_pids | set(kids), 10) == [], "processes left after the server stopped"
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_survivor_released_by_the_abort_from_a_stage_that_cannot_be_killed(demo_model):
+    """Without the abort stage 1 would wait for stage 0's activations for as long as the stopped
+    process lives (its connection never closes), and the restart would never complete."""
+    s = ServerProcess([demo_model, "--pipeline-parallel-size", "2", "--max-model-len", "512",
+                       "--worker-heartbeat-timeout", str(HEARTBEAT_S), "--max-stage-restarts", "1"],
+                      env={"ZPP_FAULT_KEEP_LOST": "1"})
+    old = None
+    try:
+        ref, _, late_ref = _round(s.url)
+        before = stage_pids(s)
+        old = before[0]
+        t0 = time.monotonic()
+        got, seen, late = _round(s.url, (old, signal.SIGSTOP))
+        took = time.monotonic() - t0
+        for i, (a, b) in enumerate(zip(ref, got)):
+            assert b.error is None and b.tokens == a.tokens, f"stream {i}: {b.error}"
+        assert late.error is None and late.tokens == late_ref.tokens, late.error
+        assert (200, "recovering") in seen, seen
+        after = stage_pids(s)
+        assert after[0] != old and after[1] == before[1], (before, after)
+        # the lost process was never killed: still stopped, its connections open, after the recovery
+        assert alive(old) and _stopped(old), "the stopped stage was killed: this test needs it kept"
+        log = s.output()
+        assert "ZPP_FAULT_KEEP_LOST: not killing stage 0" in log, log[-3000:]
+        assert re.search(r"INFO \[worker 1\] the engine lost a rank \(stage 0 \(rank 0\).*sent no heartbeat.*\): "
+                         r"aborted this worker's process groups of generation 0", log), log[-5000:]
+        assert re.search(r"INFO \[worker 1\] a neighbouring stage went away \(receive from rank 0 failed: the peer "
+                         r"went away \(aborted by the engine: stage 0", log), log[-5000:]
+        assert log.count("pipeline formed again") == 1 and "Traceback" not in log, log[-5000:]
+        assert took < 120, took
+    finally:
+        s.stop()
+        if old is not None:
+            try:
+                os.kill(old, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert wait_gone([old], 10) == []
 
 
 def test_crash_loop_ends_in_fail_stop(demo_model, monkeypatch):

@@ -11,6 +11,7 @@ import logging
 import time
 from typing import Optional
 
+from zpp import envs
 from zpp.config import STAGE_RESTART_WINDOW_S
 from zpp.transport import messages as m
 
@@ -50,8 +51,6 @@ class StageRestarts:
 
     def _why_not_restartable(self, rank: int) -> Optional[str]:
         par = self.config.parallel
-        if par.device == "cuda" and not par.share_gpu and self.world > 1:
-            return "stage restarts need gloo channels (NCCL cannot re-form a communicator with a new process)"
         if self.nodes is not None and rank not in self._local_ranks and par.node_launcher == "manual":
             return "its host's agent was started by hand (--node-launcher manual)"
         if self.nodes is not None and rank not in self._local_ranks and self.nodes.launcher == "pernode":
@@ -102,6 +101,7 @@ class StageRestarts:
             for r in ranks & self._local_ranks:
                 self._kill_local(r)
         self._lost_ranks |= ranks
+        self._abort_survivors(reason)
         self._causes.append(" ".join(reason.split("\n", 1)[0].split()))
         self.trace.mark("stage_lost", -1, args={"rank": rank, "reason": reason[:200]})
         if self._recovery is None:
@@ -116,6 +116,20 @@ class StageRestarts:
             logger.warning("%s (during the restart)", reason)
             self._control.put_nowait((rank, None))
 
+    def _abort_survivors(self, reason: str) -> None:
+        """Have every surviving rank abort its process groups of the current generation
+        (:class:`~zpp.transport.messages.AbortLinks` to its heartbeat thread): a survivor blocked
+        receiving from (or all-reducing with) a lost rank is released at once, whether or not the
+        lost process's connections close (under NCCL a death closes nothing a survivor waits on; a
+        stopped process or a hung host keeps gloo's open)."""
+        msg = m.AbortLinks(generation=self.generation, reason=" ".join(reason.split("\n", 1)[0].split())[:300])
+        for r in range(self.world):
+            if r not in self._lost_ranks:
+                try:
+                    self.socket.send_heartbeat_socket(r, msg)
+                except Exception as e:  # never let a survivor's socket stop the restart
+                    logger.debug("AbortLinks to rank %d: %s", r, e)
+
     def _stats_changed(self) -> None:
         if self.on_stage_stats is not None:
             self.on_stage_stats()
@@ -124,6 +138,9 @@ class StageRestarts:
         for p in self.procs:
             if p.name == f"zpp-worker-{rank}" and p.is_alive():
                 self._killed.add(p.pid)
+                if envs.ZPP_FAULT_KEEP_LOST:  # fault injection: as if the process were out of reach
+                    logger.warning("ZPP_FAULT_KEEP_LOST: not killing %s (pid %d)", self.describe_rank(rank), p.pid)
+                    continue
                 p.kill()
                 p.join(2.0)
 

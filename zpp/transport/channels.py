@@ -87,6 +87,9 @@ class EngineSocket:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A restarted rank takes over its identity even while its predecessor's connection is still
+        # open (a stopped process, a hung host): without this the ROUTER refuses the newcomer.
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._auth = None
         self.refused = 0
         """Control-plane connections refused so far (CURVE handshakes without this run's keys)."""
@@ -132,6 +135,17 @@ class EngineSocket:
                 if isinstance(e, zmq.ZMQError) and e.errno == zmq.EHOSTUNREACH:
                     raise PeerUnreachable(r) from e
                 raise e
+
+    def send_heartbeat_socket(self, rank: int, msg: m.ToHeartbeat) -> bool:
+        """Send ``msg`` to ``rank``'s heartbeat socket (read by its heartbeat thread, which never
+        waits on a peer). Returns False when that connection is gone (nothing sent)."""
+        fut = self.sock.send_multipart([identity(rank, "hb"), m.encode(msg)], flags=zmq.NOBLOCK)
+        if fut.done() and fut.exception() is not None:
+            e = fut.exception()
+            if isinstance(e, zmq.ZMQError) and e.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                return False
+            raise e
+        return True
 
     def connected(self, rank: int) -> bool:
         """Whether ``rank``'s heartbeat socket is still connected: an empty frame is sent to it (the

@@ -524,11 +524,24 @@ class Rejoined(msgspec.Struct, tag=True, array_like=True):
     generation: int
 
 
+class AbortLinks(msgspec.Struct, tag=True, array_like=True):
+    """To a surviving worker's heartbeat socket (read by a thread that never waits on a peer) when
+    the engine lost a rank: abort the process groups of generation ``generation`` (and earlier),
+    so that a receive or all-reduce blocked on the lost peer returns (the worker then reports
+    LinkDown and waits for :class:`Rejoin`). ``reason``: the loss, one line."""
+
+    generation: int
+    reason: str
+
+
 ToWorker = Union[InitWorker, AssignLayers, InitKVCache, ExecuteBatch, Shutdown, Rejoin]
+ToHeartbeat = AbortLinks
+"""What the engine sends a worker's heartbeat socket (besides empty connection probes)."""
 FromWorker = Union[Hello, StageCost, WorkerReady, CacheReady, StepResult, StageStats, Heartbeat, WorkerError,
                    LinkDown, Rejoined]
 
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)
+to_heartbeat_decoder = msgspec.msgpack.Decoder(ToHeartbeat)
 from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)

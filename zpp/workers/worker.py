@@ -101,19 +101,45 @@ model learns from: ``zpp.engine.step_cost``); a CPU step of the demo model takes
 def _start_heartbeat(engine_address: str, rank: int, keys, activity) -> None:
     """Send a Heartbeat every second from a thread of its own (own ZeroMQ socket): it keeps going
     while the main thread computes or waits on the previous stage, and stops only when the whole
-    process does (SIGSTOP, a hung host), which is what the engine's watchdog looks for."""
+    process does (SIGSTOP, a hung host), which is what the engine's watchdog looks for.
+
+    The same thread takes the engine's AbortLinks (on this socket, since the main thread may be
+    blocked in a receive or all-reduce on the lost peer) and has a short-lived thread abort this
+    worker's process groups of that generation (``zpp.transport.p2p.abort_links``), which releases
+    the main thread with a LinkError; the main thread then reports LinkDown and waits for Rejoin."""
     from zpp.transport import messages as m
     from zpp.transport.channels import WorkerSocket
+    from zpp.transport.p2p import abort_links
 
     def loop():
         sock = WorkerSocket(engine_address, rank, keys, kind="hb")
+        next_beat = 0.0
         while True:
-            batch_id, waiting, since = activity.state
-            sock.send(m.Heartbeat(rank=rank, last_done=activity.last_done, batch_id=batch_id, waiting=waiting,
-                                  seconds=time.monotonic() - since))
-            while sock.poll(0):  # the engine's connection probes (empty frames, see EngineSocket.connected)
-                sock.sock.recv()
-            time.sleep(HEARTBEAT_INTERVAL_S)
+            now = time.monotonic()
+            if now >= next_beat:
+                batch_id, waiting, since = activity.state
+                sock.send(m.Heartbeat(rank=rank, last_done=activity.last_done, batch_id=batch_id, waiting=waiting,
+                                      seconds=now - since))
+                next_beat = now + HEARTBEAT_INTERVAL_S
+            if not sock.poll(max(1, int((next_beat - time.monotonic()) * 1000))):
+                continue
+            frame = sock.sock.recv()
+            if not frame:  # the engine's connection probes (empty frames, see EngineSocket.connected)
+                continue
+            try:
+                msg = m.to_heartbeat_decoder.decode(frame)
+            except Exception as e:  # malformed: never fatal to this thread
+                logger.warning("bad message on the heartbeat socket: %s", e)
+                continue
+            if isinstance(msg, m.AbortLinks):
+                # On a thread of its own: ncclCommAbort may take a while, and heartbeats must go on
+                # (a silent survivor would be restarted too).
+                threading.Thread(target=abort, args=(msg,), name="zpp-abort-links", daemon=True).start()
+
+    def abort(msg) -> None:
+        if abort_links(msg.generation, msg.reason):
+            logger.info("the engine lost a rank (%s): aborted this worker's process groups of generation %d",
+                        msg.reason, msg.generation)
 
     threading.Thread(target=loop, name="zpp-heartbeat", daemon=True).start()
 
@@ -239,40 +265,36 @@ def _warn_kv_scales(model) -> None:
 
 
 def _form_groups(init, device, generation: int, rendezvous=None):
-    """Join the workers' process group (generation ``generation``), this stage's tensor-parallel
-    group and the stage-to-stage pair groups; return the StageLink (None with one stage). Each TP
-    rank exchanges activations (whole on every TP rank) with the same TP rank of the neighbouring
-    stages. ``rendezvous``: how long to wait for every rank (a restart's), then the steady-state
-    timeout applies. Nothing to do in a world of one.
+    """Form this worker's process groups of generation ``generation`` (its tensor-parallel group and
+    the stage-to-stage pairs, each a standalone group of its members: ``zpp.transport.p2p.Links``)
+    and return the StageLink (None with one stage). Each TP rank exchanges activations (whole on
+    every TP rank) with the same TP rank of the neighbouring stages. ``rendezvous``: how long to
+    wait for every member (a restart's), else ``DIST_TIMEOUT``. Nothing to do in a world of one.
 
     Raises:
-        torch.distributed.DistStoreError: not every rank arrived within ``rendezvous``.
+        LinkError: a member did not arrive within ``rendezvous``, or connecting failed.
     """
-    from zpp.transport.p2p import init_process_group, make_stage_link, settle_timeouts
+    from zpp.transport.p2p import form_links, make_stage_link
     from zpp.transport.tensor_parallel import init_tp_group
     c = init.config.parallel
     pp_size, tp_size = c.pipeline_parallel_size, c.tensor_parallel_size
-    if pp_size * tp_size == 1:
+    links = form_links(init.dist_store, init.rank, pp_size, tp_size, device, c.share_gpu, generation, rendezvous)
+    if links is None:
         return None
-    kind = device.type
-    init_process_group(init.dist_store, init.rank, pp_size * tp_size, kind, c.share_gpu, generation, rendezvous)
-    kwargs = {"timeout": rendezvous} if rendezvous is not None else {}
-    tp_group = init_tp_group(init.rank, pp_size, tp_size, **kwargs)
-    link = make_stage_link(init.rank, init.pp_rank, pp_size, tp_size, device, c.share_gpu, **kwargs) \
+    logger.info("process groups of generation %d (%s): %s", generation, links.backend, ", ".join(sorted(links.groups)))
+    init_tp_group(links, init.pp_rank, tp_size)
+    return make_stage_link(links, init.rank, init.pp_rank, pp_size, tp_size, device, c.share_gpu) \
         if pp_size > 1 else None
-    if rendezvous is not None:
-        settle_timeouts(([tp_group] if tp_group is not None else []) + (link.groups if link else []))
-    return link
 
 
 def _measure_and_assign(init, sock, cfg: dict, device, dtype) -> tuple[int, int]:
     """``--pp-layer-partition auto``: measure this stage's costs (``zpp.workers.stage_cost``),
     send StageCost, and return the ``[start, end)`` layer range the engine assigns. Stages take
     turns (a barrier of the process group between turns), so that stages sharing a host's cores
-    (CPU) or one GPU (``ZPP_SHARE_GPU``) do not slow down each other's measurement."""
-    import torch.distributed as dist
-
+    (CPU) or one GPU (``ZPP_SHARE_GPU``) do not slow down each other's measurement (a barrier over
+    the rendezvous store: no process group spans the world)."""
     from zpp.models.base import StageInfo
+    from zpp.transport.p2p import current_links, store_barrier
     from zpp.transport import messages as m
     from zpp.workers.stage_cost import measure_stage_cost, representative_batch
     c = init.config
@@ -285,7 +307,7 @@ def _measure_and_assign(init, sock, cfg: dict, device, dtype) -> tuple[int, int]
         if turn == init.pp_rank:  # every TP rank of the stage together (the layers' all-reduces)
             layer_s, extra_s = measure_stage_cost(c.model.model, cfg, stage, dtype, device, c.max_model_len,
                                                   c.cache.block_size, num_seqs, ctx, c.model.seed)
-        dist.barrier()
+        store_barrier(current_links(), f"measure{turn}", pp_size * tp_size)
     logger.info("stage %d: a layer takes %s ms, the stage's other work %.3f ms (%d decode tokens at context "
                 "%d; measured in %.1fs)", init.pp_rank, " / ".join(f"{x * 1e3:.3f}" for x in layer_s), extra_s * 1e3,
                 num_seqs, ctx, time.perf_counter() - t)
@@ -383,9 +405,11 @@ def _cuda_kv_blocks(init, runner, device, per_block: int) -> int:
 
 def _serve(runner, sock, init) -> None:
     """Run micro-batches (:func:`_serve_batches`) until Shutdown. When a neighbour dies (a
-    :class:`~zpp.transport.p2p.LinkError` from a stage-to-stage or tensor-parallel channel) this
-    worker survives: it reports LinkDown, drops its micro-batches and waits for the engine's
-    Rejoin (the dead stage restarted) or Shutdown (fail-stop)."""
+    :class:`~zpp.transport.p2p.LinkError` from a stage-to-stage or tensor-parallel channel: its
+    connection closed, or the engine aborted the generation because it lost a rank, which is what
+    releases a wait on a stopped or unreachable peer) this worker survives: it reports LinkDown,
+    drops its micro-batches and waits for the engine's Rejoin (the dead stage restarted) or
+    Shutdown (fail-stop)."""
     import torch.distributed as dist
 
     from zpp.transport import messages as m
@@ -424,9 +448,10 @@ def _await_rejoin(sock):
 
 
 def _rejoin(runner, sock, init, generation: int) -> None:
-    """Leave the old process groups (a neighbour still blocked on this worker then fails too and
-    rejoins), form generation ``generation``'s with the restarted ranks, forget every request, and
-    answer Rejoined. Weights, KV cache memory and (without tensor parallelism) CUDA graphs stay."""
+    """Leave the old process groups (aborted under NCCL; under gloo a neighbour still blocked on this
+    worker then fails too, if the engine's abort has not released it already), form generation
+    ``generation``'s with the restarted ranks, forget every request, and answer Rejoined. Weights,
+    KV cache memory and (without tensor parallelism) CUDA graphs stay."""
     from zpp.transport import messages as m
     import gc
 
@@ -436,9 +461,8 @@ def _rejoin(runner, sock, init, generation: int) -> None:
     tp_size = init.config.parallel.tensor_parallel_size
     if runner.link is not None:
         runner.link.drop()
-    # Every reference to the old groups must go: only then are their connections closed, which is
-    # what wakes a neighbour still blocked receiving from this worker (destroying the world group
-    # alone leaves the pair groups' sockets open while something holds them).
+    # Every reference to the old groups must go: only then are gloo's connections closed, which
+    # wakes a neighbour still blocked receiving from this worker.
     runner.link = None
     release_tp_group()
     leave_process_group()
