@@ -109,7 +109,8 @@ def parse_speculative_config(value: Any, flag: str) -> Optional[SpeculativeConfi
     unknown = sorted(set(value) - set(_SPEC_KEYS))
     if unknown:
         raise ConfigError(f"{flag}: unknown key(s) {', '.join(unknown)} (zpp reads: {', '.join(_SPEC_KEYS)})")
-    value.setdefault("method", "ngram")
+    if value.get("method") is None:  # vLLM: "num_speculative_tokens was provided but without speculative model"
+        raise ConfigError(f"{flag}: no \"method\" given (zpp builds {', '.join(repr(x) for x in SPEC_METHODS)}, e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": 3}}')")
     lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")  # vLLM's rule for a missing one
     if lo is None and hi is None:
         lo = hi = 5

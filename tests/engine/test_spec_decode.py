@@ -405,6 +405,7 @@ def test_propose_ngram_takes_the_latest_longest_match():
     ('{"method": "ngram", "foo": 1}', "unknown key(s) foo"),
     ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "is larger than"),
     ("ngram", "not valid JSON"),
+    ('{"num_speculative_tokens": 3}', 'no "method" given'),
 ])
 def test_bad_speculative_config_is_refused_in_one_line(demo_model, spec, msg):
     with pytest.raises(ConfigError) as e:
