@@ -91,7 +91,7 @@ def test_no_room_for_kv_cache_is_one_line_with_no_worker_error(demo_model, priva
     engine's one-line error (no ``ERROR [worker 0] worker failed: ...`` before it). The failed
     start leaves no socket file behind."""
     from helpers import ipc_socket_files
-    r = zpp("serve", demo_model, "--kv-cache-memory", "1KiB", "--log-level", "warning", env={"TMPDIR": private_tmpdir})
+    r = zpp("serve", demo_model, "--kv-cache-memory", "1KiB", "--port", "0", "--log-level", "warning", env={"TMPDIR": private_tmpdir})
     assert r.returncode == 2, r.stderr
     assert r.stderr.splitlines() == [
         "zpp: error: no memory left for the KV cache (not one block fits): raise --kv-cache-memory / "
@@ -102,7 +102,7 @@ def test_no_room_for_kv_cache_is_one_line_with_no_worker_error(demo_model, priva
 def test_kv_cache_larger_than_host_memory_is_one_line(demo_model):
     """A CPU stage's KV cache takes its pages only as blocks fill, so the worker checks the setting
     against the host's available memory before mapping it: one line naming the setting, exit 2."""
-    r = zpp("serve", demo_model, "--kv-cache-memory", "1000TiB", "--log-level", "warning")
+    r = zpp("serve", demo_model, "--kv-cache-memory", "1000TiB", "--port", "0", "--log-level", "warning")
     assert r.returncode == 2, r.stderr
     [line] = r.stderr.splitlines()
     assert line.startswith("zpp: error: --kv-cache-memory: 1024000.00 GiB per stage, but ") and \
