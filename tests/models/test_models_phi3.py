@@ -231,8 +231,9 @@ def test_fused_tensors_split_per_tp_rank(model_dir):
         cfg = json.load(f)
     ckpt = load_file(os.path.join(d, "model.safetensors"))
     n = cfg["num_hidden_layers"]
-    ranks = [dict(load_stage_model(d, cfg, StageInfo(0, 1, 0, n, r, 2), torch.float32, torch.device("cpu"),
-                                   64).named_parameters()) for r in range(2)]
+    # state_dict(): dense weights (a float32 CPU stage packs its linears for oneDNN; see cpu_linear)
+    ranks = [load_stage_model(d, cfg, StageInfo(0, 1, 0, n, r, 2), torch.float32, torch.device("cpu"),
+                              64).state_dict() for r in range(2)]
     q, kv = 4 * 16, 2 * 16
     for i in range(n):
         p = f"model.layers.{i}"
