@@ -74,7 +74,7 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "of its steps there (``zpp.trace``). Unset: no tracing."),
     EnvVar("ZPP_SHARE_GPU", "bool", _on_if_1,
            "``1``: testing mode with every pipeline stage on GPU 0 and activations over gloo, each stage "
-           "taking its share of the GPU's memory (``zpp.workers.worker.cuda_kv_budget``) "
+           "taking its share of the GPU's memory (``zpp.workers.kv_budget.cuda_kv_budget``) "
            "(``ParallelConfig.share_gpu``; read where the configuration is made)."),
     EnvVar("ZPP_ASYNC_SCHEDULING", "Optional[bool]", _tri_state,
            "``0`` / ``1``: the default of ``--async-scheduling`` when the flag is not given, off / on "

@@ -103,26 +103,23 @@ def test_tp_slices_reassemble_the_full_weights(model_dir_of, family):
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     n = cfg["num_hidden_layers"]
-    load = lambda r, t: dict(load_stage_model(model_dir, cfg, StageInfo(0, 1, 0, n, r, t), torch.float32,
-                                              torch.device("cpu"), 64).named_parameters())
-    full, parts = load(0, 1), [load(r, 2) for r in range(2)]
+    # The weights as state_dict() gives them: dense (a float32 CPU stage packs its linears for oneDNN).
+    load = lambda r, t: load_stage_model(model_dir, cfg, StageInfo(0, 1, 0, n, r, t), torch.float32,
+                                         torch.device("cpu"), 64)
+    models = [load(0, 1)] + [load(r, 2) for r in range(2)]
+    full, *parts = [dict(m.state_dict()) for m in models]
     assert full.keys() == parts[0].keys() == parts[1].keys()
     for name, p in full.items():
         local = [q[name].detach() for q in parts]
         if ".qkv_proj." in name or ".gate_up_proj." in name:
             owner = name.rsplit(".", 1)[0]
-            sizes = [s * 2 for s in _module(parts[0], owner).output_sizes]
+            sizes = [s * 2 for s in models[1].get_submodule(owner).output_sizes]
             pieces = [torch.cat([x.split([s // 2 for s in sizes])[i] for x in local]) for i in range(len(sizes))]
             assert torch.equal(torch.cat(pieces), p.detach()), name
         elif (".o_proj." in name or ".down_proj." in name) and name.endswith("weight"):
             assert torch.equal(torch.cat(local, dim=1), p.detach()), name
         else:
             assert all(torch.equal(x, p.detach()) for x in local), name
-
-
-def _module(params: dict, owner: str):
-    # The parameter knows its module through its weight_loader (a bound method of the layer).
-    return params[owner + ".weight"].weight_loader.__self__
 
 
 # --- refusals -------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""The KV cache budget of a CUDA stage (zpp.workers.worker.cuda_kv_budget), alone on its GPU or
+"""The KV cache budget of a CUDA stage (zpp.workers.kv_budget.cuda_kv_budget), alone on its GPU or
 sharing it with the other stages (ZPP_SHARE_GPU): pure arithmetic, run on the CPU."""
-from zpp.workers.worker import CUDA_CONTEXT_MARGIN, cuda_kv_budget
+from zpp.workers.kv_budget import CUDA_CONTEXT_MARGIN, cuda_kv_budget
 
 GIB = 1 << 30
 H200 = 139 * GIB

@@ -12,7 +12,7 @@ cache with) over the block size. Nothing is allocated and no tensor is read.
 What is estimated: a stage's activation peak (the worker profiles it once its weights are loaded;
 here: the largest micro-batch's per-layer intermediates and, on the last stage, its logits), the
 CUDA-graph pool (:func:`zpp.workers.cuda_graphs.graph_pool_margin`, the worker's own margin) and
-the CUDA context (:data:`zpp.workers.worker.CUDA_CONTEXT_MARGIN`).
+the CUDA context (:data:`zpp.workers.kv_budget.CUDA_CONTEXT_MARGIN`).
 
 A stage *fits* when its weights and margins leave room in its memory (``--gpu-memory`` x
 ``--gpu-memory-utilization`` on a GPU) for the KV cache of at least one ``--max-model-len``
@@ -309,7 +309,7 @@ def memory_model(s: _Settings, target: Target, tp: int = 1) -> MemoryModel:
         if target.device != "cuda":
             graphs[pos] = 0
             continue
-        from zpp.workers.worker import CUDA_CONTEXT_MARGIN
+        from zpp.workers.kv_budget import CUDA_CONTEXT_MARGIN
         g = 0
         if not s.enforce_eager:
             from zpp.workers.cuda_graphs import graph_pool_margin
@@ -499,7 +499,7 @@ def memory_aware_sizes(config: "EngineConfig", memory: Sequence[int], layer_s, e
     every stage."""
     import itertools
 
-    from zpp.workers.worker import CUDA_CONTEXT_MARGIN
+    from zpp.workers.kv_budget import CUDA_CONTEXT_MARGIN
     target = Target("cuda", tuple(memory), capability or DEFAULT_CAPABILITY)
     s = _settings(config, target)
     mm = memory_model(s, target, config.parallel.tensor_parallel_size)

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from zpp import envs
+from zpp.models.layers.kept_dtype import keeps_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +130,9 @@ def pack_cpu_linears(model: nn.Module) -> int:
     oneDNN: the module's ``weight`` parameter is replaced by one holding the packed tensor (same
     shape and dtype, ``torch._mkldnn`` layout, ``requires_grad=False``) and the dense copy is freed
     (module docstring). Not packed: layers whose weight the family reads outside ``forward``
-    (:func:`~zpp.models.quantization.base.keeps_dtype`). A weight shared by several modules is
+    (:func:`~zpp.models.layers.kept_dtype.keeps_dtype`). A weight shared by several modules is
     packed once (:func:`unpack` gives each its own dense copy). Call once the weights are loaded. Returns how many modules were packed (0 when
     ``ZPP_CPU_ONEDNN_LINEAR=0`` or PyTorch has no oneDNN)."""
-    from zpp.models.quantization.base import keeps_dtype
     if not envs.ZPP_CPU_ONEDNN_LINEAR or not torch.backends.mkldnn.is_available():
         return 0
     groups: dict[int, list[nn.Module]] = {}             # by weight object, all alive: ids are unique

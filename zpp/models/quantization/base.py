@@ -30,10 +30,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
-KEEP_DTYPE_MODULES = ("kv_b_proj",)
-"""Linear layers whose weight a family reads outside the layer's forward, so it stays in the model
-dtype under every format: DeepSeek's MLA folds ``kv_b_proj``'s key and value parts into the
-attention (weight absorption)."""
+from zpp.models.layers.kept_dtype import KEEP_DTYPE_MODULES, keeps_dtype  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -193,12 +190,6 @@ def linear_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for name, mod in model.named_modules():
         if isinstance(mod, Linear):
             yield name, mod
-
-
-def keeps_dtype(name: str, mod: nn.Module) -> bool:
-    """Whether the linear layer ``name`` keeps its weight in the model dtype under every format
-    (``fp8_allowed = False`` on it, or one of :data:`KEEP_DTYPE_MODULES`)."""
-    return not getattr(mod, "fp8_allowed", True) or name.rsplit(".", 1)[-1] in KEEP_DTYPE_MODULES
 
 
 def ignored(name: str, ignore: tuple[str, ...]) -> bool:
