@@ -223,6 +223,23 @@ def test_json_has_exactly_the_issue_keys(capsys):
     assert rc == 3 and "fits: NO" in text and "-pp 2" in text
 
 
+def test_a_kv_cache_short_of_max_model_len_is_named_with_the_length_that_fits(capsys):
+    """gpt-oss-120b MXFP4 on one 80 GiB card: the weights fit, but the KV cache of its default
+    131,072-token context does not; the verdict says so and names a --max-model-len that fits
+    (that length then fits), not only a bigger split."""
+    import re
+
+    from zpp.cli import main
+    model = os.path.join(CONFIGS, "gpt-oss-120b")
+    rc = main(["plan", model, "--gpu-memory", "80GiB"])
+    text = capsys.readouterr().out
+    assert rc == 3 and "its KV cache holds" in text and "--max-model-len 131,072 sequence" in text, text
+    room = int(re.search(r"--max-model-len ([0-9,]+) or less fits", text).group(1).replace(",", ""))
+    assert 0 < room < 131072
+    assert main(["plan", model, "--gpu-memory", "80GiB", "--max-model-len", str(room)]) == 0
+    assert "fits: yes" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("case", ["no-config", "unknown-arch", "bad-size", "bad-count", "bad-capability",
                                   "too-long"])
 def test_bad_input_is_one_line(tmp_path, capsys, case):

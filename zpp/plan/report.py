@@ -74,9 +74,18 @@ def format_plan(plan: Any, model: str) -> str:
         lines.append(f"fits: yes ({fmt_bytes(total)} of weights; KV cache for "
                      f"{min(p.kv_tokens for p in plan.stages):,} tokens, the smallest stage's)")
     else:
-        bad = ", ".join(str(p.stage) for p in plan.stages if not p.fits)
-        lines.append(f"fits: NO (stage {bad}; {fmt_bytes(total)} of weights)")
-        lines.append(f"smallest split that fits: {describe_min(plan)}")
+        short = [p for p in plan.stages if not p.fits]
+        bad = ", ".join(str(p.stage) for p in short)
+        if all(p.need_bytes <= p.memory_bytes and p.kv_tokens > 0 for p in short):
+            # The weights fit; what falls short is the KV cache of one --max-model-len sequence.
+            room = min(p.kv_tokens for p in short)
+            lines.append(f"fits: NO (stage {bad}: its KV cache holds {room:,} tokens, less than one "
+                         f"--max-model-len {plan.max_model_len:,} sequence; {fmt_bytes(total)} of weights)")
+            lines.append(f"--max-model-len {room:,} or less fits as it is; or a split that fits the whole length: "
+                         f"{describe_min(plan)}")
+        else:
+            lines.append(f"fits: NO (stage {bad}; {fmt_bytes(total)} of weights)")
+            lines.append(f"smallest split that fits: {describe_min(plan)}")
     return "\n".join(lines)
 
 
