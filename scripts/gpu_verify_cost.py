@@ -136,29 +136,31 @@ def main() -> None:
     ap.add_argument("config", nargs="?", default="scripts/configs/llama3-8b")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (no graphs)")
+    ap.add_argument("--device", default="cuda", help="cpu: no graphs (the CPU's decode and verify steps)")
+    ap.add_argument("--dtype", default="bfloat16", help="float32: the CPU's serving dtype (oneDNN linears)")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     cfg = json.load(open(f"{args.config}/config.json"))
     dev = torch.device(args.device)
     max_len = 4096
-    model = load_stage_model(args.config, cfg, StageInfo(0, 1, 0, cfg["num_hidden_layers"]), torch.bfloat16, dev,
+    model = load_stage_model(args.config, cfg, StageInfo(0, 1, 0, cfg["num_hidden_layers"]), dtype, dev,
                              max_len, "dummy")
-    graphed = ModelRunner(model, dev, torch.bfloat16, 16, None, {0}, max_model_len=max_len, max_num_seqs=1)
+    graphed = ModelRunner(model, dev, dtype, 16, None, {0}, max_model_len=max_len, max_num_seqs=1)
     graphed.init_kv_cache(256)
     if dev.type == "cuda":
         graphed.capture_graphs(max_len, 1)
-    eager = ModelRunner(model, dev, torch.bfloat16, 16, None, {0}, max_model_len=max_len, max_num_seqs=1)
+    eager = ModelRunner(model, dev, dtype, 16, None, {0}, max_model_len=max_len, max_num_seqs=1)
     eager.init_kv_cache(256)
     # decode graphs and verify graphs (zpp.workers.verify_graphs), as the worker captures them; on the
     # CPU (a dry run) the verify graphs' stand-in
     from zpp.spec_config import SpeculativeConfig
     from zpp.workers.verify_graphs import EagerVerifyGraphs, VerifyGraphs
-    vg = ModelRunner(model, dev, torch.bfloat16, 16, None, {0}, max_model_len=max_len, max_num_seqs=1)
+    vg = ModelRunner(model, dev, dtype, 16, None, {0}, max_model_len=max_len, max_num_seqs=1)
     vg.init_kv_cache(256)
     spec = SpeculativeConfig("ngram", 4)
     if dev.type == "cuda":
         vg.capture_graphs(max_len, 1)
-        vg.verify_graphs = VerifyGraphs(model, vg.kv_caches, 16, max_len, 1, spec, vg.scratch_slot, torch.bfloat16,
+        vg.verify_graphs = VerifyGraphs(model, vg.kv_caches, 16, max_len, 1, spec, vg.scratch_slot, dtype,
                                         dev, vg.group)
         vg.verify_graphs.capture()
     else:
@@ -166,7 +168,7 @@ def main() -> None:
     sg, se = Seq(graphed, "g", list(range(200))), Seq(eager, "e", list(range(200)))
     sv = Seq(vg, "v", list(range(200)))
     # parity first: the same verify steps on a fresh eager runner and the graphed path
-    pr = ModelRunner(model, dev, torch.bfloat16, 16, None, {0}, max_model_len=max_len, max_num_seqs=1)
+    pr = ModelRunner(model, dev, dtype, 16, None, {0}, max_model_len=max_len, max_num_seqs=1)
     pr.init_kv_cache(256)
     pe = Seq(pr, "p", list(range(200)))
     for i in range(24):

@@ -29,6 +29,10 @@ ON_CPU = os.environ.get("ZPP_W4_CHECK_ON_CPU") == "1"
 if not ON_CPU and (not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0)):
     pytest.skip("needs a CUDA GPU of compute capability >= 8.0 (the W4A16 kernels)", allow_module_level=True)
 
+# Every test here compiles Triton kernels, which runs `ldconfig` and the compiler: the slow tier
+# (tests/process_guard.py).
+pytestmark = pytest.mark.slow
+
 TESTS = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, TESTS)
 if ON_CPU:
