@@ -19,5 +19,5 @@ if [ "$(id -u)" = 0 ] && [ ! -x /usr/sbin/slurmd ]; then
   python -c "import sys; sys.path.insert(0, 'tests'); from slurm_cluster import ensure_slurm; ensure_slurm()" \
     || echo "test.sh: Slurm install failed; the Slurm test will report it" >&2
 fi
-# -v: one line per test as it finishes (name, outcome, % done); the 15 slowest at the end.
-exec python -m pytest -v --durations=15 "$@"
+# -v: one line per test as it finishes (name, outcome, % done); the 40 slowest at the end.
+exec python -m pytest -v --durations=40 "$@"
