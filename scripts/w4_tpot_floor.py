@@ -1,7 +1,7 @@
 """The batch-1 decode floor of a model on this GPU: the bytes a decode step must read (every weight of
 the stage as ``zpp plan`` counts it, less the input embedding table, of which a step reads one row)
-at the card's measured copy bandwidth (a 2 GiB device-to-device copy: bytes read + written, the same
-figure ``scripts/w4a16_bench.py`` uses). With ``--latency-json`` (``zpp bench latency
+at the card's measured copy bandwidth (``scripts/fp8_gemv_card_sweep.py``'s ``copy_gbps``: a 1 GiB
+device-to-device copy, bytes read + written). With ``--latency-json`` (``zpp bench latency
 --output-json``) it prints the measured TPOT's ratio to the floor (issue 48: the Llama-3-70B shape
 in W4A16 within 1.3x of its packed-weight read floor).
 
@@ -15,26 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a 2 GiB device-to-device copy (read + write), median of 50 after warm-up."""
-    a = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    times = []
-    for _ in range(50):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * 2 ** 30 / sorted(times)[len(times) // 2]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fp8_gemv_card_sweep import copy_gbps  # noqa: E402
 
 
 def main() -> None:
@@ -51,7 +37,7 @@ def main() -> None:
     weight = sum(s.weight_bytes for s in p.stages)
     # The embedding table is read one row per token; a tied LM head reads it whole, so it stays.
     emb = 0 if cfg.get("tie_word_embeddings") else cfg["vocab_size"] * cfg["hidden_size"] * 2
-    bw = copy_bandwidth()
+    bw = copy_gbps() * 1e9  # bytes per second
     out = {"model": args.model, "gpu": torch.cuda.get_device_name(), "weight_bytes": weight,
            "embedding_bytes": emb, "read_bytes": weight - emb, "copy_GBps": round(bw / 1e9, 1),
            "floor_ms": round((weight - emb) / bw * 1e3, 3)}

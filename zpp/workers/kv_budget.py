@@ -9,6 +9,12 @@ import socket
 logger = logging.getLogger("zpp.worker")
 
 
+def stages_sharing_gpu(config) -> int:
+    """How many stages (and TP ranks) share this stage's GPU: all of them under ``ZPP_SHARE_GPU``, else 1."""
+    par = config.parallel
+    return par.pipeline_parallel_size * par.tensor_parallel_size if par.share_gpu else 1
+
+
 def usable_gpu_memory(config, device) -> int:
     """Bytes this stage may use on its GPU before loading: ``total x --gpu-memory-utilization`` less
     what other processes and the CUDA context hold (:func:`cuda_kv_budget`'s terms with no peak yet);
@@ -16,11 +22,9 @@ def usable_gpu_memory(config, device) -> int:
     if device.type != "cuda":
         return 0
     import torch
-    par = config.parallel
-    sharing = par.pipeline_parallel_size * par.tensor_parallel_size if par.share_gpu else 1
     free, total = torch.cuda.mem_get_info(device)
     return max(0, cuda_kv_budget(total, free, torch.cuda.memory_reserved(device), 0,
-                                 config.cache.gpu_memory_utilization, 0, sharing))
+                                 config.cache.gpu_memory_utilization, 0, stages_sharing_gpu(config)))
 
 
 def cpu_kv_blocks(kv_cache_memory, per_block: int) -> tuple[int, str]:
@@ -69,16 +73,14 @@ def cuda_kv_blocks(init, runner, device, per_block: int) -> int:
     (:func:`cuda_kv_budget`)."""
     import torch
     cfg_all = init.config
-    enforce_eager = cfg_all.enforce_eager
     if cfg_all.cache.kv_cache_memory is not None:
         return cfg_all.cache.kv_cache_memory // per_block
-    par = cfg_all.parallel
-    sharing = par.pipeline_parallel_size * par.tensor_parallel_size if par.share_gpu else 1
+    sharing = stages_sharing_gpu(cfg_all)
     tokens = cfg_all.max_num_batched_tokens
     peak = runner.profile_peak_memory(tokens, min(cfg_all.scheduler.max_num_seqs, tokens))
     free, total = torch.cuda.mem_get_info(device)
     graphs_margin = 0
-    if not enforce_eager:
+    if not cfg_all.enforce_eager:
         from zpp.workers.cuda_graphs import graph_pool_margin
         model = runner.model
         row_bytes = (model.lm_head.weight.shape[0] if model.stage.produces_results and hasattr(model, "lm_head")

@@ -32,7 +32,7 @@ first (it then multiplies through ``F.linear``); ``state_dict()`` gives the dens
 in-place writes (``weight.mul_``) act on the packed values; ops oneDNN tensors lack (indexing,
 ``copy_`` from a dense tensor, ``torch.equal``) raise. Not packed: a layer whose weight the family
 reads outside its ``forward`` (``fp8_allowed = False`` or DeepSeek's ``kv_b_proj``,
-:func:`zpp.models.quantization.base.keeps_dtype`), and quantized layers.
+:func:`zpp.models.layers.kept_dtype.keeps_dtype`), and quantized layers.
 """
 from __future__ import annotations
 
@@ -185,10 +185,8 @@ def dense_weight(module: nn.Module) -> torch.Tensor:
     return w.to_dense() if w is not None and w.is_mkldnn else w
 
 
-def packed_for(module: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
-    """The packed weight of ``module`` if it may serve the input ``x`` (a float32 CPU tensor), else
+def packed_for(module: PackableWeight, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """The packed weight of ``module`` (:attr:`PackableWeight.packed_weight`) if it may serve the input ``x`` (a float32 CPU tensor), else
     None: the caller then multiplies by :func:`dense_weight` (``F.linear``)."""
-    w = module._parameters.get("weight")
-    if w is None or not w.is_mkldnn or x.dtype != torch.float32 or x.device.type != "cpu":
-        return None
-    return w
+    w = module.packed_weight
+    return w if w is not None and x.dtype == torch.float32 and x.device.type == "cpu" else None
